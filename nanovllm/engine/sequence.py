@@ -1,0 +1,85 @@
+"""Sequence: one request's tokens, status, block table and counters. Pure Python."""
+from __future__ import annotations
+
+import enum
+
+from nanovllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"      # not holding blocks; never ran, or preempted
+    RUNNING = "running"      # holds blocks; scheduled each step it fits
+    FINISHED = "finished"
+
+
+class Sequence:
+    """A request as the scheduler sees it.
+
+    Invariants: ``0 <= num_computed_tokens <= num_tokens``; the K/V of tokens
+    ``[0, num_computed_tokens)`` are written in the blocks of ``block_table``
+    (block i holds positions ``[i*bs, (i+1)*bs)``); a WAITING sequence holds no
+    blocks and ``num_computed_tokens == 0``. ``block_hashes[i]`` is the chain
+    hash of block i, known once the block is full *and* computed.
+    """
+
+    __slots__ = (
+        "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
+        "block_table", "block_hashes", "status", "params", "num_cached_tokens",
+        "num_preemptions", "prompt", "arrival", "finish_reason", "stop_reason",
+        "output_logprobs", "cumulative_logprob", "prompt_logprobs", "output_text",
+        "_stop_ids",
+    )
+
+    def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams, prompt: str | None = None, arrival: int = 0):
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.params = params
+        self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 = not admitted yet
+        self.num_preemptions = 0
+        self.prompt = prompt
+        self.arrival = arrival
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.output_logprobs: list | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+        self.output_text = ""
+        self._stop_ids = params.all_stop_token_ids()
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table}, {self.status.value})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def stop_token_ids(self) -> set[int]:
+        return self._stop_ids
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

@@ -1,0 +1,29 @@
+"""The attention layer: write this step's K/V into the paged cache, then attend.
+
+The cache tensors and the backend (torch reference or Triton) are attached by
+the ModelRunner after it sizes the cache; the metadata comes with each call.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanovllm.attention.metadata import AttentionMetadata
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.k_cache = torch.tensor([])
+        self.v_cache = torch.tensor([])
+        self.backend = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, heads, d]; k, v: [T, kv_heads, d] -> [T, heads, d]."""
+        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale)

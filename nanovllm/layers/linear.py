@@ -1,0 +1,131 @@
+"""Tensor-parallel linear layers. Each parameter carries its own ``weight_loader``.
+
+Column-parallel layers split the output features across ranks (no communication);
+row-parallel layers split the input features and all-reduce the partial sums.
+Merged layers (QKV, gate/up) hold several checkpoint tensors in one matrix; the
+loader passes a shard id saying which part a checkpoint tensor fills.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.layers.parallel import all_reduce, divide, tp_rank, tp_size
+
+
+def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"weight {what}: checkpoint shape {tuple(loaded.shape)} does not match "
+                         f"the model's {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.tp_dim = tp_dim
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def _shard(self, param: nn.Parameter, loaded: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full checkpoint tensor along tp_dim."""
+        if self.tp_dim is None or tp_size() == 1 or (param.dim() == 1 and self.tp_dim == 1):
+            return loaded
+        size = param.shape[self.tp_dim]
+        if loaded.shape[self.tp_dim] != size * tp_size():
+            raise ValueError(f"checkpoint shape {tuple(loaded.shape)} cannot be split into "
+                             f"{tp_size()} shards of {size} along dim {self.tp_dim}")
+        return loaded.narrow(self.tp_dim, tp_rank() * size, size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
+        _copy_checked(param, self._shard(param, loaded), name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, tp_dim=None)
+
+
+class ColumnParallelLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, divide(output_size, tp_size(), "output size"), bias, tp_dim=0)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matrix (gate and up projections)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "",
+                      shard_id: int = 0) -> None:
+        tp = tp_size()
+        offset = sum(self.output_sizes[:shard_id]) // tp
+        size = self.output_sizes[shard_id] // tp
+        if loaded.shape[0] != self.output_sizes[shard_id]:
+            raise ValueError(f"weight {name}: checkpoint shape {tuple(loaded.shape)}, expected "
+                             f"{self.output_sizes[shard_id]} rows")
+        _copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, tp_rank() * size, size), name)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matrix. With fewer KV heads than ranks, each KV
+    head is replicated on ``tp_size // num_kv_heads`` ranks."""
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
+                 total_num_kv_heads: int, bias: bool = False):
+        tp = tp_size()
+        self.head_dim = head_dim
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads
+        self.num_heads = divide(total_num_heads, tp, "num_attention_heads")
+        if total_num_kv_heads >= tp:
+            self.num_kv_heads = divide(total_num_kv_heads, tp, "num_key_value_heads")
+        else:
+            if tp % total_num_kv_heads:
+                raise ValueError(f"num_key_value_heads={total_num_kv_heads} cannot be replicated "
+                                 f"evenly over tensor_parallel_size={tp}")
+            self.num_kv_heads = 1
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        LinearBase.__init__(self, hidden_size, out, bias, tp_dim=0)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "",
+                      shard_id: str = "q") -> None:
+        hd = self.head_dim
+        if shard_id == "q":
+            offset, size, total = 0, self.num_heads * hd, self.total_num_heads * hd
+            start = tp_rank() * size
+        else:
+            offset = self.num_heads * hd + (0 if shard_id == "k" else self.num_kv_heads * hd)
+            size, total = self.num_kv_heads * hd, self.total_num_kv_heads * hd
+            replicas = max(1, tp_size() // self.total_num_kv_heads)
+            start = (tp_rank() // replicas) * size
+        if loaded.shape[0] != total:
+            raise ValueError(f"weight {name}: checkpoint shape {tuple(loaded.shape)}, expected "
+                             f"{total} rows for {shard_id}")
+        _copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, start, size), name)
+
+
+class RowParallelLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(divide(input_size, tp_size(), "input size"), output_size, bias, tp_dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if tp_size() == 1:
+            return F.linear(x, self.weight, self.bias)
+        # the bias is added once, after the reduction
+        y = F.linear(x, self.weight)
+        y = all_reduce(y)
+        return y if self.bias is None else y + self.bias

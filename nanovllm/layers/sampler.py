@@ -1,0 +1,126 @@
+"""Sampler: logits of the rows that sample -> token ids (+ top-k logprobs).
+
+Order, as in vLLM: ban stop tokens while min_tokens is not reached; greedy rows
+take the argmax; random rows divide by the temperature, then apply min_p, top_k
+and top_p, and draw with the exponential race (argmax of p / E, E ~ Exp(1)),
+which samples exactly from p and never picks a token of probability 0.
+Each seeded request draws its noise from its own generator, so its tokens do
+not depend on its batch-mates. Logprobs are those of the raw model distribution.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingMetadata:
+    temperatures: list[float]
+    top_ks: list[int]
+    top_ps: list[float]
+    min_ps: list[float]
+    generators: list[torch.Generator | None]   # per row; None = the engine's generator
+    banned_token_ids: list[list[int]]          # per row (min_tokens not reached yet)
+    num_logprobs: list[int | None]             # per row
+    greedy: list[bool] = field(init=False)
+
+    def __post_init__(self):
+        self.greedy = [t < 1e-5 for t in self.temperatures]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    nonfinite_rows: list[int]
+    # per row: None, or (sampled logprob, sampled rank, [(token, logprob), ...] top-k)
+    logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = torch.softmax(logits, dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's top_k tokens (0 = all), then the smallest set of the most
+    likely tokens whose probability reaches top_p (always at least one)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+    k = torch.where(top_k > 0, top_k, logits.shape[-1]).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs          # probability of the strictly better tokens
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        n, vocab = logits.shape
+        device = logits.device
+        finite = torch.isfinite(logits).all(dim=-1)
+        logits = torch.where(finite.unsqueeze(1), logits, torch.zeros((), device=device))
+
+        want_logprobs = [k is not None for k in meta.num_logprobs]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+
+        if any(meta.banned_token_ids):
+            logits = logits.clone()
+            for row, banned in enumerate(meta.banned_token_ids):
+                if banned:
+                    logits[row, banned] = float("-inf")
+
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, g in enumerate(meta.greedy) if not g]
+        if random_rows:
+            tokens[random_rows] = self._sample(logits[random_rows], meta, random_rows)
+
+        token_list = tokens.tolist()
+        nonfinite = (~finite).nonzero().flatten().tolist() if not bool(finite.all()) else []
+        logprobs: list = [None] * n
+        if raw_logprobs is not None:
+            max_k = max(k for k in meta.num_logprobs if k is not None)
+            top_vals, top_ids = raw_logprobs.topk(max(max_k, 1), dim=-1) if max_k else (None, None)
+            sampled_lp = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+            sampled_rank = (raw_logprobs > sampled_lp.unsqueeze(1)).sum(dim=-1) + 1
+            slp, srank = sampled_lp.tolist(), sampled_rank.tolist()
+            tv = top_vals.tolist() if top_vals is not None else None
+            ti = top_ids.tolist() if top_ids is not None else None
+            for row, k in enumerate(meta.num_logprobs):
+                if k is None:
+                    continue
+                top = list(zip(ti[row][:k], tv[row][:k])) if k else []
+                logprobs[row] = (slp[row], srank[row], top)
+        return SamplerOutput(token_list, nonfinite, logprobs)
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
+        device = logits.device
+        temps = torch.tensor([meta.temperatures[r] for r in rows], device=device, dtype=torch.float32)
+        logits = logits / temps.unsqueeze(1)
+        min_ps = [meta.min_ps[r] for r in rows]
+        if any(p > 0 for p in min_ps):
+            logits = apply_min_p(logits, torch.tensor(min_ps, device=device))
+        top_ks = [meta.top_ks[r] for r in rows]
+        top_ps = [meta.top_ps[r] for r in rows]
+        if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
+            logits = apply_top_k_top_p(logits, torch.tensor(top_ks, device=device),
+                                       torch.tensor(top_ps, device=device, dtype=torch.float32))
+        probs = torch.softmax(logits, dim=-1)
+        noise = torch.empty_like(probs)
+        shared = [i for i, r in enumerate(rows) if meta.generators[r] is None]
+        if shared:
+            noise[shared] = torch.empty((len(shared), probs.shape[1]), device=device).exponential_(
+                generator=self.generator)
+        for i, r in enumerate(rows):
+            gen = meta.generators[r]
+            if gen is not None:
+                noise[i].exponential_(generator=gen)
+        # exponential_ can return 0; p / 0 would be inf (or NaN for p = 0)
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        return (probs / noise).argmax(dim=-1)

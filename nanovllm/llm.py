@@ -1,0 +1,131 @@
+"""LLM: the offline batch API (vLLM's names): generate(), chat(), stats()."""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from nanovllm.config import EngineConfig
+from nanovllm.engine.engine import LLMEngine
+from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import SamplingParams
+
+
+class LLM:
+    """Offline inference. ``LLM(model=None, **engine_args)``; model None = the default model.
+
+    Engine arguments are the fields of EngineConfig (device, dtype, block_size,
+    num_kvcache_blocks, max_num_seqs, max_num_batched_tokens, max_model_len,
+    enable_prefix_caching, enable_chunked_prefill, enforce_eager,
+    tensor_parallel_size, gpu_memory_utilization, seed, ...). ``trace=True``
+    records a StepEvent per step in ``llm.llm_engine.tracer.events``.
+    """
+
+    def __init__(self, model: str | None = None, *, trace=False, load_format: str = "auto", **engine_args):
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+        config = EngineConfig.from_kwargs(model, **engine_args)
+        self.llm_engine = LLMEngine(config, load_format=load_format, trace=trace)
+        self._request_counter = itertools.count()
+
+    # ---------------------------------------------------------------- helpers
+    @staticmethod
+    def _as_prompt_list(prompts) -> list:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)):
+            if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+                return [list(prompts)]  # one prompt given as token ids
+            return list(prompts)
+        raise TypeError(f"prompts must be a str, a list of token ids, a dict or a list of those, "
+                        f"got {type(prompts).__name__}")
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def stats(self) -> dict:
+        return self.llm_engine.stats()
+
+    # --------------------------------------------------------------- generate
+    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; the outputs come back in input order."""
+        prompts = self._as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params_list)} entries but there are "
+                                 f"{len(prompts)} prompts")
+        engine = self.llm_engine
+        # validate everything first, so a bad request leaves the engine untouched
+        seqs = []
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            try:
+                seqs.append(engine.make_sequence(str(next(self._request_counter)), prompt, params))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
+        order = {seq.request_id: i for i, seq in enumerate(seqs)}
+        for seq in seqs:
+            engine.add_sequence(seq)
+        results: list[RequestOutput | None] = [None] * len(seqs)
+        bar = tqdm(total=len(seqs), desc="Generating", unit="req", dynamic_ncols=True,
+                   disable=not use_tqdm)
+        start, done_tokens = time.perf_counter(), 0
+        try:
+            while any(r is None for r in results) and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.request_id in order:
+                        results[order[out.request_id]] = out
+                        done_tokens += len(out.outputs[0].token_ids)
+                        bar.update(1)
+                elapsed = time.perf_counter() - start
+                bar.set_postfix_str(f"out {engine.num_generation_tokens / max(elapsed, 1e-9):.1f} tok/s",
+                                    refresh=False)
+        except BaseException:
+            for seq in seqs:  # leave the engine clean for the next call
+                engine.abort_request(seq.request_id)
+            raise
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]
+
+    def chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation (a list of
+        {"role", "content"} dicts) or a list of conversations, then generate."""
+        tok = self.get_tokenizer()
+        if tok is None or getattr(tok, "chat_template", None) is None:
+            raise ValueError("chat() needs a tokenizer with a chat template; this model has none")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts "
+                             "or a list of such lists")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in conversations:
+            for m in conv:
+                if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                    raise ValueError(f"each message must be a dict with 'role' and 'content', got {m!r}")
+            ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                          **(chat_template_kwargs or {}))
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids),
+                            "prompt": tok.decode(ids, skip_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # -------------------------------------------------------------- lifetime
+    def close(self) -> None:
+        self.llm_engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

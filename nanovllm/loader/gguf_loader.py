@@ -1,0 +1,176 @@
+"""GGUF files -> an HF model directory, converted once and cached.
+
+Tensors are read and dequantized with the ``gguf`` package; the tokenizer is
+rebuilt from the GGUF metadata by transformers. The result (config.json,
+generation_config.json, model.safetensors in float32, tokenizer files) is
+written to ``$NANOVLLM_CACHE/gguf/<name>-<sha256 prefix>/`` so a second load
+only reads safetensors.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_IGNORED = {"rope_freqs.weight"}  # derived from the config
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("NANOVLLM_CACHE") or Path.home() / ".cache" / "nanovllm")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def hf_name(gguf_name: str) -> str:
+    """Map a GGUF tensor name to its HF name; ValueError for one we do not know."""
+    stem, _, kind = gguf_name.rpartition(".")
+    parts = stem.split(".")
+    if len(parts) == 1 and parts[0] in _TOP_NAMES:
+        return f"{_TOP_NAMES[parts[0]]}.{kind}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}.{kind}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no known HF counterpart")
+
+
+def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (it interleaves the two rotary halves)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def read_config(reader) -> dict:
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported "
+                         f"(supported: {', '.join(sorted(_ARCHITECTURES))})")
+    g = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
+    heads = int(g("attention.head_count"))
+    hidden = int(g("embedding_length"))
+    tensor_names = {t.name for t in reader.tensors}
+    vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    config = {
+        "architectures": [_ARCHITECTURES[arch]],
+        "model_type": _MODEL_TYPES[arch],
+        "hidden_size": hidden,
+        "intermediate_size": int(g("feed_forward_length")),
+        "num_hidden_layers": int(g("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(g("attention.head_count_kv", heads)),
+        "head_dim": int(g("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(g("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(g("context_length", 2048)),
+        "vocab_size": int(vocab),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+    return config
+
+
+def read_tensors(reader, config: dict) -> dict[str, "np.ndarray"]:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    arch = _field(reader, "general.architecture")
+    out = {}
+    for t in reader.tensors:
+        if t.name in _IGNORED:
+            continue
+        name = hf_name(t.name)
+        try:
+            w = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ValueError(f"GGUF tensor {t.name!r} has type {GGMLQuantizationType(t.tensor_type).name}, "
+                             f"which cannot be dequantized: {e}") from None
+        w = np.ascontiguousarray(w.reshape(tuple(reversed([int(d) for d in t.shape]))), dtype=np.float32)
+        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+            n = config["num_attention_heads"] if "attn_q" in t.name else config["num_key_value_heads"]
+            w = _unpermute_qk(w, n)
+        out[name] = w
+    return out
+
+
+def convert(gguf_path: Path, dest: Path) -> None:
+    import gguf
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    config = read_config(reader)
+    tensors = read_tensors(reader, config)
+    dest.mkdir(parents=True, exist_ok=True)
+    save_file({k: torch.from_numpy(v) for k, v in tensors.items()}, str(dest / "model.safetensors"),
+              metadata={"format": "pt", "source": gguf_path.name})
+    model_type = config.pop("model_type")
+    AutoConfig.for_model(model_type, **config).save_pretrained(dest)
+    GenerationConfig(bos_token_id=config["bos_token_id"], eos_token_id=config["eos_token_id"]).save_pretrained(dest)
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tok.save_pretrained(dest)
+    (dest / "nanovllm_source.json").write_text(json.dumps({"gguf": str(gguf_path)}))
+
+
+def gguf_to_hf_dir(gguf_path: str | os.PathLike) -> str:
+    """The cached HF directory for a GGUF file, converting it on first use."""
+    path = Path(gguf_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    root = cache_root() / "gguf"
+    root.mkdir(parents=True, exist_ok=True)
+    dest = root / f"{path.stem}-{_sha256(path)[:16]}"
+    if (dest / "model.safetensors").is_file():
+        return str(dest)
+    with open(root / f"{dest.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process converts; the others wait and reuse
+        if (dest / "model.safetensors").is_file():
+            return str(dest)
+        logger.info("converting %s to %s (once)", path, dest)
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
+        try:
+            convert(path, tmp)
+            with contextlib.suppress(FileNotFoundError):
+                shutil.rmtree(dest)
+            os.replace(tmp, dest)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(dest)
