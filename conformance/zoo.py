@@ -1,0 +1,198 @@
+"""The tiny-model zoo: Qwen3, Qwen2 and Llama models with seeded random weights.
+
+Built by our own code (config dicts, numpy ``Generator`` weights: not
+transformers' init, which changes between versions) and saved as ordinary HF
+directories: config.json, generation_config.json, model.safetensors and a
+word-level tokenizer ("w17 w4 ..."), so text prompts, stop strings and chat
+templates work too.
+
+Weights are scaled so that logits are peaked (greedy comparisons mean
+something) and attention is sharp (outputs depend on the context).
+
+    from conformance.zoo import zoo_model
+    path = zoo_model("qwen3-gqa4-hd128")   # built once, cached
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+ZOO_VERSION = 2  # bump whenever make_weights or the tokenizer changes
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<|user|>", "<|assistant|>"]
+PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|> ' + m['content'] + ' ' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|> ' }}{% endif %}")
+
+
+@dataclass(frozen=True)
+class ZooSpec:
+    arch: str            # "llama" | "qwen2" | "qwen3"
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    seed: int
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+
+
+ZOO: dict[str, ZooSpec] = {
+    # GQA ratio 1, head_dim 64, untied
+    "llama-mha-hd64": ZooSpec("llama", 256, 3, 4, 4, 64, 512, 1024, False, seed=1),
+    # GQA ratio 2, head_dim 64, tied, odd vocabulary, q/k/v bias
+    "qwen2-gqa2-hd64": ZooSpec("qwen2", 256, 3, 4, 2, 64, 512, 997, True, seed=2),
+    # GQA ratio 4, head_dim 128, untied, q/k norm
+    "qwen3-gqa4-hd128": ZooSpec("qwen3", 256, 3, 8, 2, 128, 512, 1024, False, seed=3),
+    # one KV head (replicated under TP), head_dim 128, tied, odd vocabulary
+    "llama-1kv-hd128": ZooSpec("llama", 256, 2, 4, 1, 128, 512, 1001, True, seed=4),
+    # Qwen3 with head_dim 64 and tied embeddings, odd vocabulary
+    "qwen3-gqa2-hd64-tied": ZooSpec("qwen3", 192, 2, 4, 2, 64, 384, 1031, True, seed=5),
+}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def hf_config_dict(spec: ZooSpec) -> dict:
+    return {
+        "architectures": [ARCHITECTURES[spec.arch]],
+        "model_type": spec.arch,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "vocab_size": spec.vocab_size,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rope_theta": spec.rope_theta,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "torch_dtype": "float32",
+        "use_sliding_window": False,
+    }
+
+
+def make_weights(spec: ZooSpec) -> dict[str, np.ndarray]:
+    rng = np.random.Generator(np.random.PCG64(spec.seed))
+    H, hd, I, V = spec.hidden_size, spec.head_dim, spec.intermediate_size, spec.vocab_size
+    q_out, kv_out = spec.num_heads * hd, spec.num_kv_heads * hd
+
+    def normal(shape, std):
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    def linear(out_f, in_f, gain=1.0):
+        return normal((out_f, in_f), gain / np.sqrt(in_f))
+
+    def norm_weight(n):
+        return (1.0 + normal((n,), 0.1)).astype(np.float32)
+
+    # With tied embeddings a large input embedding makes the model repeat its input
+    # token (the logit of h . e_in dominates); larger sublayer outputs avoid that.
+    out_gain = 4.0 if spec.tie_word_embeddings else 1.0
+    w = {"model.embed_tokens.weight": normal((V, H), 1.0)}
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm_weight(H)
+        w[p + "post_attention_layernorm.weight"] = norm_weight(H)
+        w[p + "self_attn.q_proj.weight"] = linear(q_out, H, gain=2.0)   # sharp attention
+        w[p + "self_attn.k_proj.weight"] = linear(kv_out, H, gain=2.0)
+        w[p + "self_attn.v_proj.weight"] = linear(kv_out, H)
+        w[p + "self_attn.o_proj.weight"] = linear(H, q_out, gain=out_gain)
+        if spec.arch == "qwen2":
+            w[p + "self_attn.q_proj.bias"] = normal((q_out,), 0.1)
+            w[p + "self_attn.k_proj.bias"] = normal((kv_out,), 0.1)
+            w[p + "self_attn.v_proj.bias"] = normal((kv_out,), 0.1)
+        if spec.arch == "qwen3":
+            w[p + "self_attn.q_norm.weight"] = norm_weight(hd) * 2.0
+            w[p + "self_attn.k_norm.weight"] = norm_weight(hd) * 2.0
+        w[p + "mlp.gate_proj.weight"] = linear(I, H)
+        w[p + "mlp.up_proj.weight"] = linear(I, H)
+        w[p + "mlp.down_proj.weight"] = linear(H, I, gain=out_gain)
+    w["model.norm.weight"] = norm_weight(H)
+    if spec.tie_word_embeddings:
+        # the tied matrix is the embedding too: peak the logits through the final norm instead
+        w["model.norm.weight"] = (w["model.norm.weight"] * 4.0 / np.sqrt(H)).astype(np.float32)
+    else:
+        w["lm_head.weight"] = normal((V, H), 4.0 / np.sqrt(H))
+    return w
+
+
+def save_tokenizer(spec: ZooSpec, dest: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for i in range(len(SPECIAL_TOKENS), spec.vocab_size):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   bos_token="<bos>", additional_special_tokens=SPECIAL_TOKENS[3:])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(dest))
+
+
+def build(spec: ZooSpec, dest: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, GenerationConfig
+
+    dest.mkdir(parents=True, exist_ok=True)
+    cfg = hf_config_dict(spec)
+    model_type = cfg.pop("model_type")
+    AutoConfig.for_model(model_type, **cfg).save_pretrained(str(dest))
+    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID).save_pretrained(str(dest))
+    save_file({k: torch.from_numpy(v) for k, v in make_weights(spec).items()},
+              str(dest / "model.safetensors"), metadata={"format": "pt"})
+    save_tokenizer(spec, dest)
+    (dest / "zoo_spec.json").write_text(json.dumps({"zoo_version": ZOO_VERSION, **asdict(spec)}, indent=1))
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("NANOVLLM_CACHE") or Path.home() / ".cache" / "nanovllm")
+
+
+def spec_key(spec: ZooSpec) -> str:
+    blob = json.dumps({"v": ZOO_VERSION, **asdict(spec)}, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def zoo_model(name: str) -> str:
+    """Path of the zoo model ``name``, built on first use (safe under pytest-xdist)."""
+    if name not in ZOO:
+        raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(ZOO)}")
+    spec = ZOO[name]
+    root = _cache_root() / "zoo"
+    root.mkdir(parents=True, exist_ok=True)
+    dest = root / f"{name}-{spec_key(spec)}"
+    if (dest / "zoo_spec.json").is_file():
+        return str(dest)
+    with open(root / f"{dest.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (dest / "zoo_spec.json").is_file():
+            tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
+            try:
+                build(spec, tmp)
+                shutil.rmtree(dest, ignore_errors=True)
+                os.replace(tmp, dest)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return str(dest)
