@@ -1,0 +1,111 @@
+"""Comparison rules: how an engine's output is judged against a reference.
+
+Greedy, tie-aware: tokens must match up to the first divergence. At a
+divergence at step t, the reference's log-probability margin between its own
+token and the engine's token must be below delta (a near-tie that rounding may
+flip); otherwise the sequence fails. After an allowed divergence the contexts
+differ, so the rest of that sequence is not compared. A run where more than
+``max_diverged_frac`` of the sequences diverge fails as a whole: the
+comparison would no longer be checking anything.
+
+Each rule has a negative control in the tests: it must fail on a known-bad input.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+DELTA = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 5e-2}
+LOGPROB_TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
+
+
+@dataclass
+class Divergence:
+    seq: int
+    step: int
+    ref_token: int
+    got_token: int
+    margin: float | None  # reference logprob(ref token) - logprob(engine token); None if unknown
+
+    def __str__(self) -> str:
+        m = "?" if self.margin is None else f"{self.margin:.3g}"
+        return f"seq {self.seq} step {self.step}: ref {self.ref_token} vs got {self.got_token} (margin {m})"
+
+
+@dataclass
+class GreedyReport:
+    num_seqs: int
+    delta: float
+    max_diverged_frac: float
+    num_exact: int = 0
+    allowed: list[Divergence] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+    @property
+    def too_many_divergences(self) -> bool:
+        return len(self.allowed) > self.max_diverged_frac * self.num_seqs
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and not self.too_many_divergences
+
+    def summary(self) -> str:
+        s = (f"{self.num_exact}/{self.num_seqs} exact, {len(self.allowed)} allowed near-tie divergence(s), "
+             f"{len(self.failed)} failure(s)")
+        if self.failed:
+            s += ": " + "; ".join(self.failed[:5])
+        if self.too_many_divergences:
+            s += f"; more than {self.max_diverged_frac:.0%} of sequences diverged"
+        return s
+
+
+def compare_greedy(ref_tokens: Sequence[Sequence[int]], ref_logprobs, got_tokens: Sequence[Sequence[int]],
+                   delta: float, max_diverged_frac: float = 0.5) -> GreedyReport:
+    """ref_logprobs[i][t] gives the reference's log-probabilities at step t of
+    sequence i (anything indexable by token id: a tensor row, a dict of top-k)."""
+    if len(ref_tokens) != len(got_tokens):
+        raise ValueError(f"{len(ref_tokens)} reference sequences but {len(got_tokens)} engine sequences")
+    report = GreedyReport(len(ref_tokens), delta, max_diverged_frac)
+    for i, (ref, got) in enumerate(zip(ref_tokens, got_tokens)):
+        ref, got = list(ref), list(got)
+        step = next((t for t, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+        if step is None:
+            if len(ref) == len(got):
+                report.num_exact += 1
+            else:
+                report.failed.append(f"seq {i}: lengths differ ({len(got)} vs reference {len(ref)}) "
+                                     f"with no token divergence")
+            continue
+        margin = _margin(ref_logprobs[i][step], ref[step], got[step])
+        div = Divergence(i, step, ref[step], got[step], margin)
+        if margin is not None and margin < delta:
+            report.allowed.append(div)
+        else:
+            report.failed.append(str(div))
+    return report
+
+
+def _margin(step_logprobs, ref_token: int, got_token: int) -> float | None:
+    try:
+        return float(step_logprobs[ref_token]) - float(step_logprobs[got_token])
+    except (KeyError, IndexError):
+        return None  # the engine's token is outside the reference's recorded top-k: not a near-tie
+
+
+def assert_greedy_match(ref_tokens, ref_logprobs, got_tokens, dtype: str = "float32",
+                        max_diverged_frac: float = 0.5) -> GreedyReport:
+    report = compare_greedy(ref_tokens, ref_logprobs, got_tokens, DELTA[dtype], max_diverged_frac)
+    assert report.ok, report.summary()
+    return report
+
+
+def assert_tokens_equal(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]], what: str = "") -> None:
+    """Bitwise self-consistency (float32): every sequence identical."""
+    assert len(a) == len(b), f"{what}: {len(a)} vs {len(b)} sequences"
+    bad = [i for i, (x, y) in enumerate(zip(a, b)) if list(x) != list(y)]
+    if bad:
+        i = bad[0]
+        x, y = list(a[i]), list(b[i])
+        step = next((t for t, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+        raise AssertionError(f"{what}: {len(bad)}/{len(a)} sequences differ; first: seq {i} at step {step}: "
+                             f"{x[step:step + 4]} vs {y[step:step + 4]}")

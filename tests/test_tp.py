@@ -1,0 +1,275 @@
+"""Tensor parallelism: TP=2 against TP=1 (gloo on CPU, NCCL on two GPUs), worker
+failures, coexisting engines, shutdown on every path, and tensor_parallel_size validation."""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conformance.zoo import ZOO, hf_config_dict, zoo_model
+from nanovllm import LLM, SamplingParams
+from nanovllm.config import EngineConfig
+from nanovllm.engine.model_input import ModelInput
+
+MODELS = ["llama-1kv-hd128", "qwen2-gqa2-hd64", "qwen3-gqa4-hd128"]
+CPU_ARGS = dict(device="cpu", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5, prompt_logprobs=3)
+
+
+def _prompts(vocab_size: int, n: int = 8) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(5, vocab_size) for _ in range(rng.randint(4, 40))] for _ in range(n)]
+
+
+def _generate(llm: LLM, model: str) -> list:
+    return llm.generate(_prompts(ZOO[model].vocab_size), PARAMS, use_tqdm=False)
+
+
+def _as_arrays(logprob_dicts) -> tuple[list[list[int]], torch.Tensor]:
+    """Token ids (in rank order) and logprob values of a list of {token: Logprob} dicts."""
+    ids, values = [], []
+    for d in logprob_dicts:
+        if d is None:  # the first prompt position has no logprob
+            continue
+        items = sorted(d.items(), key=lambda kv: (kv[1].rank, kv[0]))
+        ids.append([t for t, _ in items])
+        values.extend(lp.logprob for _, lp in items)
+    return ids, torch.tensor(values, dtype=torch.float64)
+
+
+def _assert_same(expected: list, actual: list, tol: float) -> None:
+    assert len(expected) == len(actual)
+    for e, a in zip(expected, actual):
+        e_out, a_out = e.outputs[0], a.outputs[0]
+        assert a_out.token_ids == e_out.token_ids, f"request {e.request_id}: greedy tokens differ"
+        for which in ("logprobs", "prompt_logprobs"):
+            e_lp = e_out.logprobs if which == "logprobs" else e.prompt_logprobs
+            a_lp = a_out.logprobs if which == "logprobs" else a.prompt_logprobs
+            e_ids, e_vals = _as_arrays(e_lp)
+            a_ids, a_vals = _as_arrays(a_lp)
+            assert a_ids == e_ids, f"request {e.request_id}: {which} token ids differ"
+            torch.testing.assert_close(a_vals, e_vals, atol=tol, rtol=tol)
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, exited but not reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
+    """The pids still alive after waiting up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def _live_children() -> set[int]:
+    """Live child processes of this one, except multiprocessing's resource tracker."""
+    children = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"resource_tracker" not in cmdline:
+            children.add(int(stat.parent.name))
+    return children
+
+
+def _worker_pids(llm: LLM) -> list[int]:
+    return [p.pid for p in llm.llm_engine.executor.processes]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """TP=1 outputs of each model, computed once."""
+    cache = {}
+
+    def get(model: str):
+        if model not in cache:
+            with LLM(zoo_model(model), **CPU_ARGS) as llm:
+                cache[model] = _generate(llm, model)
+        return cache[model]
+    return get
+
+
+# ----------------------------------------------------------------- CPU, gloo
+@pytest.mark.parametrize("model", MODELS)
+def test_tp2_matches_tp1(model, reference):
+    before = _live_children()
+    with LLM(zoo_model(model), tensor_parallel_size=2, **CPU_ARGS) as llm:
+        pids = _worker_pids(llm)
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        per_rank = llm.llm_engine.executor._call("profile_num_blocks")
+        assert llm.stats()["num_kv_blocks"] == min(per_rank)
+        _assert_same(reference(model), _generate(llm, model), tol=1e-4)
+    assert _wait_gone(pids, timeout=0) == []  # close() joined them
+    llm.close()  # a second close is a no-op
+    assert _live_children() - before == set()
+
+
+def test_killed_worker_raises_quickly_and_leaves_no_process():
+    before = _live_children()
+    killed = {}
+
+    def kill_rank1(event):
+        if event.step == 2 and not killed:
+            killed["at"] = time.monotonic()
+            os.kill(_worker_pids(llm)[1], signal.SIGKILL)
+
+    llm = LLM(zoo_model("llama-1kv-hd128"), tensor_parallel_size=2, trace=kill_rank1, **CPU_ARGS)
+    pids = _worker_pids(llm)
+    with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) was killed by signal SIGKILL"):
+        _generate(llm, "llama-1kv-hd128")
+    assert time.monotonic() - killed["at"] < 10.0
+    assert _wait_gone(pids, timeout=5) == []
+    assert _live_children() - before == set()
+    with pytest.raises(RuntimeError, match="closed"):
+        _generate(llm, "llama-1kv-hd128")
+    llm.close()
+
+
+def test_worker_exception_reaches_caller_with_traceback():
+    llm = LLM(zoo_model("qwen2-gqa2-hd64"), tensor_parallel_size=2, **CPU_ARGS)
+    pids = _worker_pids(llm)
+    bad = ModelInput(input_ids=[7], positions=[0], slot_mapping=[10**9], query_start_loc=[0, 1],
+                     seq_lens=[1], block_tables=[[0]])  # a slot far outside the KV cache
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)rank \d \(pid \d+\) raised in execute\(\).*Traceback"):
+        llm.llm_engine.executor.execute(bad)
+    assert time.monotonic() - start < 10.0
+    assert _wait_gone(pids, timeout=5) == []
+    llm.close()
+
+
+def test_two_tp_engines_in_one_process(reference):
+    a = LLM(zoo_model("llama-1kv-hd128"), tensor_parallel_size=2, **CPU_ARGS)
+    b = LLM(zoo_model("qwen2-gqa2-hd64"), tensor_parallel_size=2, **CPU_ARGS)
+    try:
+        assert a.llm_engine.executor._store.port != b.llm_engine.executor._store.port
+        out_a = _generate(a, "llama-1kv-hd128")
+        out_b = _generate(b, "qwen2-gqa2-hd64")
+        _assert_same(reference("llama-1kv-hd128"), out_a, tol=1e-4)
+        _assert_same(reference("qwen2-gqa2-hd64"), out_b, tol=1e-4)
+        _assert_same(out_a, _generate(a, "llama-1kv-hd128"), tol=0.0)  # b did not disturb a
+    finally:
+        pids = _worker_pids(a) + _worker_pids(b)
+        a.close()
+        b.close()
+    assert _wait_gone(pids, timeout=0) == []
+
+
+_EXIT_SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    from nanovllm import LLM
+    if __name__ == "__main__":
+        llm = LLM(sys.argv[1], device="cpu", max_model_len=64, tensor_parallel_size=2)
+        print([p.pid for p in llm.llm_engine.executor.processes], flush=True)
+        if sys.argv[2] == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        # "exit": leave without close(); the interpreter's exit handlers must stop the workers
+""")
+
+
+@pytest.mark.parametrize("how", ["exit", "sigkill"])
+def test_no_worker_outlives_its_parent(tmp_path, how):
+    script = tmp_path / "tp_exit.py"
+    script.write_text(_EXIT_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(script), zoo_model("llama-1kv-hd128"), how],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.stdout.strip(), proc.stderr
+    pids = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(pids) == 2
+    assert _wait_gone(pids, timeout=10) == []
+
+
+# ---------------------------------------------------------------- validation
+@pytest.mark.parametrize("value, error", [(0, ValueError), (-2, ValueError), (1.5, TypeError),
+                                          ("2", TypeError), (True, TypeError), (None, TypeError)])
+def test_tensor_parallel_size_type_and_range(value, error):
+    with pytest.raises(error, match=f"tensor_parallel_size must be .*got {value!r}"):
+        EngineConfig(tensor_parallel_size=value)
+
+
+def _config_dir(tmp_path: Path, **overrides) -> str:
+    cfg = hf_config_dict(ZOO["llama-1kv-hd128"])
+    cfg.update(overrides)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("overrides, tp, message", [
+    ({"num_attention_heads": 4, "num_key_value_heads": 2}, 3,
+     r"tensor_parallel_size=3 does not divide num_attention_heads=4"),
+    ({"num_attention_heads": 6, "num_key_value_heads": 3}, 2,
+     r"num_key_value_heads=3 can be neither split nor replicated evenly over tensor_parallel_size=2"),
+    ({"num_attention_heads": 12, "num_key_value_heads": 3}, 4,
+     r"num_key_value_heads=3 can be neither split nor replicated evenly over tensor_parallel_size=4"),
+    ({"intermediate_size": 510}, 4, r"tensor_parallel_size=4 does not divide intermediate_size=510"),
+])
+def test_unsplittable_model_is_refused_before_spawning(tmp_path, overrides, tp, message):
+    before = _live_children()
+    with pytest.raises(ValueError, match=message):
+        LLM(_config_dir(tmp_path, **overrides), device="cpu", tensor_parallel_size=tp)
+    assert _live_children() - before == set()
+
+
+def test_more_ranks_than_gpus_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    from nanovllm.loader.model_loader import load_hf_config
+
+    model_dir = _config_dir(tmp_path)
+    config = EngineConfig(model_dir, device="cuda", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 but only 1 CUDA device"):
+        config.resolve(load_hf_config(model_dir), model_dir)
+
+
+def test_one_kv_head_replicates_over_two_ranks(tmp_path):
+    from nanovllm.loader.model_loader import load_hf_config
+
+    model_dir = _config_dir(tmp_path)  # 4 heads, 1 KV head: valid at TP=2 and TP=4
+    for tp in (2, 4):
+        EngineConfig(model_dir, device="cpu", tensor_parallel_size=tp).resolve(load_hf_config(model_dir),
+                                                                               model_dir)
+
+
+# --------------------------------------------------------------- GPU, NCCL
+# Float32 on GPU: Triton's fp32 dot products may round through TF32 and cuBLAS picks
+# other kernels for the halved shapes, so logprobs get a looser bound than on CPU.
+GPU_TOL = 1e-3
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("model", ["llama-1kv-hd128", "qwen3-gqa4-hd128"])
+def test_tp2_matches_tp1_nccl_cuda_graphs(model):
+    args = dict(device="cuda", dtype="float32", enforce_eager=False, max_model_len=256,
+                max_num_seqs=8, num_kvcache_blocks=64)
+    with LLM(zoo_model(model), **args) as llm:
+        expected = _generate(llm, model)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    with LLM(zoo_model(model), tensor_parallel_size=2, **args) as llm:
+        pids = _worker_pids(llm)
+        actual = _generate(llm, model)
+    _assert_same(expected, actual, tol=GPU_TOL)
+    assert _wait_gone(pids, timeout=0) == []
