@@ -1,0 +1,93 @@
+"""nanovllm through its public API: ``LLM(...)``, ``LLM.generate``, ``LLM.stats()``."""
+from __future__ import annotations
+
+from conformance.adapters import base
+from conformance.adapters.base import Logprob, Result, Sampling
+
+_KNOBS = {"block_size": "block_size", "kv_blocks": "num_kvcache_blocks",
+          "max_batched_tokens": "max_num_batched_tokens", "chunked_prefill": "enable_chunked_prefill",
+          "prefix_cache": "enable_prefix_caching", "tp": "tensor_parallel_size",
+          "max_num_seqs": "max_num_seqs", "max_model_len": "max_model_len", "seed": "seed",
+          "dtype": "dtype", "device": "device"}
+
+
+def _logprob_dicts(entries) -> list:
+    if entries is None:
+        return None
+    return [None if d is None else {t: Logprob(lp.logprob, lp.rank) for t, lp in d.items()} for d in entries]
+
+
+class NanovllmAdapter:
+    name = "nanovllm"
+
+    def __init__(self):
+        import torch
+
+        caps = {base.GREEDY, base.SAMPLING, base.SEED, base.TOP_K, base.TOP_P, base.MIN_P, base.LOGPROBS,
+                base.SAMPLED_LOGPROB, base.PROMPT_LOGPROBS, base.STOP_STRINGS, base.STOP_TOKEN_IDS,
+                base.MIN_TOKENS, base.EOS, base.TEXT, base.PREFIX_CACHE_STATS, base.PREEMPTION_STATS,
+                base.ADMISSION_CONTROL, "block_size", "kv_budget", "chunk_budget", "prefix_cache",
+                "max_num_seqs", "max_model_len"}
+        try:
+            import nanovllm.engine.distributed  # noqa: F401  (tensor parallelism has landed)
+            caps.add("tp")
+        except ImportError:
+            pass
+        if torch.cuda.is_available():
+            caps.add("cuda_graph")
+        self.capabilities = frozenset(caps)
+        self.llm = None
+        self.version = __import__("nanovllm").__version__
+
+    @staticmethod
+    def unavailable() -> str | None:
+        return None
+
+    @staticmethod
+    def describe() -> str:
+        import torch
+
+        import nanovllm
+        return f"nanovllm {nanovllm.__version__} (torch {torch.__version__})"
+
+    def load(self, model_dir: str, **knobs) -> None:
+        from nanovllm import LLM
+
+        base.check_knobs(self.name, self.capabilities, knobs)
+        args = {_KNOBS[k]: v for k, v in knobs.items() if v is not None and k in _KNOBS}
+        if knobs.get("cuda_graph") is not None:
+            args["enforce_eager"] = not knobs["cuda_graph"]
+        if args.get("max_num_batched_tokens") == float("inf"):
+            del args["max_num_batched_tokens"]
+            args["enable_chunked_prefill"] = False
+        self.llm = LLM(model_dir, **args)
+
+    def generate(self, prompts: list[list[int]], params: list[Sampling]) -> list[Result]:
+        from nanovllm import SamplingParams
+
+        base.check_params(self.capabilities, params)
+        sps = [SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                              seed=p.seed, max_tokens=p.max_tokens, min_tokens=p.min_tokens,
+                              stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
+                              ignore_eos=p.ignore_eos, include_stop_str_in_output=p.include_stop_str_in_output,
+                              logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs) for p in params]
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sps, use_tqdm=False)
+        results = []
+        for out in outs:
+            c = out.outputs[0]
+            results.append(Result(
+                token_ids=list(c.token_ids), finish_reason=c.finish_reason, text=c.text,
+                stop_reason=c.stop_reason, logprobs=_logprob_dicts(c.logprobs),
+                prompt_logprobs=_logprob_dicts(out.prompt_logprobs), num_cached_tokens=out.num_cached_tokens,
+                num_preemptions=out.metrics.get("num_preemptions"),
+                extra={"prompt_token_ids": list(out.prompt_token_ids)}))
+        return results
+
+    def stats(self) -> dict:
+        s = self.llm.stats()
+        return {"preemptions": s["preemptions"], "cached_tokens": s["prefix_cache_hit_tokens"], **s}
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.close()
+            self.llm = None

@@ -1,0 +1,118 @@
+"""Conformance suite setup: ``--engine NAME`` picks the adapter (default nanovllm).
+
+Options:
+  --engine NAME        nanovllm | hf | hf-cb | vllm | nano-vllm (env CONFORMANCE_ENGINE)
+  --mutant NAME        switch on one injected bug in nanovllm for the whole run (env
+                       NANOVLLM_MUTANT); used by ``python -m conformance.mutants``
+  --check-timeout S    a check still running after S seconds fails (no hang; env
+                       CONFORMANCE_CHECK_TIMEOUT, default 900)
+
+Fixtures: ``engines`` (an EnginePool of the chosen engine), ``figure`` (records
+a key figure of a check: the report shows it).
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from conformance.harness import EnginePool
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("conformance")
+    group.addoption("--engine", default=os.environ.get("CONFORMANCE_ENGINE", "nanovllm"),
+                    help="engine adapter to check: nanovllm (default), hf, hf-cb, vllm, nano-vllm")
+    group.addoption("--mutant", default=os.environ.get("NANOVLLM_MUTANT") or None,
+                    help="activate one named nanovllm mutant for the run (see python -m conformance.mutants)")
+    group.addoption("--check-timeout", type=float,
+                    default=float(os.environ.get("CONFORMANCE_CHECK_TIMEOUT", "900")),
+                    help="seconds after which a running check fails (hang protection)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "nanovllm_only: checks nanovllm itself (its mutants); skipped for other engines")
+    name = config.getoption("--mutant", default=None)
+    if name:
+        from conformance.mutants import activate
+
+        cm = activate(name)
+        cm.__enter__()
+        config._conformance_mutant = cm
+
+
+def pytest_unconfigure(config):
+    cm = getattr(config, "_conformance_mutant", None)
+    if cm is not None:
+        cm.__exit__(None, None, None)
+
+
+def pytest_collection_modifyitems(config, items):
+    engine = config.getoption("--engine")
+    if engine == "nanovllm":
+        return
+    skip = pytest.mark.skip(reason=f"a test of nanovllm's internals; engine {engine} is checked end to end only")
+    for item in items:
+        path = str(item.fspath)
+        if path.endswith("_properties.py") or item.get_closest_marker("nanovllm_only"):
+            item.add_marker(skip)
+
+
+def pytest_report_header(config):
+    mutant = config.getoption("--mutant", default=None)
+    return f"conformance engine: {config.getoption('--engine')}" + (f", MUTANT: {mutant}" if mutant else "")
+
+
+@pytest.fixture(scope="session")
+def engine_name(request) -> str:
+    return request.config.getoption("--engine")
+
+
+@pytest.fixture(scope="session")
+def engines(engine_name):
+    pool = EnginePool(engine_name)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(autouse=True)
+def _close_owned_engines(request):
+    yield
+    if "engines" in request.fixturenames:
+        request.getfixturevalue("engines").close_owned()
+
+
+@pytest.fixture
+def figure(record_property):
+    """figure(name, value): a key figure of this check, shown in the report."""
+    def record(name: str, value) -> None:
+        record_property(name, value if isinstance(value, (int, str)) else f"{value:.3g}")
+    return record
+
+
+class CheckTimeout(Exception):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def _check_timeout(request):
+    """Fail a check that runs too long instead of hanging the suite (main thread only)."""
+    seconds = int(request.config.getoption("--check-timeout") or 0)
+    if seconds <= 0 or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise CheckTimeout(f"check exceeded --check-timeout={seconds} s")
+    try:
+        previous = signal.signal(signal.SIGALRM, on_alarm)
+    except ValueError:  # not the main thread
+        yield
+        return
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

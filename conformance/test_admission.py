@@ -1,0 +1,60 @@
+"""Admission control: catalogue item 18. A request that can never run ends with a clear error
+(an exception naming the limit, or a result with an error finish reason) within a time limit,
+never a hang; afterwards the engine still serves a normal request correctly."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import golden
+from conformance.adapters import Sampling
+from conformance.adapters.base import GREEDY
+from conformance.harness import BS, EngineHung, generate, require, tokens
+
+MODEL = "llama-1kv-hd128"
+TIMEOUT = 120.0
+
+
+def _expect_refusal(engines, engine, prompt, params, numbers: tuple[int, ...]):
+    try:
+        outs = generate(engine, [prompt], params, timeout=TIMEOUT)
+    except EngineHung as e:
+        engines.discard(engine)
+        pytest.fail(f"engine {engine.name} hung on an infeasible request: {e}")
+    except Exception as e:  # noqa: BLE001 - any error is fine if it is clear
+        msg = str(e)
+        assert msg and any(re.search(rf"\b{n}\b", msg) for n in numbers), \
+            f"the error does not name the limit or the size ({numbers}): {type(e).__name__}: {msg!r}"
+        return msg
+    out = outs[0]
+    assert out.finish_reason not in ("stop", "length", None), \
+        f"an infeasible request finished normally ({out.finish_reason}) with {len(out.token_ids)} tokens"
+    return out.finish_reason
+
+
+def _still_works(engine, g):
+    case = next(c for c in g["cases"] if c["id"] == "len-bs+1")
+    got = tokens(generate(engine, [case["prompt"]], Sampling.greedy(8), timeout=TIMEOUT))[0]
+    assert got == case["greedy"][:8], "after refusing a request the engine no longer matches the reference"
+
+
+def test_prompt_longer_than_max_model_len(engines, figure):
+    g = golden.load(MODEL)
+    engine = engines.get(golden.model_dir(g), block_size=BS, max_model_len=64)
+    require(engine, GREEDY)
+    prompt = next(c for c in g["cases"] if c["id"] == "len-5bs+3")["prompt"]  # 83 tokens > 64
+    what = _expect_refusal(engines, engine, prompt, Sampling.greedy(4), (83, 64))
+    figure("refusal", what[:60])
+    _still_works(engine, g)
+
+
+def test_request_larger_than_the_whole_kv_cache(engines, figure):
+    g = golden.load(MODEL)
+    # 8 blocks of 16 = 128 slots; the request needs 83 + 100 - 1 = 182 slots, 12 blocks
+    engine = engines.get(golden.model_dir(g), block_size=BS, kv_blocks=8, max_model_len=256)
+    require(engine, GREEDY)
+    prompt = next(c for c in g["cases"] if c["id"] == "len-5bs+3")["prompt"]
+    what = _expect_refusal(engines, engine, prompt, Sampling.greedy(100), (8, 12, 128, 182, 183, 100))
+    figure("refusal", what[:60])
+    _still_works(engine, g)

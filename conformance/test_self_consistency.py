@@ -1,0 +1,152 @@
+"""Self-consistency: the engine's mechanisms must not change its tokens (float32: bitwise).
+
+13 batch invariance: a needle prompt alone vs inside batches of 1..10, 15, 16, 17, 31, 32, 33;
+15 chunked prefill at token budgets {7, 16, 17, 64, inf} vs the golden greedy tokens and each other;
+16 prefix cache on/off: boundary prefix, partial block, fully cached prompt, cold then hot;
+   the cached-token counter equals the expected multiple of the block size;
+17 preemption: >= 256 generated tokens under a starved KV budget equal the ample run, with
+   the preemption counter > 0;
+24 outputs come back in input order.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import golden
+from conformance.adapters import Sampling
+from conformance.adapters.base import GREEDY, PREEMPTION_STATS, PREFIX_CACHE_STATS
+from conformance.compare import assert_tokens_equal, compare_greedy
+from conformance.zoo import ZOO
+from conformance.harness import BS, delta, generate, golden_step_logprobs, require, tokens
+
+MODEL = "qwen3-gqa4-hd128"
+BATCH_SIZES = [*range(1, 11), 15, 16, 17, 31, 32, 33]
+BUDGETS = [7, 16, 17, 64, float("inf")]
+
+
+def _golden():
+    g = golden.load(MODEL)
+    problem = golden.check_model(g)
+    if problem:
+        pytest.fail(problem)
+    return g, {c["id"]: c for c in g["cases"]}
+
+
+def _fillers(vocab: int, n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(5, vocab, size=int(rng.integers(1, 60))).tolist() for _ in range(n)]
+
+
+def _assert_golden_prefix(g, cases: list[dict], got: list[list[int]], what: str) -> None:
+    """The first len(got[i]) greedy tokens must match the golden ones (tie-aware)."""
+    refs = [c["greedy"][:len(t)] for c, t in zip(cases, got)]
+    report = compare_greedy(refs, [golden_step_logprobs(c) for c in cases], got, delta(g["dtype"]))
+    assert report.ok, f"{what} vs reference: {report.summary()}"
+
+
+def test_batch_invariance(engines, figure):
+    """Item 13: the needle's greedy tokens do not depend on how many batch-mates it has."""
+    g, cases = _golden()
+    engine = engines.get(golden.model_dir(g), block_size=BS)
+    require(engine, GREEDY)
+    needle = cases["len-bs+1"]["prompt"]
+    params = Sampling.greedy(12)
+    alone = tokens(generate(engine, [needle], params))[0]
+    _assert_golden_prefix(g, [cases["len-bs+1"]], [alone], "needle alone")
+    vocab = ZOO[MODEL].vocab_size
+    differ = []
+    for n in BATCH_SIZES:
+        batch = _fillers(vocab, n - 1, seed=n)
+        pos = (3 * n) // 4  # the needle's place moves with the batch size
+        batch.insert(pos, needle)
+        got = tokens(generate(engine, batch, params))[pos]
+        if got != alone:
+            differ.append(n)
+    figure("batch sizes differing", len(differ))
+    assert not differ, f"needle differs from its solo run in batches of {differ}"
+
+
+@pytest.mark.parametrize("budget", BUDGETS, ids=[str(b) for b in BUDGETS])
+def test_chunked_prefill_equivalence(engines, budget, figure):
+    """Item 15: every prompt length around block and budget edges gives the unchunked tokens."""
+    g, cases = _golden()
+    picked = [cases[c] for c in ("len1", "len-bs-1", "len-bs", "len-bs+1", "len-3bs", "len-5bs+3", "long")]
+    knobs = {"max_batched_tokens": budget} if budget != float("inf") else {"chunked_prefill": False}
+    engine = engines.get(golden.model_dir(g), block_size=BS, **knobs)
+    require(engine, GREEDY)
+    got = tokens(generate(engine, [c["prompt"] for c in picked], Sampling.greedy(16)))
+    _assert_golden_prefix(g, picked, got, f"budget {budget}")
+    figure("sequences", len(got))
+
+
+def test_prefix_cache_on_off(engines, figure):
+    """Item 16: cold then hot runs with a prefix cache give the tokens of a run without one."""
+    g, cases = _golden()
+    model = golden.model_dir(g)
+    off = engines.fresh(model, block_size=BS, prefix_cache=False)
+    on = engines.fresh(model, block_size=BS, prefix_cache=True)
+    params = Sampling.greedy(16)
+    a, b, partial = cases["prefix-2bs-a"], cases["prefix-2bs-b"], cases["prefix-partial"]
+    exact = a["prompt"][:2 * BS]           # a fully cached prompt, a multiple of bs long
+    prompts = [b["prompt"], partial["prompt"], a["prompt"], exact, exact[:BS + 3]]
+    want = tokens(generate(off, [a["prompt"]] + prompts + [exact], params))
+    cold = tokens(generate(on, [a["prompt"]], params))           # computes and caches 2 full blocks
+    hot = tokens(generate(on, prompts, params))                   # every one hits the cache
+    again = tokens(generate(on, [exact], params))                 # the exact prompt, now fully cached
+    assert_tokens_equal(want, cold + hot + again, "prefix cache on (cold, hot, fully cached) vs off")
+    _assert_golden_prefix(g, [a, b, partial, a], (cold + hot)[:4], "prefix cache on")
+    figure("requests", len(want))
+
+
+def test_prefix_cache_counter(engines, figure):
+    """Item 16: cached tokens = bs * floor(common prefix / bs), capped so one token is computed."""
+    g, cases = _golden()
+    on = engines.fresh(golden.model_dir(g), block_size=BS, prefix_cache=True)
+    require(on, PREFIX_CACHE_STATS)
+    params = Sampling.greedy(4)
+    a, b, partial = cases["prefix-2bs-a"], cases["prefix-2bs-b"], cases["prefix-partial"]
+    exact = a["prompt"][:2 * BS]
+    first = generate(on, [a["prompt"]], params)
+    assert first[0].num_cached_tokens == 0, f"cold run reports {first[0].num_cached_tokens} cached tokens"
+    # b shares 2 blocks; partial shares 2 blocks + 5 tokens (a partial block is never cached);
+    # a again: 39 tokens, 2 full blocks; exact: 32 tokens, fully cached, but its last token is computed
+    # (so one block is served); exact[:bs+3]: one block
+    prompts = [b["prompt"], partial["prompt"], a["prompt"], exact, exact[:BS + 3]]
+    outs = [generate(on, [p], params)[0] for p in prompts]
+    got = [o.num_cached_tokens for o in outs]
+    want = [2 * BS, 2 * BS, 2 * BS, BS, BS]
+    figure("cached tokens", sum(got))
+    assert got == want, f"cached-token counters {got}, expected {want} (block size {BS})"
+
+
+def test_preemption_equivalence(engines, figure):
+    """Item 17: starve the KV cache so requests are preempted and recomputed; tokens are unchanged."""
+    g, cases = _golden()
+    model = golden.model_dir(g)
+    picked = [cases[c] for c in ("len-bs+1", "len-3bs", "len-5bs+3", "prefix-2bs-b")]
+    params = Sampling.greedy(260)
+    ample = engines.get(model, block_size=BS)
+    # the longest request needs ceil((83 + 260) / 16) = 22 blocks alone; 4 of them need ~75
+    starved = engines.fresh(model, block_size=BS, kv_blocks=26, max_model_len=400)
+    want = tokens(generate(ample, [c["prompt"] for c in picked], params))
+    got = tokens(generate(starved, [c["prompt"] for c in picked], params))
+    _assert_golden_prefix(g, picked, [t[:64] for t in got], "starved run")
+    assert_tokens_equal(want, got, "starved (preempting) vs ample KV cache")
+    assert min(map(len, got)) >= 256
+    require(starved, PREEMPTION_STATS)
+    n = starved.stats().get("preemptions", 0)
+    figure("preemptions", n)
+    assert n > 0, "the starved run never preempted: the check did not exercise preemption"
+
+
+def test_outputs_in_input_order(engines, figure):
+    """Item 24: results line up with their prompts whatever order requests finish in."""
+    g, cases = _golden()
+    engine = engines.get(golden.model_dir(g), block_size=BS)
+    picked = [cases[c] for c in ("long", "len1", "len-3bs", "len-bs", "prefix-2bs-a", "len-bs+1")]
+    lengths = [9, 1, 5, 13, 2, 7]
+    outs = generate(engine, [c["prompt"] for c in picked], [Sampling.greedy(n) for n in lengths])
+    assert [len(o.token_ids) for o in outs] == lengths, "results are not in input order (lengths)"
+    _assert_golden_prefix(g, picked, tokens(outs), "tokens in input order")
+    figure("requests", len(outs))
