@@ -109,19 +109,51 @@ def reference():
     return get
 
 
+@pytest.fixture(scope="module")
+def tp2():
+    """One TP=2 engine per model, all alive at once (one worker start per model)."""
+    engines = {}
+    try:
+        for model in MODELS:
+            engines[model] = LLM(zoo_model(model), tensor_parallel_size=2, **CPU_ARGS)
+        yield engines
+    finally:
+        for llm in engines.values():
+            llm.close()
+
+
 # ----------------------------------------------------------------- CPU, gloo
 @pytest.mark.parametrize("model", MODELS)
-def test_tp2_matches_tp1(model, reference):
+def test_tp2_matches_tp1(model, tp2, reference):
+    llm = tp2[model]
+    per_rank = llm.llm_engine.executor._call("profile_num_blocks")
+    assert llm.stats()["num_kv_blocks"] == min(per_rank)
+    _assert_same(reference(model), _generate(llm, model), tol=1e-4)
+
+
+def test_tp_engines_coexist_in_one_process(tp2, reference):
+    ports = {llm.llm_engine.executor._store.port for llm in tp2.values()}
+    pids = [pid for llm in tp2.values() for pid in _worker_pids(llm)]
+    assert len(ports) == len(tp2) and len(set(pids)) == 2 * len(tp2)
+    assert all(_alive(p) for p in pids)
+    for _ in range(2):  # interleaved: no engine disturbs another
+        for model, llm in tp2.items():
+            _assert_same(reference(model), _generate(llm, model), tol=1e-4)
+
+
+def test_close_is_idempotent_and_leaves_no_process(reference):
     before = _live_children()
-    with LLM(zoo_model(model), tensor_parallel_size=2, **CPU_ARGS) as llm:
+    with LLM(zoo_model("qwen2-gqa2-hd64"), tensor_parallel_size=2, **CPU_ARGS) as llm:
+        executor = llm.llm_engine.executor
         pids = _worker_pids(llm)
-        assert len(pids) == 2 and all(_alive(p) for p in pids)
-        per_rank = llm.llm_engine.executor._call("profile_num_blocks")
-        assert llm.stats()["num_kv_blocks"] == min(per_rank)
-        _assert_same(reference(model), _generate(llm, model), tol=1e-4)
-    assert _wait_gone(pids, timeout=0) == []  # close() joined them
+        assert all(_alive(p) for p in pids)
+        _assert_same(reference("qwen2-gqa2-hd64"), _generate(llm, "qwen2-gqa2-hd64"), tol=1e-4)
+    assert _wait_gone(pids, timeout=0) == []  # __exit__ -> close() joined them
     llm.close()  # a second close is a no-op
+    executor.close()
     assert _live_children() - before == set()
+    with pytest.raises(RuntimeError, match="closed"):
+        executor.allocate_kv_cache(1)
 
 
 def test_killed_worker_raises_quickly_and_leaves_no_process():
@@ -142,7 +174,6 @@ def test_killed_worker_raises_quickly_and_leaves_no_process():
     assert _live_children() - before == set()
     with pytest.raises(RuntimeError, match="closed"):
         _generate(llm, "llama-1kv-hd128")
-    llm.close()
 
 
 def test_worker_exception_reaches_caller_with_traceback():
@@ -156,23 +187,6 @@ def test_worker_exception_reaches_caller_with_traceback():
     assert time.monotonic() - start < 10.0
     assert _wait_gone(pids, timeout=5) == []
     llm.close()
-
-
-def test_two_tp_engines_in_one_process(reference):
-    a = LLM(zoo_model("llama-1kv-hd128"), tensor_parallel_size=2, **CPU_ARGS)
-    b = LLM(zoo_model("qwen2-gqa2-hd64"), tensor_parallel_size=2, **CPU_ARGS)
-    try:
-        assert a.llm_engine.executor._store.port != b.llm_engine.executor._store.port
-        out_a = _generate(a, "llama-1kv-hd128")
-        out_b = _generate(b, "qwen2-gqa2-hd64")
-        _assert_same(reference("llama-1kv-hd128"), out_a, tol=1e-4)
-        _assert_same(reference("qwen2-gqa2-hd64"), out_b, tol=1e-4)
-        _assert_same(out_a, _generate(a, "llama-1kv-hd128"), tol=0.0)  # b did not disturb a
-    finally:
-        pids = _worker_pids(a) + _worker_pids(b)
-        a.close()
-        b.close()
-    assert _wait_gone(pids, timeout=0) == []
 
 
 _EXIT_SCRIPT = textwrap.dedent("""
@@ -219,9 +233,9 @@ def _config_dir(tmp_path: Path, **overrides) -> str:
 @pytest.mark.parametrize("overrides, tp, message", [
     ({"num_attention_heads": 4, "num_key_value_heads": 2}, 3,
      r"tensor_parallel_size=3 does not divide num_attention_heads=4"),
-    ({"num_attention_heads": 6, "num_key_value_heads": 3}, 2,
+    ({"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 384}, 2,
      r"num_key_value_heads=3 can be neither split nor replicated evenly over tensor_parallel_size=2"),
-    ({"num_attention_heads": 12, "num_key_value_heads": 3}, 4,
+    ({"num_attention_heads": 12, "num_key_value_heads": 3, "hidden_size": 384}, 4,
      r"num_key_value_heads=3 can be neither split nor replicated evenly over tensor_parallel_size=4"),
     ({"intermediate_size": 510}, 4, r"tensor_parallel_size=4 does not divide intermediate_size=510"),
 ])
@@ -253,9 +267,9 @@ def test_one_kv_head_replicates_over_two_ranks(tmp_path):
 
 
 # --------------------------------------------------------------- GPU, NCCL
-# Float32 on GPU: Triton's fp32 dot products may round through TF32 and cuBLAS picks
-# other kernels for the halved shapes, so logprobs get a looser bound than on CPU.
-GPU_TOL = 1e-3
+# float32 on GPU too: the Triton kernels use IEEE fp32 dots for float32 models, so the
+# only differences from TP=1 are the split GEMM sums, as on CPU.
+GPU_TOL = 1e-4
 
 
 @pytest.mark.multi_gpu

@@ -84,5 +84,7 @@ def paged_decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     pad = k_pos.unsqueeze(0) >= meta.seq_lens.unsqueeze(1)                # [B, K]
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    # padding slots may hold anything (never-written memory, NaN): 0 * NaN would be NaN
+    v = v.masked_fill(pad[:, :, None, None], 0.0)
     out = torch.einsum("bhgk,bkhd->bhgd", probs, v.float())
     return out.reshape(num_seqs, num_heads, d).to(q.dtype)

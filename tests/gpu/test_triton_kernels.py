@@ -44,7 +44,7 @@ from nanovllm.attention.triton_backend import TritonBackend  # noqa: E402
 # (block_size, group, head_dim): covers every block size, every GQA ratio and both head dims
 # without compiling the whole cross product (compiles dominate the GPU run)
 if INTERPRET:
-    SHAPES = [(16, 1, 64), (16, 4, 64), (32, 2, 128), (64, 8, 64)]
+    SHAPES = [(16, 1, 64), (32, 2, 128), (64, 8, 64)]
 else:
     SHAPES = [(16, 1, 128), (16, 2, 64), (16, 4, 128), (16, 8, 64), (32, 2, 128), (32, 8, 128),
               (64, 4, 64), (64, 1, 128), (128, 2, 128), (128, 8, 64), (256, 2, 128), (256, 4, 64),
@@ -123,7 +123,7 @@ def _lengths(block_size: int, rng: random.Random, n: int, max_len: int) -> list[
     return [min(max(1, x), max_len) for x in picks][:max(n, len(edges))]
 
 
-MAX_CTX = 300 if INTERPRET else 4096
+MAX_CTX = 200 if INTERPRET else 4096
 
 
 # ----------------------------------------------------------------------- store
@@ -149,7 +149,7 @@ def test_store_kv_skips_minus_one_slots(block_size, group, head_dim):
 
 # ---------------------------------------------------------------------- decode
 @pytest.mark.parametrize("block_size,group,head_dim", SHAPES)
-@pytest.mark.parametrize("splits", [1, 3, triton_ops.MAX_SPLITS])
+@pytest.mark.parametrize("splits", [1, 3] if INTERPRET else [1, 3, triton_ops.MAX_SPLITS])
 def test_decode_matches_reference(block_size, group, head_dim, splits):
     rng = random.Random(block_size * 1000 + group * 10 + head_dim + splits)
     lens = _lengths(block_size, rng, 5 if INTERPRET else 9, MAX_CTX)
@@ -180,7 +180,7 @@ def test_decode_padding_rows_and_empty_splits_give_zeros(splits):
 def test_prefill_with_cached_prefix_and_chunks(block_size, group, head_dim):
     """Fresh prompts, chunks after a cached prefix, single-token rows: one packed batch."""
     rng = random.Random(block_size * 31 + group * 7 + head_dim)
-    max_q = 70 if INTERPRET else 600
+    max_q = 50 if INTERPRET else 600
     specs = [(0, 1), (0, rng.randint(2, max_q)), (block_size, rng.randint(1, max_q)),
              (rng.randint(1, MAX_CTX - max_q), rng.randint(1, max_q)), (MAX_CTX - 1, 1),
              (rng.randint(0, MAX_CTX - max_q), max_q)]

@@ -1,0 +1,87 @@
+"""The sampler: greedy, filters, seeded generators, bans, logprobs, non-finite detection."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nanovllm.layers.sampler import Sampler, SamplingMetadata, apply_min_p, apply_top_k_top_p
+
+
+def _meta(n, **kw):
+    base = dict(temperatures=[1.0] * n, top_ks=[0] * n, top_ps=[1.0] * n, min_ps=[0.0] * n,
+                generators=[None] * n, banned_token_ids=[[] for _ in range(n)], num_logprobs=[None] * n)
+    base.update(kw)
+    return SamplingMetadata(**base)
+
+
+def _sampler(seed=0):
+    return Sampler(torch.Generator().manual_seed(seed))
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, 50)
+    out = _sampler()(logits, _meta(5, temperatures=[0.0] * 5))
+    assert out.token_ids == logits.argmax(-1).tolist() and out.nonfinite_rows == []
+
+
+def test_top_k_top_p_keep_exactly_the_expected_sets():
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    logits = probs.log()
+    kept = lambda l: torch.isfinite(l[0]).nonzero().flatten().tolist()  # noqa: E731
+    assert kept(apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([1.0]))) == [0, 1]
+    # top_p 0.7: 0.4 + 0.3 reaches 0.7 -> {0, 1}; 0.71 needs token 2 too
+    assert kept(apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.7]))) == [0, 1]
+    assert kept(apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.71]))) == [0, 1, 2]
+    assert kept(apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.01]))) == [0]
+    # min_p: tokens with p >= min_p * 0.4
+    assert kept(apply_min_p(logits, torch.tensor([0.45]))) == [0, 1, 2]
+    assert kept(apply_min_p(logits, torch.tensor([0.6]))) == [0, 1]
+
+
+def test_samples_follow_the_distribution_and_stay_in_the_allowed_set():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 4000
+    logits = probs.log().expand(n, 4).clone()
+    out = _sampler(1)(logits, _meta(n, top_ks=[3] * n))
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=4).float()
+    assert counts[3] == 0, "sampled a token top_k removed"
+    expected = probs[:3] / probs[:3].sum() * n
+    chi2 = float(((counts[:3] - expected) ** 2 / expected).sum())
+    assert chi2 < 13.8, f"chi-square {chi2:.1f} (2 dof, p < 0.001)"
+
+
+def test_seeded_rows_do_not_depend_on_batch_mates():
+    logits = torch.randn(1, 100)
+    alone = [_sampler(0)(logits, _meta(1, generators=[torch.Generator().manual_seed(7)])).token_ids[0]
+             for _ in range(1)]
+    batch = torch.cat([torch.randn(3, 100), logits])
+    gens = [None, None, None, torch.Generator().manual_seed(7)]
+    mixed = _sampler(5)(batch, _meta(4, generators=gens)).token_ids[3]
+    assert mixed == alone[0]
+
+
+def test_banned_tokens_are_never_sampled():
+    logits = torch.zeros(2, 10)
+    logits[:, 3] = 100.0
+    out = _sampler()(logits, _meta(2, temperatures=[0.0, 1.0], banned_token_ids=[[3], [3]]))
+    assert 3 not in out.token_ids
+
+
+def test_logprobs_are_raw_log_softmax_with_ranks():
+    logits = torch.randn(2, 30)
+    out = _sampler()(logits, _meta(2, temperatures=[0.0, 0.0], num_logprobs=[3, None]))
+    lp = torch.log_softmax(logits, -1)
+    sampled_lp, rank, top = out.logprobs[0]
+    assert rank == 1 and math.isclose(sampled_lp, lp[0].max().item(), abs_tol=1e-6)
+    assert [t for t, _ in top] == lp[0].topk(3).indices.tolist()
+    assert out.logprobs[1] is None
+
+
+def test_non_finite_rows_are_reported():
+    logits = torch.randn(3, 10)
+    logits[1, 4] = float("nan")
+    logits[2, 0] = float("inf")
+    out = _sampler()(logits, _meta(3, temperatures=[0.0] * 3))
+    assert out.nonfinite_rows == [1, 2]
