@@ -113,6 +113,7 @@ class LLM:
                 if not isinstance(m, dict) or "role" not in m or "content" not in m:
                     raise ValueError(f"each message must be a dict with 'role' and 'content', got {m!r}")
             ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                          return_dict=False,
                                           **(chat_template_kwargs or {}))
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]

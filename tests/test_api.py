@@ -1,0 +1,115 @@
+"""The public API: LLM.generate/chat/stats, LLMEngine add_request/step/abort_request, the trace, the CLI."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conformance.zoo import ZOO, zoo_model
+from nanovllm import LLM, RequestOutput, SamplingParams
+from tests.conftest import cached_llm, prompts_for
+
+MODEL = "qwen3-gqa2-hd64-tied"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return cached_llm(zoo_model(MODEL), block_size=16, seed=0)
+
+
+def test_prompt_forms_are_equivalent(llm):
+    tok = llm.get_tokenizer()
+    text = "w10 w200 w31 w4 w77"
+    ids = tok.encode(text)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    a, b, c = llm.generate([text, ids, {"prompt_token_ids": ids}], params, use_tqdm=False)
+    assert a.prompt == text and a.prompt_token_ids == ids
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+    assert a.outputs[0].text == tok.decode(a.outputs[0].token_ids, skip_special_tokens=True)
+    single = llm.generate(text, params, use_tqdm=False)  # a bare string is one prompt
+    assert len(single) == 1 and isinstance(single[0], RequestOutput)
+
+
+def test_chat_applies_the_template(llm):
+    conv = [{"role": "user", "content": "w10 w20"}]
+    out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    assert out.prompt_token_ids == tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
+    two = llm.chat([conv, conv], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in two] == [out.outputs[0].token_ids] * 2
+    with pytest.raises(ValueError, match="role.*content"):
+        llm.chat([{"content": "no role"}])
+
+
+def test_stats_count_steps_and_tokens(llm):
+    before = llm.stats()
+    llm.generate(prompts_for(ZOO[MODEL].vocab_size, (5, 9)), SamplingParams(temperature=0, max_tokens=3,
+                                                                          ignore_eos=True), use_tqdm=False)
+    after = llm.stats()
+    assert after["generation_tokens"] - before["generation_tokens"] == 6
+    assert after["steps"] - before["steps"] == 3
+    assert after["num_free_kv_blocks"] == after["num_kv_blocks"]
+    for key in ("preemptions", "prefix_cache_hit_tokens", "steps"):
+        assert key in after
+
+
+def test_engine_step_api_and_abort():
+    llm = LLM(zoo_model(MODEL), block_size=16, seed=0, trace=True)
+    engine = llm.llm_engine
+    vocab = ZOO[MODEL].vocab_size
+    p = prompts_for(vocab, (20, 7, 33), seed=4)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    for i, prompt in enumerate(p):
+        engine.add_request(f"r{i}", prompt, params)
+    with pytest.raises(ValueError, match="request_id 'r1' is already in use"):
+        engine.add_request("r1", p[0], params)
+    assert engine.has_unfinished_requests()
+    engine.step()
+    aborted = engine.abort_request("r1")
+    assert aborted.outputs[0].finish_reason == "abort" and aborted.finished
+    assert engine.abort_request("no-such-request") is None
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+    assert sorted(done) == ["r0", "r2"]
+    assert all(len(o.outputs[0].token_ids) == 5 for o in done.values())
+    engine.check_invariants()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    kinds = [e.kind for e in engine.tracer.events]
+    assert kinds[0] == "prefill" and "decode" in kinds
+    assert ("r0", "length") in [f for e in engine.tracer.events for f in e.finished]
+    text = engine.tracer.events[0].format()
+    assert "r0" in text and "prefill" in text and "blocks=" in text
+
+
+def _cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "nanovllm.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cli_generate_json_and_trace():
+    path = zoo_model(MODEL)
+    r = _cli("generate", "--model", path, "w10 w20 w30", "w5 w6", "--max-tokens", "4", "--temperature", "0",
+             "--ignore-eos", "--json", "--trace", "--no-progress", "--max-num-batched-tokens", "3")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert [len(o["token_ids"]) for o in data["outputs"]] == [4, 4]
+    assert data["stats"]["steps"] > 0
+    assert "step    0 prefill" in r.stderr and "finished:" in r.stderr
+
+
+def test_cli_bad_flags_are_clear_errors(tmp_path):
+    path = zoo_model(MODEL)
+    r = _cli("generate", "--model", path, "w10", "--top-p", "1.5", "--no-progress")
+    assert r.returncode == 2 and "top_p must be in (0, 1], got 1.5" in r.stderr
+    r = _cli("generate", "--model", path, "--no-progress")
+    assert r.returncode == 2 and "give at least one prompt" in r.stderr
+    r = _cli("generate", "--model", path, "--prompts-file", str(tmp_path / "missing.txt"))
+    assert r.returncode == 2 and "missing.txt" in r.stderr
+    r = _cli("generate", "--model", path, "w10", "--block-size", "abc")
+    assert r.returncode == 2 and "--block-size" in r.stderr
+    r = _cli("generate", "--model", str(tmp_path / "nope"), "w10")
+    assert r.returncode == 2 and "does not exist" in r.stderr
