@@ -19,6 +19,14 @@ if _worker and "CUDA_VISIBLE_DEVICES" not in os.environ and os.environ.get("NANO
     if n > 0:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(int(_worker.removeprefix("gw")) % n)
 
+# xdist workers share the cores: give each its share of threads (OpenMP spin-waits make
+# oversubscription far slower than the core count suggests).
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+    _threads = str(max(1, (os.cpu_count() or 1) // _workers))
+    os.environ["OMP_NUM_THREADS"] = _threads
+    os.environ.setdefault("MKL_NUM_THREADS", _threads)
+
 try:
     from hypothesis import HealthCheck, settings
 
@@ -36,7 +44,7 @@ def pytest_collection_modifyitems(config, items):
 
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
-        if "gpu" in item.keywords and n_gpu < 1:
+        if item.get_closest_marker("gpu") and n_gpu < 1:  # markers, not keywords: tests/gpu/ is a keyword
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)"))
-        if "multi_gpu" in item.keywords and n_gpu < 2:
+        if item.get_closest_marker("multi_gpu") and n_gpu < 2:
             item.add_marker(pytest.mark.skip(reason=f"needs 2 CUDA GPUs, {n_gpu} visible"))
