@@ -23,6 +23,28 @@ def _bool_field(name: str, value) -> None:
         raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
 
 
+def _check_tensor_parallel(tp: int, hf_config) -> None:
+    """Raise unless the model's heads and MLP split evenly over ``tp`` ranks (before any
+    worker starts). Fewer KV heads than ranks is fine when each can be replicated evenly."""
+    if tp == 1:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise ValueError(f"tensor_parallel_size={tp} needs torch.distributed, "
+                         f"which this torch build lacks")
+    heads = getattr(hf_config, "num_attention_heads", None)
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if isinstance(heads, int) and heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide num_attention_heads={heads}")
+    if isinstance(kv_heads, int) and (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
+        raise ValueError(f"num_key_value_heads={kv_heads} can be neither split nor replicated evenly "
+                         f"over tensor_parallel_size={tp} (one must be a multiple of the other)")
+    inter = getattr(hf_config, "intermediate_size", None)
+    if isinstance(inter, int) and inter % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide intermediate_size={inter}")
+
+
 @dataclass
 class EngineConfig:
     """Engine arguments (vLLM's names). ``None`` means "choose a sensible default".
@@ -107,6 +129,7 @@ class EngineConfig:
                 and self.tensor_parallel_size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} but only "
                              f"{torch.cuda.device_count()} CUDA device(s) are visible")
+        _check_tensor_parallel(self.tensor_parallel_size, hf_config)
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device == "cuda" else "float32"
         if self.block_size is None:

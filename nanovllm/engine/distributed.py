@@ -1,0 +1,246 @@
+"""TensorParallelExecutor: one worker process per rank, driven over pipes.
+
+Every rank, rank 0 included, runs in a spawned worker that holds a LocalExecutor
+(model shard, KV cache, and on rank 0 the sampler), so this process keeps no
+torch.distributed group of its own and several TP engines can live in one
+process and on one host. Invariants and the order things happen in:
+
+- Rendezvous: this process hosts a TCPStore on a port the kernel picks (port 0),
+  so there is no fixed port and no window between choosing a port and binding
+  it. Workers join it as clients, then build the process group (gloo on CPU,
+  NCCL on GPU with worker i on cuda:i) and one warm-up all-reduce, so NCCL's
+  communicator exists before any CUDA graph is captured.
+- Every call goes to every rank and waits for every rank's reply (the
+  acknowledgement); rank 0's reply carries the result. Ranks run the same
+  collectives in the same order, so they must all get the same work.
+- Any failure (a worker's exception, a worker that died, Ctrl-C while waiting)
+  shuts every worker down before the error reaches the caller: after one rank
+  fails the others may be stuck in a collective, so the group cannot go on.
+- Workers leave when told (close), when their pipe reports the parent gone
+  (EOF), or when a watchdog thread sees a new parent pid (the parent was
+  killed while the worker was inside a collective).
+
+Workers are started with 'spawn': a script that builds a TP engine at import
+time needs the usual ``if __name__ == "__main__":`` guard.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+import weakref
+from datetime import timedelta
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nanovllm.config import EngineConfig
+from nanovllm.engine.model_input import ModelInput
+from nanovllm.engine.model_runner import StepResult
+
+logger = logging.getLogger(__name__)
+
+_HOST = "127.0.0.1"
+_RENDEZVOUS_TIMEOUT = timedelta(minutes=5)
+_CLOSE_TIMEOUT_S = 10.0
+
+
+class TensorParallelExecutor:
+    """The LocalExecutor interface over ``config.tensor_parallel_size`` worker processes."""
+
+    def __init__(self, config: EngineConfig, load_format: str = "auto"):
+        self.world_size = config.tensor_parallel_size
+        self._error: str | None = None
+        ctx = mp.get_context("spawn")
+        self._store = dist.TCPStore(_HOST, 0, self.world_size, is_master=True,
+                                    timeout=_RENDEZVOUS_TIMEOUT, wait_for_workers=False)
+        self.processes, self._conns = [], []
+        self._finalizer = weakref.finalize(self, _shutdown, self.processes, self._conns, self._store)
+        try:
+            for rank in range(self.world_size):
+                parent_end, child_end = ctx.Pipe()
+                proc = ctx.Process(target=_worker_main, name=f"nanovllm-tp{rank}", daemon=True,
+                                   args=(rank, self._store.port, os.getpid(), config, load_format,
+                                         child_end))
+                proc.start()
+                child_end.close()
+                self.processes.append(proc)
+                self._conns.append(parent_end)
+            self._gather("init")
+        except BaseException:
+            self._abort("start-up failed")
+            raise
+        logger.info("tensor parallel: %d workers (pids %s), rendezvous on port %d",
+                    self.world_size, [p.pid for p in self.processes], self._store.port)
+
+    # ------------------------------------------------------ executor interface
+    def profile_num_blocks(self) -> int:
+        """Every rank must hold the same number of KV blocks: the smallest budget wins."""
+        return min(self._call("profile_num_blocks"))
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._call("allocate_kv_cache", num_blocks)
+
+    def execute(self, mi: ModelInput) -> StepResult:
+        return self._call("execute", mi)[0]
+
+    def close(self) -> None:
+        """Stop every worker (idempotent; also run at interpreter exit)."""
+        self._finalizer()
+
+    # -------------------------------------------------------------------- RPC
+    def _call(self, method: str, *args) -> list:
+        """Run ``method`` on every rank; each rank's return value, in rank order."""
+        if not self._finalizer.alive:
+            raise RuntimeError(f"TensorParallelExecutor is closed{self._error or ''}; "
+                               f"cannot run {method}()")
+        message = pickle.dumps((method, args))
+        try:
+            for conn in self._conns:
+                try:
+                    conn.send_bytes(message)
+                except OSError:
+                    pass  # that worker is dead: _gather reports it
+            return self._gather(method)
+        except BaseException as e:
+            self._abort(f"{method}() failed: {type(e).__name__}")
+            raise
+
+    def _gather(self, method: str) -> list:
+        """One reply per rank. A worker's error or death raises RuntimeError at once."""
+        replies: dict[int, object] = {}
+        while len(replies) < self.world_size:
+            pending = [r for r in range(self.world_size) if r not in replies]
+            ready = set(wait([self._conns[r] for r in pending]
+                             + [self.processes[r].sentinel for r in pending]))
+            errors, deaths = [], []
+            for r in pending:
+                if self._conns[r] in ready:
+                    try:
+                        status, value = self._conns[r].recv()
+                    except (EOFError, OSError):  # closed or reset: the worker is gone
+                        deaths.append(r)
+                        continue
+                    if status == "ok":
+                        replies[r] = value
+                    else:
+                        errors.append(f"{self._who(r)} raised in {method}():\n{value}")
+                elif self.processes[r].sentinel in ready:
+                    deaths.append(r)
+            # a dead rank is the cause; its peers' errors (lost connections) are the effect
+            failures = [self._death(r, method) for r in deaths] + errors
+            if failures:
+                raise RuntimeError("\n".join(failures))
+        return [replies[r] for r in range(self.world_size)]
+
+    def _who(self, rank: int) -> str:
+        return f"tensor-parallel worker rank {rank} (pid {self.processes[rank].pid})"
+
+    def _death(self, rank: int, method: str) -> str:
+        proc = self.processes[rank]
+        proc.join(1.0)
+        code = proc.exitcode
+        how = (f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
+               else f"exited with code {code}")
+        return f"{self._who(rank)} {how} during {method}()"
+
+    def _abort(self, why: str) -> None:
+        """Kill every worker now (the group is unusable) and release the rendezvous."""
+        self._error = f" ({why})"
+        for proc in self.processes:
+            if proc.is_alive():
+                proc.terminate()
+        self._finalizer()
+
+
+def _shutdown(processes: list, conns: list, store) -> None:
+    """Ask live workers to leave, wait a little, then terminate and kill the rest."""
+    for conn in conns:
+        try:
+            conn.send_bytes(pickle.dumps(("close", ())))
+        except OSError:
+            pass
+    deadline = time.monotonic() + _CLOSE_TIMEOUT_S
+    for proc in processes:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in processes:
+        if proc.is_alive():
+            logger.warning("tensor-parallel worker pid %d did not exit in %.0f s; terminating it",
+                           proc.pid, _CLOSE_TIMEOUT_S)
+            proc.terminate()
+            proc.join(2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    for conn in conns:
+        conn.close()
+    # the store (the rendezvous) is released when the finalizer drops its arguments
+
+
+# ------------------------------------------------------------------ worker side
+def _worker_main(rank: int, port: int, parent_pid: int, config: EngineConfig, load_format: str,
+                 conn) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    try:
+        executor = _init_worker(rank, port, config, load_format)
+    except BaseException:
+        _send(conn, ("error", traceback.format_exc()))
+        return
+    _send(conn, ("ok", None))
+    _serve(executor, conn)
+
+
+def _init_worker(rank: int, port: int, config: EngineConfig, load_format: str):
+    from nanovllm.engine.executor import LocalExecutor
+
+    world = config.tensor_parallel_size
+    if config.device == "cuda":
+        torch.cuda.set_device(rank)
+        device, backend = torch.device("cuda", rank), "nccl"
+    else:
+        torch.set_num_threads(max(1, torch.get_num_threads() // world))  # ranks share the cores
+        device, backend = torch.device("cpu"), "gloo"
+    store = dist.TCPStore(_HOST, port, world, is_master=False, timeout=_RENDEZVOUS_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+    dist.all_reduce(torch.zeros(1, device=device))  # NCCL: create the communicator before graphs
+    return LocalExecutor(config, load_format)
+
+
+def _serve(executor, conn) -> None:
+    """Answer calls until told to close; after an error the worker leaves (the group is broken)."""
+    while True:
+        try:
+            method, args = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # the parent is gone
+            method, args = "close", ()
+        if method == "close":
+            executor.close()
+            dist.destroy_process_group()
+            return
+        try:
+            result = getattr(executor, method)(*args)
+        except BaseException:
+            _send(conn, ("error", traceback.format_exc()))
+            return
+        _send(conn, ("ok", result))
+
+
+def _send(conn, message) -> None:
+    try:
+        conn.send(message)
+    except OSError:
+        pass  # the parent is gone; the worker is leaving anyway
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Leave if the parent dies while this worker is stuck (e.g. inside a collective)."""
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os._exit(1)
