@@ -26,6 +26,8 @@ def pytest_addoption(parser):
                     help="engine adapter to check: nanovllm (default), hf, hf-cb, vllm, nano-vllm")
     group.addoption("--mutant", default=os.environ.get("NANOVLLM_MUTANT") or None,
                     help="activate one named nanovllm mutant for the run (see python -m conformance.mutants)")
+    group.addoption("--block-size", type=int, default=None,
+                    help="KV block size of every engine (default 16, or the engine's smallest)")
     group.addoption("--check-timeout", type=float,
                     default=float(os.environ.get("CONFORMANCE_CHECK_TIMEOUT", "900")),
                     help="seconds after which a running check fails (hang protection)")
@@ -49,6 +51,13 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # the suite's slow checks (regenerating golden files, the whole mutant table) take many
+    # minutes: they run when asked for (-m slow, or CONFORMANCE_SLOW=1), not in every pytest run
+    if "slow" not in (config.option.markexpr or "") and os.environ.get("CONFORMANCE_SLOW") != "1":
+        later = pytest.mark.skip(reason="slow conformance check: run with -m slow or CONFORMANCE_SLOW=1")
+        for item in items:
+            if item.get_closest_marker("slow") and "conformance" in str(item.fspath):
+                item.add_marker(later)
     engine = config.getoption("--engine")
     if engine == "nanovllm":
         return
@@ -70,8 +79,8 @@ def engine_name(request) -> str:
 
 
 @pytest.fixture(scope="session")
-def engines(engine_name):
-    pool = EnginePool(engine_name)
+def engines(engine_name, request):
+    pool = EnginePool(engine_name, block_size=request.config.getoption("--block-size"))
     yield pool
     pool.close()
 

@@ -16,7 +16,7 @@ from conformance.adapters import Result, Sampling, Unsupported, adapter_class
 from conformance.compare import DELTA
 
 DEFAULT_KNOBS = {"dtype": "float32", "seed": 0}
-BS = 16  # the block size the golden prompts are built around
+BS = 16  # the block size the golden prompts are built around (the default where the engine allows it)
 
 
 def skip_lacking(engine_name: str, capability: str, detail: str = ""):
@@ -60,10 +60,12 @@ class EnginePool:
     (vLLM) are capped at ``max_live`` at a time, least recently used closed first.
     """
 
-    def __init__(self, name: str, max_live: int | None = None):
+    def __init__(self, name: str, max_live: int | None = None, block_size: int | None = None):
         self.name = name
         self.cls = adapter_class(name)
         self.reason = self.cls.unavailable()
+        # every engine of the pool gets this block size unless a check asks for another one
+        self.bs = block_size or getattr(self.cls, "preferred_block_size", BS)
         self.max_live = max_live or getattr(self.cls, "max_live", 8)
         self._live: OrderedDict = OrderedDict()
         self._owned: list = []
@@ -75,8 +77,11 @@ class EnginePool:
     def _load(self, model_dir: str, knobs: dict):
         self._check_available()
         engine = self.cls()
+        defaults = dict(DEFAULT_KNOBS)
+        if "block_size" in engine.capabilities:
+            defaults["block_size"] = self.bs
         try:
-            engine.load(model_dir, **{**DEFAULT_KNOBS, **knobs})
+            engine.load(model_dir, **{**defaults, **knobs})
         except Unsupported as e:
             engine.close()
             skip_lacking(self.name, e.capability, e.detail)

@@ -14,7 +14,7 @@ from conformance.adapters import Sampling
 from conformance.adapters.base import (EOS, GREEDY, LOGPROBS, MIN_TOKENS, PROMPT_LOGPROBS, SAMPLING, SEED,
                                        STOP_STRINGS, STOP_TOKEN_IDS, TEXT)
 from conformance.compare import LOGPROB_TOL
-from conformance.harness import BS, delta, generate, require
+from conformance.harness import delta, generate, require
 from conformance.zoo import EOS_ID
 
 MODEL = "llama-mha-hd64"
@@ -26,7 +26,7 @@ def setup(engines):
     problem = golden.check_model(g)
     if problem:
         pytest.fail(problem)
-    return g, {c["id"]: c for c in g["cases"]}, engines.get(golden.model_dir(g), block_size=BS)
+    return g, {c["id"]: c for c in g["cases"]}, engines.get(golden.model_dir(g))
 
 
 def _one(engine, prompt, **kw):

@@ -9,7 +9,7 @@ import golden
 from conformance.adapters import Sampling
 from conformance.adapters.base import GREEDY
 from conformance.compare import assert_tokens_equal
-from conformance.harness import BS, generate, require, tokens
+from conformance.harness import generate, require, tokens
 from conformance.zoo import ZOO
 
 MODEL = "qwen3-gqa4-hd128"
@@ -20,8 +20,8 @@ MODEL = "qwen3-gqa4-hd128"
 def test_cuda_graph_equals_eager(engines, dtype, figure):
     g = golden.load(MODEL)
     model = golden.model_dir(g)
-    graphs = engines.get(model, block_size=BS, device="cuda", dtype=dtype, cuda_graph=True)
-    eager = engines.get(model, block_size=BS, device="cuda", dtype=dtype, cuda_graph=False)
+    graphs = engines.get(model, device="cuda", dtype=dtype, cuda_graph=True)
+    eager = engines.get(model, device="cuda", dtype=dtype, cuda_graph=False)
     require(graphs, GREEDY)
     rng = np.random.default_rng(5)
     checked = 0

@@ -9,7 +9,7 @@ import torch
 import golden
 from conformance.adapters import Sampling
 from conformance.compare import DELTA, LOGPROB_TOL, assert_tokens_equal, compare_greedy
-from conformance.harness import BS, generate, golden_step_logprobs, tokens
+from conformance.harness import generate, golden_step_logprobs, tokens
 
 
 def _case(name="qwen3-gqa4-hd128", cid="len-bs+1"):
@@ -43,7 +43,7 @@ def test_logprob_rule_rejects_perturbed_values():
     torch.testing.assert_close(want + 5e-5, want, atol=LOGPROB_TOL["float32"], rtol=LOGPROB_TOL["float32"])
     with pytest.raises(AssertionError):
         bad = want.clone()
-        bad[3] += 1e-3
+        bad[3] += 1e-2  # tolerance: 1e-4 + 1e-4 * |x| (about 2e-3 here)
         torch.testing.assert_close(bad, want, atol=LOGPROB_TOL["float32"], rtol=LOGPROB_TOL["float32"])
 
 
@@ -60,7 +60,7 @@ def test_mutant_machinery_smoke(engines):
     from conformance.mutants import activate
 
     g, c = _case()
-    engine = engines.fresh(golden.model_dir(g), block_size=BS)
+    engine = engines.fresh(golden.model_dir(g), prefix_cache=False)  # no corrupted K/V is reused later
     with activate("slot_mapping_off_by_one"):
         bad = tokens(generate(engine, [c["prompt"]], Sampling.greedy(16)))[0]
     good = tokens(generate(engine, [c["prompt"]], Sampling.greedy(16)))[0]

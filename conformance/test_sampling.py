@@ -12,7 +12,7 @@ import torch
 import golden
 from conformance.adapters import Sampling
 from conformance.adapters.base import MIN_P, SAMPLING, SEED, TOP_K, TOP_P
-from conformance.harness import BS, generate, require, tokens
+from conformance.harness import generate, require, tokens
 from conformance.stats import chi_square, filtered_distribution
 
 MODEL = "llama-mha-hd64"  # its golden file holds the full next-token distribution of one prompt
@@ -25,7 +25,7 @@ def _setup(engines):
     problem = golden.check_model(g)
     if problem:
         pytest.fail(problem)
-    return g, engines.get(golden.model_dir(g), block_size=BS)
+    return g, engines.get(golden.model_dir(g))
 
 
 def _configs(s: dict) -> dict[str, tuple[dict, str | None]]:
