@@ -14,8 +14,11 @@ Invariants (``check_invariants`` asserts all of them):
 * ``cached`` maps a hash to the one block published under it, and that block
   carries the hash and its tokens. A block is published only when it is full and
   its K/V has been computed (``cache_full_blocks`` runs after the forward pass).
-* A cache hit compares the stored tokens, so a hash collision never serves K/V
-  of other tokens.
+* A cache hit compares the stored tokens *and* its parent: a published block
+  records the publication serial of the block its K/V were computed after
+  (``parent_serial``), and block i is a hit only when that is the serial of hit
+  i-1. So a hash collision -- of the block itself or of any block before it --
+  never serves K/V computed after other tokens.
 
 Eviction: ``free_blocks`` is kept in eviction order (an OrderedDict: O(1) pop
 from the head, O(1) removal from the middle when a cached block is hit again).
@@ -25,6 +28,7 @@ worth keeping and go to the head.
 """
 from __future__ import annotations
 
+import itertools
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence as Seq
@@ -45,13 +49,15 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Seq[int]) -> int:
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "serial", "parent_serial")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.block_hash: int | None = None
         self.token_ids: tuple[int, ...] | None = None  # kept for hashed blocks, to verify hits
+        self.serial: int | None = None         # unique per publication (None while unpublished)
+        self.parent_serial: int | None = None  # serial of the block before it when published (None: first)
 
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref={self.ref_count}, hash={self.block_hash})"
@@ -70,6 +76,7 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[int, Block] = {}
         self.num_evictions = 0
+        self._serials = itertools.count()
 
     # ---------------------------------------------------------------- queries
     @property
@@ -104,7 +111,8 @@ class BlockManager:
         hits: list[Block] = []
         for i in range((seq.num_tokens - 1) // bs):
             block = self.cached.get(seq.block_hashes[i])
-            if block is None or block.token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
+            if (block is None or block.token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                    or block.parent_serial != (hits[-1].serial if hits else None)):
                 break
             hits.append(block)
         return hits
@@ -142,6 +150,7 @@ class BlockManager:
         del self.cached[block.block_hash]
         block.block_hash = None
         block.token_ids = None
+        block.serial = block.parent_serial = None
         self.num_evictions += 1
 
     def free(self, seq: Sequence) -> None:
@@ -160,24 +169,37 @@ class BlockManager:
         """Publish the hashes of seq's full blocks whose K/V is now computed.
 
         Call only after the forward pass that wrote them. A block whose hash is
-        already published (the same prefix computed twice in one step, or a
-        hash collision) stays private to its sequence.
+        already published stays private to its sequence: when the published one
+        holds the same K/V (same tokens, same parent: the prefix computed twice)
+        later blocks chain to it; after a hash collision nothing later is published.
         """
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return
         num_full = seq.num_computed_tokens // self.block_size
         self.update_block_hashes(seq)
         bs = self.block_size
-        for i in range(num_full - 1, -1, -1):
-            block = self.blocks[seq.block_table[i]]
-            if block.block_hash is not None:
-                break  # this one and every earlier one are published already
+        table = seq.block_table
+        start = num_full
+        while start > 0 and self.blocks[table[start - 1]].block_hash is None:
+            start -= 1  # blocks before `start` are published already
+        parent = self.blocks[table[start - 1]] if start else None  # published block holding the prefix
+        for i in range(start, num_full):
+            block = self.blocks[table[i]]
             block_hash = seq.block_hashes[i]
-            if block_hash in self.cached:
-                continue
-            block.block_hash = block_hash
-            block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            self.cached[block_hash] = block
+            token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            parent_serial = parent.serial if parent is not None else None
+            twin = self.cached.get(block_hash)
+            if twin is None:
+                block.block_hash = block_hash
+                block.token_ids = token_ids
+                block.serial = next(self._serials)
+                block.parent_serial = parent_serial
+                self.cached[block_hash] = block
+                parent = block
+            elif twin.token_ids == token_ids and twin.parent_serial == parent_serial:
+                parent = twin  # the same K/V, published by another sequence
+            else:
+                return  # a hash collision: no later block of seq can be published safely
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only when no block is in use (like vLLM)."""
@@ -200,6 +222,7 @@ class BlockManager:
             assert block.block_hash == block_hash, f"cache entry {block_hash} -> {block}"
             assert block.token_ids is not None and len(block.token_ids) == self.block_size, \
                 f"published {block} is not a full block"
+            assert block.serial is not None, f"published {block} has no serial"
         for block in self.blocks:
             if block.block_hash is not None:
                 assert self.cached.get(block.block_hash) is block, f"{block} hashed but not findable"

@@ -4,7 +4,8 @@ One step is a list of (sequence, number of new tokens). There is no separate
 prefill or decode phase: a running sequence asks for all of its tokens that are
 not computed yet (one, when it is decoding), a waiting one for its prompt minus
 its prefix-cache hits. With chunked prefill a request takes what is left of the
-token budget and continues next step; without it, a prompt is scheduled whole.
+token budget and continues next step; without it, a prompt is scheduled whole
+(only a preempted sequence that outgrew the whole budget resumes in chunks).
 
 Order: running sequences first, in admission order, then waiting ones (FIFO).
 When a running sequence cannot get a block, the most recently admitted running
@@ -126,7 +127,10 @@ class Scheduler:
             hits = bm.get_computed_blocks(seq)
             num_cached = len(hits) * bm.block_size
             remaining = seq.num_tokens - num_cached
-            if not self.enable_chunked_prefill and remaining > budget:
+            # without chunked prefill a prompt goes whole; a recompute (after preemption) longer
+            # than the whole budget never could, so it resumes in chunks like a running sequence
+            if (not self.enable_chunked_prefill and remaining > budget
+                    and remaining <= self.max_num_batched_tokens):
                 break
             num_new = min(remaining, budget)
             if not bm.allocate_slots(seq, num_new, hits):

@@ -1,0 +1,347 @@
+"""Named bugs in the block manager, scheduler and model input, switched on by monkeypatching.
+
+``MUTANTS[name]()`` is a context manager: inside it the bug is live in this
+process (the class or module attribute is replaced), on exit the original is
+restored. Nothing here touches shipped code paths on disk. The conformance
+mutant runner (``conformance/mutants.py``) imports this registry; each
+property test in ``conformance/test_*_properties.py`` has a negative control
+proving that at least one property catches each mutant (see ``NEGATIVE_CONTROLS``).
+
+Importing this module imports no torch.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from typing import ContextManager
+
+from nanovllm.engine import block_manager as bm_mod
+from nanovllm.engine import model_input as mi_mod
+from nanovllm.engine import scheduler as sched_mod
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import SequenceStatus
+
+
+@contextlib.contextmanager
+def _patched(*patches: tuple[object, str, object]) -> Iterator[None]:
+    saved = [(obj, name, obj.__dict__[name] if isinstance(obj, type) else getattr(obj, name))
+             for obj, name, _ in patches]
+    try:
+        for obj, name, new in patches:
+            setattr(obj, name, new)
+        yield
+    finally:
+        for obj, name, old in reversed(saved):
+            setattr(obj, name, old)
+
+
+# ------------------------------------------------------------ block manager
+def free_no_decref() -> ContextManager:
+    """BlockManager.free forgets to decrement ref counts: freed blocks never come back."""
+    def free(self, seq):
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = block
+        seq.block_table = []
+    return _patched((BlockManager, "free", free))
+
+
+def publish_before_compute() -> ContextManager:
+    """cache_full_blocks publishes every full block of *tokens*, computed or not."""
+    orig = BlockManager.cache_full_blocks
+
+    def cache_full_blocks(self, seq):
+        saved = seq.num_computed_tokens
+        seq.num_computed_tokens = min(seq.num_tokens, len(seq.block_table) * self.block_size)
+        try:
+            orig(self, seq)
+        finally:
+            seq.num_computed_tokens = saved
+    return _patched((BlockManager, "cache_full_blocks", cache_full_blocks))
+
+
+def hit_skips_token_check() -> ContextManager:
+    """get_computed_blocks trusts the hash: no token comparison on a hit (unsafe with collisions)."""
+    def get_computed_blocks(self, seq):
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []
+        self.update_block_hashes(seq)
+        hits = []
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            block = self.cached.get(seq.block_hashes[i])
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+    return _patched((BlockManager, "get_computed_blocks", get_computed_blocks))
+
+
+def full_hit_skips_last_token() -> ContextManager:
+    """A fully cached prompt is served whole: no token left to compute (no logits)."""
+    def get_computed_blocks(self, seq):
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []
+        self.update_block_hashes(seq)
+        bs = self.block_size
+        hits = []
+        for i in range(seq.num_tokens // bs):
+            block = self.cached.get(seq.block_hashes[i])
+            if block is None or block.token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
+                break
+            hits.append(block)
+        return hits
+    return _patched((BlockManager, "get_computed_blocks", get_computed_blocks))
+
+
+def stale_hash_after_eviction() -> ContextManager:
+    """Reusing a cached free block keeps its old hash entry: the old prefix hits new K/V."""
+    def _evict(self, block):
+        self.num_evictions += 1
+    return _patched((BlockManager, "_evict", _evict))
+
+
+def hit_left_in_free_queue() -> ContextManager:
+    """A cache hit on a free block does not take it off the free queue: a block in use can be evicted."""
+    def allocate_slots(self, seq, num_new_tokens, computed_blocks=()):
+        computed_blocks = list(computed_blocks)
+        total = seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        num_new_blocks = self.blocks_needed(total) - len(seq.block_table) - len(computed_blocks)
+        if num_new_blocks > len(self.free_blocks):
+            return False
+        for block in computed_blocks:
+            block.ref_count += 1
+            seq.block_table.append(block.block_id)
+        for _ in range(max(num_new_blocks, 0)):
+            _, block = self.free_blocks.popitem(last=False)
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_count += 1
+            seq.block_table.append(block.block_id)
+        return True
+    return _patched((BlockManager, "allocate_slots", allocate_slots))
+
+
+def failed_alloc_not_atomic() -> ContextManager:
+    """allocate_slots takes its cache hits before checking capacity: a failure leaves them taken."""
+    orig = BlockManager.allocate_slots
+
+    def allocate_slots(self, seq, num_new_tokens, computed_blocks=()):
+        computed_blocks = list(computed_blocks)
+        if orig(self, seq, num_new_tokens, computed_blocks):
+            return True
+        for block in computed_blocks:  # the bug: hits revived although the allocation fails
+            if block.ref_count == 0:
+                del self.free_blocks[block.block_id]
+            block.ref_count += 1
+            seq.block_table.append(block.block_id)
+        return False
+    return _patched((BlockManager, "allocate_slots", allocate_slots))
+
+
+def _unchained_hash(parent_hash, token_ids):
+    return bm_mod.xxhash.xxh3_64_intdigest(bm_mod.array("q", token_ids).tobytes())
+
+
+def _python_hash(parent_hash, token_ids):
+    return hash((parent_hash, ",".join(map(str, token_ids)))) & ((1 << 64) - 1)
+
+
+def _hash_fn_patch(fn) -> ContextManager:
+    defaults = list(BlockManager.__init__.__defaults__)
+    defaults[-1] = fn
+    return _patched((bm_mod, "hash_block_tokens", fn),
+                    (BlockManager.__init__, "__defaults__", tuple(defaults)))
+
+
+def hash_not_chained() -> ContextManager:
+    """The block hash ignores the parent hash: equal blocks after different prefixes collide."""
+    return _hash_fn_patch(_unchained_hash)
+
+
+def hash_uses_python_hash() -> ContextManager:
+    """The block hash uses Python's hash() of a str: it changes with PYTHONHASHSEED."""
+    return _hash_fn_patch(_python_hash)
+
+
+# ---------------------------------------------------------------- scheduler
+def budget_off_by_one() -> ContextManager:
+    """schedule() lets one token more than max_num_batched_tokens into a step."""
+    orig = Scheduler.schedule
+
+    def schedule(self):
+        self.max_num_batched_tokens += 1
+        try:
+            return orig(self)
+        finally:
+            self.max_num_batched_tokens -= 1
+    return _patched((Scheduler, "schedule", schedule))
+
+
+def max_num_seqs_off_by_one() -> ContextManager:
+    """Admission allows max_num_seqs + 1 running sequences."""
+    orig = Scheduler.schedule
+
+    def schedule(self):
+        self.max_num_seqs += 1
+        try:
+            return orig(self)
+        finally:
+            self.max_num_seqs -= 1
+    return _patched((Scheduler, "schedule", schedule))
+
+
+def chunk_boundary_off_by_one() -> ContextManager:
+    """After a prefill chunk cut by the budget, the next chunk starts one position too late."""
+    def update_after_step(self, out):
+        for seq, num_new in zip(out.seqs, out.num_new_tokens):
+            seq.num_computed_tokens += num_new
+            if seq.num_computed_tokens < seq.num_prompt_tokens - 1:
+                seq.num_computed_tokens += 1
+            self.block_manager.cache_full_blocks(seq)
+    return _patched((Scheduler, "update_after_step", update_after_step))
+
+
+def preempt_keeps_block_table() -> ContextManager:
+    """A preempted sequence's blocks are freed but it keeps (and later reuses) its block table."""
+    def _preempt(self, seq):
+        table = list(seq.block_table)
+        self.block_manager.free(seq)
+        seq.block_table = table
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+    return _patched((Scheduler, "_preempt", _preempt))
+
+
+def preempt_oldest() -> ContextManager:
+    """Preemption picks the *oldest* running sequence, which may already be scheduled this step."""
+    orig = Scheduler.schedule
+
+    class _PopFront(list):
+        def pop(self, index=0):
+            return super().pop(index)
+
+    def schedule(self):
+        self.running = _PopFront(self.running)
+        try:
+            return orig(self)
+        finally:
+            self.running = list(self.running)
+    return _patched((Scheduler, "schedule", schedule))
+
+
+def chunked_off_recompute_stuck() -> ContextManager:
+    """Without chunked prefill, a preempted sequence that outgrew the budget is never re-admitted.
+
+    The scheduler as it was before the fix: ``remaining > budget`` always blocks
+    admission, so the request waits forever (an empty step with requests pending).
+    """
+    def schedule(self):
+        out = sched_mod.SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not bm.allocate_slots(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.seqs.append(seq)
+                out.num_new_tokens.append(num_new)
+                budget -= num_new
+                i += 1
+        while (not out.preempted and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            hits = bm.get_computed_blocks(seq)
+            num_cached = len(hits) * bm.block_size
+            remaining = seq.num_tokens - num_cached
+            if not self.enable_chunked_prefill and remaining > budget:  # the bug
+                break
+            num_new = min(remaining, budget)
+            if not bm.allocate_slots(seq, num_new, hits):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = num_cached
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = num_cached
+            self.num_cache_hit_tokens += num_cached
+            self.num_cache_query_tokens += seq.num_tokens
+            self.running.append(seq)
+            out.admitted.append(seq)
+            out.seqs.append(seq)
+            out.num_new_tokens.append(num_new)
+            budget -= num_new
+        return out
+    return _patched((Scheduler, "schedule", schedule))
+
+
+# -------------------------------------------------------------- model input
+def position_after_preemption() -> ContextManager:
+    """ModelInput positions of a re-admitted (preempted) sequence are one too high (RoPE position wrong)."""
+    orig = mi_mod.build_model_input
+
+    def build_model_input(out, block_size, finished_seq_ids=None):
+        mi = orig(out, block_size, finished_seq_ids)
+        for j, seq in enumerate(out.seqs):
+            if seq.num_preemptions:
+                lo, hi = mi.query_start_loc[j], mi.query_start_loc[j + 1]
+                mi.positions[lo:hi] = [p + 1 for p in mi.positions[lo:hi]]
+        return mi
+    patches = [(mi_mod, "build_model_input", build_model_input)]
+    engine_mod = sys.modules.get("nanovllm.engine.engine")  # the real engine binds the name at import
+    if engine_mod is not None:
+        patches.append((engine_mod, "build_model_input", build_model_input))
+    return _patched(*patches)
+
+
+MUTANTS: dict[str, Callable[[], ContextManager]] = {
+    f.__name__: f for f in (
+        free_no_decref, publish_before_compute, hit_skips_token_check, full_hit_skips_last_token,
+        stale_hash_after_eviction, hit_left_in_free_queue, failed_alloc_not_atomic, hash_not_chained,
+        hash_uses_python_hash, budget_off_by_one, max_num_seqs_off_by_one, chunk_boundary_off_by_one,
+        preempt_keeps_block_table, preempt_oldest, chunked_off_recompute_stuck, position_after_preemption,
+    )
+}
+
+# the negative-control tests (under conformance/) that prove each mutant is caught; under the quick
+# profile the positive property tests of both files catch every mutant too (see the module docstring)
+NEGATIVE_CONTROLS: dict[str, list[str]] = {
+    "free_no_decref": ["test_block_manager_properties.py::test_negative_block_manager_machine[free_no_decref]",
+                       "test_scheduler_properties.py::test_negative_scheduler_machine[free_no_decref]"],
+    "publish_before_compute": [
+        "test_block_manager_properties.py::test_negative_block_manager_machine[publish_before_compute]"],
+    "hit_skips_token_check": ["test_block_manager_properties.py::test_negative_collision_safety"],
+    "full_hit_skips_last_token": ["test_block_manager_properties.py::test_negative_cached_tokens"],
+    "stale_hash_after_eviction": [
+        "test_block_manager_properties.py::test_negative_block_manager_machine[stale_hash_after_eviction]",
+        "test_scheduler_properties.py::test_negative_preemption_exactness[stale_hash_after_eviction]"],
+    "hit_left_in_free_queue": [
+        "test_block_manager_properties.py::test_negative_block_manager_machine[hit_left_in_free_queue]"],
+    "failed_alloc_not_atomic": ["test_block_manager_properties.py::test_negative_failed_allocation"],
+    "hash_not_chained": ["test_block_manager_properties.py::test_negative_hash_locality"],
+    "hash_uses_python_hash": ["test_block_manager_properties.py::test_negative_hash_cross_process"],
+    "budget_off_by_one": ["test_scheduler_properties.py::test_negative_scheduler_machine[budget_off_by_one]"],
+    "max_num_seqs_off_by_one": [
+        "test_scheduler_properties.py::test_negative_scheduler_machine[max_num_seqs_off_by_one]"],
+    "chunk_boundary_off_by_one": ["test_scheduler_properties.py::test_negative_chunk_coverage"],
+    "preempt_keeps_block_table": [
+        "test_scheduler_properties.py::test_negative_scheduler_machine[preempt_keeps_block_table]"],
+    "preempt_oldest": ["test_scheduler_properties.py::test_negative_scheduler_machine[preempt_oldest]"],
+    "chunked_off_recompute_stuck": [
+        "test_scheduler_properties.py::test_negative_scheduler_machine[chunked_off_recompute_stuck]",
+        "test_scheduler_properties.py::test_negative_chunked_prefill_off_recompute"],
+    "position_after_preemption": [
+        "test_scheduler_properties.py::test_negative_preemption_exactness[position_after_preemption]"],
+}
