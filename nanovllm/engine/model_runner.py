@@ -14,7 +14,9 @@ import torch
 from nanovllm.attention.backends import get_backend
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.config import EngineConfig
+from nanovllm.engine.cuda_graph import CudaGraphRunner
 from nanovllm.engine.model_input import ModelInput
+from nanovllm.engine.step_inputs import StepInputs
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.parallel import tp_rank, tp_size
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -62,6 +64,17 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.generators: dict[int, torch.Generator] = {}
         self.num_blocks = 0
+        # GPU: pinned staging buffers (one host->device copy per step) and decode graphs
+        self.inputs: StepInputs | None = None
+        self.graphs: CudaGraphRunner | None = None
+        if self.device.type == "cuda":
+            self.inputs = StepInputs(max(config.max_num_batched_tokens, config.max_num_seqs),
+                                     config.max_num_seqs, -(-config.max_model_len // self.block_size),
+                                     self.block_size, self.device)
+
+    def _use_graphs(self) -> bool:
+        # the torch backend sizes tensors from host lengths: not capturable
+        return self.device.type == "cuda" and not self.config.enforce_eager and self.backend.name == "triton"
 
     # ---------------------------------------------------------------- KV cache
     def kv_bytes_per_block(self) -> int:
@@ -82,50 +95,84 @@ class ModelRunner:
             else:
                 budget = min(4 << 30, 0.3 * _available_ram())
             return max(1, min(int(budget // per_block), self.max_useful_blocks()))
+        reserve = self.profile_peak_activation()
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         used = total - free
-        budget = total * self.config.gpu_memory_utilization - used - self._activation_reserve()
+        budget = total * self.config.gpu_memory_utilization - used - reserve
         if budget < per_block:
             raise ValueError(f"no GPU memory left for the KV cache: gpu_memory_utilization="
                              f"{self.config.gpu_memory_utilization} of {total / 2**30:.1f} GiB, "
-                             f"{used / 2**30:.1f} GiB already used")
+                             f"{used / 2**30:.1f} GiB already used, {reserve / 2**30:.2f} GiB reserved "
+                             f"for activations and graphs")
+        logger.info("KV cache budget %.2f GiB (%.2f GiB used, %.2f GiB reserved for activations/graphs)",
+                    budget / 2**30, used / 2**30, reserve / 2**30)
         return int(budget // per_block)
 
-    def _activation_reserve(self) -> int:
-        """Peak activation memory of the largest step, measured by one dummy forward."""
-        return self.profile_peak_activation() if self.device.type == "cuda" else 0
-
     def profile_peak_activation(self) -> int:
+        """Bytes to keep free beside weights and KV cache, measured by warm-up steps.
+
+        A prefill of max_num_batched_tokens tokens and, when decode graphs will be
+        captured, an eager decode of max_num_seqs rows (a graph pool holds about one
+        such forward, plus its share of this reserve's margin); each step includes
+        the LM head and a top-p sampler. Both run over a scratch KV cache allocated
+        before the measurement and freed after it; they also compile the kernels.
+        """
+        cfg = self.config
+        lens, left = [], cfg.max_num_batched_tokens
+        while left > 0 and len(lens) < cfg.max_num_seqs:
+            lens.append(min(left, cfg.max_model_len))
+            left -= lens[-1]
+        prefill_blocks = sum(-(-n // self.block_size) for n in lens)
+        self.allocate_kv_cache(prefill_blocks + cfg.max_num_seqs, capture_graphs=False)
+        prefill = _dummy_input(lens, self.block_size, 0)
+        n = len(prefill.input_ids)
+        prefill.sample_rows = list(range(max(0, n - cfg.max_num_seqs), n))  # worst case: a full batch samples
+        try:
+            peaks = [self._peak_step_memory(prefill)]
+            if self._use_graphs():
+                peaks.append(self._peak_step_memory(
+                    _dummy_input([1] * cfg.max_num_seqs, self.block_size, prefill_blocks)))
+        finally:
+            self.free_kv_cache()
+            torch.cuda.empty_cache()
+        logger.info("profiled peak activation memory: %s MiB", [round(p / 2**20) for p in peaks])
+        return int(sum(peaks) * 1.1) + (256 << 20)
+
+    def _peak_step_memory(self, mi: ModelInput) -> int:
+        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
         with torch.inference_mode():
-            ids = torch.zeros(n, dtype=torch.long, device=self.device)
-            pos = torch.arange(n, device=self.device)
-            hidden = self.model.model.embed_tokens(ids)
-            # a forward with no cache writes: attention layers are bypassed through a scratch cache
-            self.allocate_kv_cache(-(-n // self.block_size))
-            meta = self._metadata(
-                ModelInput(ids.tolist(), pos.tolist(), list(range(n)), [0, n], [n],
-                           [list(range(-(-n // self.block_size)))]))
-            hidden = self.model(ids, pos, meta)
-            self.model.compute_logits(hidden[-self.config.max_num_seqs:])
-            del hidden
-        peak = torch.cuda.max_memory_allocated() - before
-        self.free_kv_cache()
-        torch.cuda.empty_cache()
-        return int(peak * 1.1) + (256 << 20)
+            hidden, rows = self._forward(mi)
+            logits = self.model.compute_logits(hidden[rows])
+            n = logits.shape[0]
+            sampler = Sampler(torch.Generator(device=self.device).manual_seed(0))
+            sampler(logits, SamplingMetadata([1.0] * n, [50] * n, [0.9] * n, [0.0] * n, [None] * n,
+                                             [[] for _ in range(n)], [None] * n))
+            del hidden, logits
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, capture_graphs: bool = True) -> None:
+        """Allocate the cache; on a GPU also reserve kernel workspaces and capture decode graphs."""
         self.num_blocks = num_blocks
         for layer in self.attn_layers:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             layer.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
             layer.backend = self.backend
+        if hasattr(self.backend, "reserve"):
+            a = self.attn_layers[0]
+            self.backend.reserve(self.config.max_num_seqs, a.num_heads, a.num_kv_heads, a.head_dim, self.device)
+        if capture_graphs and self._use_graphs():
+            self.graphs = CudaGraphRunner(self.model, self.inputs, self.config.max_num_seqs,
+                                          self.config.hf_config.hidden_size, self.dtype, self.device)
+            self.graphs.capture()
 
     def free_kv_cache(self) -> None:
+        self.graphs = None  # graphs hold the cache's addresses
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.num_blocks = 0
@@ -166,16 +213,25 @@ class ModelRunner:
         return SamplingMetadata(mi.temperatures, mi.top_ks, mi.top_ps, mi.min_ps, gens,
                                 mi.banned_token_ids, mi.num_logprobs)
 
+    def _forward(self, mi: ModelInput):
+        """The model on one step -> (hidden states, index of the rows that sample)."""
+        if self.inputs is None:  # CPU: plain tensors
+            input_ids = self._tensor(mi.input_ids, torch.int64)
+            positions = self._tensor(mi.positions, torch.int64)
+            return self.model(input_ids, positions, self._metadata(mi)), mi.sample_rows
+        batch = self.graphs.padded_size(mi) if self.graphs is not None else None
+        if batch is not None:
+            return self.graphs.run(mi, batch)
+        step = self.inputs.stage(mi)
+        return self.model(step.input_ids, step.positions, step.meta), step.sample_rows
+
     @torch.inference_mode()
     def execute(self, mi: ModelInput) -> StepResult:
-        input_ids = self._tensor(mi.input_ids, torch.int64)
-        positions = self._tensor(mi.positions, torch.int64)
-        meta = self._metadata(mi)
-        hidden = self.model(input_ids, positions, meta)
+        hidden, sample_rows = self._forward(mi)
         prompt_lps = self._prompt_logprobs(hidden, mi)
         if not mi.sample_rows:
             return StepResult(None, prompt_lps)
-        logits = self.model.compute_logits(hidden[mi.sample_rows])
+        logits = self.model.compute_logits(hidden[sample_rows])
         if self.rank != 0:
             return StepResult(None, [])
         return StepResult(self.sampler(logits, self._sampling_metadata(mi)), prompt_lps)
@@ -197,6 +253,23 @@ class ModelRunner:
                     rows.append((v, r, top))
             results.append(rows)
         return results if self.rank == 0 else []
+
+
+def _dummy_input(lens: list[int], block_size: int, first_block: int) -> ModelInput:
+    """Fresh prompts of the given lengths (token 0) on consecutive blocks from ``first_block``."""
+    mi = ModelInput([], [], [], [0], [], [])
+    block = first_block
+    for n in lens:
+        table = list(range(block, block + -(-n // block_size)))
+        block += len(table)
+        mi.input_ids += [0] * n
+        mi.positions += list(range(n))
+        mi.slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(n)]
+        mi.query_start_loc.append(mi.query_start_loc[-1] + n)
+        mi.seq_lens.append(n)
+        mi.block_tables.append(table)
+        mi.sample_rows.append(mi.query_start_loc[-1] - 1)
+    return mi
 
 
 def _available_ram() -> int:

@@ -44,8 +44,20 @@ def _table(i: int) -> list[int]:
 
 
 def _prefill(runner, lens: list[int], rng: random.Random) -> None:
-    mi = ModelInput([], [], [], [0], [], [])
+    """Fresh prompts of these lengths for sequences 0, 1, ... in steps within the token budget."""
+    budget, group = runner.config.max_num_batched_tokens, []
     for i, n in enumerate(lens):
+        if group and sum(lens[j] for j in group) + n > budget:
+            _prefill_step(runner, group, lens, rng)
+            group = []
+        group.append(i)
+    _prefill_step(runner, group, lens, rng)
+
+
+def _prefill_step(runner, seqs: list[int], lens: list[int], rng: random.Random) -> None:
+    mi = ModelInput([], [], [], [0], [], [])
+    for i in seqs:
+        n = lens[i]
         table = _table(i)
         mi.input_ids += [rng.randrange(1000) for _ in range(n)]
         mi.positions += list(range(n))
