@@ -294,13 +294,13 @@ ENGINE_MUTANTS: list[Mutant] = [
     Mutant("decode_drops_last_key", decode_drops_last_key,
            [f"{REF}::test_greedy_matches_reference[qwen2-gqa2-hd64]",
             f"{REF}::test_prefill_decode_consistency[qwen3-gqa4-hd128]"]),
-    Mutant("prefill_mask_top_left", prefill_mask_top_left,
+    Mutant("prefill_mask_top_left", prefill_mask_top_left,  # invisible without chunks or cache hits
            [f"{REF}::test_greedy_matches_reference[llama-mha-hd64]",
-            f"{SELF}::test_chunked_prefill_equivalence", f"{SELF}::test_prefix_cache_on_off"]),
-    Mutant("top_p_one_too_few", top_p_one_too_few, [f"{SAMP}::test_sampling_distribution"]),
-    Mutant("top_k_one_too_many", top_k_one_too_many, [f"{SAMP}::test_sampling_distribution"]),
-    Mutant("min_p_absolute", min_p_absolute, [f"{SAMP}::test_sampling_distribution"]),
-    Mutant("temperature_ignored", temperature_ignored, [f"{SAMP}::test_sampling_distribution"]),
+            f"{SELF}::test_chunked_prefill_equivalence[17]", f"{SELF}::test_prefix_cache_on_off"]),
+    Mutant("top_p_one_too_few", top_p_one_too_few, [f"{SAMP}::test_sampling_distribution[top_p]"]),
+    Mutant("top_k_one_too_many", top_k_one_too_many, [f"{SAMP}::test_sampling_distribution[top_k]"]),
+    Mutant("min_p_absolute", min_p_absolute, [f"{SAMP}::test_sampling_distribution[min_p]"]),
+    Mutant("temperature_ignored", temperature_ignored, [f"{SAMP}::test_sampling_distribution[temperature]"]),
     Mutant("logprobs_after_temperature", logprobs_after_temperature,
            [f"{CONTRACTS}::test_logprobs_sampled_are_raw_distribution",
             f"{CONTRACTS}::test_logprobs_greedy_match_reference"]),
@@ -414,7 +414,8 @@ def _expand(selection: str) -> list[str]:
     return [selection]
 
 
-def run_mutant(m: Mutant, python: str, timeout: float, extra: list[str]) -> tuple[str, list[str], float, str]:
+def run_mutant(m: Mutant, python: str, timeout: float, extra: list[str],
+               threads: int = 1) -> tuple[str, list[str], float, str]:
     """(status, checks that failed, seconds, note) for one mutant."""
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"mutant-{m.name}-") as tmp:
@@ -424,7 +425,8 @@ def run_mutant(m: Mutant, python: str, timeout: float, extra: list[str]) -> tupl
                 "-o", "junit_family=xunit1", "--basetemp", str(Path(tmp) / "pt")]
         for sel in dict.fromkeys(m.checks):
             args += _expand(sel)
-        env = dict(os.environ, PYTHONPATH=str(ROOT), HYPOTHESIS_PROFILE=os.environ.get("HYPOTHESIS_PROFILE", "quick"))
+        env = dict(os.environ, PYTHONPATH=str(ROOT), HYPOTHESIS_PROFILE=os.environ.get("HYPOTHESIS_PROFILE", "quick"),
+                   OMP_NUM_THREADS=str(threads))
         env.pop(ENV, None)
         try:
             proc = subprocess.run(args + extra, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -479,7 +481,8 @@ def main(argv=None) -> int:
     rows = {n: ("not run", [], 0.0, "GPU-only mutant: needs a CUDA GPU") for n in names}
     start = time.perf_counter()
     with ThreadPoolExecutor(args.jobs) as pool:
-        futures = {m.name: pool.submit(run_mutant, m, sys.executable, args.timeout, extra) for m in todo}
+        futures = {m.name: pool.submit(run_mutant, m, sys.executable, args.timeout, extra,
+                                         max(1, (os.cpu_count() or 1) // args.jobs)) for m in todo}
         for name, fut in futures.items():
             rows[name] = fut.result()
             status, caught, secs, note = rows[name]
