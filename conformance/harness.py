@@ -13,6 +13,7 @@ from collections import OrderedDict
 import pytest
 
 from conformance.adapters import Result, Sampling, Unsupported, adapter_class
+from conformance.adapters.base import KNOB_CAPABILITY
 from conformance.compare import DELTA
 
 DEFAULT_KNOBS = {"dtype": "float32", "seed": 0}
@@ -69,6 +70,18 @@ class EnginePool:
         self.max_live = max_live or getattr(self.cls, "max_live", 8)
         self._live: OrderedDict = OrderedDict()
         self._owned: list = []
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        """What the engine can do (from a fresh, unloaded adapter)."""
+        if not hasattr(self, "_caps"):
+            self._caps = self.cls().capabilities
+        return self._caps
+
+    def optional(self, **knobs) -> dict:
+        """The knobs the engine can take: for settings a check merely prefers (e.g. a smaller
+        max_model_len that another engine needs to size its cache), not ones it relies on."""
+        return {k: v for k, v in knobs.items() if KNOB_CAPABILITY.get(k, k) in self.capabilities}
 
     def _check_available(self) -> None:
         if self.reason:

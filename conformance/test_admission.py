@@ -63,7 +63,7 @@ def test_request_larger_than_the_whole_kv_cache(engines, figure):
     kv_blocks, need = 128 // bs, -(-182 // bs)
     numbers = (kv_blocks, need, 128, 182, 183, 256, 83, 100)
     try:
-        engine = engines.get(golden.model_dir(g), kv_blocks=kv_blocks, max_model_len=256)
+        engine = engines.get(golden.model_dir(g), kv_blocks=kv_blocks, **engines.optional(max_model_len=256))
     except Exception as e:  # noqa: BLE001 - an engine may refuse the configuration itself
         what = _clear(e, numbers)
         figure("refusal", "at load: " + what[:60])

@@ -144,7 +144,7 @@ def test_preemption_equivalence(engines, figure):
     params = Sampling.greedy(260)
     ample = engines.get(model)
     # 416 slots: the longest request needs 83 + 260 - 1 = 342 alone; the 4 together need ~1200
-    starved = engines.fresh(model, kv_blocks=416 // engines.bs, max_model_len=400)
+    starved = engines.fresh(model, kv_blocks=416 // engines.bs, **engines.optional(max_model_len=400))
     want = tokens(generate(ample, [c["prompt"] for c in picked], params))
     got = tokens(generate(starved, [c["prompt"] for c in picked], params))
     _assert_golden_prefix(g, picked, [t[:64] for t in got], "starved run")

@@ -19,14 +19,14 @@ CASES = ("len1", "len-bs", "len-bs+1", "len-5bs+3", "prefix-2bs-a")
 def _check(engines, device, figure):
     g = golden.load(MODEL)
     picked = [c for c in g["cases"] if c["id"] in CASES]
-    tp2 = engines.get(golden.model_dir(g), tp=2, device=device, max_model_len=512)
+    tp2 = engines.get(golden.model_dir(g), tp=2, device=device, **engines.optional(max_model_len=512))
     require(tp2, GREEDY)
     got = tokens(generate(tp2, [c["prompt"] for c in picked], Sampling.greedy(32)))
     report = compare_greedy([c["greedy"][:32] for c in picked], [golden_step_logprobs(c) for c in picked],
                             got, delta(g["dtype"]))
     figure("exact", f"{report.num_exact}/{report.num_seqs}")
     assert report.num_exact == report.num_seqs, f"TP=2 vs reference: {report.summary()}"
-    tp1 = engines.get(golden.model_dir(g), device=device, max_model_len=512)
+    tp1 = engines.get(golden.model_dir(g), device=device, **engines.optional(max_model_len=512))
     assert tokens(generate(tp1, [c["prompt"] for c in picked], Sampling.greedy(32))) == got, "TP=2 vs TP=1"
     require(tp2, PROMPT_LOGPROBS)
     outs = generate(tp2, [c["prompt"] for c in picked], Sampling.greedy(1, prompt_logprobs=1))

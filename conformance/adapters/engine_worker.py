@@ -50,6 +50,11 @@ class VLLMBackend:
                 "disable_log_stats": False,
                 # on the CPU build this is the share of host memory vLLM reserves (the KV cache lives there)
                 "gpu_memory_utilization": float(os.environ.get("CONFORMANCE_VLLM_MEMORY_UTILIZATION", "0.15"))}
+        if os.environ.get("CONFORMANCE_VLLM_COMPILE", "0") != "1":
+            # eager: torch.compile of every new model shape costs minutes on a CPU; the scheduler,
+            # KV cache and sampler under test are the same
+            args["enforce_eager"] = True
+            args["compilation_config"] = {"mode": 0}
         if knobs.get("block_size") is not None:
             args["block_size"] = knobs["block_size"]
         if knobs.get("kv_blocks") is not None:

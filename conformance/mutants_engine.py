@@ -1,0 +1,247 @@
+"""Engine-level injected bugs in nanovllm: model input, attention, sampler, output processing,
+API, tensor parallelism and CUDA graphs. Each function returns a context manager that
+monkeypatches nanovllm in this process and restores it on exit. The registry, with the checks
+expected to catch each one, is in ``conformance/mutants.py``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import ContextManager
+
+
+@contextlib.contextmanager
+def _patched(*patches: tuple[object, str, object]):
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    try:
+        for obj, name, new in patches:
+            setattr(obj, name, new)
+        yield
+    finally:
+        for obj, name, old in reversed(saved):
+            setattr(obj, name, old)
+
+
+def _modules(*names: str) -> list:
+    import importlib
+    return [importlib.import_module(n) for n in names]
+
+
+# --------------------------------------------------------------- model input
+def slot_mapping_off_by_one() -> ContextManager:
+    """Each token's K/V goes to the next slot of its block (p % bs + 1): attention reads shifted K/V."""
+    mi_mod, engine_mod = _modules("nanovllm.engine.model_input", "nanovllm.engine.engine")
+    orig = mi_mod.build_model_input
+
+    def build_model_input(out, block_size, finished_seq_ids=None):
+        mi = orig(out, block_size, finished_seq_ids)
+        mi.slot_mapping = [s - s % block_size + (s % block_size + 1) % block_size for s in mi.slot_mapping]
+        return mi
+    return _patched((mi_mod, "build_model_input", build_model_input),
+                    (engine_mod, "build_model_input", build_model_input))
+
+
+def min_tokens_ignored() -> ContextManager:
+    """Stop tokens are not banned before min_tokens: a stop token can be generated early."""
+    mi_mod, engine_mod = _modules("nanovllm.engine.model_input", "nanovllm.engine.engine")
+    orig = mi_mod.build_model_input
+
+    def build_model_input(out, block_size, finished_seq_ids=None):
+        mi = orig(out, block_size, finished_seq_ids)
+        mi.banned_token_ids = [[] for _ in mi.banned_token_ids]
+        return mi
+    return _patched((mi_mod, "build_model_input", build_model_input),
+                    (engine_mod, "build_model_input", build_model_input))
+
+
+# ----------------------------------------------------------------- attention
+def decode_drops_last_key() -> ContextManager:
+    """Batched decode attention masks the newest key (seq_len - 1): the token never sees itself."""
+    (torch_ref,) = _modules("nanovllm.attention.torch_ref")
+    orig = torch_ref.paged_decode_batched
+
+    def paged_decode_batched(q, k_cache, v_cache, meta, scale):
+        lens = (meta.seq_lens - 1).clamp(min=1)
+        meta = dataclasses.replace(meta, seq_lens=lens, seq_lens_cpu=[max(1, s - 1) for s in meta.seq_lens_cpu])
+        return orig(q, k_cache, v_cache, meta, scale)
+    return _patched((torch_ref, "paged_decode_batched", paged_decode_batched))
+
+
+def prefill_mask_top_left() -> ContextManager:
+    """The causal mask of a prefill chunk is aligned top-left: after cached or earlier-chunk tokens a
+    query sees only as many keys as its index in the chunk (right only when nothing is cached)."""
+    import torch
+
+    (torch_ref,) = _modules("nanovllm.attention.torch_ref")
+    orig = torch_ref.attention_one_seq
+
+    def attention_one_seq(q, k, v, scale):
+        n_q, n_k = q.shape[0], k.shape[0]
+        if n_q == 1 or n_q == n_k:
+            return orig(q, k, v, scale)
+        out = torch.empty_like(q)
+        for j in range(n_q):  # query j sees keys 0..j only (should be 0..n_k - n_q + j)
+            out[j:j + 1] = orig(q[j:j + 1], k[:j + 1], v[:j + 1], scale)
+        return out
+    return _patched((torch_ref, "attention_one_seq", attention_one_seq))
+
+
+# ------------------------------------------------------------------- sampler
+def top_p_one_too_few() -> ContextManager:
+    """top_p drops the token that crosses the threshold (inclusive cumulative mass)."""
+    import torch
+
+    (sampler,) = _modules("nanovllm.layers.sampler")
+
+    def apply_top_k_top_p(logits, top_k, top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+        k = torch.where(top_k > 0, top_k, logits.shape[-1]).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass = probs.cumsum(dim=-1)  # the bug: should be the mass *before* each token
+        drop = (mass >= top_p.unsqueeze(1)) & (ranks > 0)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return _patched((sampler, "apply_top_k_top_p", apply_top_k_top_p))
+
+
+def top_k_one_too_many() -> ContextManager:
+    """top_k keeps k + 1 tokens."""
+    (sampler,) = _modules("nanovllm.layers.sampler")
+    orig = sampler.apply_top_k_top_p
+
+    def apply_top_k_top_p(logits, top_k, top_p):
+        return orig(logits, top_k + (top_k > 0).to(top_k.dtype), top_p)
+    return _patched((sampler, "apply_top_k_top_p", apply_top_k_top_p))
+
+
+def min_p_absolute() -> ContextManager:
+    """min_p is applied as an absolute probability, not relative to the most likely token."""
+    (sampler,) = _modules("nanovllm.layers.sampler")
+    import torch
+
+    def apply_min_p(logits, min_p):
+        probs = torch.softmax(logits, dim=-1)
+        return logits.masked_fill(probs < min_p.unsqueeze(1), float("-inf"))
+    return _patched((sampler, "apply_min_p", apply_min_p))
+
+
+def temperature_ignored() -> ContextManager:
+    """Random rows sample at temperature 1 whatever was asked."""
+    (sampler,) = _modules("nanovllm.layers.sampler")
+    orig = sampler.Sampler._sample
+
+    def _sample(self, logits, meta, rows):
+        meta = dataclasses.replace(meta, temperatures=[1.0 if t >= 1e-5 else t for t in meta.temperatures])
+        return orig(self, logits, meta, rows)
+    return _patched((sampler.Sampler, "_sample", _sample))
+
+
+def logprobs_after_temperature() -> ContextManager:
+    """Returned logprobs are those of the temperature-scaled distribution, not the raw model's."""
+    import torch
+
+    (sampler,) = _modules("nanovllm.layers.sampler")
+    orig = sampler.Sampler.__call__
+
+    def __call__(self, logits, meta):
+        out = orig(self, logits, meta)
+        for row, entry in enumerate(out.logprobs):
+            t = meta.temperatures[row]
+            if entry is None or t < 1e-5:
+                continue
+            lp = torch.log_softmax(logits[row].float() / t, dim=-1)
+            tok = out.token_ids[row]
+            k = len(entry[2])
+            vals, ids = lp.topk(max(k, 1))
+            top = list(zip(ids[:k].tolist(), vals[:k].tolist())) if k else []
+            out.logprobs[row] = (float(lp[tok]), int((lp > lp[tok]).sum()) + 1, top)
+        return out
+    return _patched((sampler.Sampler, "__call__", __call__))
+
+
+def seed_ignored() -> ContextManager:
+    """Seeded requests draw from the engine's shared generator: not reproducible, batch-dependent."""
+    (runner,) = _modules("nanovllm.engine.model_runner")
+    orig = runner.ModelRunner._sampling_metadata
+
+    def _sampling_metadata(self, mi):
+        meta = orig(self, mi)
+        meta.generators = [None] * len(meta.generators)
+        return meta
+    return _patched((runner.ModelRunner, "_sampling_metadata", _sampling_metadata))
+
+
+def prompt_logprobs_shifted() -> ContextManager:
+    """Prompt logprobs are reported one position late (each position gets its successor's)."""
+    (runner,) = _modules("nanovllm.engine.model_runner")
+    orig = runner.ModelRunner._prompt_logprobs
+
+    def _prompt_logprobs(self, hidden, mi):
+        results = orig(self, hidden, mi)
+        return [rows[1:] + rows[-1:] for rows in results]
+    return _patched((runner.ModelRunner, "_prompt_logprobs", _prompt_logprobs))
+
+
+# ------------------------------------------------------- output processing, API
+def stop_string_kept() -> ContextManager:
+    """The stop string is left in the output text although include_stop_str_in_output is False."""
+    op, engine_mod = _modules("nanovllm.engine.output_processor", "nanovllm.engine.engine")
+    orig = op.check_stop
+
+    def check_stop(seq, tokenizer, max_model_len):
+        saved = seq.params.include_stop_str_in_output
+        seq.params.include_stop_str_in_output = True
+        try:
+            orig(seq, tokenizer, max_model_len)
+        finally:
+            seq.params.include_stop_str_in_output = saved
+    return _patched((op, "check_stop", check_stop), (engine_mod, "check_stop", check_stop))
+
+
+def eos_ignored() -> ContextManager:
+    """The model's EOS ids never stop a request (only explicit stop_token_ids do)."""
+    (sp,) = _modules("nanovllm.sampling_params")
+
+    def all_stop_token_ids(self):
+        return set(self.stop_token_ids)
+    return _patched((sp.SamplingParams, "all_stop_token_ids", all_stop_token_ids))
+
+
+def outputs_in_finish_order() -> ContextManager:
+    """LLM.generate returns the shortest outputs first (finish order), not input order."""
+    (llm_mod,) = _modules("nanovllm.llm")
+    orig = llm_mod.LLM.generate
+
+    def generate(self, *args, **kwargs):
+        return sorted(orig(self, *args, **kwargs), key=lambda o: len(o.outputs[0].token_ids))
+    return _patched((llm_mod.LLM, "generate", generate))
+
+
+def admission_check_skipped() -> ContextManager:
+    """Requests that can never fit are accepted (no admission control)."""
+    (sched,) = _modules("nanovllm.engine.scheduler")
+    return _patched((sched.Scheduler, "check_admissible", lambda self, seq: None))
+
+
+# ------------------------------------------------------- tensor parallel, GPU
+def tp_allreduce_skipped() -> ContextManager:
+    """Row-parallel layers and the vocabulary-parallel embedding skip their all-reduce (each rank
+    keeps its partial sum). Patched inside the TP worker processes (see _worker_main)."""
+    linear, embedding = _modules("nanovllm.layers.linear", "nanovllm.layers.embedding")
+    return _patched((linear, "all_reduce", lambda x: x), (embedding, "all_reduce", lambda x: x))
+
+
+def cuda_graph_padding_writes_kv() -> ContextManager:
+    """Decode-graph padding rows get slot 0 instead of -1: replaying a padded batch overwrites the
+    K/V of whichever sequence owns slot 0 (GPU only)."""
+    (si,) = _modules("nanovllm.engine.step_inputs")
+    orig = si.StepInputs.stage
+
+    def stage(self, mi, pad_to=None):
+        step = orig(self, mi, pad_to=pad_to)
+        if pad_to is not None and pad_to > len(mi.slot_mapping):
+            step.meta.slot_mapping[len(mi.slot_mapping):pad_to].fill_(0)
+        return step
+    return _patched((si.StepInputs, "stage", stage))
