@@ -181,10 +181,11 @@ def _merge_kernel(out_ptr, part_ptr, lse_ptr, stride_ot, stride_oh,
 def num_decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     """Split-K factor: enough programs for about two waves of ``num_sms``; 1 for large batches.
 
-    Depends on the batch shape only (not on lengths), so eager and graph runs agree.
+    Depends on the batch shape only (not on lengths), so eager and graph runs agree;
+    a power of two, so few kernel variants get compiled.
     """
     programs = max(1, num_seqs * num_kv_heads)
-    return max(1, min(MAX_SPLITS, -(-2 * num_sms // programs)))
+    return min(MAX_SPLITS, triton.next_power_of_2(-(-2 * num_sms // programs)))
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
