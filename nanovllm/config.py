@@ -90,6 +90,8 @@ class EngineConfig:
             raise TypeError(f"model must be a path string or None, got {self.model!r}")
         if self.model is not None:
             self.model = os.fspath(self.model)
+            if not self.model.strip():
+                raise ValueError(f"model must be a model directory, a .gguf file or None, got {self.model!r}")
         if self.device not in _DEVICES:
             raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
         if self.dtype not in _DTYPES:

@@ -199,3 +199,49 @@ def test_no_weight_files(tmp_path):
     (d / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match=r"no \*.safetensors weight files"):
         LLM(str(d))
+
+
+def test_gguf_with_unsupported_tensor_type(tmp_path, monkeypatch):
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.constants import GGML_QUANT_SIZES
+
+    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "bad.gguf"
+    w = GGUFWriter(str(path), "llama")
+    for key, value in (("block_count", 1), ("context_length", 128), ("embedding_length", 64),
+                       ("feed_forward_length", 128), ("attention.head_count", 2), ("vocab_size", 64)):
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_1]
+    w.add_tensor("token_embd.weight", np.zeros((64, 64 // block * size), dtype=np.uint8),
+                 raw_dtype=GGMLQuantizationType.Q8_1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="GGUF tensor 'token_embd.weight' has type Q8_1, which cannot be dequantized"):
+        LLM(str(path))
+
+
+def test_gguf_with_unsupported_architecture(tmp_path, monkeypatch):
+    from gguf import GGUFWriter
+
+    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "mamba.gguf"
+    w = GGUFWriter(str(path), "mamba")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="GGUF architecture 'mamba' is not supported"):
+        LLM(str(path))
+
+
+@pytest.mark.parametrize("model,exc,match", [
+    (123, TypeError, "model must be a path string or None, got 123"),
+    ("", ValueError, "model must be a model directory, a .gguf file or None, got ''"),
+])
+def test_bad_model_argument(model, exc, match):
+    with pytest.raises(exc, match=match):
+        LLM(model)
