@@ -235,13 +235,17 @@ def tp_allreduce_skipped() -> ContextManager:
 
 def cuda_graph_padding_writes_kv() -> ContextManager:
     """Decode-graph padding rows get slot 0 instead of -1: replaying a padded batch overwrites the
-    K/V of whichever sequence owns slot 0 (GPU only)."""
-    (si,) = _modules("nanovllm.engine.step_inputs")
-    orig = si.StepInputs.stage
+    K/V of whichever sequence owns slot 0 (GPU only). Patched where every staged step is written
+    (StepInputs._write), after the host->device copy, on the same stream."""
+    import torch
 
-    def stage(self, mi, pad_to=None):
-        step = orig(self, mi, pad_to=pad_to)
-        if pad_to is not None and pad_to > len(mi.slot_mapping):
-            step.meta.slot_mapping[len(mi.slot_mapping):pad_to].fill_(0)
-        return step
-    return _patched((si.StepInputs, "stage", stage))
+    (si,) = _modules("nanovllm.engine.step_inputs")
+    orig = si.StepInputs._write
+
+    def _write(self, mi, pad_to):
+        out = orig(self, mi, pad_to)
+        n = len(mi.slot_mapping)
+        if pad_to is not None and pad_to > n:
+            self._dev(out[0], "slot_mapping", torch.int64)[n:pad_to].fill_(0)
+        return out
+    return _patched((si.StepInputs, "_write", _write))
