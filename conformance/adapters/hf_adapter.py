@@ -3,9 +3,9 @@
 Each request runs alone (no padding), so batch-mates cannot change it. Per-step
 logprobs are the log-softmax of ``output_logits`` (the raw logits); prompt
 logprobs come from one teacher-forced forward over the prompt. transformers has
-no stop-string trimming contract: generation stops through its
-``StopStringCriteria`` and this adapter cuts the text at the stop string the way
-vLLM defines it. Identical unseeded requests (the sampling-distribution check)
+no stop-string contract (and its ``StopStringCriteria`` cannot index a word-level
+vocabulary such as the zoo's): the adapter generates on and cuts tokens and text at the
+first stop string the way vLLM defines it (exact: later tokens do not change earlier ones). Identical unseeded requests (the sampling-distribution check)
 run as one batch of identical rows: independent samples, no padding.
 """
 from __future__ import annotations
@@ -110,8 +110,6 @@ class HFAdapter:
         else:
             kw.update(do_sample=True, temperature=p.temperature, top_k=p.top_k or None, top_p=p.top_p,
                       min_p=p.min_p or None)
-        if p.stop:
-            kw.update(stop_strings=list(p.stop), tokenizer=self.tokenizer)
         torch.manual_seed(p.seed if p.seed is not None else self._rng.getrandbits(62))
         out = self.model.generate(ids, **kw)
         step_lps = torch.log_softmax(torch.stack(out.logits, dim=1).float(), dim=-1)  # [rows, steps, V]
@@ -131,9 +129,14 @@ class HFAdapter:
             if self.tokenizer is not None:
                 text = self.tokenizer.decode(toks, skip_special_tokens=True)
                 if p.stop and finish != "stop":
-                    text, hit = cut_at_stop_string(text, p.stop, p.include_stop_str_in_output)
-                    if hit is not None:
-                        finish, stop_reason = "stop", hit
+                    # the request ends at the first token whose text completes a stop string; the
+                    # tokens after it were generated from the same context, so cutting is exact
+                    for t in range(max(p.min_tokens, 1), len(toks) + 1):
+                        part = self.tokenizer.decode(toks[:t], skip_special_tokens=True)
+                        cut, hit = cut_at_stop_string(part, p.stop, p.include_stop_str_in_output)
+                        if hit is not None:
+                            toks, text, finish, stop_reason = toks[:t], cut, "stop", hit
+                            break
             logprobs = None
             if p.logprobs is not None:
                 logprobs = [logprob_entry(step_lps[r, t], tok, p.logprobs) for t, tok in enumerate(toks)]
