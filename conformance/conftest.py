@@ -62,7 +62,17 @@ def pytest_unconfigure(config):
         cm.__exit__(None, None, None)
 
 
+def _group_by_model(items) -> None:
+    """Run the checks of one golden model together (engines are loaded once per model: that
+    matters for engines in their own process, which the pool keeps only a few of)."""
+    slots = [i for i, it in enumerate(items) if "name" in getattr(getattr(it, "callspec", None), "params", {})]
+    order = sorted((items[i] for i in slots), key=lambda it: str(it.callspec.params["name"]))
+    for i, it in zip(slots, order):
+        items[i] = it
+
+
 def pytest_collection_modifyitems(config, items):
+    _group_by_model(items)
     # the suite's slow checks (regenerating golden files, the whole mutant table) take many
     # minutes: they run when asked for (-m slow, or CONFORMANCE_SLOW=1), not in every pytest run
     if "slow" not in (config.option.markexpr or "") and os.environ.get("CONFORMANCE_SLOW") != "1":
