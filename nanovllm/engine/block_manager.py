@@ -125,6 +125,8 @@ class BlockManager:
         All or nothing: on False nothing changed. ``computed_blocks`` (from
         get_computed_blocks) are only passed for a sequence holding no blocks.
         """
+        if not computed_blocks and seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size:
+            return True  # the common decode case: the last block still has room
         computed_blocks = list(computed_blocks)
         assert not computed_blocks or not seq.block_table, "cache hits only on admission"
         total = seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
@@ -176,6 +178,8 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return
         num_full = seq.num_computed_tokens // self.block_size
+        if num_full == 0 or self.blocks[seq.block_table[num_full - 1]].block_hash is not None:
+            return  # nothing new: every full block before a published one is published or linked
         self.update_block_hashes(seq)
         bs = self.block_size
         table = seq.block_table

@@ -44,15 +44,21 @@ class ModelInput:
 def build_model_input(out: SchedulerOutput, block_size: int,
                       finished_seq_ids: list[int] | None = None) -> ModelInput:
     mi = ModelInput([], [], [], [0], [], [], finished_seq_ids=list(finished_seq_ids or []))
+    input_ids, positions, slots, qsl = mi.input_ids, mi.positions, mi.slot_mapping, mi.query_start_loc
     for idx, (seq, num_new) in enumerate(zip(out.seqs, out.num_new_tokens)):
         start = seq.num_computed_tokens
         end = start + num_new
-        first_row = len(mi.input_ids)
-        mi.input_ids.extend(seq.token_ids[start:end])
-        mi.positions.extend(range(start, end))
         table = seq.block_table
-        mi.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-        mi.query_start_loc.append(len(mi.input_ids))
+        first_row = len(input_ids)
+        if num_new == 1:  # the decode fast path: one token, one slot
+            input_ids.append(seq.token_ids[start])
+            positions.append(start)
+            slots.append(table[start // block_size] * block_size + start % block_size)
+        else:
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        qsl.append(len(input_ids))
         mi.seq_lens.append(end)
         mi.block_tables.append(table)
         params = seq.params
@@ -60,8 +66,8 @@ def build_model_input(out: SchedulerOutput, block_size: int,
             last = min(end, seq.num_prompt_tokens - 1)
             mi.prompt_logprob_jobs.append(
                 (idx, first_row, seq.token_ids[start + 1:last + 1], params.prompt_logprobs))
-        if end == seq.num_tokens:
-            mi.sample_rows.append(len(mi.input_ids) - 1)
+        if end == len(seq.token_ids):
+            mi.sample_rows.append(len(input_ids) - 1)
             mi.sample_seq_ids.append(seq.seq_id)
             mi.temperatures.append(params.temperature)
             mi.top_ks.append(params.top_k)
