@@ -183,7 +183,7 @@ def engine() -> None:
             f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f}")
         for i in range(256):
             eng.add_request(str(i), [(i * 7 + j) % 150000 for j in range(1024)],
-                            SamplingParams(temperature=0.6, max_tokens=24, ignore_eos=True))
+                            SamplingParams(temperature=0.6, max_tokens=64, ignore_eos=True))
         times = []
         while eng.has_unfinished_requests():
             running = eng.scheduler.running

@@ -45,8 +45,42 @@ def _warmup_prompts(w: Workload, n: int = 2) -> list[list[int]]:
 
 
 # ------------------------------------------------------------------------ nanovllm
+class StepProfile:
+    """Wall time per engine phase, summed over a run (host phases; "execute" includes the device)."""
+
+    def __init__(self, engine):
+        import nanovllm.engine.engine as engine_module
+
+        self.totals: dict[str, float] = {}
+        self.steps = 0
+        self._wrap(engine.scheduler, "schedule", "schedule")
+        self._wrap(engine.executor, "execute", "execute (runner + device)")
+        self._wrap(engine, "_postprocess", "postprocess")
+        self._wrap(engine.scheduler, "update_after_step", "update_after_step")
+        self._wrap(engine_module, "build_model_input", "build_model_input")
+
+    def _wrap(self, obj, attr: str, label: str) -> None:
+        fn = getattr(obj, attr)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.totals[label] = self.totals.get(label, 0.0) + time.perf_counter() - start
+                if label == "schedule":
+                    self.steps += 1
+        setattr(obj, attr, timed)
+
+    def report(self, wall: float) -> str:
+        lines = [f"step profile: {self.steps} steps, {wall / max(self.steps, 1) * 1e3:.2f} ms/step wall"]
+        for label, total in sorted(self.totals.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {label:<28} {total:7.2f} s  {total / max(self.steps, 1) * 1e3:6.2f} ms/step")
+        return "\n".join(lines)
+
+
 def run_nanovllm(w: Workload, model: str | None, engine_args: dict, load_format: str = "auto",
-                 warm_repeat: bool = False) -> list[Measurement]:
+                 warm_repeat: bool = False, profile: bool = False) -> list[Measurement]:
     from nanovllm import LLM, SamplingParams
 
     llm = LLM(model, load_format=load_format, **engine_args)
@@ -56,12 +90,15 @@ def run_nanovllm(w: Workload, model: str | None, engine_args: dict, load_format:
     try:
         llm.generate(_warmup_prompts(w), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
         results = []
+        prof = StepProfile(llm.llm_engine) if profile else None
         for label in ["nanovllm"] + (["nanovllm (prefix cache warm)"] if warm_repeat else []):
             _sync(device)
             start = time.perf_counter()
             outs = llm.generate(w.prompts, params, use_tqdm=False)
             _sync(device)
             elapsed = time.perf_counter() - start
+            if prof is not None and label == "nanovllm":
+                print(prof.report(elapsed), file=sys.stderr)
             n = sum(len(o.outputs[0].token_ids) for o in outs)
             results.append(Measurement(label, n, elapsed, f"steps={llm.stats()['steps']}"))
         return results

@@ -32,6 +32,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-python", default=None, help="python of a virtual env with vllm(-cpu) installed "
                                                        "(default: $NANOVLLM_VLLM_PYTHON or ./.venv-vllm)")
     p.add_argument("--json-out", default=None, help="write the measurements as JSON here")
+    p.add_argument("--profile-steps", action="store_true", help="print where each engine step's time goes")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -63,7 +64,8 @@ def run_bench(args: argparse.Namespace) -> int:
     results: list[peers.Measurement] = []
     runs = []
     for i in range(args.repeat):
-        ms = peers.run_nanovllm(w, model_dir, eargs, load_format, warm_repeat=args.warm and i == 0)
+        ms = peers.run_nanovllm(w, model_dir, eargs, load_format, warm_repeat=args.warm and i == 0,
+                                profile=args.profile_steps and i == 0)
         runs.append(ms[0])
         results += ms[1:]
         print(f"  nanovllm run {i + 1}: {ms[0].tokens_per_s:.1f} tok/s", file=sys.stderr)

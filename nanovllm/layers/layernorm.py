@@ -1,6 +1,8 @@
 import torch
 from torch import nn
 
+from nanovllm.layers import fused_ops
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32, as HF does; optionally adds the residual first.
@@ -20,6 +22,8 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if fused_ops.enabled(x):
+            return fused_ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

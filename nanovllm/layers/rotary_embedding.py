@@ -6,6 +6,8 @@ import math
 import torch
 from torch import nn
 
+from nanovllm.layers import fused_ops
+
 
 def _inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -46,6 +48,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T]."""
+        if fused_ops.enabled(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
+            fused_ops.rotary_(positions, q, k, self.cos, self.sin)  # in place
+            return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         q = q * cos + self._rotate_half(q) * sin

@@ -62,10 +62,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
-        n, vocab = logits.shape
-        device = logits.device
+        n = logits.shape[0]
+        # rows with NaN/inf are reported (the engine ends those requests); what they sample is discarded
         finite = torch.isfinite(logits).all(dim=-1)
-        logits = torch.where(finite.unsqueeze(1), logits, torch.zeros((), device=device))
 
         want_logprobs = [k is not None for k in meta.num_logprobs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
@@ -76,10 +75,13 @@ class Sampler:
                 if banned:
                     logits[row, banned] = float("-inf")
 
-        tokens = logits.argmax(dim=-1)
         random_rows = [i for i, g in enumerate(meta.greedy) if not g]
-        if random_rows:
-            tokens[random_rows] = self._sample(logits[random_rows], meta, random_rows)
+        if len(random_rows) == n:   # no greedy row: sample every row without gathering them
+            tokens = self._sample(logits, meta, random_rows)
+        else:
+            tokens = logits.argmax(dim=-1)
+            if random_rows:
+                tokens[random_rows] = self._sample(logits[random_rows], meta, random_rows)
 
         token_list = tokens.tolist()
         nonfinite = (~finite).nonzero().flatten().tolist() if not bool(finite.all()) else []
@@ -101,8 +103,11 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
         device = logits.device
-        temps = torch.tensor([meta.temperatures[r] for r in rows], device=device, dtype=torch.float32)
-        logits = logits / temps.unsqueeze(1)
+        temps = [meta.temperatures[r] for r in rows]
+        if len(set(temps)) == 1:  # one temperature for all: a scalar, no host->device copy
+            logits = logits / temps[0]
+        else:
+            logits = logits / torch.tensor(temps, device=device, dtype=torch.float32).unsqueeze(1)
         min_ps = [meta.min_ps[r] for r in rows]
         if any(p > 0 for p in min_ps):
             logits = apply_min_p(logits, torch.tensor(min_ps, device=device))
@@ -114,7 +119,9 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         noise = torch.empty_like(probs)
         shared = [i for i, r in enumerate(rows) if meta.generators[r] is None]
-        if shared:
+        if len(shared) == len(rows):
+            noise.exponential_(generator=self.generator)
+        elif shared:
             noise[shared] = torch.empty((len(shared), probs.shape[1]), device=device).exponential_(
                 generator=self.generator)
         for i, r in enumerate(rows):
@@ -123,4 +130,4 @@ class Sampler:
                 noise[i].exponential_(generator=gen)
         # exponential_ can return 0; p / 0 would be inf (or NaN for p = 0)
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        return (probs / noise).argmax(dim=-1)
+        return probs.div_(noise).argmax(dim=-1)

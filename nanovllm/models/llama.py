@@ -57,7 +57,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v.contiguous(), meta)
+        o = self.attn(q, k, v, meta)
         return self.o_proj(o.flatten(1))
 
 

@@ -1,0 +1,131 @@
+"""Fused elementwise kernels for the GPU path (Triton): RMSNorm (+ residual add), SiLU*mul, RoPE.
+
+Why: in eager PyTorch each of these is 4-12 small kernels per layer; in a decode
+step of a 28-layer model that is ~1,000 launches of a few microseconds each,
+the same order as the attention itself. One kernel each instead.
+
+Numerics follow the PyTorch layers they replace (HF's): RMSNorm normalizes in
+float32, rounds to the model dtype, then multiplies by the weight; the residual
+sum is rounded to the model dtype before it is normalized. RoPE and SiLU compute
+in float32 and round once (PyTorch rounds after each op: differences are within
+one bf16 ulp). The layers call these only for CUDA tensors (``enabled(x)``).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the layers keep their PyTorch code
+    triton = None
+
+
+def enabled(x: torch.Tensor) -> bool:
+    if triton is None:
+        return False
+    if x.is_cuda:
+        return os.environ.get("NANOVLLM_FUSED_OPS", "1") == "1"
+    return os.environ.get("NANOVLLM_TRITON_INTERPRET") == "1"  # kernel tests under the interpreter
+
+
+if triton is not None:
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
+                         stride_x, stride_r, stride_o, stride_ro,
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            x = x + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+            tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)   # rounded to the model dtype
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, axis=0) / n_cols
+        y = (xf * tl.math.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        tl.store(out_ptr + row * stride_o + cols, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        act = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
+                     stride_cos, NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+        """In place: x = x * cos + rotate_half(x) * sin, one (token, head) per program."""
+        tok = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        pos = tl.load(pos_ptr + tok).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < HALF
+        if head < NUM_Q_HEADS:
+            base = q_ptr + tok * stride_qt + head * stride_qh
+        else:
+            base = k_ptr + tok * stride_kt + (head - NUM_Q_HEADS) * stride_kh
+        x1 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(base + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        cos = tl.load(cos_ptr + pos * stride_cos + offs, mask=mask, other=0.0)
+        sin = tl.load(sin_ptr + pos * stride_cos + offs, mask=mask, other=0.0)
+        tl.store(base + offs, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(base + HALF + offs, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None):
+    """rms_norm(x) or, with residual, (rms_norm(x + residual), x + residual)."""
+    shape = x.shape
+    x2 = _rows(x)
+    n_rows, n_cols = x2.shape
+    out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    if residual is not None:
+        r2 = _rows(residual)
+        res_out = torch.empty_like(out)
+    else:
+        r2, res_out = x2, out
+    if n_rows:
+        _rms_norm_kernel[(n_rows,)](x2, r2, weight, out, res_out, n_cols, eps,
+                                    x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
+                                    HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols),
+                                    num_warps=4 if n_cols <= 2048 else 8)
+    if residual is None:
+        return out.view(shape)
+    return out.view(shape), res_out.view(shape)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    x2 = _rows(x)
+    n_rows, n = x2.shape[0], x2.shape[1] // 2
+    out = torch.empty((n_rows, n), dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(n))
+    if n_rows:
+        _silu_mul_kernel[(n_rows, triton.cdiv(n, block))](x2, out, n, x2.stride(0), out.stride(0), BLOCK=block)
+    return out.view(*x.shape[:-1], n)
+
+
+def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> None:
+    """Rotate q [T, Hq, d] and k [T, Hk, d] in place; cos/sin [max_pos, d] float32 (two equal halves)."""
+    n_tokens, n_q, d = q.shape
+    n_k = k.shape[1]
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("rotary_ needs the head dimension contiguous")
+    if n_tokens:
+        _rope_kernel[(n_tokens, n_q + n_k)](q, k, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0),
+                                            k.stride(1), cos.stride(0), NUM_Q_HEADS=n_q, HALF=d // 2,
+                                            BLOCK=triton.next_power_of_2(d // 2))

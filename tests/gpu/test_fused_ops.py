@@ -1,0 +1,87 @@
+"""Fused RMSNorm / SiLU*mul / RoPE kernels against the PyTorch layers they replace.
+
+On a GPU (marker ``gpu``) in bfloat16 and float32; under Triton's CPU interpreter
+(NANOVLLM_TRITON_INTERPRET=1 TRITON_INTERPRET=1, run by test_triton_interpret.py)
+in float32 and float16. Outputs are compared within one rounding of the dtype.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+INTERPRET = os.environ.get("NANOVLLM_TRITON_INTERPRET") == "1"
+pytestmark = [] if INTERPRET else [pytest.mark.gpu]
+DEVICE = "cpu" if INTERPRET else "cuda"
+DTYPES = [torch.float32, torch.float16] if INTERPRET else [torch.float32, torch.bfloat16]
+fused_ops = pytest.importorskip("nanovllm.layers.fused_ops", reason="needs triton")
+if fused_ops.triton is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+
+def _tol(dtype):
+    return {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+
+
+def _ref_rms(x, w, eps, residual=None):
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (w * y, x) if residual is not None else w * y
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols", [(1, 64), (7, 576), (33, 1024), (5, 128)])
+def test_rms_norm(dtype, rows, cols):
+    g = torch.Generator(device=DEVICE).manual_seed(rows * cols)
+    x = torch.randn(rows, cols, device=DEVICE, generator=g).to(dtype)
+    r = torch.randn(rows, cols, device=DEVICE, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(cols, device=DEVICE, generator=g)).to(dtype)
+    torch.testing.assert_close(fused_ops.rms_norm(x, w, 1e-6), _ref_rms(x, w, 1e-6), atol=_tol(dtype),
+                               rtol=_tol(dtype))
+    out, res = fused_ops.rms_norm(x, w, 1e-6, residual=r)
+    want_out, want_res = _ref_rms(x, w, 1e-6, residual=r)
+    torch.testing.assert_close(res, want_res, atol=0, rtol=0)  # the rounded sum, exactly
+    torch.testing.assert_close(out, want_out, atol=_tol(dtype), rtol=_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_per_head_on_a_strided_view(dtype):
+    """Qwen3's q/k norm: [T, heads, d] rows of a wider buffer."""
+    buf = torch.randn(9, 5 * 64, device=DEVICE).to(dtype)
+    q = buf[:, :4 * 64].view(9, 4, 64)
+    w = torch.rand(64, device=DEVICE).to(dtype)
+    torch.testing.assert_close(fused_ops.rms_norm(q, w, 1e-6), _ref_rms(q, w, 1e-6), atol=_tol(dtype),
+                               rtol=_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 64), (6, 1536), (17, 3072)])
+def test_silu_and_mul(dtype, rows, n):
+    x = torch.randn(rows, 2 * n, device=DEVICE).to(dtype)
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(fused_ops.silu_and_mul(x), F.silu(gate) * up, atol=_tol(dtype), rtol=_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+def test_rotary_in_place_on_qkv_views(dtype, d):
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+
+    rope = RotaryEmbedding(d, 512, 10000.0).to(DEVICE)
+    t, hq, hk = 11, 4, 2
+    qkv = torch.randn(t, (hq + 2 * hk) * d, device=DEVICE).to(dtype)
+    pos = torch.randint(0, 512, (t,), device=DEVICE)
+    q = qkv[:, :hq * d].view(t, hq, d)
+    k = qkv[:, hq * d:(hq + hk) * d].view(t, hk, d)
+    v_before = qkv[:, (hq + hk) * d:].clone()
+    cos, sin = rope.cos[pos].unsqueeze(1).to(dtype), rope.sin[pos].unsqueeze(1).to(dtype)
+    want_q = q * cos + RotaryEmbedding._rotate_half(q) * sin
+    want_k = k * cos + RotaryEmbedding._rotate_half(k) * sin
+    fused_ops.rotary_(pos, q, k, rope.cos, rope.sin)
+    torch.testing.assert_close(q, want_q, atol=2 * _tol(dtype), rtol=2 * _tol(dtype))
+    torch.testing.assert_close(k, want_k, atol=2 * _tol(dtype), rtol=2 * _tol(dtype))
+    assert torch.equal(qkv[:, (hq + hk) * d:], v_before), "rotary wrote into v"
