@@ -196,7 +196,7 @@ def run_mutant(m: Mutant, python: str, timeout: float, extra: list[str],
         for sel in dict.fromkeys(m.checks):
             args += _expand(sel)
         env = dict(os.environ, PYTHONPATH=str(ROOT), HYPOTHESIS_PROFILE=os.environ.get("HYPOTHESIS_PROFILE", "quick"),
-                   OMP_NUM_THREADS=str(threads))
+                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(threads)))
         env.pop(ENV, None)
         try:
             proc = subprocess.run(args + extra, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
