@@ -144,7 +144,7 @@ def run_hf_generate(w: Workload, model_dir: str, device: str, dtype: torch.dtype
     return Measurement("transformers generate (padded batch)", w.num_output_tokens, time.perf_counter() - start)
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: the manager's worker thread updates tensors made here in place
 def run_hf_continuous_batching(w: Workload, model_dir: str, device: str, dtype: torch.dtype,
                                random_weights: bool) -> Measurement:
     """transformers continuous batching (``paged|sdpa``), one request per prompt with its own max_new_tokens."""
@@ -154,8 +154,19 @@ def run_hf_continuous_batching(w: Workload, model_dir: str, device: str, dtype: 
     gen = GenerationConfig(do_sample=w.temperature > 0, temperature=w.temperature or None,
                            max_new_tokens=max(w.max_tokens), eos_token_id=-1, pad_token_id=0, top_k=0, top_p=1.0)
 
+    cb_kwargs = {}
+    if device == "cpu":
+        # sized from free memory by default, which on a CPU host asks for far more than this workload needs
+        from transformers import ContinuousBatchingConfig
+
+        page = 16
+        tokens = sum(len(p) + n for p, n in zip(w.prompts, w.max_tokens))
+        cb_kwargs["continuous_batching_config"] = ContinuousBatchingConfig(
+            page_size=page, num_blocks=int(tokens / page * 1.25) + 64)
+
     def run(prompts, max_tokens) -> int:
-        with model.continuous_batching_context_manager(generation_config=gen, block=True, timeout=600) as manager:
+        with model.continuous_batching_context_manager(generation_config=gen, block=True, timeout=600,
+                                                       **cb_kwargs) as manager:
             ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts, max_tokens)]
             results = {}
             while len(results) < len(ids):

@@ -113,7 +113,8 @@ def print_table(w, results, ours, limit) -> None:
     print(f"\n| engine | output tok/s | seconds | nanovllm / engine |")
     print("| --- | ---: | ---: | ---: |")
     for m in results:
-        print(f"| {m.engine} | {m.tokens_per_s:,.1f} | {m.seconds:.2f} | {ours.tokens_per_s / m.tokens_per_s:.2f}x |")
+        ratio = f"{ours.tokens_per_s / m.tokens_per_s:.2f}x" if m.output_tokens else "n/a (no tokens)"
+        print(f"| {m.engine} | {m.tokens_per_s:,.1f} | {m.seconds:.2f} | {ratio} |")
     if limit is not None:
         print(f"\nroofline: {limit.describe()}")
         print(f"nanovllm reaches {ours.tokens_per_s / limit.output_tokens_per_s:.1%} of the physical limit")
