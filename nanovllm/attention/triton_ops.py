@@ -239,7 +239,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 # ----------------------------------------------------------------------- prefill
-@triton.jit(do_not_specialize=["num_seqs"])  # num_seqs changes every step: one compiled variant
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])  # both change every step: one variant
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
                     query_start_loc_ptr, num_seqs, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh,

@@ -39,9 +39,12 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _warmup_prompts(w: Workload, n: int = 2) -> list[list[int]]:
-    # token ids shifted by one so the warm-up shares no prefix-cache blocks with the workload
-    return [[(t + 1) % 30000 for t in p[:32]] for p in w.prompts[:n]]
+def _warmup_prompts(w: Workload, n: int = 4) -> list[list[int]]:
+    # token ids shifted by one so the warm-up shares no prefix-cache blocks with the workload;
+    # one short and several long prompts, so kernels meet the shapes of the timed run (JIT-compiled
+    # variants, GEMM heuristics) before the clock starts
+    prompts = [[(t + 1) % 30000 for t in p] for p in w.prompts[:n]]
+    return [prompts[0][:32]] + prompts[1:]
 
 
 # ------------------------------------------------------------------------ nanovllm
@@ -177,7 +180,8 @@ def run_hf_continuous_batching(w: Workload, model_dir: str, device: str, dtype: 
                     raise RuntimeError("transformers continuous batching stopped before finishing")
         return sum(len(r.generated_tokens) for r in results.values())
 
-    run(_warmup_prompts(w), [8, 8])
+    warm = _warmup_prompts(w)
+    run(warm, [8] * len(warm))
     _sync(device)
     start = time.perf_counter()
     n = run(w.prompts, w.max_tokens)
