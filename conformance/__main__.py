@@ -58,7 +58,7 @@ def write_report(rows: list[dict], engine: str, out: Path, argv: list[str], wall
              f"- engine: {engine_version(engine)}",
              f"- date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, "
              f"{os.cpu_count()} CPUs, {platform.system()}; python {platform.python_version()}",
-             f"- command: `python -m conformance --engine {engine} {' '.join(argv)}`".rstrip(),
+             f"- command: `python -m conformance {' '.join(argv)}`",
              f"- result: {counts['pass']} passed, {counts['FAIL'] + counts['ERROR']} failed, "
              f"{counts['skip']} skipped; wall time {wall:.0f} s", "",
              "| check | result | key figure | seconds |", "| --- | --- | --- | --- |"]

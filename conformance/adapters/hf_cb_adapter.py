@@ -11,6 +11,7 @@ Text is decoded by the adapter (the engine returns token ids).
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -47,6 +48,7 @@ class HFContinuousBatchingAdapter:
                               base.STOP_TOKEN_IDS, base.EOS, base.TEXT, base.PREEMPTION_STATS,
                               "block_size", "kv_budget", "chunk_budget", "prefix_cache", "max_num_seqs"})
     preferred_block_size = 16
+    max_live = 2  # each engine holds a model and sizes a KV cache from host memory
 
     def __init__(self):
         self.model = self.tokenizer = None
@@ -84,7 +86,9 @@ class HFContinuousBatchingAdapter:
         from transformers import ContinuousBatchingConfig
 
         k = self.knobs
-        cfg = {"seed": k.get("seed") or 0}
+        # on a CPU the cache is sized from host memory; the suite's workloads need little of it
+        cfg = {"seed": k.get("seed") or 0,
+               "max_memory_percent": float(os.environ.get("CONFORMANCE_HF_CB_MEMORY_PERCENT", "0.05"))}
         if k.get("block_size") is not None:
             cfg["page_size"] = k["block_size"]
         if k.get("kv_blocks") is not None:
