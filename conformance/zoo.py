@@ -14,16 +14,14 @@ something) and attention is sharp (outputs depend on the context).
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+
+from nanovllm.loader.cache import build_once, cache_root
 
 ZOO_VERSION = 2  # bump whenever make_weights or the tokenizer changes
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<|user|>", "<|assistant|>"]
@@ -166,10 +164,6 @@ def build(spec: ZooSpec, dest: Path) -> None:
     (dest / "zoo_spec.json").write_text(json.dumps({"zoo_version": ZOO_VERSION, **asdict(spec)}, indent=1))
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("NANOVLLM_CACHE") or Path.home() / ".cache" / "nanovllm")
-
-
 def spec_key(spec: ZooSpec) -> str:
     blob = json.dumps({"v": ZOO_VERSION, **asdict(spec)}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
@@ -180,19 +174,5 @@ def zoo_model(name: str) -> str:
     if name not in ZOO:
         raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(ZOO)}")
     spec = ZOO[name]
-    root = _cache_root() / "zoo"
-    root.mkdir(parents=True, exist_ok=True)
-    dest = root / f"{name}-{spec_key(spec)}"
-    if (dest / "zoo_spec.json").is_file():
-        return str(dest)
-    with open(root / f"{dest.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (dest / "zoo_spec.json").is_file():
-            tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
-            try:
-                build(spec, tmp)
-                shutil.rmtree(dest, ignore_errors=True)
-                os.replace(tmp, dest)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-    return str(dest)
+    dest = cache_root() / "zoo" / f"{name}-{spec_key(spec)}"
+    return build_once(dest, "zoo_spec.json", lambda tmp: build(spec, tmp))

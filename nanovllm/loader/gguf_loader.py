@@ -8,17 +8,14 @@ only reads safetensors.
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from nanovllm.loader.cache import build_once, cache_root, sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -39,18 +36,6 @@ _LAYER_NAMES = {
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _IGNORED = {"rope_freqs.weight"}  # derived from the config
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("NANOVLLM_CACHE") or Path.home() / ".cache" / "nanovllm")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def hf_name(gguf_name: str) -> str:
@@ -155,22 +140,9 @@ def gguf_to_hf_dir(gguf_path: str | os.PathLike) -> str:
     path = Path(gguf_path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    root = cache_root() / "gguf"
-    root.mkdir(parents=True, exist_ok=True)
-    dest = root / f"{path.stem}-{_sha256(path)[:16]}"
-    if (dest / "model.safetensors").is_file():
-        return str(dest)
-    with open(root / f"{dest.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one process converts; the others wait and reuse
-        if (dest / "model.safetensors").is_file():
-            return str(dest)
+    dest = cache_root() / "gguf" / f"{path.stem}-{sha256_file(path)[:16]}"
+
+    def build(tmp: Path) -> None:
         logger.info("converting %s to %s (once)", path, dest)
-        tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
-        try:
-            convert(path, tmp)
-            with contextlib.suppress(FileNotFoundError):
-                shutil.rmtree(dest)
-            os.replace(tmp, dest)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return str(dest)
+        convert(path, tmp)
+    return build_once(dest, "model.safetensors", build)
