@@ -44,12 +44,26 @@ def _share_cores_between_workers() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
+def _no_shrinking() -> None:
+    """Under a mutant only *whether* a property fails matters: skip hypothesis's shrinking
+    (the profile chosen in the root conftest.py, minus the shrink phase)."""
+    try:
+        from hypothesis import Phase, settings
+    except ImportError:
+        return
+    settings.register_profile("mutant-run", settings(settings.default, phases=[
+        Phase.explicit, Phase.reuse, Phase.generate]))
+    settings.load_profile("mutant-run")
+
+
 def pytest_configure(config):
     _share_cores_between_workers()
     config.addinivalue_line("markers", "nanovllm_only: checks nanovllm itself (its mutants); skipped for other engines")
     name = config.getoption("--mutant", default=None)
     if name:
         from conformance.mutants import activate
+
+        _no_shrinking()
 
         cm = activate(name)
         cm.__enter__()
