@@ -44,7 +44,7 @@ def decode_config(head_dim: int, dtype: torch.dtype) -> KernelConfig:
 def prefill_config(head_dim: int, dtype: torch.dtype) -> KernelConfig:
     if dtype == torch.float32 or head_dim > 128:
         return KernelConfig(64, 32, 4, 2)
-    return KernelConfig(128, 64, 4, 3)   # H200 sweep (KERNEL_NOTES p1-sweep): +10-20 % over 8 warps, 2 stages
+    return KernelConfig(128, 64, 8, 2)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
