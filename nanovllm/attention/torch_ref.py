@@ -67,24 +67,31 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def paged_decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """One query per sequence, all sequences at once (padded to the longest context).
+    """One query per sequence, all sequences at once: the CPU decode path.
 
-    Same arithmetic as ``paged_attention`` per sequence; padding keys are masked.
+    Each sequence's blocks (padded to the longest table) are gathered *and* transposed to
+    [block, kv_head, slot, d] in one copy, so both products are plain batched matmuls over
+    blocks: no further copy of K or V. Scores of all blocks of a sequence are joined for one
+    softmax; positions past ``seq_len`` are masked (their V zeroed: never-written slots may
+    hold NaN, and 0 * NaN is NaN).
     """
     num_seqs, num_heads, d = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    max_blocks = -(-meta.max_seq_len // block_size)
-    table = meta.block_tables[:, :max_blocks].reshape(-1).long()
-    k = k_cache.index_select(0, table).view(num_seqs, max_blocks * block_size, num_kv_heads, d)
-    v = v_cache.index_select(0, table).view(num_seqs, max_blocks * block_size, num_kv_heads, d)
-    qg = q.float().view(num_seqs, num_kv_heads, group, d)
-    scores = torch.einsum("bhgd,bkhd->bhgk", qg, k.float()) * scale       # [B, kvh, g, K]
-    k_pos = torch.arange(max_blocks * block_size, device=q.device)
-    pad = k_pos.unsqueeze(0) >= meta.seq_lens.unsqueeze(1)                # [B, K]
+    nb = -(-meta.max_seq_len // block_size)
+    n = num_seqs * nb
+    table = meta.block_tables[:, :nb].reshape(-1).long()
+    k = k_cache.permute(0, 2, 1, 3).index_select(0, table).float()    # [n, kvh, bs, d]
+    v = v_cache.permute(0, 2, 1, 3).index_select(0, table).float()
+    qg = q.float().view(num_seqs, 1, num_kv_heads, group, d).expand(num_seqs, nb, num_kv_heads, group, d)
+    scores = torch.matmul(qg.reshape(n, num_kv_heads, group, d), k.transpose(-1, -2)).mul_(scale)
+    scores = scores.view(num_seqs, nb, num_kv_heads, group, block_size).permute(0, 2, 3, 1, 4)
+    scores = scores.reshape(num_seqs, num_kv_heads, group, nb * block_size)
+    pad = torch.arange(nb * block_size, device=q.device).unsqueeze(0) >= meta.seq_lens.unsqueeze(1)  # [B, K]
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    # padding slots may hold anything (never-written memory, NaN): 0 * NaN would be NaN
-    v = v.masked_fill(pad[:, :, None, None], 0.0)
-    out = torch.einsum("bhgk,bkhd->bhgd", probs, v.float())
+    probs = torch.softmax(scores, dim=-1).view(num_seqs, num_kv_heads, group, nb, block_size)
+    probs = probs.permute(0, 3, 1, 2, 4).reshape(n, num_kv_heads, group, block_size)
+    v.view(num_seqs, nb, num_kv_heads, block_size, d).masked_fill_(
+        pad.view(num_seqs, nb, 1, block_size, 1), 0.0)
+    out = torch.matmul(probs, v).view(num_seqs, nb, num_kv_heads, group, d).sum(dim=1)
     return out.reshape(num_seqs, num_heads, d).to(q.dtype)
