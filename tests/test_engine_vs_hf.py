@@ -66,12 +66,15 @@ def test_tie_aware_rule_negative_controls():
     runner = llm.llm_engine.executor.runner
     w = runner.model.model.layers[0].mlp.down_proj.weight
     saved = w.detach().clone()
+    from nanovllm.layers.cpu_linear import pack_linear_weights
     try:
         w.data.mul_(1.5)
+        pack_linear_weights(runner.model)  # the CPU path multiplies by a packed copy of the weights
         bad = token_ids(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
                                      use_tqdm=False))
     finally:
         w.data.copy_(saved)
+        pack_linear_weights(runner.model)
     assert not compare_greedy([r.tokens for r in refs], [r.logprobs for r in refs], bad,
                               DELTA["float32"]).ok
 

@@ -72,8 +72,8 @@ def paged_decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     Each sequence's blocks (padded to the longest table) are gathered *and* transposed to
     [block, kv_head, slot, d] in one copy, so both products are plain batched matmuls over
     blocks: no further copy of K or V. Scores of all blocks of a sequence are joined for one
-    softmax; positions past ``seq_len`` are masked (their V zeroed: never-written slots may
-    hold NaN, and 0 * NaN is NaN).
+    softmax; positions past ``seq_len`` are masked (and their V zeroed when they hold NaN or
+    inf: never-written slots may, and 0 * NaN is NaN).
     """
     num_seqs, num_heads, d = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -91,7 +91,11 @@ def paged_decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(num_seqs, num_kv_heads, group, nb, block_size)
     probs = probs.permute(0, 3, 1, 2, 4).reshape(n, num_kv_heads, group, block_size)
-    v.view(num_seqs, nb, num_kv_heads, block_size, d).masked_fill_(
-        pad.view(num_seqs, nb, 1, block_size, 1), 0.0)
     out = torch.matmul(probs, v).view(num_seqs, nb, num_kv_heads, group, d).sum(dim=1)
+    if not bool(torch.isfinite(out).all()):
+        # a padding slot held NaN/inf (0 * NaN = NaN): zero the padding and redo. Checking the
+        # small output costs far less than zeroing the padding of V on every call.
+        v.view(num_seqs, nb, num_kv_heads, block_size, d).masked_fill_(
+            pad.view(num_seqs, nb, 1, block_size, 1), 0.0)
+        out = torch.matmul(probs, v).view(num_seqs, nb, num_kv_heads, group, d).sum(dim=1)
     return out.reshape(num_seqs, num_heads, d).to(q.dtype)

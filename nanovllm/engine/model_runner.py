@@ -18,6 +18,7 @@ from nanovllm.engine.cuda_graph import CudaGraphRunner
 from nanovllm.engine.model_input import ModelInput
 from nanovllm.engine.step_inputs import StepInputs
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.cpu_linear import pack_linear_weights
 from nanovllm.layers.parallel import tp_rank, tp_size
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from nanovllm.loader.model_loader import init_dummy_weights, iter_safetensors, load_weights
@@ -59,6 +60,8 @@ class ModelRunner:
         else:
             load_weights(self.model, iter_safetensors(config.model_dir))
         self.model.eval()
+        if self.device.type == "cpu":
+            pack_linear_weights(self.model)  # oneDNN-packed copies: ~2x faster decode matmuls
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = get_backend(config.attention_backend)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers import cpu_linear
 from nanovllm.layers.parallel import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
 
@@ -39,8 +40,10 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the full vocabulary on every rank (each rank computes its slice)."""
 
+    packed_weight: torch.Tensor | None = None  # oneDNN copy on CPU (cpu_linear.py)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = cpu_linear.linear(hidden, self.weight, None, self.packed_weight)
         if tp_size() > 1:
             logits = all_gather_last_dim(logits)
         return logits[..., : self.vocab_size]

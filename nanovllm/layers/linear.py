@@ -8,9 +8,9 @@ loader passes a shard id saying which part a checkpoint tensor fills.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers import cpu_linear
 from nanovllm.layers.parallel import all_reduce, divide, tp_rank, tp_size
 
 
@@ -29,6 +29,7 @@ class LinearBase(nn.Module):
         self.tp_dim = tp_dim
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.packed_weight: torch.Tensor | None = None  # oneDNN copy on CPU (cpu_linear.py)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -49,7 +50,7 @@ class LinearBase(nn.Module):
         _copy_checked(param, self._shard(param, loaded), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return cpu_linear.linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ReplicatedLinear(LinearBase):
@@ -124,8 +125,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
-            return F.linear(x, self.weight, self.bias)
+            return cpu_linear.linear(x, self.weight, self.bias, self.packed_weight)
         # the bias is added once, after the reduction
-        y = F.linear(x, self.weight)
+        y = cpu_linear.linear(x, self.weight, None, self.packed_weight)
         y = all_reduce(y)
         return y if self.bias is None else y + self.bias
