@@ -107,7 +107,7 @@ def read_tensors(reader, config: dict) -> dict[str, "np.ndarray"]:
         except NotImplementedError as e:
             raise ValueError(f"GGUF tensor {t.name!r} has type {GGMLQuantizationType(t.tensor_type).name}, "
                              f"which cannot be dequantized: {e}") from None
-        w = np.ascontiguousarray(w.reshape(tuple(reversed([int(d) for d in t.shape]))), dtype=np.float32)
+        w = np.array(w.reshape(tuple(reversed([int(d) for d in t.shape]))), dtype=np.float32)  # owned, writable
         if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
             n = config["num_attention_heads"] if "attn_q" in t.name else config["num_key_value_heads"]
             w = _unpermute_qk(w, n)
