@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ContextManager
 
-from conformance.mutants_engine import (_patched, admission_check_skipped, cuda_graph_padding_writes_kv,
+from conformance.mutants_engine import (_patched, admission_check_skipped, async_input_from_wrong_row, cuda_graph_padding_writes_kv,
                                         decode_drops_last_key, eos_ignored, logprobs_after_temperature,
                                         min_p_absolute, min_tokens_ignored, outputs_in_finish_order,
                                         prefill_mask_top_left, prompt_logprobs_shifted, seed_ignored,
@@ -87,6 +87,8 @@ ENGINE_MUTANTS: list[Mutant] = [
     Mutant("admission_check_skipped", admission_check_skipped, [CORE_DIR + "test_admission.py"]),
     Mutant("tp_allreduce_skipped", tp_allreduce_skipped,
            [CORE_DIR + "test_tensor_parallel.py::test_tp2_equals_tp1_gloo_cpu"]),
+    Mutant("async_input_from_wrong_row", async_input_from_wrong_row,
+           [f"{SELF}::test_async_scheduling_equivalence"]),
     Mutant("cuda_graph_padding_writes_kv", cuda_graph_padding_writes_kv,
            [CORE_DIR + "test_cuda_graph.py"], gpu_only=True),
 ]

@@ -249,3 +249,18 @@ def cuda_graph_padding_writes_kv() -> ContextManager:
             self._dev(out[0], "slot_mapping", torch.int64)[n:pad_to].fill_(0)
         return out
     return _patched((si.StepInputs, "_write", _write))
+
+
+def async_input_from_wrong_row() -> ContextManager:
+    """Async scheduling: a placeholder row reads the token another row of the previous step sampled."""
+    (runner,) = _modules("nanovllm.engine.model_runner")
+    orig = runner.ModelRunner._fill_pending
+
+    def _fill_pending(self, input_ids, mi):
+        saved = self.prev_tokens
+        self.prev_tokens = saved.roll(1)
+        try:
+            orig(self, input_ids, mi)
+        finally:
+            self.prev_tokens = saved
+    return _patched((runner.ModelRunner, "_fill_pending", _fill_pending))

@@ -6,7 +6,10 @@
    the cached-token counter equals the expected multiple of the block size;
 17 preemption: >= 256 generated tokens under a starved KV budget equal the ample run, with
    the preemption counter > 0;
-24 outputs come back in input order.
+24 outputs come back in input order;
+26 async scheduling (the next step queued before this one's tokens are read back) gives the
+   tokens of synchronous scheduling: greedy and seeded rows, length finishes, stop tokens met
+   while the next step is in flight, preemption.
 """
 from __future__ import annotations
 
@@ -167,3 +170,41 @@ def test_outputs_in_input_order(engines, figure):
     assert [len(o.token_ids) for o in outs] == lengths, "results are not in input order (lengths)"
     _assert_golden_prefix(g, picked, tokens(outs), "tokens in input order")
     figure("requests", len(outs))
+
+
+def test_async_scheduling_equivalence(engines, figure):
+    """Item 26: async scheduling on vs off, same tokens and finish reasons (float32: bitwise)."""
+    g, cases = _golden()
+    model = golden.model_dir(g)
+    if "async_scheduling" not in engines.capabilities:
+        pytest.skip(f"engine {engines.name} lacks capability 'async_scheduling' (no such engine knob)")
+    picked = [cases[c] for c in ("len1", "len-bs", "len-bs+1", "len-3bs", "prefix-2bs-a", "prefix-2bs-b",
+                                 "len-5bs+3", "long")]
+    params = []
+    for i, c in enumerate(picked):
+        # stop ids taken from the golden greedy tokens, so greedy rows stop mid-run for sure
+        stop = [c["greedy"][5 + i]] if i % 2 == 0 else []
+        base = Sampling.greedy(40 + 9 * i) if i % 3 else Sampling(temperature=0.9, seed=100 + i,
+                                                                       max_tokens=40 + 9 * i, ignore_eos=True)
+        params.append(base.with_(stop_token_ids=tuple(stop)) if stop else base)
+    prompts = [c["prompt"] for c in picked]
+    pipelined = 0
+    # ample: all eight run together; 200 slots: requests are preempted, recomputed and resumed
+    for kv_slots in (None, 200):
+        knobs = dict(**engines.optional(max_model_len=192))
+        if kv_slots:
+            knobs["kv_blocks"] = kv_slots // engines.bs
+        want = generate(engines.fresh(model, async_scheduling=False, **knobs), prompts, params)
+        asyn = engines.fresh(model, async_scheduling=True, **knobs)
+        got = generate(asyn, prompts, params)
+        what = f"async vs sync scheduling, {'ample' if kv_slots is None else kv_slots} KV slots"
+        assert_tokens_equal(tokens(want), tokens(got), what)
+        assert [r.finish_reason for r in got] == [r.finish_reason for r in want], what
+        assert any(r.finish_reason == "stop" for r in want), "no request stopped on a token: weak check"
+        stats = asyn.stats()
+        pipelined += stats.get("pipelined_steps", 0)
+        if kv_slots:
+            figure("preemptions", stats.get("preemptions"))
+    if "pipelined_steps" in asyn.stats():
+        figure("pipelined steps", pipelined)
+        assert pipelined > 0, "async scheduling never overlapped two steps"

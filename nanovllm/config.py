@@ -71,6 +71,8 @@ class EngineConfig:
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
+    # schedule and launch step N+1 before step N's tokens reach the host (None: on for one GPU)
+    async_scheduling: bool | None = None
     # resolved in resolve(): the loaded model's HF config and the model directory
     hf_config: object = field(default=None, repr=False)
     model_dir: str | None = field(default=None, repr=False)
@@ -106,6 +108,8 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager",
                      "skip_tokenizer_init"):
             _bool_field(name, getattr(self, name))
+        if self.async_scheduling is not None:
+            _bool_field("async_scheduling", self.async_scheduling)
         gmu = self.gpu_memory_utilization
         if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0.0 < gmu <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gmu!r}")
@@ -150,6 +154,11 @@ class EngineConfig:
             default = 8192 if self.device == "cuda" else 4096
             self.max_num_batched_tokens = (default if self.enable_chunked_prefill
                                            else max(default, self.max_model_len))
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device == "cuda" and self.tensor_parallel_size == 1
+        elif self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError(f"async_scheduling=True needs tensor_parallel_size=1, "
+                             f"got tensor_parallel_size={self.tensor_parallel_size}")
         if self.enforce_eager is False and self.device == "cpu":
             self.enforce_eager = True  # CUDA graphs only exist on GPUs
         vocab = getattr(hf_config, "vocab_size", None)

@@ -87,6 +87,7 @@ class LLM:
                 elapsed = time.perf_counter() - start
                 bar.set_postfix_str(f"out {engine.num_generation_tokens / max(elapsed, 1e-9):.1f} tok/s",
                                     refresh=False)
+            engine.drain()  # async scheduling: no step left in flight between calls
         except BaseException:
             for seq in seqs:  # leave the engine clean for the next call
                 engine.abort_request(seq.request_id)

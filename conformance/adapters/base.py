@@ -52,6 +52,7 @@ KNOB_CAPABILITY = {
     "block_size": "block_size", "kv_blocks": "kv_budget", "max_batched_tokens": "chunk_budget",
     "chunked_prefill": "chunk_budget", "prefix_cache": "prefix_cache", "tp": "tp",
     "cuda_graph": "cuda_graph", "max_num_seqs": "max_num_seqs", "max_model_len": "max_model_len",
+    "async_scheduling": "async_scheduling",
 }
 ALWAYS_KNOBS = {"seed", "dtype", "device"}
 

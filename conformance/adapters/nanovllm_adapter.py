@@ -10,7 +10,7 @@ _KNOBS = {"block_size": "block_size", "kv_blocks": "num_kvcache_blocks",
           "max_batched_tokens": "max_num_batched_tokens", "chunked_prefill": "enable_chunked_prefill",
           "prefix_cache": "enable_prefix_caching", "tp": "tensor_parallel_size",
           "max_num_seqs": "max_num_seqs", "max_model_len": "max_model_len", "seed": "seed",
-          "dtype": "dtype", "device": "device"}
+          "dtype": "dtype", "device": "device", "async_scheduling": "async_scheduling"}
 
 
 def _logprob_dicts(entries) -> list:
@@ -29,7 +29,7 @@ class NanovllmAdapter:
                 base.SAMPLED_LOGPROB, base.PROMPT_LOGPROBS, base.STOP_STRINGS, base.STOP_TOKEN_IDS,
                 base.MIN_TOKENS, base.EOS, base.TEXT, base.PREFIX_CACHE_STATS, base.PREEMPTION_STATS,
                 base.ADMISSION_CONTROL, "block_size", "kv_budget", "chunk_budget", "prefix_cache",
-                "max_num_seqs", "max_model_len"}
+                "max_num_seqs", "max_model_len", "async_scheduling"}
         try:
             import nanovllm.engine.distributed  # noqa: F401  (tensor parallelism has landed)
             caps.add("tp")

@@ -58,6 +58,8 @@ class StepProfile:
         self.steps = 0
         self._wrap(engine.scheduler, "schedule", "schedule")
         self._wrap(engine.executor, "execute", "execute (runner + device)")
+        if hasattr(engine.executor, "launch"):
+            self._wrap(engine.executor, "launch", "launch (runner, async)")
         self._wrap(engine, "_postprocess", "postprocess")
         self._wrap(engine.scheduler, "update_after_step", "update_after_step")
         self._wrap(engine_module, "build_model_input", "build_model_input")

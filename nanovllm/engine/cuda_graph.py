@@ -73,8 +73,11 @@ class CudaGraphRunner:
             return None
         return self.sizes[bisect.bisect_left(self.sizes, b)]
 
-    def run(self, mi: ModelInput, batch: int):
-        """Stage ``mi`` padded to ``batch`` rows, replay; -> (hidden [b, hidden], sample rows)."""
-        sample_rows = self.inputs.stage_for_graph(mi, batch)
+    def run(self, mi: ModelInput, batch: int, fill_pending=None):
+        """Stage ``mi`` padded to ``batch`` rows (``fill_pending(input_ids)`` then completes the
+        rows whose token is still on the device), replay; -> (hidden [b, hidden], sample rows)."""
+        sample_rows, input_ids = self.inputs.stage_for_graph(mi, batch)
+        if fill_pending is not None:
+            fill_pending(input_ids)
         self.graphs[batch].replay()
         return self.out[:len(mi.seq_lens)], sample_rows

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
@@ -11,13 +12,32 @@ from nanovllm.engine.model_input import build_model_input
 from nanovllm.engine.output_processor import (check_stop, make_request_output, record_logprobs,
                                               record_prompt_logprobs)
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from nanovllm.engine.trace import SeqStep, StepEvent, Tracer
 from nanovllm.loader.model_loader import load_hf_config, resolve_model_dir
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Launched:
+    """A step queued on the device."""
+    sched: SchedulerOutput
+    starts: list[int]             # each sequence's num_computed_tokens before the step
+    samplers: list[Sequence]      # the sequences that sample, in sample-row order
+    handle: object                # .result() -> StepResult
+    event: StepEvent | None
+    counted: bool = False         # update_after_step done already (async scheduling)
+
+
+class _Done:
+    def __init__(self, result):
+        self._result = result
+
+    def result(self):
+        return self._result
 
 
 def _eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
@@ -82,6 +102,10 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_errors = 0
+        self._inflight: _Launched | None = None      # async scheduling: the step on the device
+        self._buffered: list[RequestOutput] = []     # finished by a drain, returned by the next step()
+        self._num_launched = 0
+        self.num_pipelined_steps = 0
         logger.info("engine ready: %s, %s, %d KV blocks of %d tokens", config.device, config.dtype,
                     num_blocks, config.block_size)
 
@@ -151,6 +175,7 @@ class LLMEngine:
         self.requests[seq.request_id] = seq
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        self.drain()
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return None
@@ -160,48 +185,106 @@ class LLMEngine:
         return make_request_output(seq, self.tokenizer)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._buffered)
 
     # ------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; return the outputs of the requests that finished in it."""
+        """Run one scheduler step; return the outputs of the requests that finished in it.
+
+        With async scheduling, the step after this one is scheduled and queued on the device
+        before this one's tokens are read back (see ``_advance``), so the host's bookkeeping
+        overlaps the device's work; it is completed by the next call.
+        """
+        outputs, self._buffered = self._buffered, []
+        launched, self._inflight = self._inflight, None
+        if launched is None:
+            launched = self._launch_next()
+            if launched is None:
+                return outputs
+        if self.config.async_scheduling and not self.scheduler.waiting:
+            self._advance(launched)
+            self._inflight = self._launch_next()
+        finished = self._complete(launched)
+        return outputs + [make_request_output(seq, self.tokenizer) for seq in finished]
+
+    def _launch_next(self) -> _Launched | None:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler produced an empty step with requests pending")
-            return []
+            return None
         mi = build_model_input(sched, self.config.block_size, self._finished_seq_ids)
         self._finished_seq_ids = []
         event = self._trace_begin(sched) if self.tracer.enabled else None
-        result = self.executor.execute(mi)
-        self.scheduler.update_after_step(sched)
-        finished = self._postprocess(sched, result)
-        self.num_steps += 1
-        if event is not None:
-            event.finished = [(s.request_id, s.finish_reason) for s in finished]
-            event.num_free_blocks = self.block_manager.num_free_blocks
-            self.tracer.record(event)
-        return [make_request_output(seq, self.tokenizer) for seq in finished]
+        starts = [seq.num_computed_tokens for seq in sched.seqs]
+        samplers = [seq for seq, n, c in zip(sched.seqs, sched.num_new_tokens, starts) if c + n == seq.num_tokens]
+        if self.config.async_scheduling:
+            handle = self.executor.launch(mi)
+        else:
+            handle = _Done(self.executor.execute(mi))
+        self._num_launched += 1
+        return _Launched(sched, starts, samplers, handle, event)
 
-    def _postprocess(self, sched: SchedulerOutput, result) -> list[Sequence]:
-        finished: list[Sequence] = []
-        sample_idx = 0
+    def _advance(self, launched: _Launched) -> None:
+        """Async scheduling: account for a step in flight as if its tokens were known.
+
+        Its K/V counts as computed (the device computes it before anything queued later);
+        every sequence that samples gets a placeholder token, which the next step reads
+        from the device; a sequence that finishes on length whatever it draws leaves the
+        scheduler now, so the next step does not compute it.
+        """
+        self.scheduler.update_after_step(launched.sched)
+        launched.counted = True
+        self.num_pipelined_steps += 1
+        for row, seq in enumerate(launched.samplers):
+            if seq.status is SequenceStatus.FINISHED:
+                continue
+            seq.token_ids.append(PLACEHOLDER_TOKEN)
+            seq.pending_row = row
+            max_tokens = seq.params.max_tokens
+            if (max_tokens is not None and seq.num_output_tokens >= max_tokens) \
+                    or seq.num_tokens >= self.config.max_model_len:
+                self.scheduler.finish(seq)
+
+    def _complete(self, launched: _Launched) -> list[Sequence]:
+        result = launched.handle.result()
+        if not launched.counted:
+            self.scheduler.update_after_step(launched.sched)
+        finished = self._postprocess(launched, result)
+        self.num_steps += 1
+        if launched.event is not None:
+            launched.event.finished = [(s.request_id, s.finish_reason) for s in finished]
+            launched.event.num_free_blocks = self.block_manager.num_free_blocks
+            self.tracer.record(launched.event)
+        return finished
+
+    def drain(self) -> None:
+        """Complete the step in flight (async scheduling); its outputs go to the next step()."""
+        launched, self._inflight = self._inflight, None
+        if launched is not None:
+            self._buffered += [make_request_output(seq, self.tokenizer) for seq in self._complete(launched)]
+
+    def _postprocess(self, launched: _Launched, result) -> list[Sequence]:
+        sched = launched.sched
+        sampling = {id(seq) for seq in launched.samplers}
         job_idx = 0
-        sampled = result.sampled
-        for idx, (seq, num_new) in enumerate(zip(sched.seqs, sched.num_new_tokens)):
+        for seq, num_new, start in zip(sched.seqs, sched.num_new_tokens, launched.starts):
             if seq.params.prompt_logprobs is not None and job_idx < len(result.prompt_logprobs) \
-                    and seq.num_computed_tokens - num_new < seq.num_prompt_tokens - 1:
-                start = seq.num_computed_tokens - num_new
+                    and start < seq.num_prompt_tokens - 1:
                 rows = result.prompt_logprobs[job_idx]
                 job_idx += 1
                 record_prompt_logprobs(seq, list(zip(seq.token_ids[start + 1:start + 1 + len(rows)], rows)))
-            if seq.num_computed_tokens < seq.num_tokens:
-                self.num_prompt_tokens += num_new
-                continue  # a prefill chunk that does not reach the end samples nothing
-            if seq.num_computed_tokens - num_new < seq.num_prompt_tokens:
-                self.num_prompt_tokens += num_new
-            row = sample_idx
-            sample_idx += 1
+            if id(seq) not in sampling or start < seq.num_prompt_tokens:
+                self.num_prompt_tokens += num_new   # a prefill chunk (or a recompute) samples nothing new
+
+        finished: list[Sequence] = []
+        sampled = result.sampled
+        for row, seq in enumerate(launched.samplers):
+            if seq.pending_row is not None:   # async: the placeholder gets its token below
+                seq.token_ids.pop()
+                seq.pending_row = None
+            if seq.finish_reason is not None:
+                continue  # it finished (or was aborted) while this step was in flight: discard
             if row in sampled.nonfinite_rows:
                 self.num_errors += 1
                 logger.error("request %r: the model produced non-finite logits (NaN or inf) at output "
@@ -216,10 +299,13 @@ class LLMEngine:
                 record_logprobs(seq, token, sampled.logprobs[row])
                 check_stop(seq, self.tokenizer, self.config.max_model_len)
             if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
+                if seq.status is not SequenceStatus.FINISHED:
+                    self.scheduler.finish(seq)
                 self.requests.pop(seq.request_id, None)
                 self._finished_seq_ids.append(seq.seq_id)
                 finished.append(seq)
+            elif seq.status is SequenceStatus.FINISHED:
+                raise RuntimeError(f"{seq} left the scheduler on length but did not finish")
         return finished
 
     def _trace_begin(self, sched: SchedulerOutput) -> StepEvent:
@@ -232,7 +318,7 @@ class LLMEngine:
                                 list(seq.block_table), c if id(seq) in admitted else None))
         phases = {s.phase for s in seqs}
         kind = phases.pop() if len(phases) == 1 else "mixed"
-        return StepEvent(self.num_steps, kind, seqs, [s.request_id for s in sched.preempted],
+        return StepEvent(self._num_launched, kind, seqs, [s.request_id for s in sched.preempted],
                          num_blocks=self.block_manager.num_blocks)
 
     # ------------------------------------------------------------------ misc
@@ -251,12 +337,15 @@ class LLMEngine:
             "running": len(s.running),
             "waiting": len(s.waiting),
             "errors": self.num_errors,
+            "pipelined_steps": self.num_pipelined_steps,
         }
 
     def check_invariants(self) -> None:
+        self.drain()
         self.scheduler.check_invariants()
 
     def close(self) -> None:
+        self._inflight = None
         executor = getattr(self, "executor", None)
         if executor is not None:
             executor.close()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.model_input import ModelInput
-from nanovllm.engine.model_runner import ModelRunner, StepResult
+from nanovllm.engine.model_runner import ModelRunner, StepHandle, StepResult
 
 
 class LocalExecutor:
@@ -18,6 +18,9 @@ class LocalExecutor:
 
     def execute(self, mi: ModelInput) -> StepResult:
         return self.runner.execute(mi)
+
+    def launch(self, mi: ModelInput) -> StepHandle:
+        return self.runner.launch(mi)
 
     def close(self) -> None:
         self.runner.free_kv_cache()

@@ -26,11 +26,16 @@ class ModelInput:
     top_ps: list[float] = field(default_factory=list)
     min_ps: list[float] = field(default_factory=list)
     seeds: list[int | None] = field(default_factory=list)
+    output_indices: list[int] = field(default_factory=list)   # index of the token each row samples
     banned_token_ids: list[list[int]] = field(default_factory=list)
     num_logprobs: list[int | None] = field(default_factory=list)
     # prompt logprobs: (seq index, first packed row, target token ids, k)
     prompt_logprob_jobs: list[tuple[int, int, list[int], int]] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)  # drop their generators
+    # async scheduling: input rows whose token is still on the device, sampled by the previous
+    # step in its sample row pending_src[i]; input_ids holds PLACEHOLDER_TOKEN there
+    pending_rows: list[int] = field(default_factory=list)
+    pending_src: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -51,10 +56,15 @@ def build_model_input(out: SchedulerOutput, block_size: int,
         table = seq.block_table
         first_row = len(input_ids)
         if num_new == 1:  # the decode fast path: one token, one slot
+            if seq.pending_row is not None and start == len(seq.token_ids) - 1:
+                mi.pending_rows.append(first_row)
+                mi.pending_src.append(seq.pending_row)
             input_ids.append(seq.token_ids[start])
             positions.append(start)
             slots.append(table[start // block_size] * block_size + start % block_size)
         else:
+            if seq.pending_row is not None:
+                raise RuntimeError(f"{seq}: a prefill chunk over a placeholder token (async scheduling)")
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
@@ -74,6 +84,7 @@ def build_model_input(out: SchedulerOutput, block_size: int,
             mi.top_ps.append(params.top_p)
             mi.min_ps.append(params.min_p)
             mi.seeds.append(params.seed)
+            mi.output_indices.append(seq.num_output_tokens)
             banned = sorted(seq.stop_token_ids) if seq.num_output_tokens < params.min_tokens else []
             mi.banned_token_ids.append(banned)
             mi.num_logprobs.append(params.logprobs)

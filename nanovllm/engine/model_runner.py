@@ -19,12 +19,14 @@ from nanovllm.engine.model_input import ModelInput
 from nanovllm.engine.step_inputs import StepInputs
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.cpu_linear import pack_linear_weights
+from nanovllm.layers.fused_sampler import mix_seed
 from nanovllm.layers.parallel import tp_rank, tp_size
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from nanovllm.loader.model_loader import init_dummy_weights, iter_safetensors, load_weights
 from nanovllm.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
+_SEED_MASK = (1 << 62) - 1
 
 
 @dataclass
@@ -32,6 +34,19 @@ class StepResult:
     sampled: SamplerOutput | None
     # per prompt-logprob job: list over positions of (target logprob, target rank, top-k [(id, lp)])
     prompt_logprobs: list[list[tuple[float, int, list[tuple[int, float]]]]]
+
+
+class StepHandle:
+    """A launched step; ``result()`` waits for it once and returns its StepResult."""
+
+    def __init__(self, finish):
+        self._finish = finish
+        self._result: StepResult | None = None
+
+    def result(self) -> StepResult:
+        if self._result is None:
+            self._result = self._finish()
+        return self._result
 
 
 class ModelRunner:
@@ -66,6 +81,8 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.generators: dict[int, torch.Generator] = {}
+        self.num_sampling_steps = 0
+        self.prev_tokens: torch.Tensor | None = None   # the last launched step's sampled tokens
         self.num_blocks = 0
         # GPU: pinned staging buffers (one host->device copy per step) and decode graphs
         self.inputs: StepInputs | None = None
@@ -202,6 +219,8 @@ class ModelRunner:
         )
 
     def _sampling_metadata(self, mi: ModelInput) -> SamplingMetadata:
+        if self.device.type == "cuda":
+            return self._philox_sampling_metadata(mi)
         for seq_id in mi.finished_seq_ids:
             self.generators.pop(seq_id, None)
         gens = []
@@ -216,17 +235,51 @@ class ModelRunner:
         return SamplingMetadata(mi.temperatures, mi.top_ks, mi.top_ps, mi.min_ps, gens,
                                 mi.banned_token_ids, mi.num_logprobs)
 
+    def _philox_sampling_metadata(self, mi: ModelInput) -> SamplingMetadata:
+        """GPU: per-row Philox seeds instead of stateful generators. A seeded request's seed for
+        its i-th output token is mix(seed, i): its draws depend on nothing else (not its
+        batch-mates, not preemption); the others use the engine seed mixed with a step counter,
+        plus the row."""
+        n = len(mi.sample_rows)
+        self.num_sampling_steps += 1
+        base = mix_seed(self.config.seed, self.num_sampling_steps)
+        # Philox keys are stream ids: base + row gives each unseeded row its own stream
+        seeds = [(base + r) & _SEED_MASK if s is None else mix_seed(s, i)
+                 for r, (s, i) in enumerate(zip(mi.seeds, mi.output_indices))]
+        return SamplingMetadata(mi.temperatures, mi.top_ks, mi.top_ps, mi.min_ps, [None] * n,
+                                mi.banned_token_ids, mi.num_logprobs, row_seeds=seeds,
+                                seeded=[s is not None for s in mi.seeds])
+
     def _forward(self, mi: ModelInput):
         """The model on one step -> (hidden states, index of the rows that sample)."""
+        fill = (lambda ids: self._fill_pending(ids, mi)) if mi.pending_rows else None
         if self.inputs is None:  # CPU: plain tensors
             input_ids = self._tensor(mi.input_ids, torch.int64)
             positions = self._tensor(mi.positions, torch.int64)
+            if fill is not None:
+                fill(input_ids)
             return self.model(input_ids, positions, self._metadata(mi)), mi.sample_rows
         batch = self.graphs.padded_size(mi) if self.graphs is not None else None
         if batch is not None:
-            return self.graphs.run(mi, batch)
+            return self.graphs.run(mi, batch, fill)
         step = self.inputs.stage(mi)
+        if fill is not None:
+            fill(step.input_ids)
         return self.model(step.input_ids, step.positions, step.meta), step.sample_rows
+
+    def _fill_pending(self, input_ids: torch.Tensor, mi: ModelInput) -> None:
+        """Async scheduling: copy the tokens the previous step sampled (still on the device)
+        into the rows that wait for them. Queued on the stream: no synchronisation."""
+        prev = self.prev_tokens
+        if prev is None:
+            raise RuntimeError("a step has placeholder inputs but no step was launched before it")
+        k = len(mi.pending_rows)
+        if mi.pending_rows == mi.pending_src == list(range(k)):   # steady decode: same rows, same order
+            input_ids[:k].copy_(prev[:k])
+            return
+        index = torch.tensor([mi.pending_rows, mi.pending_src], dtype=torch.int64,
+                             pin_memory=input_ids.is_cuda).to(input_ids.device, non_blocking=True)
+        input_ids.index_copy_(0, index[0], prev.index_select(0, index[1]))
 
     @torch.inference_mode()
     def execute(self, mi: ModelInput) -> StepResult:
@@ -238,6 +291,20 @@ class ModelRunner:
         if self.rank != 0:
             return StepResult(None, [])
         return StepResult(self.sampler(logits, self._sampling_metadata(mi)), prompt_lps)
+
+    @torch.inference_mode()
+    def launch(self, mi: ModelInput) -> "StepHandle":
+        """Queue a step on the device and return at once (async scheduling, one rank): the
+        sampled tokens stay on the device for the next step's placeholder rows; the handle's
+        ``result()`` waits for them."""
+        hidden, sample_rows = self._forward(mi)
+        prompt_lps = self._prompt_logprobs(hidden, mi)
+        if not mi.sample_rows:
+            return StepHandle(lambda: StepResult(None, prompt_lps))
+        logits = self.model.compute_logits(hidden[sample_rows])
+        pending = self.sampler.launch(logits, self._sampling_metadata(mi))
+        self.prev_tokens = pending.tokens
+        return StepHandle(lambda: StepResult(pending.result(), prompt_lps))
 
     def _prompt_logprobs(self, hidden: torch.Tensor, mi: ModelInput):
         results = []

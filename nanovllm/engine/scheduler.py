@@ -160,6 +160,8 @@ class Scheduler:
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Record that the step's K/V is computed, then publish full blocks' hashes."""
         for seq, num_new in zip(out.seqs, out.num_new_tokens):
+            if seq.status is SequenceStatus.FINISHED:
+                continue  # async scheduling: it stopped while this step was in flight
             seq.num_computed_tokens += num_new
             self.block_manager.cache_full_blocks(seq)
 

@@ -6,6 +6,9 @@ import enum
 from nanovllm.sampling_params import SamplingParams
 
 
+PLACEHOLDER_TOKEN = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"      # not holding blocks; never ran, or preempted
     RUNNING = "running"      # holds blocks; scheduled each step it fits
@@ -27,7 +30,7 @@ class Sequence:
         "block_table", "block_hashes", "status", "params", "num_cached_tokens",
         "num_preemptions", "prompt", "arrival", "finish_reason", "stop_reason",
         "output_logprobs", "cumulative_logprob", "prompt_logprobs", "output_text",
-        "_stop_ids",
+        "_stop_ids", "pending_row",
     )
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
@@ -52,6 +55,9 @@ class Sequence:
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.output_text = ""
         self._stop_ids = params.all_stop_token_ids()
+        # async scheduling: the last token is a placeholder (PLACEHOLDER_TOKEN) for the token that
+        # sample row ``pending_row`` of the step in flight is drawing; None when every token is known
+        self.pending_row: int | None = None
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "

@@ -96,11 +96,11 @@ class StepInputs:
         return StagedStep(self._dev(lay, "input_ids", torch.int64), self._dev(lay, "positions", torch.int64),
                           meta, self._sample_rows(lay, rows))
 
-    def stage_for_graph(self, mi: ModelInput, batch: int) -> torch.Tensor | slice:
+    def stage_for_graph(self, mi: ModelInput, batch: int) -> tuple[torch.Tensor | slice, torch.Tensor]:
         """Write and copy a decode step padded to ``batch`` rows into the addresses the graph
-        of that size was captured over; -> the rows that sample."""
+        of that size was captured over; -> (the rows that sample, the device input ids)."""
         lay, _, _ = self._write(mi, batch)
-        return self._sample_rows(lay, mi.sample_rows)
+        return self._sample_rows(lay, mi.sample_rows), self._dev(lay, "input_ids", torch.int64)
 
     def _sample_rows(self, lay, rows: list[int]) -> torch.Tensor | slice:
         if rows == list(range(len(rows))):

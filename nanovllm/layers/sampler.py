@@ -6,12 +6,19 @@ and top_p, and draw with the exponential race (argmax of p / E, E ~ Exp(1)),
 which samples exactly from p and never picks a token of probability 0.
 Each seeded request draws its noise from its own generator, so its tokens do
 not depend on its batch-mates. Logprobs are those of the raw model distribution.
+
+On a GPU, when the runner gives per-row Philox seeds (``row_seeds``), the rows
+without filters or bans are sampled by one fused kernel (``fused_sampler``: the
+Gumbel-max draw, the same distribution) and only the other rows take the
+PyTorch path, each seeded by its row seed.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+
+from nanovllm.layers import fused_sampler
 
 
 @dataclass
@@ -23,6 +30,10 @@ class SamplingMetadata:
     generators: list[torch.Generator | None]   # per row; None = the engine's generator
     banned_token_ids: list[list[int]]          # per row (min_tokens not reached yet)
     num_logprobs: list[int | None]             # per row
+    # GPU fused path: a 62-bit Philox seed per row (seeded requests: from their seed and
+    # output index; others: from the engine's seed and step), and which rows are seeded
+    row_seeds: list[int] | None = None
+    seeded: list[bool] | None = None
     greedy: list[bool] = field(init=False)
 
     def __post_init__(self):
@@ -56,19 +67,87 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+class PendingSample:
+    """A launched sampling step: ``tokens`` is on the device now (a later step may read it
+    there); ``result()`` brings everything to the host (the step's one synchronisation)."""
+
+    def __init__(self, tokens: torch.Tensor, finish):
+        self.tokens = tokens
+        self._finish = finish
+
+    def result(self) -> SamplerOutput:
+        return self._finish()
+
+
 class Sampler:
     def __init__(self, generator: torch.Generator):
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        return self.launch(logits, meta).result()
+
+    def launch(self, logits: torch.Tensor, meta: SamplingMetadata) -> PendingSample:
+        if meta.row_seeds is not None and fused_sampler.enabled(logits):
+            return self._fused(logits, meta)
+        if meta.row_seeds is not None:  # fused kernel off: the seeded rows draw from their row seeds
+            meta.generators = [torch.Generator(device=logits.device).manual_seed(s) if seeded else None
+                               for s, seeded in zip(meta.row_seeds, meta.seeded)]
         logits = logits.float()
         n = logits.shape[0]
         # rows with NaN/inf are reported (the engine ends those requests); what they sample is discarded
         finite = torch.isfinite(logits).all(dim=-1)
+        want_logprobs = any(k is not None for k in meta.num_logprobs)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        tokens = self._choose(logits, meta)
 
-        want_logprobs = [k is not None for k in meta.num_logprobs]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        def finish() -> SamplerOutput:
+            nonfinite = (~finite).nonzero().flatten().tolist() if not bool(finite.all()) else []
+            logprobs = _logprobs(raw_logprobs, tokens, meta.num_logprobs) if want_logprobs else [None] * n
+            return SamplerOutput(tokens.tolist(), nonfinite, logprobs)
+        return PendingSample(tokens, finish)
 
+    def _fused(self, logits: torch.Tensor, meta: SamplingMetadata) -> PendingSample:
+        """One kernel for the plain rows; the PyTorch path for rows with filters or bans."""
+        n = logits.shape[0]
+        device = logits.device
+        inv_temp = [0.0 if g else 1.0 / t for g, t in zip(meta.greedy, meta.temperatures)]
+        tokens, nonfinite = fused_sampler.sample(logits, _to_device(inv_temp, torch.float32, device),
+                                                 _to_device(meta.row_seeds, torch.int64, device))
+        special = [i for i in range(n) if meta.banned_token_ids[i] or (not meta.greedy[i] and (
+            meta.top_ks[i] > 0 or meta.top_ps[i] < 1.0 or meta.min_ps[i] > 0))]
+        if special:
+            sub = _select(meta, special)
+            sub.generators = [torch.Generator(device=device).manual_seed(meta.row_seeds[r])
+                              if meta.seeded[r] else None for r in special]
+            index = _to_device(special, torch.int64, device)
+            tokens[index] = self._choose(logits[index].float(), sub)
+        want = [i for i, k in enumerate(meta.num_logprobs) if k is not None]
+        raw = None
+        if want:
+            index = _to_device(want, torch.int64, device)
+            raw = torch.log_softmax(logits[index].float(), dim=-1), tokens[index]
+        both = torch.stack((tokens, nonfinite))
+        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=both.is_cuda)
+        host.copy_(both, non_blocking=True)
+        done = torch.cuda.Event() if both.is_cuda else None
+        if done is not None:
+            done.record()
+
+        def finish() -> SamplerOutput:
+            if done is not None:
+                done.synchronize()
+            token_list, flags = host.tolist()
+            logprobs: list = [None] * n
+            if raw is not None:
+                rows = _logprobs(raw[0], raw[1], [meta.num_logprobs[i] for i in want])
+                for i, entry in zip(want, rows):
+                    logprobs[i] = entry
+            return SamplerOutput(token_list, [i for i, f in enumerate(flags) if f], logprobs)
+        return PendingSample(tokens, finish)
+
+    def _choose(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """float32 logits -> sampled token ids (a device tensor)."""
+        n = logits.shape[0]
         if any(meta.banned_token_ids):
             logits = logits.clone()
             for row, banned in enumerate(meta.banned_token_ids):
@@ -82,24 +161,7 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
             if random_rows:
                 tokens[random_rows] = self._sample(logits[random_rows], meta, random_rows)
-
-        token_list = tokens.tolist()
-        nonfinite = (~finite).nonzero().flatten().tolist() if not bool(finite.all()) else []
-        logprobs: list = [None] * n
-        if raw_logprobs is not None:
-            max_k = max(k for k in meta.num_logprobs if k is not None)
-            top_vals, top_ids = raw_logprobs.topk(max(max_k, 1), dim=-1) if max_k else (None, None)
-            sampled_lp = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-            sampled_rank = (raw_logprobs > sampled_lp.unsqueeze(1)).sum(dim=-1) + 1
-            slp, srank = sampled_lp.tolist(), sampled_rank.tolist()
-            tv = top_vals.tolist() if top_vals is not None else None
-            ti = top_ids.tolist() if top_ids is not None else None
-            for row, k in enumerate(meta.num_logprobs):
-                if k is None:
-                    continue
-                top = list(zip(ti[row][:k], tv[row][:k])) if k else []
-                logprobs[row] = (slp[row], srank[row], top)
-        return SamplerOutput(token_list, nonfinite, logprobs)
+        return tokens
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
         device = logits.device
@@ -131,3 +193,31 @@ class Sampler:
         # exponential_ can return 0; p / 0 would be inf (or NaN for p = 0)
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         return probs.div_(noise).argmax(dim=-1)
+
+
+def _select(meta: SamplingMetadata, rows: list[int]) -> SamplingMetadata:
+    pick = lambda values: [values[r] for r in rows]  # noqa: E731
+    return SamplingMetadata(pick(meta.temperatures), pick(meta.top_ks), pick(meta.top_ps), pick(meta.min_ps),
+                            pick(meta.generators), pick(meta.banned_token_ids), pick(meta.num_logprobs))
+
+
+def _logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]) -> list:
+    """Per row: None, or (sampled token's logprob, its rank, top-k [(token, logprob)])."""
+    out: list = [None] * len(num_logprobs)
+    max_k = max(k for k in num_logprobs if k is not None)
+    top_vals, top_ids = raw_logprobs.topk(max(max_k, 1), dim=-1) if max_k else (None, None)
+    sampled_lp = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    sampled_rank = (raw_logprobs > sampled_lp.unsqueeze(1)).sum(dim=-1) + 1
+    slp, srank = sampled_lp.tolist(), sampled_rank.tolist()
+    tv = top_vals.tolist() if top_vals is not None else None
+    ti = top_ids.tolist() if top_ids is not None else None
+    for row, k in enumerate(num_logprobs):
+        if k is not None:
+            out[row] = (slp[row], srank[row], list(zip(ti[row][:k], tv[row][:k])) if k else [])
+    return out
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without synchronising (pinned memory, asynchronous copy)."""
+    cuda = torch.device(device).type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=cuda).to(device, non_blocking=True)

@@ -22,7 +22,8 @@ def test_kernels_under_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", NANOVLLM_TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-rs",
-         str(here / "test_triton_kernels.py"), str(here / "test_fused_ops.py")],
+         str(here / "test_triton_kernels.py"), str(here / "test_fused_ops.py"),
+         str(here / "test_fused_sampler.py")],
         cwd=here.parents[1], env=env, capture_output=True, text=True, timeout=600)
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, tail

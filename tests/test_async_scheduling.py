@@ -1,0 +1,115 @@
+"""Async scheduling (step N+1 scheduled and launched before step N's tokens are read back)
+gives exactly the tokens, logprobs and finish reasons of synchronous scheduling.
+
+On a CPU the device work is synchronous, so this checks the bookkeeping only:
+placeholder tokens, device-side input filling, early length finishes, stops
+discovered while the next step is in flight, preemption, aborts, prefix caching.
+The GPU run of the same comparison (with CUDA graphs) is in tests/gpu.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conformance.zoo import ZOO, zoo_model
+from nanovllm import LLM, SamplingParams
+import nanovllm.engine.engine as engine_module
+
+MODEL = "qwen3-gqa2-hd64-tied"
+VOCAB = ZOO[MODEL].vocab_size
+
+
+def _workload(n=24, seed=0, stop_every=None):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+    stop = list(range(0, VOCAB, stop_every)) if stop_every else None
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8,
+                             seed=None if i % 4 == 1 else i,
+                             max_tokens=rng.randint(1, 30), stop_token_ids=stop,
+                             min_tokens=2 if i % 6 == 0 else 0,
+                             logprobs=2 if i % 5 == 0 else None) for i in range(n)]
+    return prompts, params
+
+
+def _run(async_scheduling, prompts, params, **kw):
+    llm = LLM(zoo_model(MODEL), async_scheduling=async_scheduling, block_size=4, max_model_len=256,
+              max_num_batched_tokens=64, seed=0, **kw)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        llm.llm_engine.check_invariants()
+        stats = llm.stats()
+        assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"], stats
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason,
+                 o.outputs[0].cumulative_logprob, o.outputs[0].logprobs) for o in outs], stats
+    finally:
+        llm.close()
+
+
+@pytest.fixture
+def pipelined(monkeypatch):
+    """Counts the steps launched while another was in flight, and their placeholder rows."""
+    counts = {"advanced": 0, "placeholder_rows": 0}
+    advance, build = engine_module.LLMEngine._advance, engine_module.build_model_input
+
+    def counting_advance(self, launched):
+        counts["advanced"] += 1
+        return advance(self, launched)
+
+    def counting_build(*args, **kwargs):
+        mi = build(*args, **kwargs)
+        counts["placeholder_rows"] += len(mi.pending_rows)
+        return mi
+    monkeypatch.setattr(engine_module.LLMEngine, "_advance", counting_advance)
+    monkeypatch.setattr(engine_module, "build_model_input", counting_build)
+    return counts
+
+
+@pytest.mark.parametrize("blocks,stop_every", [(400, None), (400, 7), (40, None), (40, 7)],
+                         ids=["ample", "ample-stops", "starved", "starved-stops"])
+def test_async_equals_sync(pipelined, blocks, stop_every):
+    prompts, params = _workload(stop_every=stop_every)
+    want, sync_stats = _run(False, prompts, params, num_kvcache_blocks=blocks)
+    assert pipelined["advanced"] == 0
+    got, stats = _run(True, prompts, params, num_kvcache_blocks=blocks)
+    assert got == want
+    assert pipelined["advanced"] > 0 and pipelined["placeholder_rows"] > 0, pipelined
+    if blocks == 40:
+        assert stats["preemptions"] > 0 and sync_stats["preemptions"] > 0
+    if stop_every:
+        assert any(reason == "stop" for _, reason, *_ in want)
+
+
+def test_async_prefix_cache_and_chunks_match():
+    rng = random.Random(3)
+    shared = [rng.randrange(1, VOCAB) for _ in range(21)]
+    prompts = [shared + [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want, _ = _run(False, prompts, params, max_num_seqs=4)
+    got, stats = _run(True, prompts, params, max_num_seqs=4)
+    assert got == want and stats["prefix_cache_hit_tokens"] > 0
+
+
+def test_abort_and_add_while_a_step_is_in_flight():
+    prompts, params = _workload(n=6, seed=4)
+    llm = LLM(zoo_model(MODEL), async_scheduling=True, block_size=4, max_model_len=256, seed=0)
+    try:
+        engine = llm.llm_engine
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=25, ignore_eos=True))
+        for _ in range(4):
+            engine.step()
+        assert engine._inflight is not None, "no step in flight: the test checks nothing"
+        aborted = engine.abort_request("r2")
+        assert aborted is not None and aborted.outputs[0].finish_reason == "abort"
+        engine.add_request("late", prompts[0], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                done[out.request_id] = out
+        assert set(done) == {"r0", "r1", "r3", "r4", "r5", "late"}
+        assert all(len(done[r].outputs[0].token_ids) == 25 for r in done if r != "late")
+        engine.check_invariants()
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        llm.close()
