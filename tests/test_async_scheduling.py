@@ -113,3 +113,33 @@ def test_abort_and_add_while_a_step_is_in_flight():
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     finally:
         llm.close()
+
+
+def test_interrupt_mid_pipeline_leaves_the_engine_clean(monkeypatch):
+    """A KeyboardInterrupt while step N completes (step N+1 already queued): generate aborts its
+    requests, no placeholder token survives, every block returns, the engine serves again."""
+    prompts, _ = _workload(n=6, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    llm = LLM(zoo_model(MODEL), async_scheduling=True, block_size=4, max_model_len=256, seed=0)
+    try:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        engine = llm.llm_engine
+        complete, calls = engine_module.LLMEngine._complete, []
+
+        def interrupted(self, launched):
+            calls.append(self._inflight is not None)
+            if len(calls) == 6:
+                assert self._inflight is not None, "no step in flight at the interrupt"
+                raise KeyboardInterrupt
+            return complete(self, launched)
+        monkeypatch.setattr(engine_module.LLMEngine, "_complete", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, params, use_tqdm=False)
+        monkeypatch.setattr(engine_module.LLMEngine, "_complete", complete)
+        assert not engine.requests and not engine.has_unfinished_requests()
+        engine.check_invariants()
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == want
+    finally:
+        llm.close()

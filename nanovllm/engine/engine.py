@@ -175,11 +175,17 @@ class LLMEngine:
         self.requests[seq.request_id] = seq
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        self.drain()
+        try:
+            self.drain()
+        except Exception:  # noqa: BLE001 - the step in flight failed; the abort must still happen
+            logger.exception("the step in flight failed while draining it for abort_request(%r)", request_id)
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return None
         self.scheduler.finish(seq)
+        if seq.pending_row is not None:   # its step never completed (interrupted): drop the placeholder
+            seq.token_ids.pop()
+            seq.pending_row = None
         seq.finish_reason = "abort"
         self._finished_seq_ids.append(seq.seq_id)
         return make_request_output(seq, self.tokenizer)
