@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Sequence as Seq
 
@@ -12,6 +13,9 @@ from nanovllm.engine.engine import LLMEngine
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
+
+
+logger = logging.getLogger(__name__)
 
 class LLM:
     """Offline inference. ``LLM(model=None, **engine_args)``; model None = the default model.
@@ -91,6 +95,10 @@ class LLM:
         except BaseException:
             for seq in seqs:  # leave the engine clean for the next call
                 engine.abort_request(seq.request_id)
+            try:
+                engine.drain()
+            except Exception:  # noqa: BLE001 - the original error is the one to raise
+                logger.exception("the step in flight failed while cleaning up after an error")
             raise
         finally:
             bar.close()

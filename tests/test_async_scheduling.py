@@ -46,6 +46,21 @@ def _run(async_scheduling, prompts, params, **kw):
         llm.close()
 
 
+def _assert_same(want, got, tol=1e-4):
+    """Tokens, finish and stop reasons exactly; logprobs within float32 noise: a different batch
+    composition (a stopped request computed once more, another preemption pattern, so another
+    prefill/decode split) changes float32 rounding, never a token on these peaked models."""
+    assert [w[:3] for w in want] == [g[:3] for g in got]
+    for (_, _, _, want_cum, want_lps), (_, _, _, got_cum, got_lps) in zip(want, got):
+        assert (want_cum is None) == (got_cum is None)
+        if want_cum is not None:
+            assert abs(want_cum - got_cum) < tol * max(1, len(want_lps or []))
+        if want_lps is not None:
+            for w, g in zip(want_lps, got_lps, strict=True):
+                assert w.keys() == g.keys()
+                assert all(abs(w[t].logprob - g[t].logprob) < tol and w[t].rank == g[t].rank for t in w)
+
+
 @pytest.fixture
 def pipelined(monkeypatch):
     """Counts the steps launched while another was in flight, and their placeholder rows."""
@@ -72,7 +87,7 @@ def test_async_equals_sync(pipelined, blocks, stop_every):
     want, sync_stats = _run(False, prompts, params, num_kvcache_blocks=blocks)
     assert pipelined["advanced"] == 0
     got, stats = _run(True, prompts, params, num_kvcache_blocks=blocks)
-    assert got == want
+    _assert_same(want, got)
     assert pipelined["advanced"] > 0 and pipelined["placeholder_rows"] > 0, pipelined
     if blocks == 40:
         assert stats["preemptions"] > 0 and sync_stats["preemptions"] > 0
@@ -87,7 +102,8 @@ def test_async_prefix_cache_and_chunks_match():
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     want, _ = _run(False, prompts, params, max_num_seqs=4)
     got, stats = _run(True, prompts, params, max_num_seqs=4)
-    assert got == want and stats["prefix_cache_hit_tokens"] > 0
+    _assert_same(want, got)
+    assert stats["prefix_cache_hit_tokens"] > 0
 
 
 def test_abort_and_add_while_a_step_is_in_flight():

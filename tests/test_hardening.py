@@ -204,14 +204,16 @@ def _margin_ok(reference: LLM, prompt, want, got) -> bool:
     return got[t] in lp and lp[want[t]].logprob - lp[got[t]].logprob < DELTA["float32"]
 
 
-def test_soak(soak_model):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_soak(soak_model, async_scheduling):
     """Thousands of requests through a tiny model and a tiny KV cache: random lengths, sampling
     parameters, shared prefixes and aborts. No crash, no leak, and every greedy request that was not
-    aborted equals the same request run alone. NANOVLLM_SOAK_REQUESTS sets the size (default 3000)."""
+    aborted equals the same request run alone. NANOVLLM_SOAK_REQUESTS sets the size (default 3000).
+    Run with synchronous steps and with async scheduling (aborts then land while a step is in flight)."""
     n_requests = int(os.environ.get("NANOVLLM_SOAK_REQUESTS", "3000"))
     rng = random.Random(1234)
     llm = LLM(soak_model, block_size=4, num_kvcache_blocks=40, max_num_seqs=12, max_num_batched_tokens=48,
-              max_model_len=128, seed=0)
+              max_model_len=128, seed=0, async_scheduling=async_scheduling)
     engine = llm.llm_engine
     vocab = SOAK_SPEC.vocab_size
     stems = [[rng.randrange(3, vocab) for _ in range(rng.randint(4, 24))] for _ in range(12)]
@@ -251,6 +253,7 @@ def test_soak(soak_model):
     assert set(done) | aborted == set(requests) and not set(done) & aborted
     stats = llm.stats()
     assert stats["preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0 and aborted, stats
+    assert (stats["pipelined_steps"] > 0) == async_scheduling, stats
 
     reference = LLM(soak_model, block_size=4, max_model_len=128, seed=0, enable_prefix_caching=False)
     greedy = [rid for rid, (_, p) in requests.items() if p.temperature == 0 and rid in done]
@@ -264,8 +267,9 @@ def test_soak(soak_model):
                 near_ties += 1
             else:
                 mismatches += 1
-    print(f"soak: {n_requests} requests ({len(greedy)} greedy compared, {len(aborted)} aborted), "
-          f"{engine.num_steps} steps, {stats['preemptions']} preemptions, "
+    print(f"soak ({'async' if async_scheduling else 'sync'}): {n_requests} requests ({len(greedy)} greedy "
+          f"compared, {len(aborted)} aborted), {engine.num_steps} steps ({stats['pipelined_steps']} pipelined), "
+          f"{stats['preemptions']} preemptions, "
           f"{stats['prefix_cache_hit_tokens']} cache-hit tokens, {elapsed:.1f} s; near-ties {near_ties}")
     assert mismatches == 0, f"{mismatches} greedy requests differ from the same request run alone"
     assert near_ties <= len(greedy) // 100
