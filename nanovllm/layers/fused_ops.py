@@ -16,6 +16,8 @@ import os
 
 import torch
 
+from nanovllm.layers.triton_switch import triton_path
+
 try:
     import triton
     import triton.language as tl
@@ -24,11 +26,7 @@ except ImportError:  # CPU-only installs: the layers keep their PyTorch code
 
 
 def enabled(x: torch.Tensor) -> bool:
-    if triton is None:
-        return False
-    if x.is_cuda:
-        return os.environ.get("NANOVLLM_FUSED_OPS", "1") == "1"
-    return os.environ.get("NANOVLLM_TRITON_INTERPRET") == "1"  # kernel tests under the interpreter
+    return triton is not None and triton_path(x, "NANOVLLM_FUSED_OPS")
 
 
 if triton is not None:

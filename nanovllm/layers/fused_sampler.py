@@ -21,9 +21,9 @@ Sampler sends those rows through its PyTorch path.
 """
 from __future__ import annotations
 
-import os
-
 import torch
+
+from nanovllm.layers.triton_switch import triton_path
 
 try:
     import triton
@@ -33,11 +33,7 @@ except ImportError:  # CPU-only installs: the Sampler keeps its PyTorch path
 
 
 def enabled(x: torch.Tensor) -> bool:
-    if triton is None:
-        return False
-    if x.is_cuda:
-        return os.environ.get("NANOVLLM_FUSED_SAMPLER", "1") == "1"
-    return os.environ.get("NANOVLLM_TRITON_INTERPRET") == "1"  # kernel tests under the interpreter
+    return triton is not None and triton_path(x, "NANOVLLM_FUSED_SAMPLER")
 
 
 if triton is not None:
