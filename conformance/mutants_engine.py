@@ -5,21 +5,10 @@ expected to catch each one, is in ``conformance/mutants.py``.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import ContextManager
 
-
-@contextlib.contextmanager
-def _patched(*patches: tuple[object, str, object]):
-    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
-    try:
-        for obj, name, new in patches:
-            setattr(obj, name, new)
-        yield
-    finally:
-        for obj, name, old in reversed(saved):
-            setattr(obj, name, old)
+from conformance.mutants_core import _patched  # noqa: F401  (re-exported for mutants.py)
 
 
 def _modules(*names: str) -> list:

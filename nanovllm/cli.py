@@ -20,9 +20,6 @@ _FIELD_TYPES = {"block_size": int, "num_kvcache_blocks": int, "max_num_seqs": in
                 "seed": int, "gpu_memory_utilization": float, "kv_cache_memory_gib": float}
 
 
-_OPTIONAL_BOOL_FIELDS = {"async_scheduling"}   # None = the engine's choice
-
-
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=None,
@@ -32,7 +29,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         dest = f"engine_{f.name}"
-        if isinstance(f.default, bool) or f.name in _OPTIONAL_BOOL_FIELDS:
+        if isinstance(f.default, bool) or str(f.type).replace(" ", "") == "bool|None":  # None: engine's choice
             group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None)
         else:
             group.add_argument(flag, dest=dest, type=_FIELD_TYPES.get(f.name, str), default=None,

@@ -107,11 +107,11 @@ def test_async_prefix_cache_and_chunks_match():
 
 
 def test_abort_and_add_while_a_step_is_in_flight():
-    prompts, params = _workload(n=6, seed=4)
+    prompts, _ = _workload(n=6, seed=4)
     llm = LLM(zoo_model(MODEL), async_scheduling=True, block_size=4, max_model_len=256, seed=0)
     try:
         engine = llm.llm_engine
-        for i, (p, sp) in enumerate(zip(prompts, params)):
+        for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=25, ignore_eos=True))
         for _ in range(4):
             engine.step()

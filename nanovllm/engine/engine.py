@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.model_input import build_model_input
-from nanovllm.engine.output_processor import (check_stop, make_request_output, record_logprobs,
-                                              record_prompt_logprobs)
+from nanovllm.engine.output_processor import (check_stop, make_request_output, reaches_length_limit,
+                                              record_logprobs, record_prompt_logprobs)
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from nanovllm.engine.trace import SeqStep, StepEvent, Tracer
@@ -246,9 +246,7 @@ class LLMEngine:
                 continue
             seq.token_ids.append(PLACEHOLDER_TOKEN)
             seq.pending_row = row
-            max_tokens = seq.params.max_tokens
-            if (max_tokens is not None and seq.num_output_tokens >= max_tokens) \
-                    or seq.num_tokens >= self.config.max_model_len:
+            if reaches_length_limit(seq, self.config.max_model_len):
                 self.scheduler.finish(seq)
 
     def _complete(self, launched: _Launched) -> list[Sequence]:

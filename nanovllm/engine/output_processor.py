@@ -11,6 +11,12 @@ def _decode(tokenizer, token_ids: list[int], skip_special_tokens: bool) -> str:
     return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
+def reaches_length_limit(seq: Sequence, max_model_len: int) -> bool:
+    """Whether seq, with its last token (known or not), has reached max_tokens or max_model_len."""
+    max_tokens = seq.params.max_tokens
+    return (max_tokens is not None and seq.num_output_tokens >= max_tokens) or seq.num_tokens >= max_model_len
+
+
 def check_stop(seq: Sequence, tokenizer, max_model_len: int) -> None:
     """Set seq.finish_reason / stop_reason if the token just appended ends it.
 
@@ -39,9 +45,7 @@ def check_stop(seq: Sequence, tokenizer, max_model_len: int) -> None:
                     seq.finish_reason = "stop"
                     seq.stop_reason = stop
                     return
-    if params.max_tokens is not None and n_out >= params.max_tokens:
-        seq.finish_reason = "length"
-    elif seq.num_tokens >= max_model_len:
+    if reaches_length_limit(seq, max_model_len):
         seq.finish_reason = "length"
 
 
