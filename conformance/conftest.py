@@ -2,8 +2,6 @@
 
 Options:
   --engine NAME        nanovllm | hf | hf-cb | vllm | nano-vllm (env CONFORMANCE_ENGINE)
-  --mutant NAME        switch on one injected bug in nanovllm for the whole run (env
-                       NANOVLLM_MUTANT); used by ``python -m conformance.mutants``
   --check-timeout S    a check still running after S seconds fails (no hang; env
                        CONFORMANCE_CHECK_TIMEOUT, default 900)
 
@@ -24,8 +22,6 @@ def pytest_addoption(parser):
     group = parser.getgroup("conformance")
     group.addoption("--engine", default=os.environ.get("CONFORMANCE_ENGINE", "nanovllm"),
                     help="engine adapter to check: nanovllm (default), hf, hf-cb, vllm, nano-vllm")
-    group.addoption("--mutant", default=os.environ.get("NANOVLLM_MUTANT") or None,
-                    help="activate one named nanovllm mutant for the run (see python -m conformance.mutants)")
     group.addoption("--block-size", type=int, default=None,
                     help="KV block size of every engine (default 16, or the engine's smallest)")
     group.addoption("--check-timeout", type=float,
@@ -44,36 +40,9 @@ def _share_cores_between_workers() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
-def _no_shrinking() -> None:
-    """Under a mutant only *whether* a property fails matters: skip hypothesis's shrinking
-    (the profile chosen in the root conftest.py, minus the shrink phase)."""
-    try:
-        from hypothesis import Phase, settings
-    except ImportError:
-        return
-    settings.register_profile("mutant-run", settings(settings.default, phases=[
-        Phase.explicit, Phase.reuse, Phase.generate]))
-    settings.load_profile("mutant-run")
-
-
 def pytest_configure(config):
     _share_cores_between_workers()
-    config.addinivalue_line("markers", "nanovllm_only: checks nanovllm itself (its mutants); skipped for other engines")
-    name = config.getoption("--mutant", default=None)
-    if name:
-        from conformance.mutants import activate
-
-        _no_shrinking()
-
-        cm = activate(name)
-        cm.__enter__()
-        config._conformance_mutant = cm
-
-
-def pytest_unconfigure(config):
-    cm = getattr(config, "_conformance_mutant", None)
-    if cm is not None:
-        cm.__exit__(None, None, None)
+    config.addinivalue_line("markers", "nanovllm_only: checks nanovllm itself; skipped for other engines")
 
 
 def _group_by_model(items) -> None:
@@ -99,14 +68,12 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason=f"a test of nanovllm's internals; engine {engine} is checked end to end only")
     for item in items:
-        path = str(item.fspath)
-        if path.endswith("_properties.py") or item.get_closest_marker("nanovllm_only"):
+        if item.get_closest_marker("nanovllm_only"):
             item.add_marker(skip)
 
 
 def pytest_report_header(config):
-    mutant = config.getoption("--mutant", default=None)
-    return f"conformance engine: {config.getoption('--engine')}" + (f", MUTANT: {mutant}" if mutant else "")
+    return f"conformance engine: {config.getoption('--engine')}"
 
 
 @pytest.fixture(scope="session")

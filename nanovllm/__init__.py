@@ -1,10 +1,41 @@
-"""nanovllm: a compact, readable LLM inference engine in the vLLM lineage."""
-from nanovllm.config import EngineConfig
-from nanovllm.engine.engine import LLMEngine
-from nanovllm.llm import LLM
-from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
-from nanovllm.sampling_params import SamplingParams
+"""nanovllm: a compact, readable LLM inference engine in the vLLM lineage.
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "Logprob"]
-__version__ = "0.1.0"
+The public names are imported on first use, so ``import nanovllm.core.scheduler`` (or the
+CLI's ``--help``) does not load torch.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+__version__ = "0.2.0"
+_EXPORTS = {
+    "LLM": "nanovllm.llm",
+    "LLMEngine": "nanovllm.engine.engine",
+    "EngineConfig": "nanovllm.config",
+    "SamplingParams": "nanovllm.sampling_params",
+    "RequestOutput": "nanovllm.outputs",
+    "CompletionOutput": "nanovllm.outputs",
+    "Logprob": "nanovllm.outputs",
+}
+__all__ = list(_EXPORTS)
+
+if TYPE_CHECKING:
+    from nanovllm.config import EngineConfig
+    from nanovllm.engine.engine import LLMEngine
+    from nanovllm.llm import LLM
+    from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
+    from nanovllm.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nanovllm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

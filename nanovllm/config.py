@@ -122,19 +122,21 @@ class EngineConfig:
 
     # ------------------------------------------------------------ resolution
     def resolve(self, hf_config, model_dir: str) -> None:
-        """Fill the defaults that depend on the device and the model."""
-        import torch
-
+        """Fill the defaults that depend on the device and the model (imports torch only to look
+        for a GPU: a CPU config resolves without it)."""
         self.hf_config = hf_config
         self.model_dir = model_dir
-        if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' but torch sees no CUDA GPU (torch.cuda.is_available() is False)")
-        if self.tensor_parallel_size > 1 and self.device == "cuda" \
-                and self.tensor_parallel_size > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} but only "
-                             f"{torch.cuda.device_count()} CUDA device(s) are visible")
+        if self.device in ("auto", "cuda"):
+            import torch
+
+            if self.device == "auto":
+                self.device = "cuda" if torch.cuda.is_available() else "cpu"
+            if self.device == "cuda" and not torch.cuda.is_available():
+                raise ValueError("device='cuda' but torch sees no CUDA GPU (torch.cuda.is_available() is False)")
+            if self.tensor_parallel_size > 1 and self.device == "cuda" \
+                    and self.tensor_parallel_size > torch.cuda.device_count():
+                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} but only "
+                                 f"{torch.cuda.device_count()} CUDA device(s) are visible")
         _check_tensor_parallel(self.tensor_parallel_size, hf_config)
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device == "cuda" else "float32"

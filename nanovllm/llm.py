@@ -4,18 +4,16 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence as SequenceOf
 
 from tqdm.auto import tqdm
 
-from nanovllm.config import EngineConfig
 from nanovllm.engine.engine import LLMEngine
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
-
-
 logger = logging.getLogger(__name__)
+
 
 class LLM:
     """Offline inference. ``LLM(model=None, **engine_args)``; model None = the default model.
@@ -28,10 +26,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, trace=False, load_format: str = "auto", **engine_args):
-        if load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
-        config = EngineConfig.from_kwargs(model, **engine_args)
-        self.llm_engine = LLMEngine(config, load_format=load_format, trace=trace)
+        self.llm_engine = LLMEngine.from_engine_args(model, load_format=load_format, trace=trace, **engine_args)
         self._request_counter = itertools.count()
 
     # ---------------------------------------------------------------- helpers
@@ -52,14 +47,18 @@ class LLM:
     def stats(self) -> dict:
         return self.llm_engine.stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (nothing changed) while requests hold blocks."""
+        return self.llm_engine.reset_prefix_cache()
+
     # --------------------------------------------------------------- generate
-    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    def generate(self, prompts, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; the outputs come back in input order."""
         prompts = self._as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
+        if isinstance(sampling_params, (SamplingParams, dict)):  # a dict is refused by name below
             params_list = [sampling_params] * len(prompts)
         else:
             params_list = list(sampling_params)
@@ -104,7 +103,7 @@ class LLM:
             bar.close()
         return results  # type: ignore[return-value]
 
-    def chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    def chat(self, messages, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation (a list of

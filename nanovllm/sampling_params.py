@@ -1,9 +1,7 @@
 """SamplingParams: vLLM's field names and meanings, validated once at construction."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-_GREEDY_EPS = 1e-5
+from dataclasses import dataclass
 
 
 def _check_int(name: str, value, allow_none: bool = False) -> None:
@@ -45,8 +43,6 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     n: int = 1
-    # filled by the engine from the model's generation config; not a user field
-    _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         _check_number("temperature", self.temperature)
@@ -96,13 +92,3 @@ class SamplingParams:
         _check_int("n", self.n)
         if self.n != 1:
             raise ValueError(f"n must be 1 (parallel sampling is not supported), got {self.n}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
-
-    def all_stop_token_ids(self) -> set[int]:
-        ids = set(self.stop_token_ids)
-        if not self.ignore_eos:
-            ids.update(self._eos_token_ids)
-        return ids

@@ -23,7 +23,7 @@ python3 -m pytest -p no:xdist -m multi_gpu -q conformance/test_tensor_parallel.p
 
 echo "== TP benchmark: Qwen3-8B shape, random weights, BENCH.md GPU workload =="
 for tp in 1 2; do
-    python3 -m nanovllm.cli bench --workload gpu --shape qwen3-8b --tensor-parallel-size "$tp" --repeat 2 \
+    python3 -m nanovllm.entrypoints.cli bench --workload gpu --shape qwen3-8b --tensor-parallel-size "$tp" --repeat 2 \
         --json-out "${OUT:-/tmp}/bench_tp$tp.json" 2>&1 | grep -v "it/s]"
 done
 python3 - "${OUT:-/tmp}" <<'PY'

@@ -86,7 +86,7 @@ def test_engine_step_api_and_abort():
 
 
 def _cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "nanovllm.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "nanovllm.entrypoints.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -72,9 +72,9 @@ def pipelined(monkeypatch):
         return advance(self, launched)
 
     def counting_build(*args, **kwargs):
-        mi = build(*args, **kwargs)
+        mi, plan = build(*args, **kwargs)
         counts["placeholder_rows"] += len(mi.pending_rows)
-        return mi
+        return mi, plan
     monkeypatch.setattr(engine_module.LLMEngine, "_advance", counting_advance)
     monkeypatch.setattr(engine_module, "build_model_input", counting_build)
     return counts

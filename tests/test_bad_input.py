@@ -58,7 +58,7 @@ def _prompt(prompt, **params):
 
 def _cli(*argv):
     def trigger(ctx):
-        from nanovllm.cli import main
+        from nanovllm.entrypoints.cli import main
 
         return main(["generate", "--no-progress", *[a.format(model=zoo_model(MODEL), tmp=ctx.tmp_path)
                                                     for a in argv]])

@@ -14,7 +14,7 @@ import torch
 from conformance.compare import DELTA
 from conformance.zoo import ZooSpec, build, zoo_model
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.sequence import SequenceStatus
+from nanovllm.core.sequence import SequenceStatus
 from tests.conftest import cached_llm, prompts_for
 
 MODEL = "qwen3-gqa4-hd128"

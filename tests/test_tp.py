@@ -19,7 +19,7 @@ import torch
 from conformance.zoo import ZOO, hf_config_dict, zoo_model
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import EngineConfig
-from nanovllm.engine.model_input import ModelInput
+from nanovllm.core.model_input import ModelInput
 
 MODELS = ["llama-1kv-hd128", "qwen2-gqa2-hd64", "qwen3-gqa4-hd128"]
 CPU_ARGS = dict(device="cpu", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)

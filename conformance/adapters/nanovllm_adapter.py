@@ -31,7 +31,7 @@ class NanovllmAdapter:
                 base.ADMISSION_CONTROL, "block_size", "kv_budget", "chunk_budget", "prefix_cache",
                 "max_num_seqs", "max_model_len", "async_scheduling"}
         try:
-            import nanovllm.engine.distributed  # noqa: F401  (tensor parallelism has landed)
+            import nanovllm.worker.distributed  # noqa: F401  (tensor parallelism has landed)
             caps.add("tp")
         except ImportError:
             pass

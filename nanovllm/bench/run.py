@@ -36,7 +36,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from nanovllm.cli import engine_kwargs
+    from nanovllm.entrypoints.cli import engine_kwargs
     from nanovllm.loader.model_loader import resolve_model_dir
 
     if args.repeat < 1:

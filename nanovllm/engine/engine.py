@@ -1,4 +1,12 @@
-"""LLMEngine: add_request / step / abort_request over a scheduler and a model executor."""
+"""LLMEngine: the step loop between the torch-free core and an executor.
+
+``add_request`` validates a request completely and queues it; ``step`` schedules one step
+(core), builds its ModelInput and StepPlan (core), runs it on the executor (worker), then
+applies the output: tokens appended, logprobs recorded, full blocks published, stop rules
+checked, finished requests freed. Build one with ``LLMEngine.from_engine_args(model, **args)``;
+the constructor takes the parts (config, executor, tokenizer), so tests can run this very loop
+over a fake executor.
+"""
 from __future__ import annotations
 
 import itertools
@@ -7,14 +15,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nanovllm.config import EngineConfig
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.model_input import build_model_input
-from nanovllm.engine.output_processor import (check_stop, make_request_output, reaches_length_limit,
-                                              record_logprobs, record_prompt_logprobs)
-from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
-from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.model_input import StepPlan, build_model_input
+from nanovllm.core.model_output import ModelOutput, ReadyOutput
+from nanovllm.core.scheduler import Scheduler
+from nanovllm.core.sequence import Sequence, SequenceStatus
+from nanovllm.core.stop import check_stop, reaches_length_limit
+from nanovllm.engine.executor import Executor, StepHandle
+from nanovllm.engine.output_processor import make_request_output, record_logprobs, record_prompt_logprobs
 from nanovllm.engine.trace import SeqStep, StepEvent, Tracer
-from nanovllm.loader.model_loader import load_hf_config, resolve_model_dir
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -24,23 +33,13 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Launched:
     """A step queued on the device."""
-    sched: SchedulerOutput
-    starts: list[int]             # each sequence's num_computed_tokens before the step
-    samplers: list[Sequence]      # the sequences that sample, in sample-row order
-    handle: object                # .result() -> StepResult
+    plan: StepPlan
+    handle: StepHandle            # .result() -> ModelOutput
     event: StepEvent | None
     counted: bool = False         # update_after_step done already (async scheduling)
 
 
-class _Done:
-    def __init__(self, result):
-        self._result = result
-
-    def result(self):
-        return self._result
-
-
-def _eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
+def eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
     """EOS ids from generation_config.json (a list is honoured), config.json and the tokenizer."""
     ids: list[int] = []
 
@@ -61,7 +60,7 @@ def _eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-def _load_tokenizer(config: EngineConfig):
+def load_tokenizer(config: EngineConfig):
     if config.skip_tokenizer_init:
         return None
     from transformers import AutoTokenizer
@@ -77,20 +76,29 @@ def _load_tokenizer(config: EngineConfig):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, load_format: str = "auto",
-                 trace: bool | Callable = False):
+    """``LLMEngine(config, executor, tokenizer=None, eos_token_ids=(), trace=False)``.
+
+    ``config`` is a resolved EngineConfig (``EngineConfig.resolve`` has filled the
+    device-dependent defaults); ``executor`` runs the steps (see ``engine/executor.py``).
+    Most callers want ``LLMEngine.from_engine_args(model, **engine_args)`` or ``LLM``.
+    """
+
+    def __init__(self, config: EngineConfig, executor: Executor, tokenizer=None,
+                 eos_token_ids: tuple[int, ...] = (), trace: bool | Callable = False):
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"LLMEngine(config, executor, ...) takes an EngineConfig, got "
+                            f"{type(config).__name__}; to load a model use "
+                            f"LLMEngine.from_engine_args(model, **engine_args) or LLM(model, **engine_args)")
+        if config.hf_config is None or config.block_size is None:
+            raise ValueError("LLMEngine needs a resolved EngineConfig (call config.resolve(hf_config, "
+                             "model_dir) first, or use LLMEngine.from_engine_args)")
         self.config = config
-        model_dir = resolve_model_dir(config.model)
-        hf_config = load_hf_config(model_dir)
-        config.resolve(hf_config, model_dir)
-        from nanovllm.models.registry import get_model_class
-        get_model_class(hf_config)  # unsupported architectures fail before anything is started
-        self.tokenizer = _load_tokenizer(config)
-        self.eos_token_ids = _eos_token_ids(model_dir, hf_config, self.tokenizer)
-        self.vocab_size = hf_config.vocab_size
-        self.executor = self._make_executor(load_format)
-        num_blocks = config.num_kvcache_blocks or self.executor.profile_num_blocks()
-        self.executor.allocate_kv_cache(num_blocks)
+        self.executor: Executor | None = executor
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.vocab_size = config.hf_config.vocab_size
+        num_blocks = config.num_kvcache_blocks or executor.profile_num_blocks()
+        executor.allocate_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.enable_chunked_prefill)
@@ -109,14 +117,42 @@ class LLMEngine:
         logger.info("engine ready: %s, %s, %d KV blocks of %d tokens", config.device, config.dtype,
                     num_blocks, config.block_size)
 
-    def _make_executor(self, load_format: str):
-        if self.config.tensor_parallel_size > 1:
-            from nanovllm.engine.distributed import TensorParallelExecutor
-            return TensorParallelExecutor(self.config, load_format)
-        from nanovllm.engine.executor import LocalExecutor
-        return LocalExecutor(self.config, load_format)
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineConfig | str | None = None, *, load_format: str = "auto",
+                         trace: bool | Callable = False, **kwargs) -> "LLMEngine":
+        """Load a model and build its engine: ``from_engine_args("path/to/model", dtype="float32")``
+        or ``from_engine_args(EngineConfig(...))`` (vLLM's spelling). ``None`` = the default model."""
+        if isinstance(engine_args, EngineConfig):
+            if kwargs:
+                raise TypeError(f"from_engine_args(EngineConfig, ...) takes no engine arguments besides "
+                                f"the config, got {sorted(kwargs)}")
+            config = engine_args
+        else:
+            config = EngineConfig.from_kwargs(engine_args, **kwargs)
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+        from nanovllm.engine.executor import make_executor
+        from nanovllm.loader.model_loader import load_hf_config, resolve_model_dir
+        from nanovllm.models.registry import get_model_class
+
+        model_dir = resolve_model_dir(config.model)
+        hf_config = load_hf_config(model_dir)
+        config.resolve(hf_config, model_dir)
+        get_model_class(hf_config)  # unsupported architectures fail before anything is started
+        tokenizer = load_tokenizer(config)
+        eos = eos_token_ids(model_dir, hf_config, tokenizer)
+        executor = make_executor(config, load_format)
+        try:
+            return cls(config, executor, tokenizer, eos, trace=trace)
+        except BaseException:
+            executor.close()
+            raise
 
     # --------------------------------------------------------------- requests
+    def _check_open(self) -> None:
+        if self.executor is None:
+            raise RuntimeError("this engine is closed (close() was called); create a new LLM / LLMEngine")
+
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt: a string, a list of token ids, or a dict."""
         if isinstance(prompt, dict):
@@ -149,21 +185,25 @@ class LLMEngine:
 
     def make_sequence(self, request_id: str, prompt, params: SamplingParams | None) -> Sequence:
         """Validate one request completely (nothing is queued)."""
+        self._check_open()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params if params is not None else SamplingParams()
+        if isinstance(params, dict):
+            raise TypeError(f"sampling_params must be a SamplingParams, got a dict ({params!r}); "
+                            f"write SamplingParams(**{params!r})")
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={params.stop!r} needs a tokenizer, and this model has none")
         for name, k in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
             if k is not None and k > self.vocab_size:
                 raise ValueError(f"{name}={k} exceeds the vocabulary size {self.vocab_size}")
-        params._eos_token_ids = self.eos_token_ids
         text, ids = self.tokenize_prompt(prompt)
-        seq = Sequence(next(self._seq_ids), request_id, ids, params, prompt=text)
+        seq = Sequence(next(self._seq_ids), request_id, ids, params, prompt=text,
+                       eos_token_ids=self.eos_token_ids)
         self.scheduler.check_admissible(seq)
         return seq
 
@@ -182,15 +222,19 @@ class LLMEngine:
         if seq is None:
             return None
         self.scheduler.finish(seq)
-        if seq.pending_row is not None:   # its step never completed (interrupted): drop the placeholder
-            seq.token_ids.pop()
-            seq.pending_row = None
+        seq.drop_placeholder()   # a step that never completed (interrupted) leaves one behind
         seq.finish_reason = "abort"
         self._finished_seq_ids.append(seq.seq_id)
         return make_request_output(seq, self.tokenizer)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._buffered)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's meaning). Only when no request holds blocks:
+        returns False, changing nothing, while requests are running."""
+        self.drain()
+        return self.block_manager.reset_prefix_cache()
 
     # ------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -200,6 +244,7 @@ class LLMEngine:
         before this one's tokens are read back (see ``_advance``), so the host's bookkeeping
         overlaps the device's work; it is completed by the next call.
         """
+        self._check_open()
         outputs, self._buffered = self._buffered, []
         launched, self._inflight = self._inflight, None
         if launched is None:
@@ -218,42 +263,40 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler produced an empty step with requests pending")
             return None
-        mi = build_model_input(sched, self.config.block_size, self._finished_seq_ids)
+        mi, plan = build_model_input(sched, self.config.block_size, self._finished_seq_ids)
         self._finished_seq_ids = []
-        event = self._trace_begin(sched) if self.tracer.enabled else None
-        starts = [seq.num_computed_tokens for seq in sched.seqs]
-        samplers = [seq for seq, n, c in zip(sched.seqs, sched.num_new_tokens, starts) if c + n == seq.num_tokens]
+        event = self._trace_begin(plan) if self.tracer.enabled else None
+        assert self.executor is not None
         if self.config.async_scheduling:
             handle = self.executor.launch(mi)
         else:
-            handle = _Done(self.executor.execute(mi))
+            handle = ReadyOutput(self.executor.execute(mi))
         self._num_launched += 1
-        return _Launched(sched, starts, samplers, handle, event)
+        return _Launched(plan, handle, event)
 
     def _advance(self, launched: _Launched) -> None:
         """Async scheduling: account for a step in flight as if its tokens were known.
 
         Its K/V counts as computed (the device computes it before anything queued later);
-        every sequence that samples gets a placeholder token, which the next step reads
-        from the device; a sequence that finishes on length whatever it draws leaves the
-        scheduler now, so the next step does not compute it.
+        every sequence that samples gets a placeholder, which the next step reads from the
+        device; a sequence that finishes on length whatever it draws leaves the scheduler
+        now, so the next step does not compute it.
         """
-        self.scheduler.update_after_step(launched.sched)
+        self.scheduler.update_after_step(launched.plan.sched)
         launched.counted = True
         self.num_pipelined_steps += 1
-        for row, seq in enumerate(launched.samplers):
+        for row, seq in enumerate(launched.plan.samplers):
             if seq.status is SequenceStatus.FINISHED:
                 continue
-            seq.token_ids.append(PLACEHOLDER_TOKEN)
-            seq.pending_row = row
+            seq.add_placeholder(row)
             if reaches_length_limit(seq, self.config.max_model_len):
                 self.scheduler.finish(seq)
 
     def _complete(self, launched: _Launched) -> list[Sequence]:
         result = launched.handle.result()
         if not launched.counted:
-            self.scheduler.update_after_step(launched.sched)
-        finished = self._postprocess(launched, result)
+            self.scheduler.update_after_step(launched.plan.sched)
+        finished = self._postprocess(launched.plan, result)
         self.num_steps += 1
         if launched.event is not None:
             launched.event.finished = [(s.request_id, s.finish_reason) for s in finished]
@@ -267,27 +310,24 @@ class LLMEngine:
         if launched is not None:
             self._buffered += [make_request_output(seq, self.tokenizer) for seq in self._complete(launched)]
 
-    def _postprocess(self, launched: _Launched, result) -> list[Sequence]:
-        sched = launched.sched
-        sampling = {id(seq) for seq in launched.samplers}
-        job_idx = 0
-        for seq, num_new, start in zip(sched.seqs, sched.num_new_tokens, launched.starts):
-            if seq.params.prompt_logprobs is not None and job_idx < len(result.prompt_logprobs) \
-                    and start < seq.num_prompt_tokens - 1:
-                rows = result.prompt_logprobs[job_idx]
-                job_idx += 1
-                record_prompt_logprobs(seq, list(zip(seq.token_ids[start + 1:start + 1 + len(rows)], rows)))
+    def _postprocess(self, plan: StepPlan, result: ModelOutput) -> list[Sequence]:
+        for (seq, first), rows in zip(plan.prompt_logprob_jobs, result.prompt_logprobs):
+            skip = seq.num_prompt_logprobs_recorded - first   # > 0 only if recorded meanwhile
+            assert skip >= 0, f"{seq}: prompt logprobs from position {first} would leave a gap"
+            rows, first = rows[skip:], first + skip
+            record_prompt_logprobs(seq, list(zip(seq.token_ids[first:first + len(rows)], rows)))
+        sampling = {id(seq) for seq in plan.samplers}
+        for seq, num_new, start in zip(plan.sched.seqs, plan.sched.num_new_tokens, plan.starts):
             if id(seq) not in sampling or start < seq.num_prompt_tokens:
                 self.num_prompt_tokens += num_new   # a prefill chunk (or a recompute) samples nothing new
 
         finished: list[Sequence] = []
         sampled = result.sampled
-        for row, seq in enumerate(launched.samplers):
-            if seq.pending_row is not None:   # async: the placeholder gets its token below
-                seq.token_ids.pop()
-                seq.pending_row = None
+        for row, seq in enumerate(plan.samplers):
+            seq.drop_placeholder()     # async: the placeholder gets its token below
             if seq.finish_reason is not None:
                 continue  # it finished (or was aborted) while this step was in flight: discard
+            assert sampled is not None
             if row in sampled.nonfinite_rows:
                 self.num_errors += 1
                 logger.error("request %r: the model produced non-finite logits (NaN or inf) at output "
@@ -311,11 +351,11 @@ class LLMEngine:
                 raise RuntimeError(f"{seq} left the scheduler on length but did not finish")
         return finished
 
-    def _trace_begin(self, sched: SchedulerOutput) -> StepEvent:
+    def _trace_begin(self, plan: StepPlan) -> StepEvent:
+        sched = plan.sched
         admitted = {id(s) for s in sched.admitted}
         seqs = []
-        for seq, n in zip(sched.seqs, sched.num_new_tokens):
-            c = seq.num_computed_tokens
+        for seq, n, c in zip(sched.seqs, sched.num_new_tokens, plan.starts):
             decode = n == 1 and c + 1 == seq.num_tokens and c >= seq.num_prompt_tokens
             seqs.append(SeqStep(seq.request_id, "decode" if decode else "prefill", n, c, seq.num_tokens,
                                 list(seq.block_table), c if id(seq) in admitted else None))
@@ -349,7 +389,6 @@ class LLMEngine:
 
     def close(self) -> None:
         self._inflight = None
-        executor = getattr(self, "executor", None)
+        executor, self.executor = getattr(self, "executor", None), None
         if executor is not None:
             executor.close()
-            self.executor = None

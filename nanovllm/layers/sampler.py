@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanovllm.core.model_output import SamplerOutput
 from nanovllm.layers import fused_sampler
 
 
@@ -38,14 +39,6 @@ class SamplingMetadata:
 
     def __post_init__(self):
         self.greedy = [t < 1e-5 for t in self.temperatures]
-
-
-@dataclass
-class SamplerOutput:
-    token_ids: list[int]
-    nonfinite_rows: list[int]
-    # per row: None, or (sampled logprob, sampled rank, [(token, logprob), ...] top-k)
-    logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conformance.zoo import zoo_model
-from nanovllm.engine.model_input import ModelInput
+from nanovllm.core.model_input import ModelInput
 
 pytestmark = pytest.mark.gpu
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanovllm.engine.cuda_graph import graph_batch_sizes
-from nanovllm.engine.model_input import ModelInput
-from nanovllm.engine.step_inputs import StepInputs
+from nanovllm.worker.cuda_graph import graph_batch_sizes
+from nanovllm.core.model_input import ModelInput
+from nanovllm.worker.step_inputs import StepInputs
 
 BS, MAX_BLOCKS = 16, 8
 

@@ -7,21 +7,22 @@ graphs for decode); only the attention backend and the graph runner differ.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from nanovllm.attention.backends import get_backend
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.config import EngineConfig
-from nanovllm.engine.cuda_graph import CudaGraphRunner
-from nanovllm.engine.model_input import ModelInput
-from nanovllm.engine.step_inputs import StepInputs
+from nanovllm.worker.cuda_graph import CudaGraphRunner
+from nanovllm.core.model_input import ModelInput
+from nanovllm.core.model_output import ModelOutput
+from nanovllm.core.utils import cdiv
+from nanovllm.worker.step_inputs import StepInputs
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.cpu_linear import pack_linear_weights
 from nanovllm.layers.fused_sampler import mix_seed
 from nanovllm.layers.parallel import tp_rank, tp_size
-from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
+from nanovllm.layers.sampler import Sampler, SamplingMetadata
 from nanovllm.loader.model_loader import init_dummy_weights, iter_safetensors, load_weights
 from nanovllm.models.registry import get_model_class
 
@@ -29,21 +30,14 @@ logger = logging.getLogger(__name__)
 _SEED_MASK = (1 << 62) - 1
 
 
-@dataclass
-class StepResult:
-    sampled: SamplerOutput | None
-    # per prompt-logprob job: list over positions of (target logprob, target rank, top-k [(id, lp)])
-    prompt_logprobs: list[list[tuple[float, int, list[tuple[int, float]]]]]
-
-
 class StepHandle:
-    """A launched step; ``result()`` waits for it once and returns its StepResult."""
+    """A launched step; ``result()`` waits for it once and returns its ModelOutput."""
 
     def __init__(self, finish):
         self._finish = finish
-        self._result: StepResult | None = None
+        self._result: ModelOutput | None = None
 
-    def result(self) -> StepResult:
+    def result(self) -> ModelOutput:
         if self._result is None:
             self._result = self._finish()
         return self._result
@@ -89,7 +83,7 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         if self.device.type == "cuda":
             self.inputs = StepInputs(max(config.max_num_batched_tokens, config.max_num_seqs),
-                                     config.max_num_seqs, -(-config.max_model_len // self.block_size),
+                                     config.max_num_seqs, cdiv(config.max_model_len, self.block_size),
                                      self.block_size, self.device)
 
     def _use_graphs(self) -> bool:
@@ -103,7 +97,7 @@ class ModelRunner:
         return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * elem
 
     def max_useful_blocks(self) -> int:
-        per_seq = -(-self.config.max_model_len // self.block_size)
+        per_seq = cdiv(self.config.max_model_len, self.block_size)
         return self.config.max_num_seqs * per_seq
 
     def profile_num_blocks(self) -> int:
@@ -144,7 +138,7 @@ class ModelRunner:
         while left > 0 and len(lens) < cfg.max_num_seqs:
             lens.append(min(left, cfg.max_model_len))
             left -= lens[-1]
-        prefill_blocks = sum(-(-n // self.block_size) for n in lens)
+        prefill_blocks = sum(cdiv(n, self.block_size) for n in lens)
         self.allocate_kv_cache(prefill_blocks + cfg.max_num_seqs, capture_graphs=False)
         prefill = _dummy_input(lens, self.block_size, 0)
         n = len(prefill.input_ids)
@@ -282,15 +276,15 @@ class ModelRunner:
         input_ids.index_copy_(0, index[0], prev.index_select(0, index[1]))
 
     @torch.inference_mode()
-    def execute(self, mi: ModelInput) -> StepResult:
+    def execute(self, mi: ModelInput) -> ModelOutput:
         hidden, sample_rows = self._forward(mi)
         prompt_lps = self._prompt_logprobs(hidden, mi)
         if not mi.sample_rows:
-            return StepResult(None, prompt_lps)
+            return ModelOutput(None, prompt_lps)
         logits = self.model.compute_logits(hidden[sample_rows])
         if self.rank != 0:
-            return StepResult(None, [])
-        return StepResult(self.sampler(logits, self._sampling_metadata(mi)), prompt_lps)
+            return ModelOutput(None, [])
+        return ModelOutput(self.sampler(logits, self._sampling_metadata(mi)), prompt_lps)
 
     @torch.inference_mode()
     def launch(self, mi: ModelInput) -> "StepHandle":
@@ -300,15 +294,15 @@ class ModelRunner:
         hidden, sample_rows = self._forward(mi)
         prompt_lps = self._prompt_logprobs(hidden, mi)
         if not mi.sample_rows:
-            return StepHandle(lambda: StepResult(None, prompt_lps))
+            return StepHandle(lambda: ModelOutput(None, prompt_lps))
         logits = self.model.compute_logits(hidden[sample_rows])
         pending = self.sampler.launch(logits, self._sampling_metadata(mi))
         self.prev_tokens = pending.tokens
-        return StepHandle(lambda: StepResult(pending.result(), prompt_lps))
+        return StepHandle(lambda: ModelOutput(pending.result(), prompt_lps))
 
     def _prompt_logprobs(self, hidden: torch.Tensor, mi: ModelInput):
         results = []
-        for _, first_row, targets, k in mi.prompt_logprob_jobs:
+        for first_row, targets, k in mi.prompt_logprob_jobs:
             rows = []
             for s in range(0, len(targets), 512):  # bounded memory: 512 rows of vocab logits at a time
                 chunk = targets[s:s + 512]
@@ -330,7 +324,7 @@ def _dummy_input(lens: list[int], block_size: int, first_block: int) -> ModelInp
     mi = ModelInput([], [], [], [0], [], [])
     block = first_block
     for n in lens:
-        table = list(range(block, block + -(-n // block_size)))
+        table = list(range(block, block + cdiv(n, block_size)))
         block += len(table)
         mi.input_ids += [0] * n
         mi.positions += list(range(n))

@@ -3,8 +3,8 @@
 ``MUTANTS[name]()`` is a context manager: inside it the bug is live in this
 process (the class or module attribute is replaced), on exit the original is
 restored. Nothing here touches shipped code paths on disk. The conformance
-mutant runner (``conformance/mutants.py``) imports this registry; each
-property test in ``conformance/test_*_properties.py`` has a negative control
+mutant runner (``tests/mutants/runner.py``) imports this registry; each
+property test in ``tests/properties/test_*_properties.py`` has a negative control
 proving that at least one property catches each mutant (see ``NEGATIVE_CONTROLS``).
 
 Importing this module imports no torch.
@@ -16,12 +16,12 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import ContextManager
 
-from nanovllm.engine import block_manager as bm_mod
-from nanovllm.engine import model_input as mi_mod
-from nanovllm.engine import scheduler as sched_mod
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import SequenceStatus
+from nanovllm.core import block_manager as bm_mod
+from nanovllm.core import model_input as mi_mod
+from nanovllm.core import scheduler as sched_mod
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.scheduler import Scheduler
+from nanovllm.core.sequence import SequenceStatus
 
 
 @contextlib.contextmanager
@@ -293,12 +293,12 @@ def position_after_preemption() -> ContextManager:
     orig = mi_mod.build_model_input
 
     def build_model_input(out, block_size, finished_seq_ids=None):
-        mi = orig(out, block_size, finished_seq_ids)
+        mi, plan = orig(out, block_size, finished_seq_ids)
         for j, seq in enumerate(out.seqs):
             if seq.num_preemptions:
                 lo, hi = mi.query_start_loc[j], mi.query_start_loc[j + 1]
                 mi.positions[lo:hi] = [p + 1 for p in mi.positions[lo:hi]]
-        return mi
+        return mi, plan
     patches = [(mi_mod, "build_model_input", build_model_input)]
     engine_mod = sys.modules.get("nanovllm.engine.engine")  # the real engine binds the name at import
     if engine_mod is not None:
@@ -315,7 +315,7 @@ MUTANTS: dict[str, Callable[[], ContextManager]] = {
     )
 }
 
-# the negative-control tests (under conformance/) that prove each mutant is caught; under the quick
+# the negative-control tests (under tests/properties/) that prove each mutant is caught; under the quick
 # profile the positive property tests of both files catch every mutant too (see the module docstring)
 NEGATIVE_CONTROLS: dict[str, list[str]] = {
     "free_no_decref": ["test_block_manager_properties.py::test_negative_block_manager_machine[free_no_decref]",

@@ -1,13 +1,16 @@
 """ModelInput: one step's work as plain Python data (picklable, so TP workers get it too).
 
-Built from a SchedulerOutput before the forward pass; it holds no Sequence
-objects, only token ids, positions, slots and block tables.
+``build_model_input`` turns a SchedulerOutput into a ModelInput -- token ids, positions,
+slots, block tables, per-row sampling settings: no Sequence objects -- and a StepPlan, the
+host-side half the engine keeps: which sequence each sample row and each prompt-logprob job
+belongs to. Both are decided here once; nothing downstream re-derives them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nanovllm.engine.scheduler import SchedulerOutput
+from nanovllm.core.scheduler import SchedulerOutput
+from nanovllm.core.sequence import Sequence
 
 
 @dataclass
@@ -29,11 +32,11 @@ class ModelInput:
     output_indices: list[int] = field(default_factory=list)   # index of the token each row samples
     banned_token_ids: list[list[int]] = field(default_factory=list)
     num_logprobs: list[int | None] = field(default_factory=list)
-    # prompt logprobs: (seq index, first packed row, target token ids, k)
-    prompt_logprob_jobs: list[tuple[int, int, list[int], int]] = field(default_factory=list)
+    # prompt logprobs: (first packed row, target token ids, k); row r scores target r
+    prompt_logprob_jobs: list[tuple[int, list[int], int]] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)  # drop their generators
     # async scheduling: input rows whose token is still on the device, sampled by the previous
-    # step in its sample row pending_src[i]; input_ids holds PLACEHOLDER_TOKEN there
+    # step in its sample row pending_src[i]; input_ids holds 0 there until the device fills it
     pending_rows: list[int] = field(default_factory=list)
     pending_src: list[int] = field(default_factory=list)
 
@@ -41,42 +44,63 @@ class ModelInput:
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
-    @property
-    def is_decode_only(self) -> bool:
-        return len(self.input_ids) == len(self.seq_lens)
+
+@dataclass
+class StepPlan:
+    """The host-side half of a step: what the engine needs to apply the step's output."""
+    sched: SchedulerOutput
+    starts: list[int]                  # each scheduled sequence's num_computed_tokens before the step
+    samplers: list[Sequence]           # the sequences that sample, in sample-row order
+    # per prompt-logprob job, in job order: (sequence, prompt position of the job's first target)
+    prompt_logprob_jobs: list[tuple[Sequence, int]]
+
+
+def _slot(table: list[int], pos: int, block_size: int) -> int:
+    return table[pos // block_size] * block_size + pos % block_size
 
 
 def build_model_input(out: SchedulerOutput, block_size: int,
-                      finished_seq_ids: list[int] | None = None) -> ModelInput:
+                      finished_seq_ids: list[int] | None = None) -> tuple[ModelInput, StepPlan]:
     mi = ModelInput([], [], [], [0], [], [], finished_seq_ids=list(finished_seq_ids or []))
+    plan = StepPlan(out, [], [], [])
     input_ids, positions, slots, qsl = mi.input_ids, mi.positions, mi.slot_mapping, mi.query_start_loc
-    for idx, (seq, num_new) in enumerate(zip(out.seqs, out.num_new_tokens)):
+    for seq, num_new in zip(out.seqs, out.num_new_tokens):
         start = seq.num_computed_tokens
         end = start + num_new
+        plan.starts.append(start)
         table = seq.block_table
         first_row = len(input_ids)
+        known = len(seq.token_ids)      # tokens past this are placeholders (async scheduling)
         if num_new == 1:  # the decode fast path: one token, one slot
-            if seq.pending_row is not None and start == len(seq.token_ids) - 1:
+            if start >= known:
                 mi.pending_rows.append(first_row)
                 mi.pending_src.append(seq.pending_row)
-            input_ids.append(seq.token_ids[start])
+                input_ids.append(0)
+            else:
+                input_ids.append(seq.token_ids[start])
             positions.append(start)
-            slots.append(table[start // block_size] * block_size + start % block_size)
+            slots.append(_slot(table, start, block_size))
         else:
-            if seq.pending_row is not None:
+            if end > known:
                 raise RuntimeError(f"{seq}: a prefill chunk over a placeholder token (async scheduling)")
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+            slots.extend(_slot(table, p, block_size) for p in range(start, end))
         qsl.append(len(input_ids))
         mi.seq_lens.append(end)
         mi.block_tables.append(table)
         params = seq.params
-        if params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+        if params.prompt_logprobs is not None:
+            # row p scores prompt token p + 1; positions already recorded (before a preemption)
+            # are not scored again
+            first = max(start, seq.num_prompt_logprobs_recorded - 1)
             last = min(end, seq.num_prompt_tokens - 1)
-            mi.prompt_logprob_jobs.append(
-                (idx, first_row, seq.token_ids[start + 1:last + 1], params.prompt_logprobs))
-        if end == len(seq.token_ids):
+            if first < last:
+                mi.prompt_logprob_jobs.append((first_row + first - start, seq.token_ids[first + 1:last + 1],
+                                               params.prompt_logprobs))
+                plan.prompt_logprob_jobs.append((seq, first + 1))
+        if end == seq.num_tokens:
+            plan.samplers.append(seq)
             mi.sample_rows.append(len(input_ids) - 1)
             mi.sample_seq_ids.append(seq.seq_id)
             mi.temperatures.append(params.temperature)
@@ -88,4 +112,4 @@ def build_model_input(out: SchedulerOutput, block_size: int,
             banned = sorted(seq.stop_token_ids) if seq.num_output_tokens < params.min_tokens else []
             mi.banned_token_ids.append(banned)
             mi.num_logprobs.append(params.logprobs)
-    return mi
+    return mi, plan

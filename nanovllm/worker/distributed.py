@@ -41,8 +41,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanovllm.config import EngineConfig
-from nanovllm.engine.model_input import ModelInput
-from nanovllm.engine.model_runner import StepResult
+from nanovllm.core.model_input import ModelInput
+from nanovllm.core.model_output import ModelOutput
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class TensorParallelExecutor:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._call("allocate_kv_cache", num_blocks)
 
-    def execute(self, mi: ModelInput) -> StepResult:
+    def execute(self, mi: ModelInput) -> ModelOutput:
         return self._call("execute", mi)[0]
 
     def close(self) -> None:
@@ -198,7 +198,7 @@ def _worker_main(rank: int, port: int, parent_pid: int, config: EngineConfig, lo
 
 
 def _init_worker(rank: int, port: int, config: EngineConfig, load_format: str):
-    from nanovllm.engine.executor import LocalExecutor
+    from nanovllm.worker.local_executor import LocalExecutor
 
     world = config.tensor_parallel_size
     if config.device == "cuda":

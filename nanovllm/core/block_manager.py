@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Sequence as Seq
 
 import xxhash
 
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.sequence import Sequence
 
 HashFn = Callable[[int | None, Seq[int]], int]
 

@@ -6,9 +6,6 @@ import enum
 from nanovllm.sampling_params import SamplingParams
 
 
-PLACEHOLDER_TOKEN = -1
-
-
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"      # not holding blocks; never ran, or preempted
     RUNNING = "running"      # holds blocks; scheduled each step it fits
@@ -23,6 +20,10 @@ class Sequence:
     (block i holds positions ``[i*bs, (i+1)*bs)``); a WAITING sequence holds no
     blocks and ``num_computed_tokens == 0``. ``block_hashes[i]`` is the chain
     hash of block i, known once the block is full *and* computed.
+
+    Async scheduling: ``num_placeholders`` (0 or 1) tokens at the end are being drawn by the
+    step in flight (by its sample row ``pending_row``); they count in ``num_tokens`` (the next
+    step computes their K/V, reading the token on the device) but are not in ``token_ids``.
     """
 
     __slots__ = (
@@ -30,11 +31,12 @@ class Sequence:
         "block_table", "block_hashes", "status", "params", "num_cached_tokens",
         "num_preemptions", "prompt", "arrival", "finish_reason", "stop_reason",
         "output_logprobs", "cumulative_logprob", "prompt_logprobs", "output_text",
-        "_stop_ids", "pending_row",
+        "stop_token_ids", "num_placeholders", "pending_row",
     )
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams, prompt: str | None = None, arrival: int = 0):
+                 params: SamplingParams, prompt: str | None = None, arrival: int = 0,
+                 eos_token_ids: tuple[int, ...] = ()):
         self.seq_id = seq_id
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -52,11 +54,13 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.output_logprobs: list | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
+        # [None] for the first prompt token, then one (target, entry) per prompt position recorded
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.output_text = ""
-        self._stop_ids = params.all_stop_token_ids()
-        # async scheduling: the last token is a placeholder (PLACEHOLDER_TOKEN) for the token that
-        # sample row ``pending_row`` of the step in flight is drawing; None when every token is known
+        # the ids that end this request: its stop_token_ids, and the model's EOS ids unless ignore_eos
+        self.stop_token_ids: frozenset[int] = frozenset(params.stop_token_ids).union(
+            () if params.ignore_eos else eos_token_ids)
+        self.num_placeholders = 0
         self.pending_row: int | None = None
 
     def __repr__(self) -> str:
@@ -65,11 +69,11 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_placeholders
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -84,8 +88,19 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
-    def stop_token_ids(self) -> set[int]:
-        return self._stop_ids
+    def num_prompt_logprobs_recorded(self) -> int:
+        """Prompt positions whose logprobs are recorded (position 0 has none: it counts as done)."""
+        return len(self.prompt_logprobs) if self.prompt_logprobs is not None else 0
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def add_placeholder(self, sample_row: int) -> None:
+        """Async scheduling: the step in flight draws this sequence's next token in ``sample_row``."""
+        assert self.num_placeholders == 0, f"{self} already waits for a token"
+        self.num_placeholders = 1
+        self.pending_row = sample_row
+
+    def drop_placeholder(self) -> None:
+        self.num_placeholders = 0
+        self.pending_row = None

@@ -31,10 +31,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from nanovllm.engine import model_input as _model_input  # looked up per call: mutants may patch it
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.core import model_input as _model_input  # looked up per call: mutants may patch it
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.scheduler import Scheduler, SchedulerOutput
+from nanovllm.core.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
 MASK64 = (1 << 64) - 1
@@ -262,7 +262,7 @@ class FakeEngine:
         for rid, start, n in record.scheduled:
             self.computed[rid].append((start, start + n))
 
-        mi = _model_input.build_model_input(out, self.block_size)
+        mi, _ = _model_input.build_model_input(out, self.block_size)
         sampled = self._execute(out, mi)
         sched.update_after_step(out)
         finished = []

@@ -10,7 +10,7 @@
    always computed; blocks in use are never evicted;
 5. a failed allocation changes nothing.
 
-Each property has a negative control: a mutant from ``conformance.mutants_core``
+Each property has a negative control: a mutant from ``tests.mutants.core``
 under which the property check fails.
 """
 from __future__ import annotations
@@ -28,10 +28,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple,
                                  precondition, rule, run_state_machine_as_test)
 
-from conformance.fake_runner import KV_ROOT, FakeEngine, kv_chain, kv_value
-from conformance.mutants_core import MUTANTS
-from nanovllm.engine.block_manager import BlockManager, hash_block_tokens
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from tests.properties.fake_runner import KV_ROOT, FakeEngine, kv_chain, kv_value
+from tests.mutants.core import MUTANTS
+from nanovllm.core.block_manager import BlockManager, hash_block_tokens
+from nanovllm.core.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
@@ -418,12 +418,12 @@ sys.modules["nanovllm"] = pkg  # skip nanovllm/__init__ (it imports torch): only
 sys.path.insert(0, sys.argv[1])
 import contextlib
 mutant = sys.argv[2]
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 ctx = contextlib.nullcontext()
 if mutant:
-    from conformance.mutants_core import MUTANTS
+    from tests.mutants.core import MUTANTS
     ctx = MUTANTS[mutant]()
 out = []
 with ctx:

@@ -1,14 +1,14 @@
 """Engine-level injected bugs in nanovllm: model input, attention, sampler, output processing,
 API, tensor parallelism and CUDA graphs. Each function returns a context manager that
 monkeypatches nanovllm in this process and restores it on exit. The registry, with the checks
-expected to catch each one, is in ``conformance/mutants.py``.
+expected to catch each one, is in ``tests/mutants/runner.py``.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import ContextManager
 
-from conformance.mutants_core import _patched  # noqa: F401  (re-exported for mutants.py)
+from tests.mutants.core import _patched  # noqa: F401  (re-exported for mutants.py)
 
 
 def _modules(*names: str) -> list:
@@ -19,26 +19,26 @@ def _modules(*names: str) -> list:
 # --------------------------------------------------------------- model input
 def slot_mapping_off_by_one() -> ContextManager:
     """Each token's K/V goes to the next slot of its block (p % bs + 1): attention reads shifted K/V."""
-    mi_mod, engine_mod = _modules("nanovllm.engine.model_input", "nanovllm.engine.engine")
+    mi_mod, engine_mod = _modules("nanovllm.core.model_input", "nanovllm.engine.engine")
     orig = mi_mod.build_model_input
 
     def build_model_input(out, block_size, finished_seq_ids=None):
-        mi = orig(out, block_size, finished_seq_ids)
+        mi, plan = orig(out, block_size, finished_seq_ids)
         mi.slot_mapping = [s - s % block_size + (s % block_size + 1) % block_size for s in mi.slot_mapping]
-        return mi
+        return mi, plan
     return _patched((mi_mod, "build_model_input", build_model_input),
                     (engine_mod, "build_model_input", build_model_input))
 
 
 def min_tokens_ignored() -> ContextManager:
     """Stop tokens are not banned before min_tokens: a stop token can be generated early."""
-    mi_mod, engine_mod = _modules("nanovllm.engine.model_input", "nanovllm.engine.engine")
+    mi_mod, engine_mod = _modules("nanovllm.core.model_input", "nanovllm.engine.engine")
     orig = mi_mod.build_model_input
 
     def build_model_input(out, block_size, finished_seq_ids=None):
-        mi = orig(out, block_size, finished_seq_ids)
+        mi, plan = orig(out, block_size, finished_seq_ids)
         mi.banned_token_ids = [[] for _ in mi.banned_token_ids]
-        return mi
+        return mi, plan
     return _patched((mi_mod, "build_model_input", build_model_input),
                     (engine_mod, "build_model_input", build_model_input))
 
@@ -152,7 +152,7 @@ def logprobs_after_temperature() -> ContextManager:
 
 def seed_ignored() -> ContextManager:
     """Seeded requests draw from the engine's shared generator: not reproducible, batch-dependent."""
-    (runner,) = _modules("nanovllm.engine.model_runner")
+    (runner,) = _modules("nanovllm.worker.model_runner")
     orig = runner.ModelRunner._sampling_metadata
 
     def _sampling_metadata(self, mi):
@@ -164,7 +164,7 @@ def seed_ignored() -> ContextManager:
 
 def prompt_logprobs_shifted() -> ContextManager:
     """Prompt logprobs are reported one position late (each position gets its successor's)."""
-    (runner,) = _modules("nanovllm.engine.model_runner")
+    (runner,) = _modules("nanovllm.worker.model_runner")
     orig = runner.ModelRunner._prompt_logprobs
 
     def _prompt_logprobs(self, hidden, mi):
@@ -176,8 +176,8 @@ def prompt_logprobs_shifted() -> ContextManager:
 # ------------------------------------------------------- output processing, API
 def stop_string_kept() -> ContextManager:
     """The stop string is left in the output text although include_stop_str_in_output is False."""
-    op, engine_mod = _modules("nanovllm.engine.output_processor", "nanovllm.engine.engine")
-    orig = op.check_stop
+    stop_mod, engine_mod = _modules("nanovllm.core.stop", "nanovllm.engine.engine")
+    orig = stop_mod.check_stop
 
     def check_stop(seq, tokenizer, max_model_len):
         saved = seq.params.include_stop_str_in_output
@@ -186,16 +186,19 @@ def stop_string_kept() -> ContextManager:
             orig(seq, tokenizer, max_model_len)
         finally:
             seq.params.include_stop_str_in_output = saved
-    return _patched((op, "check_stop", check_stop), (engine_mod, "check_stop", check_stop))
+    return _patched((stop_mod, "check_stop", check_stop), (engine_mod, "check_stop", check_stop))
 
 
 def eos_ignored() -> ContextManager:
     """The model's EOS ids never stop a request (only explicit stop_token_ids do)."""
-    (sp,) = _modules("nanovllm.sampling_params")
+    (engine_mod,) = _modules("nanovllm.engine.engine")
+    orig = engine_mod.LLMEngine.make_sequence
 
-    def all_stop_token_ids(self):
-        return set(self.stop_token_ids)
-    return _patched((sp.SamplingParams, "all_stop_token_ids", all_stop_token_ids))
+    def make_sequence(self, request_id, prompt, params):
+        seq = orig(self, request_id, prompt, params)
+        seq.stop_token_ids = frozenset(seq.params.stop_token_ids)
+        return seq
+    return _patched((engine_mod.LLMEngine, "make_sequence", make_sequence))
 
 
 def outputs_in_finish_order() -> ContextManager:
@@ -210,7 +213,7 @@ def outputs_in_finish_order() -> ContextManager:
 
 def admission_check_skipped() -> ContextManager:
     """Requests that can never fit are accepted (no admission control)."""
-    (sched,) = _modules("nanovllm.engine.scheduler")
+    (sched,) = _modules("nanovllm.core.scheduler")
     return _patched((sched.Scheduler, "check_admissible", lambda self, seq: None))
 
 
@@ -228,7 +231,7 @@ def cuda_graph_padding_writes_kv() -> ContextManager:
     (StepInputs._write), after the host->device copy, on the same stream."""
     import torch
 
-    (si,) = _modules("nanovllm.engine.step_inputs")
+    (si,) = _modules("nanovllm.worker.step_inputs")
     orig = si.StepInputs._write
 
     def _write(self, mi, pad_to):
@@ -242,7 +245,7 @@ def cuda_graph_padding_writes_kv() -> ContextManager:
 
 def async_input_from_wrong_row() -> ContextManager:
     """Async scheduling: a placeholder row reads the token another row of the previous step sampled."""
-    (runner,) = _modules("nanovllm.engine.model_runner")
+    (runner,) = _modules("nanovllm.worker.model_runner")
     orig = runner.ModelRunner._fill_pending
 
     def _fill_pending(self, input_ids, mi):

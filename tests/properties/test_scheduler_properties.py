@@ -10,7 +10,7 @@
 8. chunk coverage: for budgets {1, 7, bs-1, bs, bs+1, inf} every position is
    computed exactly once, in order.
 
-Each property has a negative control: a mutant from ``conformance.mutants_core``
+Each property has a negative control: a mutant from ``tests.mutants.core``
 under which the property check fails.
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple,
                                  precondition, rule, run_state_machine_as_test)
 
-from conformance.fake_runner import INF_BUDGET, FakeEngine
-from conformance.mutants_core import MUTANTS
+from tests.properties.fake_runner import INF_BUDGET, FakeEngine
+from tests.mutants.core import MUTANTS
 
 
 def negative_settings() -> settings:

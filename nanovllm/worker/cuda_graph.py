@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from nanovllm.engine.model_input import ModelInput
-from nanovllm.engine.step_inputs import StepInputs
+from nanovllm.core.model_input import ModelInput
+from nanovllm.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 

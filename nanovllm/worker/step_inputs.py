@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from nanovllm.attention.metadata import AttentionMetadata
-from nanovllm.engine.model_input import ModelInput
+from nanovllm.core.model_input import ModelInput
 
 
 def _align(n: int) -> int:

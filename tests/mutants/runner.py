@@ -3,14 +3,14 @@
 A mutant is a context manager that monkeypatches nanovllm *in the test process*
 (class or module attributes; shipped code on disk is never touched); on exit the
 original is restored. This registry holds the engine-level mutants of
-``conformance/mutants_engine.py`` (model input, attention, sampler, output processing,
+``tests/mutants/engine.py`` (model input, attention, sampler, output processing,
 API, tensor parallelism, CUDA graphs) and includes the block-manager / scheduler mutants
-of ``conformance/mutants_core.py``.
+of ``tests/mutants/core.py``.
 
-    python -m conformance.mutants [--only NAME ...] [--jobs N] [--list]
+    python -m tests.mutants.runner [--only NAME ...] [--jobs N] [--list]
 
 runs, for each mutant, a targeted subset of the checks with ``--mutant NAME``
-(conformance/conftest.py switches it on for the whole pytest run, TP workers
+(the pytest plugin ``tests/mutants/plugin.py`` switches it on for the whole pytest run, TP workers
 included) and prints a table: mutant, checks that caught it. Exit status 1 when
 a mutant survives. GPU-only mutants are reported "not run" without a GPU.
 """
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ContextManager
 
-from conformance.mutants_engine import (_patched, admission_check_skipped, async_input_from_wrong_row, cuda_graph_padding_writes_kv,
+from tests.mutants.engine import (_patched, admission_check_skipped, async_input_from_wrong_row, cuda_graph_padding_writes_kv,
                                         decode_drops_last_key, eos_ignored, logprobs_after_temperature,
                                         min_p_absolute, min_tokens_ignored, outputs_in_finish_order,
                                         prefill_mask_top_left, prompt_logprobs_shifted, seed_ignored,
@@ -38,7 +38,7 @@ from conformance.mutants_engine import (_patched, admission_check_skipped, async
                                         top_k_one_too_many, top_p_one_too_few, tp_allreduce_skipped)
 
 ENV = "NANOVLLM_MUTANT"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 # ------------------------------------------------------------------ registry
@@ -111,15 +111,13 @@ _CORE_E2E = {
     "preempt_oldest": [f"{SELF}::test_preemption_equivalence"],
     "position_after_preemption": [f"{SELF}::test_preemption_equivalence"],
 }
-PROPERTY_FILES = [CORE_DIR + "test_block_manager_properties.py", CORE_DIR + "test_scheduler_properties.py"]
+PROPERTY_FILES = ["tests/properties/test_block_manager_properties.py", "tests/properties/test_scheduler_properties.py"]
 
 
 def _core_mutants() -> list[Mutant]:
-    """The block-manager / scheduler mutants of conformance/mutants_core.py, where it exists."""
-    try:
-        from conformance import mutants_core
-    except ImportError:  # the property-test work has not landed: nothing to add
-        return []
+    """The block-manager / scheduler mutants of tests/mutants/core.py."""
+    from tests.mutants import core as mutants_core
+
     props = [f for f in PROPERTY_FILES if (ROOT / f).is_file()]
     out = []
     for name, make in mutants_core.MUTANTS.items():
@@ -149,7 +147,7 @@ def activate(name: str):
     os.environ[ENV] = name
     patches = [reg[name].make()]
     try:
-        from nanovllm.engine import distributed
+        from nanovllm.worker import distributed
         patches.append(_patched((distributed, "_worker_main", _mutant_worker_main)))
     except ImportError:
         pass
@@ -168,7 +166,7 @@ def activate(name: str):
 def _mutant_worker_main(*args, **kwargs):
     """TP worker entry point with the mutant of $NANOVLLM_MUTANT switched on (spawned processes
     re-import everything, so a patch made in the parent does not reach them)."""
-    from nanovllm.engine import distributed
+    from nanovllm.worker import distributed
 
     real = distributed._worker_main
     name = os.environ.get(ENV)
@@ -192,9 +190,11 @@ def run_mutant(m: Mutant, python: str, timeout: float, extra: list[str],
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"mutant-{m.name}-") as tmp:
         xml = Path(tmp) / "junit.xml"
-        args = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "--mutant", m.name,
-                "--engine", "nanovllm", f"--junitxml={xml}", "--check-timeout", str(int(timeout * 0.8)),
+        args = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                "-p", "tests.mutants.plugin", "--mutant", m.name, f"--junitxml={xml}",
                 "-o", "junit_family=xunit1", "--basetemp", str(Path(tmp) / "pt")]
+        if any(sel.startswith(CORE_DIR) for sel in m.checks):  # the conformance suite's own options
+            args += ["--engine", "nanovllm", "--check-timeout", str(int(timeout * 0.8))]
         for sel in dict.fromkeys(m.checks):
             args += _expand(sel)
         env = dict(os.environ, PYTHONPATH=str(ROOT), HYPOTHESIS_PROFILE=os.environ.get("HYPOTHESIS_PROFILE", "quick"),

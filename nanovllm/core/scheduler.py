@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.sequence import Sequence, SequenceStatus
 
 
 @dataclass

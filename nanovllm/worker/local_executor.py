@@ -1,0 +1,27 @@
+"""LocalExecutor: the model runner in this process (tensor_parallel_size == 1)."""
+from __future__ import annotations
+
+from nanovllm.config import EngineConfig
+from nanovllm.core.model_input import ModelInput
+from nanovllm.core.model_output import ModelOutput
+from nanovllm.worker.model_runner import ModelRunner, StepHandle
+
+
+class LocalExecutor:
+    def __init__(self, config: EngineConfig, load_format: str = "auto"):
+        self.runner = ModelRunner(config, load_format)
+
+    def profile_num_blocks(self) -> int:
+        return self.runner.profile_num_blocks()
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+
+    def execute(self, mi: ModelInput) -> ModelOutput:
+        return self.runner.execute(mi)
+
+    def launch(self, mi: ModelInput) -> StepHandle:
+        return self.runner.launch(mi)
+
+    def close(self) -> None:
+        self.runner.free_kv_cache()
