@@ -25,7 +25,7 @@ run: setup
 
 # the CPU test suite (unit, property-based, end to end against transformers)
 test: setup
-	$(PY) -m pytest -n auto -q
+	CONFORMANCE_REQUIRE_ASSETS=1 $(PY) -m pytest -n auto -q
 
 test-fast: setup
 	$(PY) -m pytest -n auto -q -m "not slow"

@@ -1,23 +1,59 @@
-"""Shared pytest setup: hypothesis profiles, one GPU per xdist worker, markers' skips."""
+"""Shared pytest setup: devices and GPU sharing, threads per worker, hypothesis profiles, skips."""
 from __future__ import annotations
 
 import os
 
 import pytest
 
-# On a GPU host each xdist worker takes one GPU (gw0 -> GPU 0, gw1 -> GPU 1, ...),
-# set before torch initialises CUDA. Multi-GPU tests need the whole machine: run
-# them with `-m multi_gpu -p no:xdist` or `--dist loadgroup` (they carry xdist_group("multi_gpu")).
-_worker = os.environ.get("PYTEST_XDIST_WORKER")
-if _worker and "CUDA_VISIBLE_DEVICES" not in os.environ and os.environ.get("NANOVLLM_GPU_PER_WORKER", "1") == "1":
+# ---------------------------------------------------------------- devices and GPU sharing
+# The engine's device="auto" means CUDA where there is one. Tests choose their device
+# explicitly instead: the default for the test session is the CPU (NANOVLLM_DEVICE), and the
+# end-to-end checks that must also run on a GPU take a ``device`` parameter (tests/conftest.py,
+# conformance/conftest.py) that includes "cuda" on a CUDA host.
+os.environ.setdefault("NANOVLLM_DEVICE", "cpu")
+
+
+def _cuda_devices() -> int:
     try:
-        import subprocess
-        n = int(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
-                .stdout.count("GPU "))
-    except (OSError, subprocess.SubprocessError, ValueError):
-        n = 0
-    if n > 0:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(int(_worker.removeprefix("gw")) % n)
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpu_share() -> tuple[int, float] | None:
+    """How this test process shares the GPUs: (its default CUDA device, the KV-cache GiB each
+    test engine on it may take), or None without a GPU.
+
+    The one place that decides it. pytest-xdist workers spread over the GPUs (gw0 -> GPU 0,
+    gw1 -> GPU 1, ...); the workers of one GPU split 85% of its memory evenly, and each worker's
+    share is split between the engines it may hold at once (ENGINES_PER_WORKER), half of each
+    engine's part for its KV cache and half for weights, activations and CUDA graphs. Test
+    engines pass it as ``kv_cache_memory_gib`` (the conformance harness as its knob), so no
+    test engine sizes itself from ``gpu_memory_utilization`` of the whole device.
+    """
+    n = _cuda_devices()
+    if n == 0:
+        return None
+    import torch
+
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = worker % n
+    per_gpu = -(-workers // n)
+    total = torch.cuda.get_device_properties(index).total_memory / 2**30
+    per_engine = 0.85 * total / per_gpu / ENGINES_PER_WORKER
+    return index, round(min(2.0, 0.5 * per_engine), 3)
+
+
+ENGINES_PER_WORKER = 8
+_share = gpu_share()
+if _share is not None:
+    import torch
+
+    torch.cuda.set_device(_share[0])
+    os.environ.setdefault("NANOVLLM_TEST_KV_CACHE_GIB", str(_share[1]))
+    os.environ.setdefault("CONFORMANCE_KV_CACHE_GIB", str(_share[1]))
 
 # xdist workers share the cores: give each its share of threads (OpenMP spin-waits make
 # oversubscription far slower than the core count suggests).
@@ -39,8 +75,19 @@ except ImportError:  # hypothesis is a test dependency
     pass
 
 
+def pytest_configure(config):
+    # multi-GPU tests carry xdist_group("multi_gpu"): one worker runs them all, holding every GPU
+    if getattr(config.option, "dist", None) == "load":
+        config.option.dist = "loadgroup"
+
+
+@pytest.hookimpl(tryfirst=True)   # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     import torch
+
+    for item in items:
+        if item.get_closest_marker("multi_gpu") and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group("multi_gpu"))
 
     # slow checks (regenerating golden files, the whole mutant table) take many minutes: they run
     # when asked for (-m slow, or NANOVLLM_SLOW=1), not in every pytest run

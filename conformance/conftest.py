@@ -24,6 +24,10 @@ def pytest_addoption(parser):
                     help="engine adapter to check: nanovllm (default), hf, hf-cb, vllm, nano-vllm")
     group.addoption("--block-size", type=int, default=None,
                     help="KV block size of every engine (default 16, or the engine's smallest)")
+    group.addoption("--device", default=os.environ.get("CONFORMANCE_DEVICE", "all"),
+                    choices=("all", "cpu", "cuda"),
+                    help="device the engine runs on: cpu, cuda, or all (cpu, plus cuda where torch sees a GPU: "
+                         "each check runs on every one)")
     group.addoption("--check-timeout", type=float,
                     default=float(os.environ.get("CONFORMANCE_CHECK_TIMEOUT", "900")),
                     help="seconds after which a running check fails (hang protection)")
@@ -43,6 +47,7 @@ def _share_cores_between_workers() -> None:
 def pytest_configure(config):
     _share_cores_between_workers()
     config.addinivalue_line("markers", "nanovllm_only: checks nanovllm itself; skipped for other engines")
+    config.addinivalue_line("markers", "pinned_device: the check chooses its devices itself (run once)")
 
 
 def _group_by_model(items) -> None:
@@ -81,9 +86,35 @@ def engine_name(request) -> str:
     return request.config.getoption("--engine")
 
 
+def selected_devices(config) -> list[str]:
+    choice = config.getoption("--device")
+    if choice != "all":
+        return [choice]
+    try:
+        import torch
+    except ImportError:
+        return ["cpu"]
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def pytest_generate_tests(metafunc):
+    """With more than one device selected, every check that uses ``engines`` runs on each (test
+    ids gain [cpu] / [cuda]); checks that pin their device (``pinned_device``) run once."""
+    if "engines" not in metafunc.fixturenames or metafunc.definition.get_closest_marker("pinned_device"):
+        return
+    devices = selected_devices(metafunc.config)
+    if len(devices) > 1:
+        metafunc.parametrize("engine_device", devices, indirect=True, scope="session")
+
+
 @pytest.fixture(scope="session")
-def engines(engine_name, request):
-    pool = EnginePool(engine_name, block_size=request.config.getoption("--block-size"))
+def engine_device(request) -> str:
+    return getattr(request, "param", None) or selected_devices(request.config)[0]
+
+
+@pytest.fixture(scope="session")
+def engines(engine_name, engine_device, request):
+    pool = EnginePool(engine_name, block_size=request.config.getoption("--block-size"), device=engine_device)
     yield pool
     pool.close()
 

@@ -7,6 +7,7 @@ Y")``; nothing passes silently.
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 
@@ -61,8 +62,10 @@ class EnginePool:
     (vLLM) are capped at ``max_live`` at a time, least recently used closed first.
     """
 
-    def __init__(self, name: str, max_live: int | None = None, block_size: int | None = None):
+    def __init__(self, name: str, max_live: int | None = None, block_size: int | None = None,
+                 device: str = "cpu"):
         self.name = name
+        self.device = device
         self.cls = adapter_class(name)
         self.reason = self.cls.unavailable()
         # every engine of the pool gets this block size unless a check asks for another one
@@ -90,9 +93,14 @@ class EnginePool:
     def _load(self, model_dir: str, knobs: dict):
         self._check_available()
         engine = self.cls()
-        defaults = dict(DEFAULT_KNOBS)
+        defaults = dict(DEFAULT_KNOBS, device=self.device)
         if "block_size" in engine.capabilities:
             defaults["block_size"] = self.bs
+        gib = os.environ.get("CONFORMANCE_KV_CACHE_GIB")
+        if gib and knobs.get("device", self.device) == "cuda" and "kv_budget" in engine.capabilities:
+            # several engines share a GPU (pytest-xdist workers, pooled engines): each gets this much
+            # KV cache instead of sizing itself from the whole device
+            defaults["kv_cache_gib"] = float(gib)
         try:
             engine.load(model_dir, **{**defaults, **knobs})
         except Unsupported as e:

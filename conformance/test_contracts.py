@@ -23,9 +23,7 @@ MODEL = "llama-mha-hd64"
 @pytest.fixture(scope="module")
 def setup(engines):
     g = golden.load(MODEL)
-    problem = golden.check_model(g)
-    if problem:
-        pytest.fail(problem)
+    golden.require(g)
     return g, {c["id"]: c for c in g["cases"]}, engines.get(golden.model_dir(g))
 
 

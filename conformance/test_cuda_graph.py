@@ -16,6 +16,7 @@ MODEL = "qwen3-gqa4-hd128"
 
 
 @pytest.mark.gpu
+@pytest.mark.pinned_device
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_graph_equals_eager(engines, dtype, figure):
     g = golden.load(MODEL)

@@ -24,9 +24,7 @@ _runs: dict = {}
 
 def golden_engine(engines, name: str, **knobs):
     g = golden.load(name)
-    problem = golden.check_model(g)
-    if problem:
-        pytest.fail(f"golden file {name} does not match the model here: {problem}")
+    golden.require(g)
     return g, engines.get(golden.model_dir(g), **knobs)
 
 

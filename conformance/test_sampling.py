@@ -22,9 +22,7 @@ ALPHA = 1e-3
 
 def _setup(engines):
     g = golden.load(MODEL)
-    problem = golden.check_model(g)
-    if problem:
-        pytest.fail(problem)
+    golden.require(g)
     return g, engines.get(golden.model_dir(g))
 
 

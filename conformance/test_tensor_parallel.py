@@ -41,11 +41,13 @@ def _check(engines, device, figure):
     assert worst <= LOGPROB_TOL[g["dtype"]], f"TP=2 prompt logprobs differ from the reference by {worst:.3g}"
 
 
+@pytest.mark.pinned_device
 def test_tp2_equals_tp1_gloo_cpu(engines, figure):
     _check(engines, "cpu", figure)
 
 
 @pytest.mark.multi_gpu
+@pytest.mark.pinned_device
 @pytest.mark.xdist_group("multi_gpu")
 def test_tp2_equals_tp1_nccl(engines, figure):
     _check(engines, "cuda", figure)

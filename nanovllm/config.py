@@ -54,7 +54,7 @@ class EngineConfig:
     """
 
     model: str | None = None
-    device: str = "auto"
+    device: str = "auto"  # "auto": $NANOVLLM_DEVICE if set, else CUDA when torch sees a GPU, else CPU
     dtype: str = "auto"
     block_size: int | None = None
     num_kvcache_blocks: int | None = None
@@ -66,7 +66,8 @@ class EngineConfig:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.9
-    kv_cache_memory_gib: float | None = None  # CPU: KV cache size; default min(4 GiB, 30% of free RAM)
+    # KV cache size; default: CPU min(4 GiB, 30% of free RAM), GPU from gpu_memory_utilization
+    kv_cache_memory_gib: float | None = None
     seed: int = 0
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
@@ -126,6 +127,11 @@ class EngineConfig:
         for a GPU: a CPU config resolves without it)."""
         self.hf_config = hf_config
         self.model_dir = model_dir
+        if self.device == "auto":  # $NANOVLLM_DEVICE picks the default device (the test suite: cpu)
+            env = os.environ.get("NANOVLLM_DEVICE", "auto") or "auto"
+            if env not in _DEVICES:
+                raise ValueError(f"environment variable NANOVLLM_DEVICE must be one of {_DEVICES}, got {env!r}")
+            self.device = env
         if self.device in ("auto", "cuda"):
             import torch
 

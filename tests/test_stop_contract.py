@@ -5,18 +5,18 @@ import pytest
 
 from conformance.zoo import EOS_ID, ZOO, zoo_model
 from nanovllm import LLM, SamplingParams
-from tests.conftest import cached_llm, prompts_for
+from tests.conftest import cached_llm, engine_args, prompts_for
 
 MODEL = "llama-mha-hd64"
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return cached_llm(zoo_model(MODEL), block_size=16, seed=0)
+def llm(device):
+    return cached_llm(zoo_model(MODEL), **engine_args(device), block_size=16, seed=0)
 
 
 @pytest.fixture(scope="module")
-def free_run(llm):
+def free_run(llm, device):
     """A prompt and its first 30 greedy tokens with EOS ignored."""
     prompt = prompts_for(ZOO[MODEL].vocab_size, (12,), seed=21)[0]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
@@ -29,13 +29,13 @@ def _one(llm, prompt, **kw):
     return llm.generate([prompt], SamplingParams(temperature=0, **kw), use_tqdm=False)[0].outputs[0]
 
 
-def test_max_tokens_gives_length(llm, free_run):
+def test_max_tokens_gives_length(llm, free_run, device):
     prompt, toks = free_run
     out = _one(llm, prompt, max_tokens=7, ignore_eos=True)
     assert out.token_ids == toks[:7] and out.finish_reason == "length" and out.stop_reason is None
 
 
-def test_stop_token_ids(llm, free_run):
+def test_stop_token_ids(llm, free_run, device):
     prompt, toks = free_run
     target = toks[5]
     first = toks.index(target)
@@ -44,7 +44,7 @@ def test_stop_token_ids(llm, free_run):
     assert out.finish_reason == "stop" and out.stop_reason == target
 
 
-def test_min_tokens_bans_stop_tokens(llm, free_run):
+def test_min_tokens_bans_stop_tokens(llm, free_run, device):
     prompt, toks = free_run
     target = toks[0]
     out = _one(llm, prompt, max_tokens=10, min_tokens=4, stop_token_ids=[target], ignore_eos=True)
@@ -52,7 +52,7 @@ def test_min_tokens_bans_stop_tokens(llm, free_run):
     assert target not in out.token_ids[:4]  # banned while min_tokens is not reached
 
 
-def test_eos_from_generation_config_stops_unless_ignored(llm):
+def test_eos_from_generation_config_stops_unless_ignored(llm, device):
     """Force EOS: the zoo's EOS id 1 is the generation config's; find a prompt where it is sampled."""
     vocab = ZOO[MODEL].vocab_size
     for seed in range(200):
@@ -67,7 +67,7 @@ def test_eos_from_generation_config_stops_unless_ignored(llm):
     pytest.fail("no prompt sampled EOS within 200 tries: cannot check EOS handling")
 
 
-def test_stop_strings_trimmed_or_included(llm, free_run):
+def test_stop_strings_trimmed_or_included(llm, free_run, device):
     prompt, toks = free_run
     tok = llm.get_tokenizer()
     full = _one(llm, prompt, max_tokens=30, ignore_eos=True).text
@@ -81,9 +81,9 @@ def test_stop_strings_trimmed_or_included(llm, free_run):
     assert inc.text == full[:cut + len(word)]
 
 
-def test_max_model_len_gives_length():
+def test_max_model_len_gives_length(device):
     path = zoo_model(MODEL)
-    small = LLM(path, block_size=16, seed=0, max_model_len=20)
+    small = LLM(path, **engine_args(device), block_size=16, seed=0, max_model_len=20)
     prompt = prompts_for(ZOO[MODEL].vocab_size, (15,), seed=1)[0]
     out = small.generate([prompt], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
                          use_tqdm=False)[0].outputs[0]

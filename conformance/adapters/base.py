@@ -15,6 +15,7 @@ knob                      capability            meaning
 ========================  ====================  ==========================================
 block_size                block_size            tokens per KV block
 kv_blocks                 kv_budget             number of KV blocks (starve it to preempt)
+kv_cache_gib              kv_budget             KV cache size in GiB (engines sharing a GPU)
 max_batched_tokens        chunk_budget          token budget of one step (chunk size)
 chunked_prefill           chunk_budget          False: a prompt is prefilled whole
 prefix_cache              prefix_cache          prefix caching on / off
@@ -49,7 +50,7 @@ PREEMPTION_STATS = "preemption_stats"      # engine-wide preemption counter
 ADMISSION_CONTROL = "admission_control"    # refuses a request that can never fit
 
 KNOB_CAPABILITY = {
-    "block_size": "block_size", "kv_blocks": "kv_budget", "max_batched_tokens": "chunk_budget",
+    "block_size": "block_size", "kv_blocks": "kv_budget", "kv_cache_gib": "kv_budget", "max_batched_tokens": "chunk_budget",
     "chunked_prefill": "chunk_budget", "prefix_cache": "prefix_cache", "tp": "tp",
     "cuda_graph": "cuda_graph", "max_num_seqs": "max_num_seqs", "max_model_len": "max_model_len",
     "async_scheduling": "async_scheduling",

@@ -1,12 +1,10 @@
 """nanovllm through its public API: ``LLM(...)``, ``LLM.generate``, ``LLM.stats()``."""
 from __future__ import annotations
 
-import os
-
 from conformance.adapters import base
 from conformance.adapters.base import Logprob, Result, Sampling
 
-_KNOBS = {"block_size": "block_size", "kv_blocks": "num_kvcache_blocks",
+_KNOBS = {"block_size": "block_size", "kv_blocks": "num_kvcache_blocks", "kv_cache_gib": "kv_cache_memory_gib",
           "max_batched_tokens": "max_num_batched_tokens", "chunked_prefill": "enable_chunked_prefill",
           "prefix_cache": "enable_prefix_caching", "tp": "tensor_parallel_size",
           "max_num_seqs": "max_num_seqs", "max_model_len": "max_model_len", "seed": "seed",
@@ -59,19 +57,10 @@ class NanovllmAdapter:
         args = {_KNOBS[k]: v for k, v in knobs.items() if v is not None and k in _KNOBS}
         if knobs.get("cuda_graph") is not None:
             args["enforce_eager"] = not knobs["cuda_graph"]
-        if "num_kvcache_blocks" not in args and self._on_gpu(args):
-            # on a GPU each engine would size its KV cache to 90% of the memory, so a second engine
-            # in the same test process would find none left: the suite's workloads need far less
-            args["num_kvcache_blocks"] = int(os.environ.get("CONFORMANCE_GPU_KV_BLOCKS", "2048"))
         if args.get("max_num_batched_tokens") == float("inf"):
             del args["max_num_batched_tokens"]
             args["enable_chunked_prefill"] = False
         self.llm = LLM(model_dir, **args)
-
-    @staticmethod
-    def _on_gpu(args: dict) -> bool:
-        import torch
-        return args.get("device", "auto") in ("auto", "cuda") and torch.cuda.is_available()
 
     def generate(self, prompts: list[list[int]], params: list[Sampling]) -> list[Result]:
         from nanovllm import SamplingParams

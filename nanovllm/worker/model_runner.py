@@ -51,6 +51,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.rank = tp_rank()
         hf = config.hf_config
+        # what this engine holds on the GPU is counted from here (weights, buffers, graphs)
+        self._reserved_at_start = self._check_gpu_memory() if self.device.type == "cuda" else 0
         torch.manual_seed(config.seed)
         model_cls = get_model_class(hf)
         default_dtype = torch.get_default_dtype()
@@ -100,8 +102,32 @@ class ModelRunner:
         per_seq = cdiv(self.config.max_model_len, self.block_size)
         return self.config.max_num_seqs * per_seq
 
+    def _check_gpu_memory(self) -> int:
+        """Start-up check of ``gpu_memory_utilization`` (vLLM's per-instance meaning: the fraction
+        of the device's total memory *this* engine may use -- weights, activations, graphs and
+        KV cache -- whatever other processes hold). Refuses when that much is not free.
+        Returns the bytes PyTorch has reserved in this process before the engine's own."""
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        if self.config.kv_cache_memory_gib is None:
+            requested = total * self.config.gpu_memory_utilization
+            if requested > free:
+                raise ValueError(
+                    f"gpu_memory_utilization={self.config.gpu_memory_utilization} asks for "
+                    f"{requested / 2**30:.1f} GiB of {self.device}'s {total / 2**30:.1f} GiB, but only "
+                    f"{free / 2**30:.1f} GiB are free (other processes or engines hold "
+                    f"{(total - free) / 2**30:.1f} GiB): lower gpu_memory_utilization to at most "
+                    f"{max(free / total - 0.01, 0.0):.2f}, or size the KV cache with kv_cache_memory_gib")
+        return torch.cuda.memory_reserved()
+
     def profile_num_blocks(self) -> int:
-        """How many blocks fit in the memory budget (before any override)."""
+        """How many blocks fit in the memory budget (before any override).
+
+        CPU: ``kv_cache_memory_gib``, else min(4 GiB, 30% of the available RAM). GPU: with
+        ``kv_cache_memory_gib`` that much (it must be free, beside the activation reserve);
+        otherwise ``total x gpu_memory_utilization`` minus what this engine already holds
+        (weights, staging buffers) minus the profiled activation and graph reserve.
+        """
         per_block = self.kv_bytes_per_block()
         if self.device.type == "cpu":
             if self.config.kv_cache_memory_gib is not None:
@@ -113,15 +139,23 @@ class ModelRunner:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        used = total - free
-        budget = total * self.config.gpu_memory_utilization - used - reserve
+        held = torch.cuda.memory_reserved() - self._reserved_at_start   # weights and buffers
+        if self.config.kv_cache_memory_gib is not None:
+            budget = self.config.kv_cache_memory_gib * (1 << 30)
+            what = f"kv_cache_memory_gib={self.config.kv_cache_memory_gib}"
+        else:
+            budget = total * self.config.gpu_memory_utilization - held - reserve
+            what = (f"gpu_memory_utilization={self.config.gpu_memory_utilization} of "
+                    f"{total / 2**30:.1f} GiB, minus {held / 2**30:.2f} GiB of weights and buffers and "
+                    f"{reserve / 2**30:.2f} GiB reserved for activations and graphs")
         if budget < per_block:
-            raise ValueError(f"no GPU memory left for the KV cache: gpu_memory_utilization="
-                             f"{self.config.gpu_memory_utilization} of {total / 2**30:.1f} GiB, "
-                             f"{used / 2**30:.1f} GiB already used, {reserve / 2**30:.2f} GiB reserved "
-                             f"for activations and graphs")
-        logger.info("KV cache budget %.2f GiB (%.2f GiB used, %.2f GiB reserved for activations/graphs)",
-                    budget / 2**30, used / 2**30, reserve / 2**30)
+            raise ValueError(f"no GPU memory left for the KV cache ({what}): one block needs "
+                             f"{per_block / 2**20:.1f} MiB; raise gpu_memory_utilization or kv_cache_memory_gib")
+        if budget + reserve > free:
+            raise ValueError(f"the KV cache ({budget / 2**30:.2f} GiB: {what}) and the activation reserve "
+                             f"({reserve / 2**30:.2f} GiB) do not fit in the {free / 2**30:.2f} GiB free on "
+                             f"{self.device}; lower gpu_memory_utilization or kv_cache_memory_gib")
+        logger.info("KV cache budget %.2f GiB (%s)", budget / 2**30, what)
         return int(budget // per_block)
 
     def profile_peak_activation(self) -> int:
