@@ -107,15 +107,25 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         self.update_block_hashes(seq)
-        bs = self.block_size
         hits: list[Block] = []
-        for i in range((seq.num_tokens - 1) // bs):
+        for i in range(self._max_cached_blocks(seq)):
             block = self.cached.get(seq.block_hashes[i])
-            if (block is None or block.token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs])
-                    or block.parent_serial != (hits[-1].serial if hits else None)):
+            if block is None or not self._is_hit(block, seq, i, hits[-1] if hits else None):
                 break
             hits.append(block)
         return hits
+
+    def _max_cached_blocks(self, seq: Sequence) -> int:
+        """The most blocks a prefix-cache hit may cover: ``(num_tokens - 1) // block_size``,
+        so at least one token is computed (the model must produce logits for the last one)."""
+        return (seq.num_tokens - 1) // self.block_size
+
+    def _is_hit(self, block: Block, seq: Sequence, i: int, prev: Block | None) -> bool:
+        """Whether ``block``, published under seq's i-th hash, holds seq's block i: the same
+        tokens, computed after the same K/V (``prev``: hit i - 1). A collision is never served."""
+        bs = self.block_size
+        return (block.token_ids == tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                and block.parent_serial == (prev.serial if prev is not None else None))
 
     # -------------------------------------------------------------- mutations
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
@@ -136,10 +146,7 @@ class BlockManager:
         if num_new_blocks > len(self.free_blocks) - num_revived:
             return False
         for block in computed_blocks:
-            if block.ref_count == 0:
-                del self.free_blocks[block.block_id]
-            block.ref_count += 1
-            seq.block_table.append(block.block_id)
+            self._take_hit(seq, block)
         for _ in range(max(num_new_blocks, 0)):
             _, block = self.free_blocks.popitem(last=False)
             if block.block_hash is not None:
@@ -147,6 +154,14 @@ class BlockManager:
             block.ref_count = 1
             seq.block_table.append(block.block_id)
         return True
+
+    def _take_hit(self, seq: Sequence, block: Block) -> None:
+        """Append a cache hit to seq's block table: one more reference; a hit on a free block
+        leaves the free queue (it is in use now, so it must not be evicted)."""
+        if block.ref_count == 0:
+            del self.free_blocks[block.block_id]
+        block.ref_count += 1
+        seq.block_table.append(block.block_id)
 
     def _evict(self, block: Block) -> None:
         del self.cached[block.block_hash]
@@ -158,14 +173,19 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks (last block first, so it is evicted first)."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"double free of {block}"
-            if block.ref_count == 0:
-                self.free_blocks[block_id] = block
-                if block.block_hash is None:
-                    self.free_blocks.move_to_end(block_id, last=False)
+            self._release(self.blocks[block_id])
         seq.block_table = []
+
+    def _release(self, block: Block) -> None:
+        """Drop one reference to block. A block nobody holds goes back to the free queue: at the
+        tail while it carries a hash (findable until evicted, least recently used first), at
+        the head otherwise (it holds nothing worth keeping)."""
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"double free of {block}"
+        if block.ref_count == 0:
+            self.free_blocks[block.block_id] = block
+            if block.block_hash is None:
+                self.free_blocks.move_to_end(block.block_id, last=False)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Publish the hashes of seq's full blocks whose K/V is now computed.

@@ -21,6 +21,11 @@ class ModelInput:
     query_start_loc: list[int]       # [num_seqs + 1]
     seq_lens: list[int]              # [num_seqs]: computed + new
     block_tables: list[list[int]]
+    # [num_seqs]: the sequence of each entry of seq_lens / block_tables. The model runner does not
+    # read it; an executor that keeps per-sequence state does (the fake one of the property tests
+    # checks every row against its own record of the sequence): rows of a prefill chunk that
+    # samples nothing carry no other id, and prefix-cache hits share block tables
+    seq_ids: list[int] = field(default_factory=list)
     # sampling: one entry per sequence whose chunk reaches its last token
     sample_rows: list[int] = field(default_factory=list)      # packed row of that last token
     sample_seq_ids: list[int] = field(default_factory=list)
@@ -89,6 +94,7 @@ def build_model_input(out: SchedulerOutput, block_size: int,
         qsl.append(len(input_ids))
         mi.seq_lens.append(end)
         mi.block_tables.append(table)
+        mi.seq_ids.append(seq.seq_id)
         params = seq.params
         if params.prompt_logprobs is not None:
             # row p scores prompt token p + 1; positions already recorded (before a preemption)

@@ -110,7 +110,7 @@ class Scheduler:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not bm.allocate_slots(seq, num_new):
-                victim = self.running.pop()
+                victim = self._preemption_victim()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -126,14 +126,8 @@ class Scheduler:
             seq = self.waiting[0]
             hits = bm.get_computed_blocks(seq)
             num_cached = len(hits) * bm.block_size
-            remaining = seq.num_tokens - num_cached
-            # without chunked prefill a prompt goes whole; a recompute (after preemption) longer
-            # than the whole budget never could, so it resumes in chunks like a running sequence
-            if (not self.enable_chunked_prefill and remaining > budget
-                    and remaining <= self.max_num_batched_tokens):
-                break
-            num_new = min(remaining, budget)
-            if not bm.allocate_slots(seq, num_new, hits):
+            num_new = self._admission_chunk(seq.num_tokens - num_cached, budget)
+            if num_new == 0 or not bm.allocate_slots(seq, num_new, hits):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -148,6 +142,22 @@ class Scheduler:
             out.num_new_tokens.append(num_new)
             budget -= num_new
         return out
+
+    def _admission_chunk(self, num_remaining: int, budget: int) -> int:
+        """How many of a waiting sequence's uncached tokens this step computes (0: it waits).
+
+        What the budget allows; without chunked prefill a prompt goes whole or waits, but a
+        recompute (after preemption) longer than the whole budget never could go whole, so it
+        resumes in chunks like a running sequence."""
+        if (not self.enable_chunked_prefill and num_remaining > budget
+                and num_remaining <= self.max_num_batched_tokens):
+            return 0
+        return min(num_remaining, budget)
+
+    def _preemption_victim(self) -> Sequence:
+        """Take the running sequence to preempt off ``running``: the most recently admitted one
+        (so never one scheduled earlier in this step: those come before it in admission order)."""
+        return self.running.pop()
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

@@ -2,7 +2,10 @@
 
 ``MUTANTS[name]()`` is a context manager: inside it the bug is live in this
 process (the class or module attribute is replaced), on exit the original is
-restored. Nothing here touches shipped code paths on disk. The conformance
+restored. Each one replaces or wraps one small named function of the core (a seam:
+``BlockManager._release``, ``_is_hit``, ``_max_cached_blocks``, ``_take_hit``,
+``Scheduler._admission_chunk``, ``_preemption_victim``, ``_preempt``, ...) in a few
+lines, and copies none of the code it mutates, so it cannot drift from it. Nothing here touches shipped code paths on disk. The conformance
 mutant runner (``tests/mutants/runner.py``) imports this registry; each
 property test in ``tests/properties/test_*_properties.py`` has a negative control
 proving that at least one property catches each mutant (see ``NEGATIVE_CONTROLS``).
@@ -18,10 +21,8 @@ from typing import ContextManager
 
 from nanovllm.core import block_manager as bm_mod
 from nanovllm.core import model_input as mi_mod
-from nanovllm.core import scheduler as sched_mod
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.scheduler import Scheduler
-from nanovllm.core.sequence import SequenceStatus
 
 
 @contextlib.contextmanager
@@ -40,13 +41,7 @@ def _patched(*patches: tuple[object, str, object]) -> Iterator[None]:
 # ------------------------------------------------------------ block manager
 def free_no_decref() -> ContextManager:
     """BlockManager.free forgets to decrement ref counts: freed blocks never come back."""
-    def free(self, seq):
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                self.free_blocks[block_id] = block
-        seq.block_table = []
-    return _patched((BlockManager, "free", free))
+    return _patched((BlockManager, "_release", lambda self, block: None))
 
 
 def publish_before_compute() -> ContextManager:
@@ -55,7 +50,7 @@ def publish_before_compute() -> ContextManager:
 
     def cache_full_blocks(self, seq):
         saved = seq.num_computed_tokens
-        seq.num_computed_tokens = min(seq.num_tokens, len(seq.block_table) * self.block_size)
+        seq.num_computed_tokens = min(len(seq.token_ids), len(seq.block_table) * self.block_size)
         try:
             orig(self, seq)
         finally:
@@ -65,35 +60,12 @@ def publish_before_compute() -> ContextManager:
 
 def hit_skips_token_check() -> ContextManager:
     """get_computed_blocks trusts the hash: no token comparison on a hit (unsafe with collisions)."""
-    def get_computed_blocks(self, seq):
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
-            return []
-        self.update_block_hashes(seq)
-        hits = []
-        for i in range((seq.num_tokens - 1) // self.block_size):
-            block = self.cached.get(seq.block_hashes[i])
-            if block is None:
-                break
-            hits.append(block)
-        return hits
-    return _patched((BlockManager, "get_computed_blocks", get_computed_blocks))
+    return _patched((BlockManager, "_is_hit", lambda self, block, seq, i, prev: True))
 
 
 def full_hit_skips_last_token() -> ContextManager:
     """A fully cached prompt is served whole: no token left to compute (no logits)."""
-    def get_computed_blocks(self, seq):
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
-            return []
-        self.update_block_hashes(seq)
-        bs = self.block_size
-        hits = []
-        for i in range(seq.num_tokens // bs):
-            block = self.cached.get(seq.block_hashes[i])
-            if block is None or block.token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
-                break
-            hits.append(block)
-        return hits
-    return _patched((BlockManager, "get_computed_blocks", get_computed_blocks))
+    return _patched((BlockManager, "_max_cached_blocks", lambda self, seq: seq.num_tokens // self.block_size))
 
 
 def stale_hash_after_eviction() -> ContextManager:
@@ -105,23 +77,10 @@ def stale_hash_after_eviction() -> ContextManager:
 
 def hit_left_in_free_queue() -> ContextManager:
     """A cache hit on a free block does not take it off the free queue: a block in use can be evicted."""
-    def allocate_slots(self, seq, num_new_tokens, computed_blocks=()):
-        computed_blocks = list(computed_blocks)
-        total = seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-        num_new_blocks = self.blocks_needed(total) - len(seq.block_table) - len(computed_blocks)
-        if num_new_blocks > len(self.free_blocks):
-            return False
-        for block in computed_blocks:
-            block.ref_count += 1
-            seq.block_table.append(block.block_id)
-        for _ in range(max(num_new_blocks, 0)):
-            _, block = self.free_blocks.popitem(last=False)
-            if block.block_hash is not None:
-                self._evict(block)
-            block.ref_count += 1
-            seq.block_table.append(block.block_id)
-        return True
-    return _patched((BlockManager, "allocate_slots", allocate_slots))
+    def _take_hit(self, seq, block):
+        block.ref_count += 1
+        seq.block_table.append(block.block_id)
+    return _patched((BlockManager, "_take_hit", _take_hit))
 
 
 def failed_alloc_not_atomic() -> ContextManager:
@@ -129,14 +88,11 @@ def failed_alloc_not_atomic() -> ContextManager:
     orig = BlockManager.allocate_slots
 
     def allocate_slots(self, seq, num_new_tokens, computed_blocks=()):
-        computed_blocks = list(computed_blocks)
-        if orig(self, seq, num_new_tokens, computed_blocks):
+        hits = list(computed_blocks)
+        if orig(self, seq, num_new_tokens, hits):
             return True
-        for block in computed_blocks:  # the bug: hits revived although the allocation fails
-            if block.ref_count == 0:
-                del self.free_blocks[block.block_id]
-            block.ref_count += 1
-            seq.block_table.append(block.block_id)
+        for block in hits:  # the bug: hits taken although the allocation fails
+            self._take_hit(seq, block)
         return False
     return _patched((BlockManager, "allocate_slots", allocate_slots))
 
@@ -195,44 +151,30 @@ def max_num_seqs_off_by_one() -> ContextManager:
 
 def chunk_boundary_off_by_one() -> ContextManager:
     """After a prefill chunk cut by the budget, the next chunk starts one position too late."""
+    orig = Scheduler.update_after_step
+
     def update_after_step(self, out):
-        for seq, num_new in zip(out.seqs, out.num_new_tokens):
-            seq.num_computed_tokens += num_new
+        orig(self, out)
+        for seq in out.seqs:
             if seq.num_computed_tokens < seq.num_prompt_tokens - 1:
                 seq.num_computed_tokens += 1
-            self.block_manager.cache_full_blocks(seq)
     return _patched((Scheduler, "update_after_step", update_after_step))
 
 
 def preempt_keeps_block_table() -> ContextManager:
     """A preempted sequence's blocks are freed but it keeps (and later reuses) its block table."""
+    orig = Scheduler._preempt
+
     def _preempt(self, seq):
         table = list(seq.block_table)
-        self.block_manager.free(seq)
+        orig(self, seq)
         seq.block_table = table
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(seq)
     return _patched((Scheduler, "_preempt", _preempt))
 
 
 def preempt_oldest() -> ContextManager:
     """Preemption picks the *oldest* running sequence, which may already be scheduled this step."""
-    orig = Scheduler.schedule
-
-    class _PopFront(list):
-        def pop(self, index=0):
-            return super().pop(index)
-
-    def schedule(self):
-        self.running = _PopFront(self.running)
-        try:
-            return orig(self)
-        finally:
-            self.running = list(self.running)
-    return _patched((Scheduler, "schedule", schedule))
+    return _patched((Scheduler, "_preemption_victim", lambda self: self.running.pop(0)))
 
 
 def chunked_off_recompute_stuck() -> ContextManager:
@@ -241,50 +183,12 @@ def chunked_off_recompute_stuck() -> ContextManager:
     The scheduler as it was before the fix: ``remaining > budget`` always blocks
     admission, so the request waits forever (an empty step with requests pending).
     """
-    def schedule(self):
-        out = sched_mod.SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        bm = self.block_manager
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not bm.allocate_slots(seq, num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                out.seqs.append(seq)
-                out.num_new_tokens.append(num_new)
-                budget -= num_new
-                i += 1
-        while (not out.preempted and self.waiting and budget > 0
-               and len(self.running) < self.max_num_seqs):
-            seq = self.waiting[0]
-            hits = bm.get_computed_blocks(seq)
-            num_cached = len(hits) * bm.block_size
-            remaining = seq.num_tokens - num_cached
-            if not self.enable_chunked_prefill and remaining > budget:  # the bug
-                break
-            num_new = min(remaining, budget)
-            if not bm.allocate_slots(seq, num_new, hits):
-                break
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            seq.num_computed_tokens = num_cached
-            if seq.num_cached_tokens < 0:
-                seq.num_cached_tokens = num_cached
-            self.num_cache_hit_tokens += num_cached
-            self.num_cache_query_tokens += seq.num_tokens
-            self.running.append(seq)
-            out.admitted.append(seq)
-            out.seqs.append(seq)
-            out.num_new_tokens.append(num_new)
-            budget -= num_new
-        return out
-    return _patched((Scheduler, "schedule", schedule))
+    orig = Scheduler._admission_chunk
+
+    def _admission_chunk(self, num_remaining, budget):
+        stuck = not self.enable_chunked_prefill and num_remaining > budget  # the bug: no recompute exception
+        return 0 if stuck else orig(self, num_remaining, budget)
+    return _patched((Scheduler, "_admission_chunk", _admission_chunk))
 
 
 # -------------------------------------------------------------- model input

@@ -1,8 +1,9 @@
-"""A fake model runner: the real Scheduler and BlockManager, driven without torch.
+"""A fake executor: the engine's executor interface over a fake paged model, without torch.
 
-``FakeEngine.step`` mirrors ``LLMEngine.step``: schedule, build the real
-``ModelInput``, run a *fake model* on it, ``update_after_step``, append the
-sampled token, finish at ``max_tokens`` / a stop token / ``max_model_len``.
+``FakeExecutor`` implements ``nanovllm/engine/executor.py`` (``profile_num_blocks``,
+``allocate_kv_cache``, ``execute``, ``launch``, ``close``), so the real ``LLMEngine`` step
+loop -- scheduler, model input, async scheduling, stop rules, output processing -- runs over
+it (``make_engine``). It sees only the ``ModelInput`` of each step, as a real runner does.
 
 The fake model is deterministic and pages its K/V exactly as a real one does:
 
@@ -16,26 +17,30 @@ The fake model is deterministic and pages its K/V exactly as a real one does:
 
 ``reference_generate`` computes ``f`` directly from the token list, so the
 expected output of any request is known without running an engine: preemption,
-chunking, prefix caching and batching must not change it.
+chunking, prefix caching, batching and async scheduling must not change it.
 
-With ``strict=True`` every K/V read is checked against the truth and a wrong
-one raises ``KVCacheError`` naming the sequence, position and slot; with
-``strict=False`` wrong K/V only changes the output (what an output comparison
-sees). With ``check=True`` the step-level scheduler properties
-(``check_step``) and ``Scheduler.check_invariants`` run after every step.
+Async scheduling: ``launch`` computes the step at once and keeps its sampled tokens; the next
+step's placeholder rows (``pending_rows`` / ``pending_src``) read them, as the model runner's
+``_fill_pending`` does on the device.
+
+With ``strict=True`` every row of every step is checked against the fake model's own record
+of the sequence (``ModelInput.seq_ids`` says which one): its prompt, given by whoever adds the
+request (``add_sequence``), and every token the model sampled for it. Input ids, slots,
+sequence lengths and sample rows must agree with that record, and every K/V read must return
+the sequence's own K/V at that position (else ``KVCacheError`` naming the sequence, position
+and slot). With ``strict=False`` wrong K/V only changes the output (what an output comparison
+sees).
 
 Pure Python: importing this module imports no torch.
 """
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
+from types import SimpleNamespace
 
-from nanovllm.core import model_input as _model_input  # looked up per call: mutants may patch it
-from nanovllm.core.block_manager import BlockManager
-from nanovllm.core.scheduler import Scheduler, SchedulerOutput
-from nanovllm.core.sequence import Sequence, SequenceStatus
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.config import EngineConfig
+from nanovllm.core.model_input import ModelInput
+from nanovllm.core.model_output import ModelOutput, ReadyOutput, SamplerOutput
+from nanovllm.engine.engine import LLMEngine
 
 MASK64 = (1 << 64) - 1
 KV_ROOT = 0x5EED_0F_C0FFEE  # the "K/V" before position 0
@@ -77,7 +82,11 @@ def next_token(values, vocab_size: int) -> int:
 
 def reference_generate(prompt: list[int], max_tokens: int, vocab_size: int, *, max_model_len: int = 1 << 30,
                        stop_token_ids=(), min_tokens: int = 0) -> list[int]:
-    """What the fake model outputs for ``prompt`` when paging is right: f(all previous tokens)."""
+    """What the fake model outputs for ``prompt`` when paging is right: f(all previous tokens).
+
+    The stop rules written out independently of the engine's: a stop token ends the request once
+    ``min_tokens`` tokens are out (the fake model bans nothing: an earlier one just continues),
+    then ``max_tokens`` or ``max_model_len`` does."""
     tokens = list(prompt)
     chain = kv_chain(tokens)
     out: list[int] = []
@@ -96,270 +105,179 @@ class KVCacheError(AssertionError):
     """The fake model read K/V that does not belong to the sequence at that position."""
 
 
-class SchedulerStuck(AssertionError):
-    """The scheduler returned an empty step (or ran past its step bound) with requests pending."""
+class ModelInputError(AssertionError):
+    """A step's ModelInput disagrees with the fake model's record of a sequence."""
 
 
-@dataclass
-class StepRecord:
-    index: int
-    scheduled: list[tuple[str, int, int]]          # (request_id, first position, num_new_tokens)
-    admitted: list[tuple[str, int]]                 # (request_id, prefix-cache hit tokens)
-    preempted: list[str]
-    finished: list[str] = field(default_factory=list)
+class FakeExecutor:
+    """The executor interface over the fake paged model (see the module docstring)."""
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, _, n in self.scheduled)
-
-
-def check_step(engine: FakeEngine, out: SchedulerOutput) -> None:
-    """Step-level scheduler properties (catalogue item 6), checked right after ``schedule()``."""
-    sched = engine.scheduler
-    bs = engine.block_size
-    assert out.num_tokens <= sched.max_num_batched_tokens, \
-        f"token budget exceeded: {out.num_tokens} > max_num_batched_tokens={sched.max_num_batched_tokens}"
-    assert len(out.seqs) <= sched.max_num_seqs, f"{len(out.seqs)} sequences > max_num_seqs={sched.max_num_seqs}"
-    assert len(sched.running) <= sched.max_num_seqs, f"{len(sched.running)} running > max_num_seqs"
-    assert len({id(s) for s in out.seqs}) == len(out.seqs), "a sequence scheduled twice in one step"
-    running_ids = {id(s) for s in sched.running}
-    waiting_ids = {id(s) for s in sched.waiting}
-    assert not running_ids & waiting_ids, "a request both waiting and running"
-    for seq, n in zip(out.seqs, out.num_new_tokens):
-        assert n >= 1, f"{seq} scheduled with {n} new tokens (nothing to produce logits from)"
-        assert seq.num_computed_tokens + n <= seq.num_tokens, f"{seq} scheduled past its tokens (+{n})"
-        assert seq.status is SequenceStatus.RUNNING and id(seq) in running_ids, f"scheduled {seq} is not running"
-        assert len(seq.block_table) * bs >= seq.num_computed_tokens + n, f"{seq} has no slots for +{n} tokens"
-    scheduled = {id(s) for s in out.seqs}
-    for seq in out.preempted:
-        assert not seq.block_table, f"preempted {seq} still holds blocks"
-        assert seq.num_computed_tokens == 0 and seq.status is SequenceStatus.WAITING, f"preempted {seq} not reset"
-        assert id(seq) not in scheduled, f"preempted {seq} is scheduled in the same step"
-    if out.preempted:
-        assert not out.admitted, "a step that preempts admitted a request"
-    if not sched.enable_chunked_prefill:
-        for seq in out.admitted:
-            n = out.num_new_tokens[out.seqs.index(seq)]
-            remaining = seq.num_tokens - seq.num_computed_tokens
-            # whole, unless it could never be taken whole (a recompute longer than the budget)
-            assert n == remaining or remaining > sched.max_num_batched_tokens, \
-                f"chunked prefill is off but {seq} was admitted with a chunk of {n} of {remaining}"
-    if out.is_empty:
-        assert not sched.has_unfinished(), "empty step with requests pending"
-
-
-class FakeEngine:
-    """Scheduler + BlockManager + a fake paged model; see the module docstring.
-
-    Usage::
-
-        eng = FakeEngine(num_blocks=6, block_size=2, max_num_batched_tokens=4)
-        eng.add_request([0, 1, 2], max_tokens=8)          # ValueError where the scheduler refuses it
-        outputs = eng.run()                                # request_id -> generated token ids
-        assert outputs["r0"] == eng.expected_output("r0")  # f(all previous tokens), no paging
-
-    Records for property checks: ``history`` (one ``StepRecord`` per step),
-    ``computed`` (each request's computed position ranges, in order),
-    ``admissions`` (prefix-cache hit tokens at each admission).
-    """
-
-    def __init__(self, *, num_blocks: int, block_size: int = 4, max_num_seqs: int = 8,
-                 max_num_batched_tokens: int = 64, max_model_len: int = 1024,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 hash_fn=None, vocab_size: int = 11, strict: bool = True, check: bool = True):
-        kwargs = {} if hash_fn is None else {"hash_fn": hash_fn}
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching, **kwargs)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
-                                   enable_chunked_prefill)
+    def __init__(self, block_size: int, vocab_size: int, *, strict: bool = True,
+                 profiled_num_blocks: int | None = None):
         self.block_size = block_size
-        self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.strict = strict
-        self.check = check
-        self.kv: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)  # slot -> (pos, value)
-        self.requests: dict[str, Sequence] = {}
-        self.outputs: dict[str, list[int]] = {}      # finished (not aborted) requests
-        self.finish_reasons: dict[str, str] = {}
-        self.history: list[StepRecord] = []
-        # per request: computed position ranges in order; ("preempted", -1) marks a preemption
-        self.computed: dict[str, list[tuple[int, int] | tuple[str, int]]] = {}
-        self.admissions: dict[str, list[int]] = {}   # per request: prefix-cache hit tokens at each admission
-        self._truth: dict[int, list[int]] = {}       # seq_id -> correct K/V chain of its tokens
-        self._expected: dict[str, list[int]] = {}
-        self._ids = itertools.count()
+        self.profiled_num_blocks = profiled_num_blocks
+        self.kv: list[tuple[int, int] | None] = []   # slot -> (position, K/V value)
+        self.tokens: dict[int, list[int]] = {}        # seq_id -> prompt + every token sampled for it
+        self.names: dict[int, str] = {}               # seq_id -> request id (for messages)
+        self._chains: dict[int, list[int]] = {}       # seq_id -> true K/V chain of its tokens
+        self.prev_tokens: list[int] | None = None     # the last launched step's sampled tokens
+        self.num_steps = 0
+        self.closed = False
 
-    # --------------------------------------------------------------- requests
-    def add_request(self, prompt: list[int], max_tokens: int = 8, *, request_id: str | None = None,
-                    min_tokens: int = 0, stop_token_ids=None) -> Sequence:
-        """Create and add a request; raises ValueError where the scheduler refuses it."""
-        seq_id = next(self._ids)
-        request_id = f"r{seq_id}" if request_id is None else request_id
-        if request_id in self.requests:
-            raise ValueError(f"duplicate request_id {request_id!r}")
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=min_tokens,
-                                stop_token_ids=stop_token_ids)
-        seq = Sequence(seq_id, request_id, list(prompt), params)
-        self.scheduler.add(seq)
-        self.requests[request_id] = seq
-        self.computed[request_id] = []
-        self.admissions[request_id] = []
-        return seq
+    # --------------------------------------------------------- test side
+    def add_sequence(self, seq_id: int, prompt_token_ids: list[int], name: str = "") -> None:
+        """Tell the fake model a request's prompt (its strict checks compare every row with it)."""
+        self.tokens[seq_id] = list(prompt_token_ids)
+        self.names[seq_id] = name or f"seq {seq_id}"
 
-    def abort(self, request_id: str) -> None:
-        seq = self.requests[request_id]
-        if not seq.is_finished:
-            self.scheduler.finish(seq)
-            seq.finish_reason = "abort"
-            self.finish_reasons[request_id] = "abort"
+    # ---------------------------------------------------- executor interface
+    def profile_num_blocks(self) -> int:
+        if self.profiled_num_blocks is None:
+            raise RuntimeError("FakeExecutor has no memory to profile: set num_kvcache_blocks in the config")
+        return self.profiled_num_blocks
 
-    def expected_output(self, request_id: str) -> list[int]:
-        """The reference output of a request: f(all previous tokens), computed without paging."""
-        if request_id not in self._expected:
-            seq = self.requests[request_id]
-            p = seq.params
-            self._expected[request_id] = reference_generate(
-                seq.prompt_token_ids, p.max_tokens, self.vocab_size, max_model_len=self.max_model_len,
-                stop_token_ids=seq.stop_token_ids, min_tokens=p.min_tokens)
-        return self._expected[request_id]
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv = [None] * (num_blocks * self.block_size)
 
-    @property
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+    def execute(self, mi: ModelInput) -> ModelOutput:
+        return self._run(mi)
 
-    def step_bound(self) -> int:
-        """Steps within which every unfinished request must finish.
+    def launch(self, mi: ModelInput) -> ReadyOutput:
+        """Async scheduling: compute now, keep the sampled tokens for the next step's placeholder rows
+        (none when this step sampled nothing: a placeholder row then has nothing to read)."""
+        output = self._run(mi)
+        self.prev_tokens = list(output.sampled.token_ids) if output.sampled is not None else []
+        return ReadyOutput(output)
 
-        The first running sequence is never preempted (it fits alone) and computes
-        at least one token per step, so each request finishes within
-        prompt + max_tokens steps once it is first; an empty running list admits.
-        """
-        total = 0
-        for seq in self.requests.values():
-            if not seq.is_finished:
-                total += seq.num_prompt_tokens + (seq.params.max_tokens or self.max_model_len) + 1
-        return total + 1
+    def close(self) -> None:
+        self.kv = []
+        self.closed = True
 
-    # ------------------------------------------------------------------- step
-    def step(self) -> list[Sequence]:
-        sched = self.scheduler
-        out = sched.schedule()
-        if self.check:
-            check_step(self, out)
-        if out.is_empty:
-            if sched.has_unfinished():
-                raise SchedulerStuck(f"scheduler produced an empty step with requests pending: "
-                                     f"waiting={list(sched.waiting)} running={sched.running}")
-            return []
-        record = StepRecord(len(self.history),
-                            [(s.request_id, s.num_computed_tokens, n) for s, n in zip(out.seqs, out.num_new_tokens)],
-                            [(s.request_id, s.num_computed_tokens) for s in out.admitted],
-                            [s.request_id for s in out.preempted])
-        self.history.append(record)
-        for seq in out.preempted:
-            self.computed[seq.request_id].append(("preempted", -1))
-        for rid, cached in record.admitted:
-            self.admissions[rid].append(cached)
-        for rid, start, n in record.scheduled:
-            self.computed[rid].append((start, start + n))
-
-        mi, _ = _model_input.build_model_input(out, self.block_size)
-        sampled = self._execute(out, mi)
-        sched.update_after_step(out)
-        finished = []
-        for seq, n in zip(out.seqs, out.num_new_tokens):
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue
-            seq.append_token(sampled[seq.seq_id])
-            p = seq.params
-            n_out = seq.num_output_tokens
-            if n_out >= p.min_tokens and seq.token_ids[-1] in seq.stop_token_ids:
-                seq.finish_reason = "stop"
-            elif n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-                seq.finish_reason = "length"
-            if seq.finish_reason is not None:
-                sched.finish(seq)
-                self.outputs[seq.request_id] = seq.output_token_ids
-                self.finish_reasons[seq.request_id] = seq.finish_reason
-                record.finished.append(seq.request_id)
-                self._truth.pop(seq.seq_id, None)
-                finished.append(seq)
-        if self.check:
-            sched.check_invariants()
-        return finished
-
-    def run(self, max_steps: int | None = None) -> dict[str, list[int]]:
-        """Step until nothing is unfinished; raises SchedulerStuck past the step bound."""
-        bound = self.step_bound() if max_steps is None else max_steps
-        for _ in range(bound):
-            if not self.scheduler.has_unfinished():
-                break
-            self.step()
-        if self.scheduler.has_unfinished():
-            raise SchedulerStuck(f"requests still unfinished after {bound} steps: "
-                                 f"waiting={list(self.scheduler.waiting)} running={self.scheduler.running}")
-        return self.outputs
-
-    # ------------------------------------------------------------ fake model
-    def _truth_of(self, seq: Sequence) -> list[int]:
-        chain = self._truth.setdefault(seq.seq_id, [])
-        if len(chain) < seq.num_tokens:
-            prev = chain[-1] if chain else KV_ROOT
-            for pos in range(len(chain), seq.num_tokens):
-                prev = kv_value(prev, pos, seq.token_ids[pos])
-                chain.append(prev)
-        return chain
-
+    # ------------------------------------------------------------ the model
     def _slot(self, table: list[int], pos: int) -> int | None:
         i = pos // self.block_size
         return table[i] * self.block_size + pos % self.block_size if i < len(table) else None
 
-    def _read(self, seq: Sequence, table: list[int], pos: int, truth: list[int] | None) -> int:
+    def _truth(self, seq_id: int) -> list[int]:
+        """The correct K/V chain of every token the fake model knows for seq_id."""
+        tokens = self.tokens[seq_id]
+        chain = self._chains.setdefault(seq_id, [])
+        prev = chain[-1] if chain else KV_ROOT
+        for pos in range(len(chain), len(tokens)):
+            prev = kv_value(prev, pos, tokens[pos])
+            chain.append(prev)
+        return chain
+
+    def _read(self, seq_id: int, table: list[int], pos: int, truth: list[int] | None) -> int:
         slot = self._slot(table, pos)
-        entry = self.kv[slot] if slot is not None else None
+        entry = self.kv[slot] if slot is not None and 0 <= slot < len(self.kv) else None
         if truth is not None and entry != (pos, truth[pos]):
-            raise KVCacheError(f"{seq}: position {pos} reads slot {slot} holding {entry}, "
-                               f"expected ({pos}, {truth[pos]})")
+            raise KVCacheError(f"{self.names[seq_id]} (seq_id {seq_id}): position {pos} reads slot {slot} "
+                               f"holding {entry}, expected ({pos}, {truth[pos]})")
         if entry is None or entry[0] != pos:
             return 0  # missing or misplaced K/V: contributes garbage
         return entry[1]
 
-    def _execute(self, out: SchedulerOutput, mi) -> dict[int, int]:
-        """Run the fake model on the ModelInput; return seq_id -> sampled token."""
-        sample_rows = set(mi.sample_rows)
-        sampled: dict[int, int] = {}
-        for j, seq in enumerate(out.seqs):
-            start = seq.num_computed_tokens
+    def _fill_pending(self, input_ids: list[int], mi: ModelInput) -> None:
+        """Placeholder rows take the tokens the previous launched step sampled (``_fill_pending``)."""
+        if self.prev_tokens is None:
+            raise RuntimeError("a step has placeholder inputs but no step was launched before it")
+        for row, src in zip(mi.pending_rows, mi.pending_src, strict=True):
+            if not 0 <= src < len(self.prev_tokens):
+                raise ModelInputError(f"placeholder row {row} reads sample row {src} of a step that "
+                                      f"sampled {len(self.prev_tokens)} tokens")
+            input_ids[row] = self.prev_tokens[src]
+
+    def _check_rows(self, j: int, seq_id: int, input_ids: list[int], mi: ModelInput, samples: bool) -> None:
+        """Strict: sequence j's rows agree with the fake model's record of seq_id."""
+        name = f"{self.names.get(seq_id, seq_id)} (seq_id {seq_id})"
+        if seq_id not in self.tokens:
+            raise ModelInputError(f"{name}: scheduled but never added (or already finished)")
+        tokens = self.tokens[seq_id]
+        lo, hi = mi.query_start_loc[j], mi.query_start_loc[j + 1]
+        if hi <= lo:
+            raise ModelInputError(f"{name}: {hi - lo} rows (nothing to produce logits from)")
+        start, n = mi.positions[lo], hi - lo
+        if mi.positions[lo:hi] != list(range(start, start + n)):
+            raise ModelInputError(f"{name}: positions {mi.positions[lo:hi]} are not consecutive")
+        if input_ids[lo:hi] != tokens[start:start + n]:
+            raise ModelInputError(f"{name}: input ids {input_ids[lo:hi]} at positions [{start}, {start + n}) "
+                                  f"!= its tokens {tokens[start:start + n]}")
+        slots = [self._slot(mi.block_tables[j], p) for p in range(start, start + n)]
+        if mi.slot_mapping[lo:hi] != slots:
+            raise ModelInputError(f"{name}: slot_mapping {mi.slot_mapping[lo:hi]} != {slots} of its block table")
+        if mi.seq_lens[j] != start + n:
+            raise ModelInputError(f"{name}: seq_len {mi.seq_lens[j]} != {start + n}")
+        if samples != (start + n == len(tokens)):
+            raise ModelInputError(f"{name}: {'samples' if samples else 'does not sample'} at the end of a "
+                                  f"chunk ending at {start + n} of its {len(tokens)} tokens")
+
+    def _run(self, mi: ModelInput) -> ModelOutput:
+        if self.closed:
+            raise RuntimeError("FakeExecutor is closed")
+        self.num_steps += 1
+        for seq_id in mi.finished_seq_ids:
+            self.tokens.pop(seq_id, None)
+            self._chains.pop(seq_id, None)
+        input_ids = list(mi.input_ids)
+        if mi.pending_rows:
+            self._fill_pending(input_ids, mi)
+        if len(mi.seq_ids) != len(mi.seq_lens):
+            raise ModelInputError(f"{len(mi.seq_ids)} seq_ids for {len(mi.seq_lens)} sequences")
+        sample_rows = {row: k for k, row in enumerate(mi.sample_rows)}
+        sampled: list[int] = [0] * len(mi.sample_rows)
+        for j, seq_id in enumerate(mi.seq_ids):
             lo, hi = mi.query_start_loc[j], mi.query_start_loc[j + 1]
             table = mi.block_tables[j]
-            truth = self._truth_of(seq) if self.strict else None
+            k = sample_rows.get(hi - 1)
+            truth = None
             if self.strict:
-                n = out.num_new_tokens[j]
-                assert hi - lo == n, f"ModelInput has {hi - lo} rows for {seq}, scheduled {n}"
-                assert mi.positions[lo:hi] == list(range(start, start + n)), \
-                    f"ModelInput positions {mi.positions[lo:hi]} != [{start}, {start + n}) for {seq}"
-                assert mi.input_ids[lo:hi] == seq.token_ids[start:start + n], f"ModelInput input_ids wrong for {seq}"
-                assert mi.slot_mapping[lo:hi] == [self._slot(seq.block_table, p) for p in range(start, start + n)], \
-                    f"ModelInput slot_mapping wrong for {seq}"
-                assert mi.seq_lens[j] == start + n, f"ModelInput seq_len {mi.seq_lens[j]} != {start + n} for {seq}"
-                assert ((hi - 1) in sample_rows) == (start + n == seq.num_tokens), \
-                    f"ModelInput samples {seq} wrongly (chunk ends at {start + n} of {seq.num_tokens})"
-                # attention of this chunk reads all earlier K/V through the block table
-                for pos in range(start):
-                    self._read(seq, table, pos, truth)
+                self._check_rows(j, seq_id, input_ids, mi, k is not None)
+                if k is not None and mi.sample_seq_ids[k] != seq_id:
+                    raise ModelInputError(f"sample row {hi - 1} is seq_id {mi.sample_seq_ids[k]}'s, "
+                                          f"but its rows are seq_id {seq_id}'s")
+                truth = self._truth(seq_id)
+                for pos in range(mi.positions[lo]):  # attention reads all earlier K/V through the table
+                    self._read(seq_id, table, pos, truth)
             value = None
             for r in range(lo, hi):
-                pos, tok, slot = mi.positions[r], mi.input_ids[r], mi.slot_mapping[r]
+                pos, tok, slot = mi.positions[r], input_ids[r], mi.slot_mapping[r]
                 if pos == 0:
                     prev = KV_ROOT
                 elif r > lo and mi.positions[r - 1] == pos - 1:
                     prev = value  # computed just now, in the same forward pass
                 else:
-                    prev = self._read(seq, table, pos - 1, truth)
+                    prev = self._read(seq_id, table, pos - 1, truth)
                 value = kv_value(prev, pos, tok)
                 if 0 <= slot < len(self.kv):
                     self.kv[slot] = (pos, value)
-            if (hi - 1) in sample_rows:
-                seq_len = mi.seq_lens[j]
-                values = [self._read(seq, table, p, truth) for p in range(seq_len)]
-                sampled[seq.seq_id] = next_token(values, self.vocab_size)
-        return sampled
+            if k is not None:
+                values = [self._read(seq_id, table, p, truth) for p in range(mi.seq_lens[j])]
+                sampled[k] = next_token(values, self.vocab_size)
+                if seq_id in self.tokens:
+                    self.tokens[seq_id].append(sampled[k])
+        if not mi.sample_rows:
+            sampler = None
+        else:
+            logprobs = [None if k is None else (0.0, 1, []) for k in mi.num_logprobs]
+            sampler = SamplerOutput(sampled, [], logprobs)
+        prompt_logprobs = [[(0.0, 1, [])] * len(targets) for _, targets, _ in mi.prompt_logprob_jobs]
+        return ModelOutput(sampler, prompt_logprobs)
+
+
+def make_engine(*, num_blocks: int, block_size: int = 4, max_num_seqs: int = 8,
+                max_num_batched_tokens: int = 64, max_model_len: int = 1024, enable_prefix_caching: bool = True,
+                enable_chunked_prefill: bool = True, async_scheduling: bool = False, vocab_size: int = 11,
+                strict: bool = True, trace=False) -> tuple[LLMEngine, FakeExecutor]:
+    """The real LLMEngine over a FakeExecutor, from a resolved EngineConfig without a model: a
+    minimal HF config (vocab_size, max_position_embeddings) and ``device="cpu"`` (no torch)."""
+    config = EngineConfig(device="cpu", block_size=block_size, num_kvcache_blocks=num_blocks,
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
+                          enable_chunked_prefill=enable_chunked_prefill, async_scheduling=async_scheduling,
+                          skip_tokenizer_init=True)
+    config.resolve(SimpleNamespace(vocab_size=vocab_size, max_position_embeddings=max_model_len), "fake-model")
+    executor = FakeExecutor(block_size, vocab_size, strict=strict)
+    return LLMEngine(config, executor, trace=trace), executor

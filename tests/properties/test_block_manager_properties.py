@@ -10,6 +10,9 @@
    always computed; blocks in use are never evicted;
 5. a failed allocation changes nothing.
 
+Items 3 and 4 run the real ``LLMEngine`` over a fake executor
+(``tests/properties/harness.py``), async scheduling off and on.
+
 Each property has a negative control: a mutant from ``tests.mutants.core``
 under which the property check fails.
 """
@@ -28,7 +31,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple,
                                  precondition, rule, run_state_machine_as_test)
 
-from tests.properties.fake_runner import KV_ROOT, FakeEngine, kv_chain, kv_value
+from tests.properties.fake_runner import KV_ROOT, kv_chain, kv_value
+from tests.properties.harness import EngineHarness
 from tests.mutants.core import MUTANTS
 from nanovllm.core.block_manager import BlockManager, hash_block_tokens
 from nanovllm.core.sequence import Sequence, SequenceStatus
@@ -480,17 +484,18 @@ workload_st = st.tuples(
              min_size=1, max_size=8),                                     # (cut of stem, suffix, max_tokens)
     st.integers(0, 6),                                                    # extra KV blocks beyond the minimum
     st.integers(1, 4),                                                    # max_num_seqs
+    st.booleans(),                                                        # async scheduling
 )
 
 
 def run_workload(case, *, hash_fn=None, strict=True, check=True, ample=False):
-    bs, stem, reqs, extra, max_num_seqs = case
+    bs, stem, reqs, extra, max_num_seqs, async_scheduling = case
     prompts = [(stem[:cut] + suffix) or [0] for cut, suffix, _ in reqs]
     need = max(-(-(len(p) + m - 1) // bs) for p, (_, _, m) in zip(prompts, reqs))
     num_blocks = 200 if ample else need + extra
-    eng = FakeEngine(num_blocks=num_blocks, block_size=bs, max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=8, hash_fn=hash_fn, vocab_size=2,
-                     strict=strict, check=check)
+    eng = EngineHarness(num_blocks=num_blocks, block_size=bs, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=8, async_scheduling=async_scheduling, hash_fn=hash_fn,
+                        vocab_size=2, strict=strict, check=check)
     for prompt, (_, _, max_tokens) in zip(prompts, reqs):
         eng.add_request(prompt, max_tokens)
     eng.run()
@@ -531,7 +536,8 @@ def test_negative_collision_safety():
         prop()
 
 
-def test_collision_of_parent_hash_never_serves_wrong_kv():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_collision_of_parent_hash_never_serves_wrong_kv(async_scheduling):
     """Regression: a collision at block i-1 must not let block i (same tokens, other prefix) be served.
 
     Two prompts [a | t] and [b | t] whose first blocks collide under the hash: the
@@ -540,7 +546,8 @@ def test_collision_of_parent_hash_never_serves_wrong_kv():
     """
     bs = 2
     colliding = lambda parent, tokens: 0 if parent is None else hash_block_tokens(parent, tokens)  # noqa: E731
-    eng = FakeEngine(num_blocks=16, block_size=bs, max_num_seqs=1, hash_fn=colliding, vocab_size=5)
+    eng = EngineHarness(num_blocks=16, block_size=bs, max_num_seqs=1, async_scheduling=async_scheduling,
+                        hash_fn=colliding, vocab_size=5)
     a, b, t = [1, 1], [2, 2], [3, 3]
     eng.add_request(b + [4], 1)      # publishes block [2 2] under hash 0
     eng.run()
@@ -562,9 +569,11 @@ def common_prefix(a, b) -> int:
     return n
 
 
-def check_cached_tokens(bs, prompts) -> None:
+def check_cached_tokens(bs, prompts, async_scheduling=False) -> None:
     """Requests run one after another with an ample cache: each hits exactly the full blocks it shares."""
-    eng = FakeEngine(num_blocks=400, block_size=bs, max_num_seqs=1, max_num_batched_tokens=1000, vocab_size=3)
+    vocab_size = max(3, 1 + max(t for prompt, _ in prompts for t in prompt))
+    eng = EngineHarness(num_blocks=400, block_size=bs, max_num_seqs=1, max_num_batched_tokens=1000,
+                        async_scheduling=async_scheduling, vocab_size=vocab_size)
     computed: list[list[int]] = []  # token sequences whose K/V were computed (all but the last sampled)
     for prompt, max_tokens in prompts:
         seq = eng.add_request(prompt, max_tokens)
@@ -584,7 +593,7 @@ def check_cached_tokens(bs, prompts) -> None:
 
 cached_st = st.integers(1, 5).flatmap(lambda bs: st.tuples(st.just(bs), st.lists(
     st.tuples(st.lists(st.integers(0, 1), min_size=1, max_size=4 * bs + 2), st.integers(1, 2 * bs)),
-    min_size=1, max_size=6)))
+    min_size=1, max_size=6), st.booleans()))
 
 
 @given(cached_st)
@@ -592,10 +601,11 @@ def test_cached_tokens_multiple_of_block_size(case):
     check_cached_tokens(*case)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("bs", [1, 2, 4, 16])
-def test_fully_cached_prompt_computes_last_token(bs):
+def test_fully_cached_prompt_computes_last_token(bs, async_scheduling):
     prompt = list(range(3 * bs))
-    check_cached_tokens(bs, [(prompt, 2), (prompt, 2), (prompt[:bs], 1), (prompt + [0], 1)])
+    check_cached_tokens(bs, [(prompt, 2), (prompt, 2), (prompt[:bs], 1), (prompt + [0], 1)], async_scheduling)
 
 
 def test_negative_cached_tokens():

@@ -1,17 +1,22 @@
-"""Property-based conformance checks of the Scheduler with a fake model runner (catalogue items 6-8).
+"""Property-based conformance checks of the Scheduler, through the real engine loop (catalogue items 6-8).
 
-6. a hypothesis state machine over FakeEngine (add / step / abort / drain):
+Every check drives the real ``LLMEngine`` (``add_request`` / ``step`` / ``abort_request`` /
+``drain`` / ``check_invariants``) over a fake executor (``tests/properties/fake_runner.py``),
+with async scheduling off and on (drawn by hypothesis).
+
+6. a hypothesis state machine over the engine (add / step / abort / drain / run to the end):
    token budget and max_num_seqs every step, no request both waiting and
    running, preempted requests hold no blocks, everything finishes within a
    step bound, nothing leaks after draining; chunked prefill on and off, prefix
-   caching on and off, tiny KV caches that force preemption;
+   caching on and off, async scheduling on and off, tiny KV caches that force preemption;
 7. preemption exactness: outputs under a starved KV cache equal those under an
    ample one (and the reference f(all previous tokens));
 8. chunk coverage: for budgets {1, 7, bs-1, bs, bs+1, inf} every position is
    computed exactly once, in order.
 
 Each property has a negative control: a mutant from ``tests.mutants.core``
-under which the property check fails.
+under which the property check fails (and the async pipeline one: placeholders
+reading the wrong sample row).
 """
 from __future__ import annotations
 
@@ -21,8 +26,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple,
                                  precondition, rule, run_state_machine_as_test)
 
-from tests.properties.fake_runner import INF_BUDGET, FakeEngine
+from nanovllm.core.sequence import Sequence
 from tests.mutants.core import MUTANTS
+from tests.properties.fake_runner import INF_BUDGET
+from tests.properties.harness import EngineHarness
 
 
 def negative_settings() -> settings:
@@ -59,6 +66,7 @@ def config_st(draw, **fixed) -> dict:
         "max_model_len": max_model_len,
         "enable_chunked_prefill": pick("enable_chunked_prefill", st.booleans()),
         "enable_prefix_caching": pick("enable_prefix_caching", st.booleans()),
+        "async_scheduling": pick("async_scheduling", st.booleans()),
     }
 
 
@@ -72,10 +80,12 @@ def admissible(cfg: dict, prompt_len: int, max_tokens: int) -> bool:
     return -(-(final_len - 1) // cfg["block_size"]) <= cfg["num_blocks"]
 
 
-def check_drained(eng: FakeEngine) -> None:
-    """After draining: nothing waiting or running, every block free, outputs = reference."""
+def check_drained(eng: EngineHarness) -> None:
+    """After draining: nothing waiting, running or in flight, every block free, outputs = reference."""
     sched, bm = eng.scheduler, eng.block_manager
     assert not sched.waiting and not sched.running, "requests left after draining"
+    assert not eng.engine.has_unfinished_requests() and not eng.engine.requests, "the engine still holds requests"
+    eng.engine.check_invariants()
     assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} blocks leaked"
     sched.check_invariants()
     bm.check_invariants([])
@@ -87,14 +97,14 @@ def check_drained(eng: FakeEngine) -> None:
 
 # ================================================= 6. scheduler state machine
 class SchedulerMachine(RuleBasedStateMachine):
-    """FakeEngine under random requests, steps and aborts; a model of which requests are live."""
+    """The real engine under random requests, steps, aborts and drains; a model of which requests are live."""
 
     requests = Bundle("requests")
 
     @initialize(cfg=config_st())
     def setup(self, cfg):
         self.cfg = cfg
-        self.engine = FakeEngine(**cfg, vocab_size=3, strict=True, check=True)
+        self.harness = EngineHarness(**cfg, vocab_size=3, strict=True, check=True)
         self.live: set[str] = set()
         self.finished: set[str] = set()
         self.aborted: set[str] = set()
@@ -102,29 +112,29 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _steps(self, n: int) -> None:
         for _ in range(n):
-            if not self.engine.has_unfinished:
+            if not self.harness.has_unfinished:
                 break
-            finished = self.engine.step()
-            for seq in finished:
-                assert seq.request_id in self.live, f"{seq} finished but was not live"
-                self.live.discard(seq.request_id)
-                self.finished.add(seq.request_id)
+            for rid in self.harness.step():
+                assert rid in self.live, f"{rid} finished but was not live"
+                self.live.discard(rid)
+                self.finished.add(rid)
 
-    def _drain(self) -> None:
-        bound = self.engine.step_bound()
-        steps_before = len(self.engine.history)
+    def _run_to_end(self) -> None:
+        h = self.harness
+        bound = h.step_bound()
+        steps_before = len(h.history)
         self._steps(bound)  # raises SchedulerStuck on an empty step with requests pending
-        assert not self.engine.has_unfinished, f"requests unfinished after {bound} steps (the bound)"
-        assert len(self.engine.history) - steps_before <= bound
+        assert not h.has_unfinished, f"requests unfinished after {bound} steps (the bound)"
+        assert len(h.history) - steps_before <= bound
         assert not self.live, f"{self.live} never finished"
-        check_drained(self.engine)
+        check_drained(h)
 
     @rule(target=requests, prompt=prompt_st, max_tokens=st.integers(1, 16))
     def add(self, prompt, max_tokens):
         self.clean = False
         ok = admissible(self.cfg, len(prompt), max_tokens)
         try:
-            seq = self.engine.add_request(prompt, max_tokens)
+            seq = self.harness.add_request(prompt, max_tokens)
         except ValueError as e:
             assert not ok, f"an admissible request was refused: {e}"
             self.clean = True
@@ -144,57 +154,70 @@ class SchedulerMachine(RuleBasedStateMachine):
                 rids.append(rid)
         return multiple(*rids)
 
-    @precondition(lambda self: self.engine.has_unfinished)
-    @rule(n=st.integers(1, 6))
-    def step(self, n):
+    @precondition(lambda self: self.harness.has_unfinished)
+    @rule(n=st.integers(1, 6), drain=st.booleans())
+    def step(self, n, drain):
+        """n engine steps; then, with ``drain``, complete the step in flight (async scheduling: its
+        outputs come with the next step) and run the engine's own check_invariants."""
         self.clean = False
         self._steps(n)
+        if drain:
+            self.harness.drain()
+            self.harness.engine.check_invariants()
         self.clean = True
 
     @rule(rid=consumes(requests))
     def abort(self, rid):
         self.clean = False
         if rid in self.live:
-            self.engine.abort(rid)
-            self.live.discard(rid)
-            self.aborted.add(rid)
-            seq = self.engine.requests[rid]
+            self.harness.abort(rid)
+            seq = self.harness.requests[rid]
+            if seq.finish_reason == "abort":
+                self.live.discard(rid)
+                self.aborted.add(rid)
+            else:  # it had finished in a drain; its output comes with the next step
+                assert seq.finish_reason is not None, f"abort_request left live {seq} running"
             assert not seq.block_table, f"aborted {seq} still holds blocks"
         self.clean = True
 
-    @precondition(lambda self: self.engine.has_unfinished)
+    @precondition(lambda self: self.harness.has_unfinished)
     @rule()
-    def drain(self):
+    def run_to_end(self):
         self.clean = False
-        self._drain()
+        self._run_to_end()
         self.clean = True
 
     @invariant()
     def consistent(self):
         self.clean = False
-        eng = self.engine
-        sched = eng.scheduler
+        h = self.harness
+        sched = h.scheduler
         sched.check_invariants()
         waiting = [s.request_id for s in sched.waiting]
         running = [s.request_id for s in sched.running]
         assert not set(waiting) & set(running), "a request both waiting and running"
         assert len(waiting) + len(running) == len(set(waiting) | set(running)), "a request queued twice"
-        assert set(waiting) | set(running) == self.live, \
-            f"scheduler holds {set(waiting) | set(running)}, the model expects {self.live}"
+        # finished in a drain: out of the scheduler, its output not returned by a step yet
+        done = {rid for rid in self.live if h.requests[rid].finish_reason is not None}
+        assert set(waiting) | set(running) == self.live - done, \
+            f"scheduler holds {set(waiting) | set(running)}, the model expects {self.live - done}"
         assert len(running) <= sched.max_num_seqs
         for seq in sched.waiting:
             assert not seq.block_table and seq.num_computed_tokens == 0, f"waiting {seq} holds blocks"
         for rid in self.finished:
-            assert eng.outputs[rid] == eng.expected_output(rid), f"{rid}: output differs from the reference"
+            assert h.outputs[rid] == h.expected_output(rid), f"{rid}: output differs from the reference"
         self.clean = True
 
     def teardown(self):
-        if self.clean and hasattr(self, "engine"):
-            self._drain()
-            sched = self.engine.scheduler
-            mode = f"chunked={sched.enable_chunked_prefill} prefix={self.engine.block_manager.enable_prefix_caching}"
+        if self.clean and hasattr(self, "harness"):
+            self._run_to_end()
+            sched = self.harness.scheduler
+            mode = (f"chunked={sched.enable_chunked_prefill} prefix={self.harness.block_manager.enable_prefix_caching}"
+                    f" async={self.harness.async_scheduling}")
             event(f"{mode}: {'preempted' if sched.num_preemptions else 'no preemption'}")
             event("cache hits" if sched.num_cache_hit_tokens else "no cache hits")
+            if self.harness.async_scheduling:
+                event("pipelined" if self.harness.engine.num_pipelined_steps else "not pipelined")
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase
@@ -231,6 +254,15 @@ def test_negative_scheduler_machine(mutant):
         run_state_machine_as_test(machine, settings=negative_settings())
 
 
+def test_negative_async_placeholder_row(monkeypatch):
+    """With async scheduling the machine checks the real pipeline: placeholders that all read the
+    previous step's sample row 0 (the wrong token for every other sequence) are caught."""
+    add_placeholder = Sequence.add_placeholder
+    monkeypatch.setattr(Sequence, "add_placeholder", lambda self, row: add_placeholder(self, 0))
+    with pytest.raises(AssertionError, match="input ids"):
+        run_state_machine_as_test(narrowed(async_scheduling=st.just(True)), settings=negative_settings())
+
+
 # ===================================================== 7. preemption exactness
 workload_st = st.tuples(
     st.integers(1, 4),                                                            # block size
@@ -239,15 +271,17 @@ workload_st = st.tuples(
     st.sampled_from([1, 3, 8, INF_BUDGET]),                                       # token budget
     st.booleans(),                                                                # prefix caching
     st.integers(0, 2),                                                            # blocks beyond the minimum
+    st.tuples(st.booleans(), st.booleans()),                                      # async: (ample, starved)
 )
 
 
-def run_workload(case, num_blocks: int | None = None, *, strict=True, check=True) -> FakeEngine:
-    bs, reqs, max_num_seqs, budget, prefix, extra = case
+def run_workload(case, num_blocks: int | None = None, *, async_scheduling=False, strict=True,
+                 check=True) -> EngineHarness:
+    bs, reqs, max_num_seqs, budget, prefix, extra, _ = case
     need = max(-(-(len(p) + m - 1) // bs) for p, m in reqs)
-    eng = FakeEngine(num_blocks=need + extra if num_blocks is None else num_blocks, block_size=bs,
-                     max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_prefix_caching=prefix,
-                     vocab_size=3, strict=strict, check=check)
+    eng = EngineHarness(num_blocks=need + extra if num_blocks is None else num_blocks, block_size=bs,
+                        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_prefix_caching=prefix,
+                        async_scheduling=async_scheduling, vocab_size=3, strict=strict, check=check)
     for prompt, max_tokens in reqs:
         eng.add_request(prompt, max_tokens)
     eng.run()
@@ -255,9 +289,11 @@ def run_workload(case, num_blocks: int | None = None, *, strict=True, check=True
 
 
 def check_preemption_exactness(case, *, strict=True, check=True) -> int:
-    """Starved cache (preempts) and ample cache give the same tokens; returns the preemptions seen."""
-    ample = run_workload(case, num_blocks=1000, strict=strict, check=check)
-    starved = run_workload(case, strict=strict, check=check)
+    """Starved cache (preempts) and ample cache give the same tokens, each with or without async
+    scheduling; returns the preemptions seen."""
+    async_ample, async_starved = case[-1]
+    ample = run_workload(case, num_blocks=1000, async_scheduling=async_ample, strict=strict, check=check)
+    starved = run_workload(case, async_scheduling=async_starved, strict=strict, check=check)
     assert ample.scheduler.num_preemptions == 0
     assert starved.outputs == ample.outputs, \
         f"outputs differ under a starved KV cache ({starved.scheduler.num_preemptions} preemptions): " \
@@ -273,11 +309,12 @@ def test_preemption_exactness(case):
 
 
 def test_preemption_exactness_forced():
-    """A fixed starved workload that must preempt (so the property above is not vacuous)."""
-    case = (2, [([0, 1, 2, 0, 1], 12), ([1, 1, 1], 12), ([2, 0, 2, 0], 12), ([0, 1], 12)], 4, 8, False, 0)
-    assert check_preemption_exactness(case) > 0
-    case = (2, [([0, 1, 2, 0, 1], 12), ([0, 1, 2, 0, 1, 2], 12), ([0, 1, 2, 1], 12)], 3, 3, True, 1)
-    assert check_preemption_exactness(case) > 0
+    """Fixed starved workloads that must preempt (so the property above is not vacuous), sync and async."""
+    for modes in ((False, False), (False, True), (True, True)):
+        case = (2, [([0, 1, 2, 0, 1], 12), ([1, 1, 1], 12), ([2, 0, 2, 0], 12), ([0, 1], 12)], 4, 8, False, 0, modes)
+        assert check_preemption_exactness(case) > 0
+        case = (2, [([0, 1, 2, 0, 1], 12), ([0, 1, 2, 0, 1, 2], 12), ([0, 1, 2, 1], 12)], 3, 3, True, 1, modes)
+        assert check_preemption_exactness(case) > 0
 
 
 @pytest.mark.parametrize("mutant", ["stale_hash_after_eviction", "position_after_preemption"])
@@ -299,7 +336,7 @@ def budget_of(kind: str, bs: int) -> int:
     return {"1": 1, "7": 7, "bs-1": max(bs - 1, 1), "bs": bs, "bs+1": bs + 1, "inf": INF_BUDGET}[kind]
 
 
-def check_chunk_coverage(eng: FakeEngine) -> None:
+def check_chunk_coverage(eng: EngineHarness) -> None:
     """Every position of every request is cached or computed exactly once, in order, within the budget."""
     budget = eng.scheduler.max_num_batched_tokens
     for step in eng.history:
@@ -326,14 +363,16 @@ chunk_case_st = st.tuples(
     st.lists(st.tuples(prompt_st, st.integers(1, 6)), min_size=1, max_size=5),
     st.integers(1, 4),                                                            # max_num_seqs
     st.booleans(),                                                                # prefix caching
+    st.booleans(),                                                                # async scheduling
 )
 
 
-def run_chunk_case(case, budget_kind: str, *, strict=True, check=True) -> FakeEngine:
-    bs, reqs, max_num_seqs, prefix = case
-    eng = FakeEngine(num_blocks=1000, block_size=bs, max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=budget_of(budget_kind, bs), enable_prefix_caching=prefix,
-                     enable_chunked_prefill=True, vocab_size=3, strict=strict, check=check)
+def run_chunk_case(case, budget_kind: str, *, strict=True, check=True) -> EngineHarness:
+    bs, reqs, max_num_seqs, prefix, async_scheduling = case
+    eng = EngineHarness(num_blocks=1000, block_size=bs, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=budget_of(budget_kind, bs), enable_prefix_caching=prefix,
+                        enable_chunked_prefill=True, async_scheduling=async_scheduling, vocab_size=3,
+                        strict=strict, check=check)
     for prompt, max_tokens in reqs:
         eng.add_request(prompt, max_tokens)
     eng.run()
@@ -360,11 +399,12 @@ def test_negative_chunk_coverage():
 
 
 # ===================================================== chunked prefill off
-def check_chunked_prefill_off_recompute() -> None:
+def check_chunked_prefill_off_recompute(async_scheduling: bool) -> None:
     """Prompts fit the budget, but after decoding a preempted request has more tokens than
     max_num_batched_tokens; it must resume (not wait forever: an empty step)."""
-    eng = FakeEngine(num_blocks=7, block_size=1, max_num_seqs=2, max_num_batched_tokens=2, max_model_len=8,
-                     enable_chunked_prefill=False, enable_prefix_caching=False, vocab_size=3)
+    eng = EngineHarness(num_blocks=7, block_size=1, max_num_seqs=2, max_num_batched_tokens=2, max_model_len=8,
+                        enable_chunked_prefill=False, enable_prefix_caching=False,
+                        async_scheduling=async_scheduling, vocab_size=3)
     eng.add_request([0], 4)
     eng.add_request([0], 4)
     eng.run()
@@ -372,19 +412,23 @@ def check_chunked_prefill_off_recompute() -> None:
     check_drained(eng)
 
 
-def test_chunked_prefill_off_recompute_longer_than_budget():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_chunked_prefill_off_recompute_longer_than_budget(async_scheduling):
     """Regression (found by the scheduler state machine): chunked prefill off + preemption livelock."""
-    check_chunked_prefill_off_recompute()
+    check_chunked_prefill_off_recompute(async_scheduling)
 
 
-def test_negative_chunked_prefill_off_recompute():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_negative_chunked_prefill_off_recompute(async_scheduling):
     with MUTANTS["chunked_off_recompute_stuck"](), pytest.raises(AssertionError, match="empty step"):
-        check_chunked_prefill_off_recompute()
+        check_chunked_prefill_off_recompute(async_scheduling)
 
 
-def test_fake_engine_stop_tokens_and_max_model_len():
-    """The fake runner's own finishing rules agree with its reference (stop token, min_tokens, max_model_len)."""
-    eng = FakeEngine(num_blocks=64, block_size=2, max_model_len=12, vocab_size=3)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_stop_rules_match_reference(async_scheduling):
+    """The engine's stop rules agree with the reference's (stop token, min_tokens, max_model_len)."""
+    eng = EngineHarness(num_blocks=64, block_size=2, max_model_len=12, async_scheduling=async_scheduling,
+                        vocab_size=3)
     for i, prompt in enumerate(([0, 1], [1, 2, 0], [2, 2, 2, 2, 2])):
         eng.add_request(prompt, 9, stop_token_ids=[i], min_tokens=i)
     eng.add_request([0] * 10, 16)  # ends at max_model_len
