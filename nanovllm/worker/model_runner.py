@@ -105,11 +105,12 @@ class ModelRunner:
     def _check_gpu_memory(self) -> int:
         """Start-up check of ``gpu_memory_utilization`` (vLLM's per-instance meaning: the fraction
         of the device's total memory *this* engine may use -- weights, activations, graphs and
-        KV cache -- whatever other processes hold). Refuses when that much is not free.
+        KV cache -- whatever other processes hold). Refuses when that much is not free. A KV cache
+        sized explicitly (kv_cache_memory_gib, num_kvcache_blocks) is checked when it is allocated.
         Returns the bytes PyTorch has reserved in this process before the engine's own."""
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
-        if self.config.kv_cache_memory_gib is None:
+        if self.config.kv_cache_memory_gib is None and self.config.num_kvcache_blocks is None:
             requested = total * self.config.gpu_memory_utilization
             if requested > free:
                 raise ValueError(

@@ -256,3 +256,36 @@ def async_input_from_wrong_row() -> ContextManager:
         finally:
             self.prev_tokens = saved
     return _patched((runner.ModelRunner, "_fill_pending", _fill_pending))
+
+
+# ------------------------------------------------- the CUDA engine's own paths (GPU only)
+def fused_sampler_temperature_ignored() -> ContextManager:
+    """The fused GPU sampler draws every random row at temperature 1."""
+    (fused,) = _modules("nanovllm.layers.fused_sampler")
+    orig = fused.sample
+
+    def sample(logits, inv_temp, seeds, block=None):
+        return orig(logits, (inv_temp > 0).to(inv_temp.dtype), seeds, block)
+    return _patched((fused, "sample", sample))
+
+
+def philox_seed_ignored() -> ContextManager:
+    """On the GPU a seeded request's Philox key comes from the step counter, as if unseeded:
+    not reproducible, batch-dependent."""
+    (runner,) = _modules("nanovllm.worker.model_runner")
+    orig = runner.ModelRunner._philox_sampling_metadata
+
+    def _philox_sampling_metadata(self, mi):
+        mi = dataclasses.replace(mi, seeds=[None] * len(mi.seeds))
+        return orig(self, mi)
+    return _patched((runner.ModelRunner, "_philox_sampling_metadata", _philox_sampling_metadata))
+
+
+def triton_decode_drops_last_key() -> ContextManager:
+    """The Triton decode kernel is given seq_len - 1: the newest key is never attended to."""
+    (triton_ops,) = _modules("nanovllm.attention.triton_ops")
+    orig = triton_ops.paged_decode
+
+    def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, **kw):
+        return orig(q, k_cache, v_cache, block_tables, (seq_lens - 1).clamp(min=0), scale, **kw)
+    return _patched((triton_ops, "paged_decode", paged_decode))

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import ContextManager
 
 from tests.mutants.engine import (_patched, admission_check_skipped, async_input_from_wrong_row, cuda_graph_padding_writes_kv,
+                                  fused_sampler_temperature_ignored, philox_seed_ignored, triton_decode_drops_last_key,
                                         decode_drops_last_key, eos_ignored, logprobs_after_temperature,
                                         min_p_absolute, min_tokens_ignored, outputs_in_finish_order,
                                         prefill_mask_top_left, prompt_logprobs_shifted, seed_ignored,
@@ -47,7 +48,8 @@ class Mutant:
     name: str
     make: Callable[[], ContextManager]
     checks: list[str]                 # pytest selections (node ids under conformance/) that should catch it
-    gpu_only: bool = False
+    gpu_only: bool = False            # patches a CUDA-only path (needs a GPU)
+    cpu_only: bool = False            # patches a path the CUDA engine does not take (not applicable there)
     doc: str = field(default="")
 
 
@@ -61,21 +63,25 @@ ENGINE_MUTANTS: list[Mutant] = [
     Mutant("slot_mapping_off_by_one", slot_mapping_off_by_one,
            [f"{REF}::test_greedy_matches_reference[qwen3-gqa4-hd128]",
             f"{REF}::test_prompt_logprobs_match_reference[llama-1kv-hd128]"]),
-    Mutant("decode_drops_last_key", decode_drops_last_key,
+    Mutant("decode_drops_last_key", decode_drops_last_key,  # the CPU attention (torch_ref)
            [f"{REF}::test_greedy_matches_reference[qwen2-gqa2-hd64]",
-            f"{REF}::test_prefill_decode_consistency[qwen3-gqa4-hd128]"]),
+            f"{REF}::test_prefill_decode_consistency[qwen3-gqa4-hd128]"], cpu_only=True),
     Mutant("prefill_mask_top_left", prefill_mask_top_left,  # invisible without chunks or cache hits
            [f"{REF}::test_greedy_matches_reference[llama-mha-hd64]",
-            f"{SELF}::test_chunked_prefill_equivalence[17]", f"{SELF}::test_prefix_cache_on_off"]),
+            f"{SELF}::test_chunked_prefill_equivalence[17]", f"{SELF}::test_prefix_cache_on_off"],
+           cpu_only=True),
     Mutant("top_p_one_too_few", top_p_one_too_few, [f"{SAMP}::test_sampling_distribution[top_p]"]),
     Mutant("top_k_one_too_many", top_k_one_too_many, [f"{SAMP}::test_sampling_distribution[top_k]"]),
     Mutant("min_p_absolute", min_p_absolute, [f"{SAMP}::test_sampling_distribution[min_p]"]),
-    Mutant("temperature_ignored", temperature_ignored, [f"{SAMP}::test_sampling_distribution[temperature]"]),
+    # the PyTorch sampler's temperature, its synchronous entry point, its per-request generators:
+    # on CUDA plain rows take the fused kernel, async scheduling launches, seeds are Philox keys
+    Mutant("temperature_ignored", temperature_ignored, [f"{SAMP}::test_sampling_distribution[temperature]"],
+           cpu_only=True),
     Mutant("logprobs_after_temperature", logprobs_after_temperature,
            [f"{CONTRACTS}::test_logprobs_sampled_are_raw_distribution",
-            f"{CONTRACTS}::test_logprobs_greedy_match_reference"]),
+            f"{CONTRACTS}::test_logprobs_greedy_match_reference"], cpu_only=True),
     Mutant("seed_ignored", seed_ignored,
-           [f"{SAMP}::test_seeded_requests_reproducible_and_batch_independent"]),
+           [f"{SAMP}::test_seeded_requests_reproducible_and_batch_independent"], cpu_only=True),
     Mutant("prompt_logprobs_shifted", prompt_logprobs_shifted,
            [f"{REF}::test_prompt_logprobs_match_reference[qwen2-gqa2-hd64]",
             f"{REF}::test_prefill_decode_consistency[llama-1kv-hd128]"]),
@@ -91,6 +97,13 @@ ENGINE_MUTANTS: list[Mutant] = [
            [f"{SELF}::test_async_scheduling_equivalence"]),
     Mutant("cuda_graph_padding_writes_kv", cuda_graph_padding_writes_kv,
            [CORE_DIR + "test_cuda_graph.py"], gpu_only=True),
+    Mutant("fused_sampler_temperature_ignored", fused_sampler_temperature_ignored,
+           [f"{SAMP}::test_sampling_distribution[temperature]"], gpu_only=True),
+    Mutant("philox_seed_ignored", philox_seed_ignored,
+           [f"{SAMP}::test_seeded_requests_reproducible_and_batch_independent"], gpu_only=True),
+    Mutant("triton_decode_drops_last_key", triton_decode_drops_last_key,
+           [f"{REF}::test_greedy_matches_reference[qwen2-gqa2-hd64]",
+            f"{REF}::test_prefill_decode_consistency[qwen3-gqa4-hd128]"], gpu_only=True),
 ]
 
 # e2e checks for the block-manager / scheduler mutants, on top of their property tests
@@ -185,7 +198,7 @@ def _expand(selection: str) -> list[str]:
 
 
 def run_mutant(m: Mutant, python: str, timeout: float, extra: list[str],
-               threads: int = 1) -> tuple[str, list[str], float, str]:
+               threads: int = 1, device: str = "cpu") -> tuple[str, list[str], float, str]:
     """(status, checks that failed, seconds, note) for one mutant."""
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"mutant-{m.name}-") as tmp:
@@ -194,7 +207,7 @@ def run_mutant(m: Mutant, python: str, timeout: float, extra: list[str],
                 "-p", "tests.mutants.plugin", "--mutant", m.name, f"--junitxml={xml}",
                 "-o", "junit_family=xunit1", "--basetemp", str(Path(tmp) / "pt")]
         if any(sel.startswith(CORE_DIR) for sel in m.checks):  # the conformance suite's own options
-            args += ["--engine", "nanovllm", "--check-timeout", str(int(timeout * 0.8))]
+            args += ["--engine", "nanovllm", "--device", device, "--check-timeout", str(int(timeout * 0.8))]
         for sel in dict.fromkeys(m.checks):
             args += _expand(sel)
         env = dict(os.environ, PYTHONPATH=str(ROOT), HYPOTHESIS_PROFILE=os.environ.get("HYPOTHESIS_PROFILE", "quick"),
@@ -241,6 +254,9 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per mutant")
     ap.add_argument("--list", action="store_true", help="list the mutants and their targeted checks")
     ap.add_argument("--markdown", type=Path, help="also write the table to this file")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="device of the conformance checks' engines (cuda: mutants of CPU-only paths are "
+                         "reported not applicable)")
     args, extra = ap.parse_known_args(argv)
     reg = registry()
     names = args.only or list(reg)
@@ -249,12 +265,21 @@ def main(argv=None) -> int:
             print(f"{n}: {reg[n].doc.splitlines()[0] if reg[n].doc else ''}\n    " + "\n    ".join(reg[n].checks))
         return 0
     gpu = _gpu_available()
-    todo = [reg[n] for n in names if gpu or not reg[n].gpu_only]
-    rows = {n: ("not run", [], 0.0, "GPU-only mutant: needs a CUDA GPU") for n in names}
+    if args.device == "cuda" and not gpu:
+        ap.error("--device cuda needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+    def applies(m: Mutant) -> str | None:
+        if m.gpu_only and not gpu:
+            return "GPU-only mutant: needs a CUDA GPU"
+        if m.cpu_only and args.device == "cuda":
+            return "not applicable on cuda: patches a path the CUDA engine does not take"
+        return None
+    rows = {n: ("not run", [], 0.0, applies(reg[n])) for n in names}
+    todo = [reg[n] for n in names if applies(reg[n]) is None]
     start = time.perf_counter()
     with ThreadPoolExecutor(args.jobs) as pool:
         futures = {m.name: pool.submit(run_mutant, m, sys.executable, args.timeout, extra,
-                                         max(1, (os.cpu_count() or 1) // args.jobs)) for m in todo}
+                                         max(1, (os.cpu_count() or 1) // args.jobs), args.device) for m in todo}
         for name, fut in futures.items():
             rows[name] = fut.result()
             status, caught, secs, note = rows[name]

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# GPU CI: what a GPU CI job runs on a machine with the GPU image (python with a CUDA build of torch
+# and Triton). From the repository root:   bash scripts/gpu_ci.sh
+#
+#   1. installs the test dependencies the image lacks: from the wheels in $NANOVLLM_WHEELS (default
+#      ./.whl) when that folder exists, else from the package index (no other network);
+#   2. the whole suite: pytest -n auto (every test; GPU checks included; CPU runs stay);
+#   3. the conformance suite on CUDA, with its report (python -m conformance --device cuda);
+#   4. the mutant table on CUDA (every mutant that applies there must be caught).
+#
+# Logs and reports go to $OUT (or ./gpu_ci_logs); a summary is printed last. Exit status 0 only
+# when all three runs pass.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+LOG="${OUT:-gpu_ci_logs}"
+PY="${PYTHON:-python3}"
+WHEELS="${NANOVLLM_WHEELS:-.whl}"
+JOBS="${NANOVLLM_GPU_CI_JOBS:-8}"
+mkdir -p "$LOG"
+t0=$(date +%s)
+
+# ------------------------------------------------------------------ 1. environment, dependencies
+{ date -u +"%Y-%m-%dT%H:%M:%SZ"; git rev-parse --short HEAD 2>/dev/null; nvidia-smi -L
+  "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__,
+'| triton', triton.__version__, '| GPUs', torch.cuda.device_count(), torch.cuda.get_device_name(0))"
+} > "$LOG/env.txt" 2>&1
+# what the test suite imports beyond the image (module -> distribution)
+need=$("$PY" - <<'EOF'
+import importlib.util
+deps = {"gguf": "gguf", "hypothesis": "hypothesis", "xdist": "pytest-xdist", "fastapi": "fastapi",
+        "uvicorn": "uvicorn", "openai": "openai", "httpx": "httpx", "prometheus_client": "prometheus-client",
+        "matplotlib": "matplotlib"}
+print(" ".join(dist for mod, dist in deps.items() if importlib.util.find_spec(mod) is None))
+EOF
+)
+if [ -n "$need" ]; then
+    if [ -d "$WHEELS" ]; then
+        "$PY" -m pip install -q --no-index --no-deps --find-links "$WHEELS" $need >> "$LOG/env.txt" 2>&1 || \
+            "$PY" -m pip install -q --no-index --no-deps --target /tmp/nanovllm-ci-site "$WHEELS"/*.whl \
+                >> "$LOG/env.txt" 2>&1
+        export PYTHONPATH="$PYTHONPATH:/tmp/nanovllm-ci-site"
+    else
+        "$PY" -m pip install -q $need >> "$LOG/env.txt" 2>&1
+    fi
+fi
+echo "installed: ${need:-nothing}" >> "$LOG/env.txt"
+
+# ------------------------------------------------------------------ 2. the whole suite
+timeout 420 "$PY" -m pytest -n auto -q -rs -p no:cacheprovider --durations=25 \
+    --junitxml="$LOG/pytest.xml" > "$LOG/pytest.log" 2>&1
+rc_pytest=$?
+t1=$(date +%s)
+
+# ------------------------------------------------------------------ 3. conformance on CUDA
+timeout 240 "$PY" -m conformance --engine nanovllm --device cuda --report "$LOG/conformance-cuda.md" \
+    -n "$JOBS" > "$LOG/conformance.log" 2>&1
+rc_conf=$?
+t2=$(date +%s)
+
+# ------------------------------------------------------------------ 4. mutant table on CUDA
+timeout 300 "$PY" -m tests.mutants.runner --device cuda --jobs "$JOBS" --markdown "$LOG/mutants-cuda.md" \
+    > "$LOG/mutants.log" 2>&1
+rc_mut=$?
+t3=$(date +%s)
+
+# ------------------------------------------------------------------ summary
+echo "=== GPU CI, $(head -1 "$LOG/env.txt"), commit $(sed -n 2p "$LOG/env.txt") ==="
+sed -n '3,$p' "$LOG/env.txt" | grep -v "^installed" | head -4
+echo "--- pytest -n auto (rc=$rc_pytest, $((t1 - t0)) s) ---"
+grep -E "^(FAILED|ERROR)" "$LOG/pytest.log" | head -30
+grep -E "^SKIPPED" "$LOG/pytest.log" | sed -E 's/^SKIPPED \[[0-9]+\] [^:]+(:[0-9]+)?: //' | sort | uniq -c | sort -rn | head -12
+tail -1 "$LOG/pytest.log"
+echo "--- conformance --device cuda (rc=$rc_conf, $((t2 - t1)) s) ---"
+grep -E "^- result:" "$LOG/conformance-cuda.md" 2>/dev/null || tail -5 "$LOG/conformance.log"
+echo "--- mutant table, cuda (rc=$rc_mut, $((t3 - t2)) s) ---"
+tail -1 "$LOG/mutants.log"
+echo "--- wall time $((t3 - t0)) s ---"
+exit $(( rc_pytest != 0 || rc_conf != 0 || rc_mut != 0 ))
