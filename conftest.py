@@ -27,8 +27,8 @@ def gpu_share() -> tuple[int, float] | None:
 
     The one place that decides it. pytest-xdist workers spread over the GPUs (gw0 -> GPU 0,
     gw1 -> GPU 1, ...); the workers of one GPU split 85% of its memory evenly, and each worker's
-    share is split between the engines it may hold at once (ENGINES_PER_WORKER), half of each
-    engine's part for its KV cache and half for weights, activations and CUDA graphs. Test
+    share is split between the engines it may hold at once (ENGINES_PER_WORKER), 30% of each
+    engine's part for its KV cache, the rest for weights, activations and CUDA graphs. Test
     engines pass it as ``kv_cache_memory_gib`` (the conformance harness as its knob), so no
     test engine sizes itself from ``gpu_memory_utilization`` of the whole device.
     """
@@ -43,10 +43,10 @@ def gpu_share() -> tuple[int, float] | None:
     per_gpu = -(-workers // n)
     total = torch.cuda.get_device_properties(index).total_memory / 2**30
     per_engine = 0.85 * total / per_gpu / ENGINES_PER_WORKER
-    return index, round(min(2.0, 0.5 * per_engine), 3)
+    return index, round(min(1.0, 0.3 * per_engine), 3)
 
 
-ENGINES_PER_WORKER = 8
+ENGINES_PER_WORKER = 16  # tests/conftest.py keeps 8 engines loaded, the conformance pool 8 more
 _share = gpu_share()
 if _share is not None:
     import torch

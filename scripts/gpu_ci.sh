@@ -22,7 +22,7 @@ mkdir -p "$LOG"
 t0=$(date +%s)
 
 # ------------------------------------------------------------------ 1. environment, dependencies
-{ date -u +"%Y-%m-%dT%H:%M:%SZ"; git rev-parse --short HEAD 2>/dev/null; nvidia-smi -L
+{ date -u +"%Y-%m-%dT%H:%M:%SZ"; echo "${NANOVLLM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"; nvidia-smi -L
   "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__,
 '| triton', triton.__version__, '| GPUs', torch.cuda.device_count(), torch.cuda.get_device_name(0))"
 } > "$LOG/env.txt" 2>&1
@@ -48,7 +48,9 @@ fi
 echo "installed: ${need:-nothing}" >> "$LOG/env.txt"
 
 # ------------------------------------------------------------------ 2. the whole suite
-timeout 420 "$PY" -m pytest -n auto -q -rs -p no:cacheprovider --durations=25 \
+# a test that hangs is stopped (with every thread's stack in the log) instead of stalling the job
+per_test=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${NANOVLLM_TEST_TIMEOUT:-240}")
+timeout 420 "$PY" -m pytest -n auto -q -rs -p no:cacheprovider --durations=25 $per_test \
     --junitxml="$LOG/pytest.xml" > "$LOG/pytest.log" 2>&1
 rc_pytest=$?
 t1=$(date +%s)

@@ -34,7 +34,6 @@ SMOL_TEXTS = [
 ]
 
 
-@pytest.mark.slow
 def test_greedy_equals_hf_on_smollm2(smollm, smollm_path):
     tok = smollm.get_tokenizer()
     prompts = [tok.encode(t) for t in SMOL_TEXTS]
