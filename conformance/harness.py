@@ -101,6 +101,8 @@ class EnginePool:
             # several engines share a GPU (pytest-xdist workers, pooled engines): each gets this much
             # KV cache instead of sizing itself from the whole device
             defaults["kv_cache_gib"] = float(gib)
+        if knobs.get("device", self.device) == "cuda" and "max_num_seqs" in engine.capabilities:
+            defaults["max_num_seqs"] = 64  # every check's batch fits; fewer CUDA graphs to capture
         try:
             engine.load(model_dir, **{**defaults, **knobs})
         except Unsupported as e:

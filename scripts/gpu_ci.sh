@@ -47,6 +47,8 @@ if [ -n "$need" ]; then
 fi
 echo "installed: ${need:-nothing}" >> "$LOG/env.txt"
 
+timeout 150 "$PY" scripts/warm_triton.py --jobs 4 >> "$LOG/env.txt" 2>&1
+
 # ------------------------------------------------------------------ 2. the whole suite
 # a test that hangs is stopped (with every thread's stack in the log) instead of stalling the job
 per_test=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${NANOVLLM_TEST_TIMEOUT:-240}")
@@ -69,7 +71,7 @@ t3=$(date +%s)
 
 # ------------------------------------------------------------------ summary
 echo "=== GPU CI, $(head -1 "$LOG/env.txt"), commit $(sed -n 2p "$LOG/env.txt") ==="
-sed -n '3,$p' "$LOG/env.txt" | grep -v "^installed" | head -4
+sed -n '3,$p' "$LOG/env.txt" | grep -E "^(GPU|python|installed|warmed)" | head -5
 echo "--- pytest -n auto (rc=$rc_pytest, $((t1 - t0)) s) ---"
 grep -E "^(FAILED|ERROR)" "$LOG/pytest.log" | head -30
 grep -E "^SKIPPED" "$LOG/pytest.log" | sed -E 's/^SKIPPED \[[0-9]+\] [^:]+(:[0-9]+)?: //' | sort | uniq -c | sort -rn | head -12

@@ -17,6 +17,7 @@ from conformance.zoo import ZOO, zoo_model  # noqa: F401  (re-exported for the t
 
 ZOO_NAMES = list(ZOO)
 MAX_CACHED_ENGINES = 8
+CUDA_TEST_MAX_NUM_SEQS = 64  # test batches stay below it; fewer decode graphs to capture per engine
 
 
 def available_devices() -> list[str]:
@@ -41,8 +42,10 @@ def engine_args(device: str = "cpu", **kwargs) -> dict:
     """Engine arguments for a test engine on ``device``: float32 (the exact comparisons), and on
     CUDA a KV cache sized by the GPU share of this test process (unless the test sizes it)."""
     args = {"device": device, "dtype": "float32", **kwargs}
-    if device == "cuda" and "num_kvcache_blocks" not in args and "kv_cache_memory_gib" not in args:
-        args["kv_cache_memory_gib"] = float(os.environ.get("NANOVLLM_TEST_KV_CACHE_GIB", "0.5"))
+    if device == "cuda":
+        if "num_kvcache_blocks" not in args and "kv_cache_memory_gib" not in args:
+            args["kv_cache_memory_gib"] = float(os.environ.get("NANOVLLM_TEST_KV_CACHE_GIB", "0.5"))
+        args.setdefault("max_num_seqs", CUDA_TEST_MAX_NUM_SEQS)
     return args
 
 

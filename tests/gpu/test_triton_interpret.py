@@ -15,7 +15,13 @@ import pytest
 
 
 
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.skipif(_cuda(), reason="a CUDA host runs these kernel tests on the GPU itself (tests/gpu)")
 def test_kernels_under_triton_interpreter():
     here = Path(__file__).resolve().parent
     env = dict(os.environ, TRITON_INTERPRET="1", NANOVLLM_TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")

@@ -38,7 +38,7 @@ from nanovllm.core.block_manager import BlockManager, hash_block_tokens
 from nanovllm.core.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=64)
 
 
