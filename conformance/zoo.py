@@ -80,6 +80,15 @@ ZOO: dict[str, ZooSpec] = {
     "llama-1kv-hd128": ZooSpec("llama", 256, 2, 4, 1, 128, 512, 1001, True, seed=4),
     # Qwen3 with head_dim 64 and tied embeddings, odd vocabulary
     "qwen3-gqa2-hd64-tied": ZooSpec("qwen3", 192, 2, 4, 2, 64, 384, 1031, True, seed=5),
+    # llama3 RoPE scaling with all three frequency bands well populated (theta 500, original length
+    # 128: 5 high, 11 medium, 16 low of 32), bias on q/k/v/o and on the MLP, max_position_embeddings
+    # = the longest golden sequence (160 + 64)
+    "llama-rope3-bias": ZooSpec("llama", 128, 2, 4, 2, 64, 256, 512, False, seed=6,
+                                max_position_embeddings=224, rope_theta=500.0,
+                                rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 8.0,
+                                              "original_max_position_embeddings": 128},
+                                attention_bias=True, mlp_bias=True),
     # linear RoPE scaling; rms_norm_eps 0.5, large enough that a norm built without it (layer norms or
     # q/k norms) changes greedy tokens; three EOS ids in generation_config.json (config.json and the
     # tokenizer name only the first), the other two chosen among tokens greedy output often reaches

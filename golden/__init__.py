@@ -35,7 +35,7 @@ from pathlib import Path
 GOLDEN_DIR = Path(__file__).resolve().parent
 FORMAT = 1
 ZOO_FILES = {"llama-mha-hd64", "qwen2-gqa2-hd64", "qwen3-gqa4-hd128", "llama-1kv-hd128", "qwen3-gqa2-hd64-tied",
-             "qwen3-eps-rope-linear"}
+             "llama-rope3-bias", "qwen3-eps-rope-linear"}
 SMOLLM = "smollm2-135m"
 NAMES = sorted(ZOO_FILES) + [SMOLLM]
 

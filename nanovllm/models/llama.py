@@ -1,9 +1,13 @@
 """The Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3).
 
-The three architectures differ in two switches: Qwen2 puts a bias on the q/k/v
-projections, Qwen3 normalizes each head of q and k (RMSNorm) before RoPE.
+The three architectures differ in a few switches (:class:`Biases`, ``qk_norm``): Qwen2 puts
+a bias on the q/k/v projections; as in transformers, Llama's and Qwen3's ``attention_bias``
+puts one on q, k, v *and* o, and Llama's ``mlp_bias`` one on gate, up and down; Qwen3
+normalizes each head of q and k (RMSNorm) before RoPE.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,19 +31,27 @@ def _rope_params(config) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
+@dataclass(frozen=True)
+class Biases:
+    """Which projections carry a bias."""
+    qkv: bool = False
+    o: bool = False
+    mlp: bool = False
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool, max_position: int):
+    def __init__(self, config, biases: Biases, qk_norm: bool, max_position: int):
         super().__init__()
         hidden = config.hidden_size
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
-        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv_heads, bias=qkv_bias)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv_heads, bias=biases.qkv)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=False)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=biases.o)
         theta, scaling = _rope_params(config)
         self.rotary_emb = RotaryEmbedding(self.head_dim, max_position, theta, scaling)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
@@ -62,14 +74,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, bias: bool):
         super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
         inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=False)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,10 +89,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool, max_position: int):
+    def __init__(self, config, biases: Biases, qk_norm: bool, max_position: int):
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias, qk_norm, max_position)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, biases, qk_norm, max_position)
+        self.mlp = LlamaMLP(config, biases.mlp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -96,11 +108,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool, max_position: int):
+    def __init__(self, config, biases: Biases, qk_norm: bool, max_position: int):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias, qk_norm, max_position)
+            LlamaDecoderLayer(config, biases, qk_norm, max_position)
             for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -122,14 +134,17 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
-    qkv_bias = False
     qk_norm = False
+
+    @classmethod
+    def biases(cls, config) -> Biases:
+        attention, mlp = bool(getattr(config, "attention_bias", False)), bool(getattr(config, "mlp_bias", False))
+        return Biases(qkv=attention, o=attention, mlp=mlp)
 
     def __init__(self, config, max_position: int | None = None):
         super().__init__()
         max_position = max_position or config.max_position_embeddings
-        qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
-        self.model = LlamaModel(config, qkv_bias, self.qk_norm, max_position)
+        self.model = LlamaModel(config, self.biases(config), self.qk_norm, max_position)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -144,4 +159,6 @@ class LlamaForCausalLM(nn.Module):
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    qkv_bias = True
+    @classmethod
+    def biases(cls, config) -> Biases:
+        return Biases(qkv=True)  # transformers' Qwen2 has neither attention_bias nor mlp_bias
