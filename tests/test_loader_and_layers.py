@@ -62,8 +62,9 @@ def test_gguf_conversion_equals_transformers_dequantization(smollm_path):
         assert torch.equal(ours[name], theirs[name]), name
 
 
-@pytest.mark.parametrize("rope", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+@pytest.mark.parametrize("rope", [None, {"rope_type": "linear", "factor": 4.0},
+                                  {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
 def test_rotary_matches_transformers(rope):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
@@ -85,6 +86,33 @@ def test_rotary_matches_transformers(rope):
 def test_unsupported_rope_type():
     with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
         RotaryEmbedding(64, 128, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+
+
+@pytest.mark.parametrize("rope, message", [
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+     r"rope_scaling type 'yarn' is not supported \(supported: default, linear, llama3\)"),
+    ({"rope_type": "dynamic", "factor": 2.0}, r"rope_scaling type 'dynamic' is not supported"),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": [2.0] * 32,
+      "original_max_position_embeddings": 1024}, r"rope_scaling type 'longrope' is not supported"),
+    ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5},
+     r"partial_rotary_factor=0.5 is not supported"),
+])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_unsupported_rope_scaling_refused_at_load(tmp_path, rope, message, tp):
+    """A RoPE scaling the engine does not implement is a ValueError naming it when the model is
+    loaded, before any weight is read or worker started (the directory has no weights at all)."""
+    import json
+    import multiprocessing
+
+    from conformance.zoo import ZOO, hf_config_dict
+    from nanovllm import LLM
+
+    cfg = hf_config_dict(ZOO["llama-mha-hd64"])
+    cfg["rope_scaling"] = rope
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tmp_path), device="cpu", tensor_parallel_size=tp)
+    assert multiprocessing.active_children() == []
 
 
 def test_registry_lists_supported_architectures():

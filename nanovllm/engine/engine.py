@@ -138,7 +138,8 @@ class LLMEngine:
         model_dir = resolve_model_dir(config.model)
         hf_config = load_hf_config(model_dir)
         config.resolve(hf_config, model_dir)
-        get_model_class(hf_config)  # unsupported architectures fail before anything is started
+        # unsupported architectures and config fields fail before anything is started
+        get_model_class(hf_config).check_config(hf_config)
         tokenizer = load_tokenizer(config)
         eos = eos_token_ids(model_dir, hf_config, tokenizer)
         executor = make_executor(config, load_format)

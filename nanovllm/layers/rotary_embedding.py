@@ -1,4 +1,5 @@
-"""Rotary position embedding (the "neox" half-rotation layout HF Llama/Qwen use)."""
+"""Rotary position embedding (the "neox" half-rotation layout HF Llama/Qwen use), with the
+default, linear and llama3 scalings; any other is refused when the model is loaded."""
 from __future__ import annotations
 
 import math
@@ -9,14 +10,52 @@ from torch import nn
 from nanovllm.layers import fused_ops
 
 
+# the RoPE scaling types we implement, with the fields each needs (transformers' names and formulas)
+ROPE_TYPES = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def rope_type(rope_scaling: dict | None) -> str:
+    scaling = rope_scaling or {}
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def check_rope_scaling(rope_scaling: dict | None) -> None:
+    """ValueError naming the field unless ``rope_scaling`` is one we implement exactly (yarn, dynamic,
+    longrope, ... change the attention too: refused rather than run wrong)."""
+    kind = rope_type(rope_scaling)
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    missing = [k for k in ROPE_TYPES[kind] if k not in rope_scaling]
+    if missing:
+        raise ValueError(f"rope_scaling of type {kind!r} lacks {', '.join(missing)} (got {rope_scaling})")
+    partial = (rope_scaling or {}).get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise ValueError(f"rope_scaling partial_rotary_factor={partial} is not supported (only 1.0)")
+
+
+def rope_parameters(config) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) of an HF config, from transformers 4.x (rope_theta, rope_scaling) or
+    5.x (rope_parameters) fields; ValueError for a scaling we do not implement."""
+    params = getattr(config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    scaling = getattr(config, "rope_scaling", None)
+    if scaling is None and rope_type(params) != "default":
+        scaling = params
+    check_rope_scaling(scaling)
+    return float(theta), scaling
+
+
 def _inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
+    check_rope_scaling(rope_scaling)
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
+    kind = rope_type(rope_scaling)
+    if kind == "linear":
         return inv_freq / rope_scaling["factor"]
-    if rope_type == "llama3":
+    if kind == "llama3":
         factor = rope_scaling["factor"]
         low, high = rope_scaling["low_freq_factor"], rope_scaling["high_freq_factor"]
         old_len = rope_scaling["original_max_position_embeddings"]
@@ -27,7 +66,7 @@ def _inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, llama3)")
+    return inv_freq
 
 
 class RotaryEmbedding(nn.Module):

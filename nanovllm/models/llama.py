@@ -18,17 +18,7 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.layers.rotary_embedding import RotaryEmbedding
-
-
-def _rope_params(config) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from either transformers 4.x or 5.x config fields."""
-    params = getattr(config, "rope_parameters", None) or {}
-    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    scaling = getattr(config, "rope_scaling", None)
-    if scaling is None and params.get("rope_type", "default") != "default":
-        scaling = params
-    return float(theta), scaling
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 
 
 @dataclass(frozen=True)
@@ -52,7 +42,7 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=biases.o)
-        theta, scaling = _rope_params(config)
+        theta, scaling = rope_parameters(config)
         self.rotary_emb = RotaryEmbedding(self.head_dim, max_position, theta, scaling)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
         self.qk_norm = qk_norm
@@ -140,6 +130,12 @@ class LlamaForCausalLM(nn.Module):
     def biases(cls, config) -> Biases:
         attention, mlp = bool(getattr(config, "attention_bias", False)), bool(getattr(config, "mlp_bias", False))
         return Biases(qkv=attention, o=attention, mlp=mlp)
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        """ValueError for a config field this model reads but cannot honour (before any weight or
+        worker process is touched)."""
+        rope_parameters(config)
 
     def __init__(self, config, max_position: int | None = None):
         super().__init__()
