@@ -3,14 +3,18 @@
 Tensors are read and dequantized with the ``gguf`` package; the tokenizer is
 rebuilt from the GGUF metadata by transformers. The result (config.json,
 generation_config.json, model.safetensors in float32, tokenizer files) is
-written to ``$NANOVLLM_CACHE/gguf/<name>-<sha256 prefix>/`` so a second load
-only reads safetensors.
+written to ``$NANOVLLM_CACHE/gguf/<name>-<file sha256>-<converter version>/`` so a
+second load only reads safetensors. The converter version hashes this module's
+source and the gguf and transformers versions: a change to the converter
+converts again instead of reusing what an older converter wrote.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +90,8 @@ def read_config(reader) -> dict:
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos,
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
+        "unk_token_id": _field(reader, "tokenizer.ggml.unknown_token_id"),
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
@@ -132,15 +138,34 @@ def convert(gguf_path: Path, dest: Path) -> None:
     GenerationConfig(bos_token_id=config["bos_token_id"], eos_token_id=config["eos_token_id"]).save_pretrained(dest)
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tok.save_pretrained(dest)
-    (dest / "nanovllm_source.json").write_text(json.dumps({"gguf": str(gguf_path)}))
+    (dest / "nanovllm_source.json").write_text(json.dumps({"gguf": str(gguf_path),
+                                                           "converter_version": converter_version()}))
+
+
+def _converter_source() -> bytes:
+    return Path(__file__).read_bytes()
+
+
+def converter_version() -> str:
+    """What decides a conversion's result besides the file: this module's code and the versions of
+    the libraries it calls (gguf dequantizes, transformers rebuilds the tokenizer and writes the
+    config). Part of the cache key."""
+    h = hashlib.sha256(_converter_source())
+    for package in ("gguf", "transformers"):
+        try:
+            h.update(f"{package}=={version(package)};".encode())
+        except PackageNotFoundError:
+            h.update(f"{package} missing;".encode())
+    return h.hexdigest()[:12]
 
 
 def gguf_to_hf_dir(gguf_path: str | os.PathLike) -> str:
-    """The cached HF directory for a GGUF file, converting it on first use."""
+    """The cached HF directory for a GGUF file, converting it on first use (and again whenever
+    the converter changes: see converter_version)."""
     path = Path(gguf_path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    dest = cache_root() / "gguf" / f"{path.stem}-{sha256_file(path)[:16]}"
+    dest = cache_root() / "gguf" / f"{path.stem}-{sha256_file(path)[:16]}-{converter_version()}"
 
     def build(tmp: Path) -> None:
         logger.info("converting %s to %s (once)", path, dest)
