@@ -1,4 +1,4 @@
-"""Tensor parallelism: TP=2 against TP=1 (gloo on CPU, NCCL on two GPUs), worker
+"""Tensor parallelism: TP=2 and TP=4 against TP=1 (gloo on CPU, NCCL on two GPUs), worker
 failures, coexisting engines, shutdown on every path, and tensor_parallel_size validation."""
 from __future__ import annotations
 
@@ -129,6 +129,28 @@ def test_tp2_matches_tp1(model, tp2, reference):
     per_rank = llm.llm_engine.executor._call("profile_num_blocks")
     assert llm.stats()["num_kv_blocks"] == min(per_rank)
     _assert_same(reference(model), _generate(llm, model), tol=1e-4)
+
+
+# TP=4 exercises the three ways KV heads map to ranks; TP=2 only shows the first two (with one KV
+# head, or one per rank), where a rank -> KV head formula that is wrong for replicated groups is right.
+TP4_MODELS = {
+    "llama-mha-hd64": "4 KV heads split, one per rank",
+    "llama-1kv-hd128": "1 KV head replicated on all 4 ranks",
+    "qwen3-gqa4-hd128": "2 KV heads replicated, each on 2 ranks (8 query heads: 2 per rank)",
+}
+
+
+@pytest.mark.slow  # ~17 s of CPU per model (4 worker start-ups), 45-55 s wall on the shared 2 cores;
+# conformance/test_tensor_parallel.py runs the replicated-2-KV-heads layout at TP=4 in every run
+@pytest.mark.parametrize("model", list(TP4_MODELS))
+def test_tp4_matches_tp1(model, reference):
+    spec = ZOO[model]
+    assert spec.num_heads % 4 == 0 and (spec.num_kv_heads % 4 == 0 or 4 % spec.num_kv_heads == 0)
+    before = _live_children()
+    with LLM(zoo_model(model), tensor_parallel_size=4, **CPU_ARGS) as llm:
+        assert len(_worker_pids(llm)) == 4
+        _assert_same(reference(model), _generate(llm, model), tol=1e-4)
+    assert _live_children() - before == set()
 
 
 def test_tp_engines_coexist_in_one_process(tp2, reference):
