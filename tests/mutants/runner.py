@@ -5,7 +5,8 @@ A mutant is a context manager that monkeypatches nanovllm *in the test process*
 original is restored. This registry holds the engine-level mutants of
 ``tests/mutants/engine.py`` (model input, attention, sampler, output processing,
 API, tensor parallelism, CUDA graphs) and includes the block-manager / scheduler mutants
-of ``tests/mutants/core.py``.
+of ``tests/mutants/core.py`` and the model-reading ones of ``tests/mutants/model.py``
+(configuration fields, GGUF conversion, tensor-parallel head sharding).
 
     python -m tests.mutants.runner [--only NAME ...] [--jobs N] [--list]
 
@@ -140,11 +141,19 @@ def _core_mutants() -> list[Mutant]:
     return out
 
 
+def _model_mutants() -> list[Mutant]:
+    """The model-reading mutants of tests/mutants/model.py (config fields, GGUF, TP sharding)."""
+    from tests.mutants import model as mutants_model
+
+    return [Mutant(name, make, checks, doc=(make.__doc__ or "").strip())
+            for name, (make, checks) in mutants_model.MUTANTS.items()]
+
+
 def registry() -> dict[str, Mutant]:
     reg = {m.name: m for m in ENGINE_MUTANTS}
     for m in ENGINE_MUTANTS:
         m.doc = (m.make.__doc__ or "").strip()
-    for m in _core_mutants():
+    for m in _core_mutants() + _model_mutants():
         reg.setdefault(m.name, m)
     return reg
 
