@@ -26,9 +26,7 @@ SHORT_CONTEXT = [n for n in sorted(golden.ZOO_FILES) if ZOO[n].max_position_embe
 
 def _golden(engines, name: str, **knobs):
     g = golden.load(name)
-    problem = golden.check_model(g)
-    if problem:
-        pytest.fail(f"golden file {name} does not match the model here: {problem}")
+    golden.require(g)
     return g, engines.get(golden.model_dir(g), **knobs)
 
 

@@ -55,10 +55,12 @@ def test_tp2_equals_tp1_gloo_cpu(engines, figure):
     _check(engines, "cpu", figure)
 
 
+@pytest.mark.pinned_device
 def test_tp4_replicated_kv_heads_gloo_cpu(engines, figure):
     _check(engines, "cpu", figure, model=MODEL_TP4, tp=4)
 
 
+@pytest.mark.pinned_device
 def test_tp_size_that_does_not_split_the_heads_is_refused(engines, figure):
     g = golden.load(MODEL_TP4)
     heads, kv_heads = ZOO[MODEL_TP4].num_heads, ZOO[MODEL_TP4].num_kv_heads
