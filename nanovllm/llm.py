@@ -1,6 +1,7 @@
 """LLM: the offline batch API (vLLM's names): generate(), chat(), stats()."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -10,7 +11,7 @@ from tqdm.auto import tqdm
 
 from nanovllm.engine.engine import LLMEngine
 from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,11 @@ class LLM:
     # --------------------------------------------------------------- generate
     def generate(self, prompts, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; the outputs come back in input order."""
+        """Generate for every prompt; the outputs come back in input order.
+
+        Only final outputs are wanted here, so every request runs with ``output_kind``
+        FINAL_ONLY (as in vLLM): no per-step detokenization. The caller's SamplingParams are
+        not changed."""
         prompts = self._as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -65,6 +70,12 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params_list)} entries but there are "
                                  f"{len(prompts)} prompts")
+        final_only: dict[int, SamplingParams] = {}
+        for i, params in enumerate(params_list):
+            if isinstance(params, SamplingParams) and params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                if id(params) not in final_only:
+                    final_only[id(params)] = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                params_list[i] = final_only[id(params)]
         engine = self.llm_engine
         # validate everything first, so a bad request leaves the engine untouched
         seqs = []
@@ -83,7 +94,7 @@ class LLM:
         try:
             while any(r is None for r in results) and engine.has_unfinished_requests():
                 for out in engine.step():
-                    if out.request_id in order:
+                    if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
                         done_tokens += len(out.outputs[0].token_ids)
                         bar.update(1)

@@ -1,7 +1,8 @@
-"""What generate() returns: vLLM's RequestOutput / CompletionOutput / Logprob."""
+"""What generate() and LLMEngine.step() return: vLLM's RequestOutput / CompletionOutput / Logprob,
+and RequestMetrics (a request's timestamps)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # One position's log-probabilities: token id -> Logprob.
 LogprobsDict = dict[int, "Logprob"]
@@ -29,6 +30,43 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When things happened to one request (vLLM's names; seconds since the epoch, ``time.time()``).
+
+    A time is None until it happened. ``first_scheduled_time`` is the first step that computed
+    the request (a preempted request keeps it); the token times are when a step's tokens reached
+    the host. Derived: ``time_in_queue`` (arrival -> first scheduled) and ``first_token_latency``
+    (arrival -> first token, TTFT).
+    """
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def time_in_queue(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def first_token_latency(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    def as_dict(self) -> dict:
+        """The fields and the derived latencies, as plain JSON-ready data."""
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["time_in_queue"] = self.time_in_queue
+        d["first_token_latency"] = self.first_token_latency
+        return d
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -37,4 +75,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     prompt_logprobs: list[LogprobsDict | None] | None = None
-    metrics: dict = field(default_factory=dict)
+    metrics: RequestMetrics | None = None

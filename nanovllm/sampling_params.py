@@ -1,7 +1,20 @@
 """SamplingParams: vLLM's field names and meanings, validated once at construction."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs a request reports while it runs (vLLM's names).
+
+    CUMULATIVE: every step that produces tokens reports everything so far (text, token ids,
+    logprobs); DELTA: each report holds only what is new since the last one; FINAL_ONLY: one
+    report, when the request finishes (what ``LLM.generate`` uses).
+    """
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def _check_int(name: str, value, allow_none: bool = False) -> None:
@@ -26,6 +39,7 @@ class SamplingParams:
     returns the top-k log-probabilities (of the raw model distribution) of each
     generated token, plus the sampled token's when it is not among them;
     prompt_logprobs=k does the same for every prompt token after the first.
+    output_kind: what ``LLMEngine.step`` reports while the request runs (RequestOutputKind).
     """
 
     temperature: float = 1.0
@@ -43,6 +57,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     n: int = 1
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         _check_number("temperature", self.temperature)
@@ -92,3 +107,6 @@ class SamplingParams:
         _check_int("n", self.n)
         if self.n != 1:
             raise ValueError(f"n must be 1 (parallel sampling is not supported), got {self.n}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise TypeError(f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), "
+                            f"got {self.output_kind!r}")

@@ -161,6 +161,7 @@ def bench_store():
 def engine() -> None:
     """A Qwen3-0.6B-shaped engine (random weights): decode step time, graphs vs eager."""
     from nanovllm import LLM, SamplingParams
+    from nanovllm.sampling_params import RequestOutputKind
 
     cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "max_position_embeddings": 40960,
            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "hidden_act": "silu", "hidden_size": 1024,
@@ -183,7 +184,8 @@ def engine() -> None:
             f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f}")
         for i in range(256):
             eng.add_request(str(i), [(i * 7 + j) % 150000 for j in range(1024)],
-                            SamplingParams(temperature=0.6, max_tokens=64, ignore_eos=True))
+                            SamplingParams(temperature=0.6, max_tokens=64, ignore_eos=True,
+                                           output_kind=RequestOutputKind.FINAL_ONLY))
         times = []
         while eng.has_unfinished_requests():
             running = eng.scheduler.running

@@ -15,6 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.sampling_params import RequestOutputKind
 from nanovllm.bench.workloads import gpu_workload, shape_config_dir
 
 
@@ -28,7 +29,8 @@ def main() -> None:
     llm = LLM(shape_config_dir(args.shape), load_format="dummy", max_model_len=4096)
     engine = llm.llm_engine
     for i, (prompt, n) in enumerate(zip(w.prompts, w.max_tokens)):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=w.temperature, max_tokens=n, ignore_eos=True))
+        engine.add_request(str(i), prompt, SamplingParams(temperature=w.temperature, max_tokens=n, ignore_eos=True,
+                                                         output_kind=RequestOutputKind.FINAL_ONLY))
     for _ in range(args.skip):
         engine.step()
     torch.cuda.synchronize()

@@ -46,7 +46,8 @@ def _drain(engine) -> dict:
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            done[out.request_id] = out
+            if out.finished:  # step() also reports streaming progress
+                done[out.request_id] = out
         engine.check_invariants()
     return done
 
@@ -96,7 +97,8 @@ def _abort_when(llm, baseline, prompts, victim: str, condition, **params_kw):
             engine.check_invariants()
             assert not seq.block_table, "an aborted request kept its blocks"
         for out in engine.step():
-            done[out.request_id] = out
+            if out.finished:  # step() also reports streaming progress
+                done[out.request_id] = out
         engine.check_invariants()
     assert aborted is not None, "the abort condition never held: the test did not test anything"
     assert aborted.outputs[0].finish_reason == "abort" and victim not in done
@@ -244,7 +246,8 @@ def test_soak(soak_model, async_scheduling):
             engine.abort_request(rid)
             aborted.add(rid)
         for out in engine.step():
-            done[out.request_id] = out
+            if out.finished:  # step() also reports streaming progress
+                done[out.request_id] = out
         if engine.num_steps % 50 == 0:
             engine.check_invariants()
     elapsed = time.perf_counter() - start

@@ -79,7 +79,7 @@ class NanovllmAdapter:
                 token_ids=list(c.token_ids), finish_reason=c.finish_reason, text=c.text,
                 stop_reason=c.stop_reason, logprobs=_logprob_dicts(c.logprobs),
                 prompt_logprobs=_logprob_dicts(out.prompt_logprobs), num_cached_tokens=out.num_cached_tokens,
-                num_preemptions=out.metrics.get("num_preemptions"),
+                num_preemptions=out.metrics.num_preemptions if out.metrics is not None else None,
                 extra={"prompt_token_ids": list(out.prompt_token_ids)}))
         return results
 

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import enum
+import time
 
+from nanovllm.outputs import RequestMetrics
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -31,7 +33,7 @@ class Sequence:
         "block_table", "block_hashes", "status", "params", "num_cached_tokens",
         "num_preemptions", "prompt", "arrival", "finish_reason", "stop_reason",
         "output_logprobs", "cumulative_logprob", "prompt_logprobs", "output_text",
-        "stop_token_ids", "num_placeholders", "pending_row",
+        "stop_token_ids", "num_placeholders", "pending_row", "metrics",
     )
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
@@ -62,6 +64,7 @@ class Sequence:
             () if params.ignore_eos else eos_token_ids)
         self.num_placeholders = 0
         self.pending_row: int | None = None
+        self.metrics = RequestMetrics(arrival_time=time.time())   # timestamps, set by the engine
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,10 +23,11 @@ from nanovllm.core.scheduler import Scheduler
 from nanovllm.core.sequence import Sequence, SequenceStatus
 from nanovllm.core.stop import check_stop, reaches_length_limit
 from nanovllm.engine.executor import Executor, StepHandle
-from nanovllm.engine.output_processor import make_request_output, record_logprobs, record_prompt_logprobs
+from nanovllm.engine.output_processor import (StreamState, make_request_output, make_stream_output, record_logprobs,
+                                              record_prompt_logprobs)
 from nanovllm.engine.trace import SeqStep, StepEvent, Tracer
 from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +106,7 @@ class LLMEngine:
                                    config.max_model_len, config.enable_chunked_prefill)
         self.tracer = Tracer(enabled=bool(trace), callback=trace if callable(trace) else None)
         self.requests: dict[str, Sequence] = {}
+        self._streams: dict[str, StreamState] = {}   # requests whose output_kind is not FINAL_ONLY
         self._seq_ids = itertools.count()
         self._finished_seq_ids: list[int] = []
         self.num_steps = 0
@@ -214,6 +217,8 @@ class LLMEngine:
     def add_sequence(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
         self.requests[seq.request_id] = seq
+        if seq.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+            self._streams[seq.request_id] = StreamState(seq, self.tokenizer)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End an unfinished request now. With a step in flight that computes it, its blocks are
@@ -225,8 +230,19 @@ class LLMEngine:
         self.scheduler.finish(seq)
         seq.drop_placeholder()   # a step that never completed (interrupted) leaves one behind
         seq.finish_reason = "abort"
+        seq.metrics.finished_time = time.time()
         self._finished_seq_ids.append(seq.seq_id)
-        return make_request_output(seq, self.tokenizer)
+        return self._output(seq)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        """The output a request reports now (a finished one leaves the streams)."""
+        if seq.finish_reason is not None:
+            state = self._streams.pop(seq.request_id, None)
+        else:
+            state = self._streams[seq.request_id]
+        if state is None:
+            return make_request_output(seq, self.tokenizer)
+        return make_stream_output(seq, self.tokenizer, state)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._buffered)
@@ -239,7 +255,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; return the outputs of the requests that finished in it.
+        """Run one scheduler step; return an output for every request that finished in it or,
+        unless its ``output_kind`` is FINAL_ONLY, got new tokens in it (``finished=False``).
 
         With async scheduling, the step after this one is scheduled and queued on the device
         before this one's tokens are read back (see ``_advance``), so the host's bookkeeping
@@ -255,8 +272,7 @@ class LLMEngine:
         if self.config.async_scheduling:
             self._advance(launched)
             self._inflight = self._launch_next()
-        finished = self._complete(launched)
-        return outputs + [make_request_output(seq, self.tokenizer) for seq in finished]
+        return outputs + self._complete(launched)
 
     def _launch_next(self) -> _Launched | None:
         sched = self.scheduler.schedule()
@@ -264,6 +280,10 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler produced an empty step with requests pending")
             return None
+        now = time.time()
+        for seq in sched.admitted:
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
         mi, plan = build_model_input(sched, self.config.block_size, self._finished_seq_ids)
         self._finished_seq_ids = []
         event = self._trace_begin(plan) if self.tracer.enabled else None
@@ -293,25 +313,28 @@ class LLMEngine:
             if reaches_length_limit(seq, self.config.max_model_len):
                 self.scheduler.finish(seq)
 
-    def _complete(self, launched: _Launched) -> list[Sequence]:
+    def _complete(self, launched: _Launched) -> list[RequestOutput]:
         result = launched.handle.result()
         if not launched.counted:
             self.scheduler.update_after_step(launched.plan.sched)
-        finished = self._postprocess(launched.plan, result)
+        reported = self._postprocess(launched.plan, result)
         self.num_steps += 1
         if launched.event is not None:
-            launched.event.finished = [(s.request_id, s.finish_reason) for s in finished]
+            launched.event.finished = [(s.request_id, s.finish_reason) for s in reported
+                                       if s.finish_reason is not None]
             launched.event.num_free_blocks = self.block_manager.num_free_blocks
             self.tracer.record(launched.event)
-        return finished
+        return [self._output(seq) for seq in reported]
 
     def drain(self) -> None:
         """Complete the step in flight (async scheduling); its outputs go to the next step()."""
         launched, self._inflight = self._inflight, None
         if launched is not None:
-            self._buffered += [make_request_output(seq, self.tokenizer) for seq in self._complete(launched)]
+            self._buffered += self._complete(launched)
 
     def _postprocess(self, plan: StepPlan, result: ModelOutput) -> list[Sequence]:
+        """Apply a step's output; return the sequences to report, in sample-row order: the
+        finished ones and the streaming ones that got a token."""
         for (seq, first), rows in zip(plan.prompt_logprob_jobs, result.prompt_logprobs):
             skip = seq.num_prompt_logprobs_recorded - first   # > 0 only if recorded meanwhile
             assert skip >= 0, f"{seq}: prompt logprobs from position {first} would leave a gap"
@@ -322,8 +345,10 @@ class LLMEngine:
             if id(seq) not in sampling or start < seq.num_prompt_tokens:
                 self.num_prompt_tokens += num_new   # a prefill chunk (or a recompute) samples nothing new
 
-        finished: list[Sequence] = []
+        reported: list[Sequence] = []
+        streams = self._streams
         sampled = result.sampled
+        now = time.time()
         for row, seq in enumerate(plan.samplers):
             seq.drop_placeholder()     # async: the placeholder gets its token below
             if seq.finish_reason is not None:
@@ -339,6 +364,10 @@ class LLMEngine:
             else:
                 token = sampled.token_ids[row]
                 seq.append_token(token)
+                metrics = seq.metrics
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = now
+                metrics.last_token_time = now
                 self.num_generation_tokens += 1
                 record_logprobs(seq, token, sampled.logprobs[row])
                 check_stop(seq, self.tokenizer, self.config.max_model_len)
@@ -347,10 +376,13 @@ class LLMEngine:
                     self.scheduler.finish(seq)
                 self.requests.pop(seq.request_id, None)
                 self._finished_seq_ids.append(seq.seq_id)
-                finished.append(seq)
+                seq.metrics.finished_time = now
+                reported.append(seq)
             elif seq.status is SequenceStatus.FINISHED:
                 raise RuntimeError(f"{seq} left the scheduler on length but did not finish")
-        return finished
+            elif streams and seq.request_id in streams:
+                reported.append(seq)
+        return reported
 
     def _trace_begin(self, plan: StepPlan) -> StepEvent:
         sched = plan.sched

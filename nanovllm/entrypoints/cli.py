@@ -139,7 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_args(bench)
     add_engine_args(bench)
     bench.set_defaults(func=cmd_bench)
+    add_serve_command(sub)
     return parser
+
+
+def add_serve_command(sub) -> None:
+    """`nanovllm serve` (nanovllm/entrypoints/openai/cli_args.py)."""
+    from nanovllm.entrypoints.openai.cli_args import add_serve_parser
+
+    add_serve_parser(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,1 @@
+"""`nanovllm serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over AsyncLLM."""

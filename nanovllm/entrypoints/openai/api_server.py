@@ -1,0 +1,238 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app over one AsyncLLM, run by uvicorn.
+
+Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /tokenize, /detokenize,
+/metrics (and /debug/engine when NANOVLLM_SERVER_DEV_MODE=1: checks the engine's invariants and
+returns its stats, for tests). Every error is OpenAI's error object with a 4xx/503 status that
+names the field: malformed JSON and wrong types (400, the field's path), bad values (400),
+unknown model (404), missing or wrong API key (401), a dead engine (503). A client that
+disconnects has its request aborted, streaming or not.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import logging
+import os
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nanovllm.engine.async_llm import AsyncLLM
+from nanovllm.entrypoints.openai.metrics import ServerMetrics
+from nanovllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                  OpenAIError, TokenizeRequest)
+from nanovllm.entrypoints.openai.serving_chat import apply_chat_template, create_chat_completion
+from nanovllm.entrypoints.openai.serving_common import check_model
+from nanovllm.entrypoints.openai.serving_completion import create_completion
+
+logger = logging.getLogger(__name__)
+DEV_MODE_ENV = "NANOVLLM_SERVER_DEV_MODE"
+OPEN_PATHS = ("/health", "/metrics")   # answered without the API key (load balancers, scrapers)
+
+
+def error_response(e: OpenAIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+_REQUEST_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | set(
+    TokenizeRequest.model_fields) | {"role", "content", "include_usage", "continuous_usage_stats", "tokens"}
+
+
+def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    """The first error, naming the field by its path ("messages[0].role"); a union's member
+    types ("prompt.str") are left out of the path."""
+    err = exc.errors()[0] if exc.errors() else {}
+    if err.get("type") == "json_invalid":
+        return OpenAIError(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', '')}", "body")
+    parts: list[str] = []
+    for p in err.get("loc", ())[1:]:
+        if isinstance(p, int):
+            parts.append(f"[{p}]")
+        elif p in _REQUEST_FIELDS:
+            parts.append(("." if parts else "") + p)
+    field = "".join(parts) or "body"
+    got = "" if err.get("type") == "missing" else f" (got {repr(err.get('input'))[:100]})"
+    return OpenAIError(400, f"{field}: {err.get('msg', 'invalid value')}{got}", field)
+
+
+class DisconnectAwareStreamingResponse(StreamingResponse):
+    """Streams while listening for the client's disconnect (whatever the ASGI version); either
+    way the body iterator is closed at the end, so the request behind it is aborted at once."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        streamer = asyncio.ensure_future(self.stream_response(send))
+        listener = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait((streamer, listener), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (streamer, listener):
+                task.cancel()
+            await asyncio.gather(streamer, listener, return_exceptions=True)
+            await self.body_iterator.aclose()
+        if streamer.done() and not streamer.cancelled() and streamer.exception() is not None:
+            if not isinstance(streamer.exception(), OSError):   # OSError: the client went away
+                raise streamer.exception()
+
+
+def with_cancellation(handler):
+    """Run a handler while listening for the client's disconnect; cancel the handler (and so
+    abort its engine requests) if the client goes first."""
+
+    @functools.wraps(handler)
+    async def wrapper(body, raw_request: Request):
+        task = asyncio.ensure_future(handler(body, raw_request))
+
+        async def disconnected():
+            while (await raw_request.receive())["type"] != "http.disconnect":
+                pass
+
+        listener = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait((task, listener), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            listener.cancel()
+            if not task.done():
+                task.cancel()
+        if task.cancelled():
+            return Response(status_code=499)   # nobody reads it: the client is gone
+        return task.result()
+    return wrapper
+
+
+def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
+              dev_mode: bool | None = None) -> FastAPI:
+    app = FastAPI(title="nanovllm OpenAI-compatible server", docs_url=None, redoc_url=None)
+    metrics = ServerMetrics(engine, served_model_names[0])
+    max_model_len = engine.engine.config.max_model_len
+    created = int(time.time())
+    dev_mode = os.environ.get(DEV_MODE_ENV) == "1" if dev_mode is None else dev_mode
+    app.state.engine, app.state.metrics = engine, metrics
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_, exc: OpenAIError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, exc: RequestValidationError):
+        return error_response(_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, exc: StarletteHTTPException):
+        return error_response(OpenAIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_, exc: Exception):   # logged with its traceback here, never sent to the client
+        logger.exception("unexpected error while serving a request")
+        return error_response(OpenAIError(500, f"internal error: {type(exc).__name__}"))
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key is not None and request.url.path not in OPEN_PATHS:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return error_response(OpenAIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                                                  "Authorization", "invalid_api_key"))
+        return await call_next(request)
+
+    def _respond(result):
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return DisconnectAwareStreamingResponse(result, media_type="text/event-stream")
+
+    async def _guard(coro):
+        if engine.errored is not None:
+            raise OpenAIError(503, f"the engine failed and serves no more requests: {engine.errored!r}")
+        return await coro
+
+    @app.post("/v1/completions")
+    @with_cancellation
+    async def completions(body: CompletionRequest, raw_request: Request):
+        return _respond(await _guard(create_completion(engine, body, served_model_names, max_model_len)))
+
+    @app.post("/v1/chat/completions")
+    @with_cancellation
+    async def chat_completions(body: ChatCompletionRequest, raw_request: Request):
+        return _respond(await _guard(create_chat_completion(engine, body, served_model_names, max_model_len)))
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "nanovllm",
+             "root": engine.engine.config.model_dir, "max_model_len": max_model_len}
+            for name in served_model_names]}
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_running and engine.errored is not None:
+            return error_response(OpenAIError(503, f"the engine failed: {engine.errored!r}"))
+        return Response(status_code=200)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model, served_model_names)
+        tok = engine.tokenizer
+        if tok is None:
+            raise OpenAIError(400, "this model has no tokenizer", "prompt")
+        if (body.prompt is None) == (body.messages is None):
+            raise OpenAIError(400, "give exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            ids = apply_chat_template(tok, ChatCompletionRequest(
+                messages=body.messages, add_generation_prompt=body.add_generation_prompt))["prompt_token_ids"]
+        else:
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model, served_model_names)
+        vocab = engine.engine.vocab_size
+        for i, t in enumerate(body.tokens):
+            if not 0 <= t < vocab:
+                raise OpenAIError(400, f"tokens[{i}]={t} is outside the vocabulary [0, {vocab})", f"tokens[{i}]")
+        if engine.tokenizer is None:
+            raise OpenAIError(400, "this model has no tokenizer", "tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    if dev_mode:
+        @app.get("/debug/engine")
+        async def debug_engine():
+            """Checks the engine's invariants between steps; returns its stats and live requests."""
+            def check(e):
+                e.check_invariants()
+                return {"stats": e.stats(), "requests": sorted(e.requests)}
+            return await engine.call(check)
+
+    return app
+
+
+def served_names(args) -> list[str]:
+    from nanovllm.loader.default_model import DEFAULT_MODEL_NAME
+
+    if args.served_model_name:
+        return list(args.served_model_name)
+    return [args.model or DEFAULT_MODEL_NAME]
+
+
+async def serve(args, engine_kwargs: dict) -> None:
+    """Load the model, then serve until SIGINT/SIGTERM (uvicorn's handlers); the engine is shut
+    down on the way out. The port opens only once the model is loaded: /health answers 200 then."""
+    import uvicorn
+
+    loop = asyncio.get_running_loop()
+    engine = await loop.run_in_executor(None, functools.partial(AsyncLLM.from_engine_args, args.model,
+                                                                **engine_kwargs))
+    try:
+        app = build_app(engine, served_names(args), api_key=args.api_key)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                timeout_graceful_shutdown=5)
+        await uvicorn.Server(config).serve()
+    finally:
+        engine.shutdown()

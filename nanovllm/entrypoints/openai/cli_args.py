@@ -1,0 +1,43 @@
+"""`nanovllm serve [MODEL] --host 127.0.0.1 --port 8000 [engine flags]`: its arguments and command.
+
+Imports nothing heavy: the CLI's --help does not load torch or FastAPI.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    from nanovllm.entrypoints.cli import add_engine_args
+
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (streaming, /metrics)")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct); same as --model")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $NANOVLLM_API_KEY; none: open)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) the API accepts (default: MODEL as given, or SmolLM2-135M-Instruct)")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from nanovllm.entrypoints.cli import engine_kwargs
+    from nanovllm.entrypoints.openai.api_server import serve
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree: give one")
+        args.model = args.model_tag
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    asyncio.run(serve(args, engine_kwargs(args)))
+    return 0

@@ -1,0 +1,119 @@
+"""GET /metrics: Prometheus metrics (``prometheus_client``), vLLM's names under ``nanovllm:``.
+
+Per-request figures (TTFT, inter-token latency, end-to-end and queue time, token counts,
+finished requests by reason) are observed from every RequestOutput the engine hands the front
+end, whichever caller consumes it; engine-wide ones (running / waiting requests, KV-cache
+usage, preemptions, prefix-cache queries and hits) are read from the engine's stats snapshot at
+scrape time. Each app has its own registry (several servers can live in one process).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from nanovllm.engine.async_llm import AsyncLLM
+from nanovllm.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0, 160.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+
+class EngineStatsCollector:
+    """Engine-wide gauges and counters from ``AsyncLLM.stats`` (the snapshot after the last step)."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str):
+        self.engine, self.labels = engine, [model_name]
+
+    def collect(self):
+        s = self.engine.stats
+        name = ["model_name"]
+
+        def gauge(metric, doc, value):
+            g = GaugeMetricFamily(metric, doc, labels=name)
+            g.add_metric(self.labels, value)
+            return g
+
+        def counter(metric, doc, value):
+            c = CounterMetricFamily(metric, doc, labels=name)
+            c.add_metric(self.labels, value)
+            return c
+
+        total = s["num_kv_blocks"]
+        queries, hits = s["prefix_cache_query_tokens"], s["prefix_cache_hit_tokens"]
+        yield gauge("nanovllm:num_requests_running", "Requests in the running batch.", s["running"])
+        yield gauge("nanovllm:num_requests_waiting", "Requests waiting to be scheduled.", s["waiting"])
+        yield gauge("nanovllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+                    (total - s["num_free_kv_blocks"]) / total if total else 0.0)
+        yield gauge("nanovllm:num_kv_cache_blocks", "KV-cache blocks in all.", total)
+        yield counter("nanovllm:num_preemptions", "Preemptions (recompute).", s["preemptions"])
+        yield counter("nanovllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries)
+        yield counter("nanovllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
+        yield gauge("nanovllm:prefix_cache_hit_rate", "Prefix-cache hits / queries (tokens), since start.",
+                    hits / queries if queries else 0.0)
+        yield counter("nanovllm:engine_steps", "Engine steps.", s["steps"])
+
+
+class ServerMetrics:
+    """The app's registry; ``observe`` is an AsyncLLM output observer."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str):
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+        self.requests = Counter("nanovllm:request_success", "Finished requests, by finish reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self.prompt_tokens = Counter("nanovllm:prompt_tokens", "Prompt tokens of finished requests.", labels,
+                                     registry=r)
+        self.generation_tokens = Counter("nanovllm:generation_tokens", "Generated tokens.", labels, registry=r)
+        self.ttft = Histogram("nanovllm:time_to_first_token_seconds", "Arrival to first token.", labels,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("nanovllm:inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("nanovllm:e2e_request_latency_seconds", "Arrival to finish.", labels,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("nanovllm:request_queue_time_seconds", "Arrival to first scheduled.", labels,
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_len = Histogram("nanovllm:request_prompt_tokens", "Prompt length.", labels,
+                                    buckets=TOKEN_BUCKETS, registry=r)
+        self.gen_len = Histogram("nanovllm:request_generation_tokens", "Generated tokens per request.", labels,
+                                 buckets=TOKEN_BUCKETS, registry=r)
+        r.register(EngineStatsCollector(engine, model_name))
+        self.model_name = model_name
+        self._last: dict[str, tuple[float | None, int]] = {}   # request -> (last token time, tokens so far)
+        engine.output_observers.append(self.observe)
+
+    def observe(self, out: RequestOutput) -> None:
+        m, name = out.metrics, self.model_name
+        if m is None:
+            return
+        last_time, last_n = self._last.get(out.request_id, (None, 0))
+        n = m.num_generation_tokens
+        if n > last_n:
+            if last_n == 0 and m.first_token_latency is not None:
+                self.ttft.labels(name).observe(m.first_token_latency)
+                # a request seen first when several tokens are out (FINAL_ONLY): their mean gap
+                if n > 1 and m.last_token_time is not None:
+                    gap = (m.last_token_time - m.first_token_time) / (n - 1)
+                    for _ in range(n - 1):
+                        self.itl.labels(name).observe(gap)
+            elif last_time is not None and m.last_token_time is not None:
+                gap = (m.last_token_time - last_time) / (n - last_n)
+                for _ in range(n - last_n):
+                    self.itl.labels(name).observe(gap)
+            self.generation_tokens.labels(name).inc(n - last_n)
+        if not out.finished:
+            self._last[out.request_id] = (m.last_token_time, n)
+            return
+        self._last.pop(out.request_id, None)
+        reason = out.outputs[0].finish_reason or "unknown"
+        self.requests.labels(name, reason).inc()
+        self.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
+        self.prompt_len.labels(name).observe(len(out.prompt_token_ids))
+        self.gen_len.labels(name).observe(n)
+        if m.finished_time is not None:
+            self.e2e.labels(name).observe(m.finished_time - m.arrival_time)
+        if m.time_in_queue is not None:
+            self.queue.labels(name).observe(m.time_in_queue)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

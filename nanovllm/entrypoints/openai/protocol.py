@@ -1,0 +1,104 @@
+"""The OpenAI-compatible request bodies (with vLLM's extra sampling fields) and error objects.
+
+Requests are pydantic models in strict mode: a wrong type ("max_tokens": "5") is refused, not
+coerced, and the error names the field. Unknown fields are ignored (as OpenAI and vLLM do).
+Responses are built as plain dicts in the serving modules (their shapes are OpenAI's).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+NonEmptyIds = Annotated[list[int], Field(min_length=1)]
+
+
+class OpenAIError(Exception):
+    """An error answered as OpenAI's error object: ``{"error": {message, type, param, code}}``."""
+
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+             422: "invalid_request_error", 503: "service_unavailable_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+    include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM: usage in every chunk
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by both endpoints: OpenAI's, then vLLM's extras (same names as SamplingParams)."""
+    model_config = ConfigDict(strict=True)
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    request_id: str | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, NonEmptyIds, list[str], list[NonEmptyIds]]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+    content: str | list[dict] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
+    model: str | None = None
+    tokens: list[int]
+
+
+FinishReason = Literal["stop", "length", "abort", "error"]

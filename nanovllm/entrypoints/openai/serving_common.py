@@ -1,0 +1,165 @@
+"""What both OpenAI endpoints share: request -> SamplingParams (with the length checks vLLM
+makes), starting requests so that a bad one is a 400 before any byte is sent, merging the
+streams of several prompts, usage, server-sent events."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from nanovllm.engine.async_llm import AsyncLLM, EngineDeadError
+from nanovllm.entrypoints.openai.protocol import OpenAIError, SamplingFields
+from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import RequestOutputKind, SamplingParams
+
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+# OpenAI's and vLLM's names -> the value that means "off" (passed through once SamplingParams has them)
+_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def param_of(message: str, default: str | None) -> str | None:
+    """The request field an error message names (messages start with the field), else ``default``."""
+    m = re.match(r"(\w+)", message)
+    if m and (m.group(1) in SamplingFields.model_fields or m.group(1) in ("prompt", "messages", "logprobs")):
+        return m.group(1)
+    return default
+
+
+def check_model(req_model: str | None, served: list[str]) -> None:
+    if req_model is not None and req_model not in served:
+        raise OpenAIError(404, f"The model `{req_model}` does not exist. Served: {', '.join(served)}.",
+                          "model", "model_not_found")
+
+
+def sampling_params(req: SamplingFields, *, prompt_len: int, max_model_len: int, logprobs: int | None,
+                    max_tokens: int | None, default_max_tokens: int | None, stream: bool,
+                    prompt_param: str) -> SamplingParams:
+    """SamplingParams for one prompt, or OpenAIError(400) naming the field."""
+    if req.n != 1:
+        raise OpenAIError(400, f"n must be 1 (parallel sampling is not supported), got {req.n}", "n")
+    if req.logit_bias:
+        raise OpenAIError(400, "logit_bias is not supported", "logit_bias")
+    if prompt_len >= max_model_len:
+        raise OpenAIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
+                               f"request has {prompt_len} input tokens. Please reduce the length of the input.",
+                          prompt_param)
+    if max_tokens is None:
+        max_tokens = default_max_tokens if default_max_tokens is not None else max_model_len - prompt_len
+    elif isinstance(max_tokens, int) and max_tokens >= 1 and prompt_len + max_tokens > max_model_len:
+        raise OpenAIError(400, f"max_tokens={max_tokens} is too large: this model's maximum context length is "
+                               f"{max_model_len} tokens and your request has {prompt_len} input tokens "
+                               f"({prompt_len + max_tokens} > {max_model_len})", "max_tokens")
+    kwargs = dict(max_tokens=max_tokens, logprobs=logprobs, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
+                  stop=req.stop, stop_token_ids=req.stop_token_ids, seed=req.seed,
+                  include_stop_str_in_output=req.include_stop_str_in_output,
+                  skip_special_tokens=req.skip_special_tokens, prompt_logprobs=req.prompt_logprobs,
+                  output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
+    for name in ("temperature", "top_p", "top_k", "min_p"):
+        if getattr(req, name) is not None:
+            kwargs[name] = getattr(req, name)
+    for name, off in _PENALTIES.items():
+        value = getattr(req, name)
+        if value is None:
+            continue
+        if name in _SAMPLING_FIELDS:
+            kwargs[name] = value
+        elif value != off:
+            raise OpenAIError(400, f"{name}={value} is not supported by this engine (only {off})", name)
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise OpenAIError(400, str(e), param_of(str(e), None)) from None
+
+
+async def start(engine: AsyncLLM, prompts: list, params: list[SamplingParams], request_id: str,
+                prompt_param: str) -> list[tuple[AsyncIterator[RequestOutput], RequestOutput]]:
+    """Add every prompt's request and wait for its first output, so a request the engine refuses
+    is a 400 (naming the field) before the response starts; on any error none is left running."""
+    gens = [engine.generate(p, sp, f"{request_id}-{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
+    firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
+    errors = [e for e in firsts if isinstance(e, BaseException)]
+    if errors:
+        await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)
+        e = errors[0]
+        if isinstance(e, (ValueError, TypeError)):
+            raise OpenAIError(400, str(e), param_of(str(e), prompt_param)) from None
+        if isinstance(e, EngineDeadError):
+            raise OpenAIError(503, str(e)) from None
+        raise e
+    return list(zip(gens, firsts))
+
+
+async def merged(started) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several started requests, as they come."""
+    if len(started) == 1:
+        gen, first = started[0]
+        yield 0, first
+        if not first.finished:
+            async for out in gen:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, gen, first):
+        try:
+            await queue.put((i, first))
+            if not first.finished:
+                async for out in gen:
+                    await queue.put((i, out))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, e))
+            raise
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, g, f)) for i, (g, f) in enumerate(started)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(g.aclose() for g, _ in started), return_exceptions=True)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def stream_error(e: BaseException) -> str:
+    status = 503 if isinstance(e, EngineDeadError) else 500
+    return sse(OpenAIError(status, f"{type(e).__name__}: {e}").body())
+
+
+def prompt_logprobs_json(out: RequestOutput) -> list | None:
+    """vLLM's ``prompt_logprobs``: per prompt position, {token id: {logprob, rank, decoded_token}}."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if d is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token} for t, lp in d.items()}
+            for d in out.prompt_logprobs]
