@@ -1,0 +1,118 @@
+"""AsyncLLM: concurrent callers batched into the same steps, outputs equal to offline generate,
+a cancelled caller's request aborted and its blocks freed, errors raised to the caller."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from conformance.zoo import ZOO, zoo_model
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.async_llm import AsyncLLM
+from nanovllm.sampling_params import RequestOutputKind
+from tests.conftest import cached_llm, prompts_for
+
+MODEL = "qwen3-gqa2-hd64-tied"
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture
+def engine():
+    llm = LLM(zoo_model(MODEL), block_size=16, seed=0, max_model_len=256)
+    engine = AsyncLLM(llm.llm_engine)
+    yield engine
+    engine.shutdown()
+
+
+def _check_clean(engine: AsyncLLM) -> None:
+    async def check():
+        def inner(e):
+            e.check_invariants()
+            return e.block_manager.num_free_blocks, e.block_manager.num_blocks, sorted(e.requests)
+        return await engine.call(inner)
+    return check()
+
+
+def test_concurrent_callers_are_batched_and_match_offline(engine):
+    prompts = prompts_for(ZOO[MODEL].vocab_size, (5, 17, 9, 30, 3, 12, 8, 21), seed=2)
+    expected = [o.outputs[0].token_ids for o in cached_llm(zoo_model(MODEL), block_size=16, seed=0)
+                .generate(prompts, GREEDY, use_tqdm=False)]
+
+    async def one(i, prompt, kind):
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_kind=kind)
+        ids, n = [], 0
+        async for out in engine.generate(prompt, params, f"r{i}"):
+            n += 1
+            ids = ids + out.outputs[0].token_ids if kind is RequestOutputKind.DELTA else out.outputs[0].token_ids
+        return ids, n, out
+
+    async def main():
+        kinds = [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY]
+        results = await asyncio.gather(*(one(i, p, kinds[i % 3]) for i, p in enumerate(prompts)))
+        return results, engine.engine.num_steps, await _check_clean(engine)
+
+    results, steps, (free, total, live) = asyncio.run(main())
+    assert [r[0] for r in results] == expected
+    assert all(r[2].finished for r in results)
+    assert [r[1] for r in results][:3] == [12, 12, 1]      # one output per token; FINAL_ONLY once
+    assert steps < len(prompts) * 12, f"{steps} steps: the callers were not batched together"
+    assert free == total and live == []
+
+
+def test_cancelled_caller_aborts_its_request(engine):
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    prompts = prompts_for(ZOO[MODEL].vocab_size, (10, 40), seed=4)
+
+    async def main():
+        got = []
+
+        async def consume(rid, prompt):
+            async for out in engine.generate(prompt, long, rid):
+                got.append(out)
+        tasks = [asyncio.create_task(consume(f"c{i}", p)) for i, p in enumerate(prompts)]
+        while len(got) < 4:
+            await asyncio.sleep(0.01)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for _ in range(200):     # the abort command reaches the engine thread between steps
+            free, total, live = await _check_clean(engine)
+            if not live:
+                break
+            await asyncio.sleep(0.01)
+        # the engine still serves
+        short = [o async for o in engine.generate(prompts[0], GREEDY, "after")]
+        return got, (free, total, live), short, await _check_clean(engine)
+
+    got, (free, total, live), short, after = asyncio.run(main())
+    assert live == [] and free == total, "a cancelled request kept its blocks"
+    assert max(len(o.outputs[0].token_ids) for o in got) >= 1 and not any(o.finished for o in got)
+    assert short[-1].finished and len(short[-1].outputs[0].token_ids) == 12
+    assert after[0] == after[1]
+
+
+def test_bad_requests_raise_to_the_caller(engine):
+    async def main():
+        errors = []
+        for prompt, params, rid in [([], GREEDY, "empty"), ([10**9], GREEDY, "oov"),
+                                    ([5] * 300, GREEDY, "too-long"), ([5, 6], GREEDY, "")]:
+            try:
+                async for _ in engine.generate(prompt, params, rid):
+                    pass
+            except (ValueError, TypeError) as e:
+                errors.append(str(e))
+        # duplicate request ids are refused while the first one runs
+        first = engine.generate([5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True), "dup")
+        await anext(first)
+        try:
+            await anext(engine.generate([5], GREEDY, "dup"))
+        except ValueError as e:
+            errors.append(str(e))
+        await first.aclose()
+        return errors, await _check_clean(engine)
+
+    errors, (free, total, live) = asyncio.run(main())
+    assert len(errors) == 5, errors
+    assert "empty" in errors[0] and "vocabulary" in errors[1] and "max_model_len" in errors[2]
+    assert "request_id" in errors[3] and "already in use" in errors[4]
+    assert free == total and live == []

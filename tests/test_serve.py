@@ -1,0 +1,344 @@
+"""`nanovllm serve` with real clients: the official ``openai`` client and ``httpx`` against a server
+subprocess on 127.0.0.1 (a tiny zoo model, so it starts in seconds). No mocks.
+
+Greedy streaming text = non-streaming text = offline ``LLM.generate``; 64 concurrent streaming
+clients all complete and every KV block comes back (the engine's invariants are checked through
+the dev-mode /debug/engine route); a client that disconnects has its request aborted; malformed
+JSON, unknown model, wrong types, bad values and oversized prompts get 4xx naming the field, and
+the server keeps serving after each.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx", reason="the serve extra (httpx) is not installed")
+openai = pytest.importorskip("openai", reason="the serve extra (openai) is not installed")
+pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
+
+from conformance.zoo import ZOO, zoo_model  # noqa: E402
+from nanovllm import SamplingParams  # noqa: E402
+from nanovllm.bench.server_process import nanovllm_serve_command, server  # noqa: E402
+from tests.conftest import cached_llm, prompts_for  # noqa: E402
+
+MODEL = "qwen3-gqa2-hd64-tied"
+MAX_MODEL_LEN = 256
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def url():
+    cmd = nanovllm_serve_command(zoo_model(MODEL), "--served-model-name", "zoo", "--max-model-len",
+                                 str(MAX_MODEL_LEN), "--block-size", "16", "--num-kvcache-blocks", "160",
+                                 "--api-key", KEY, "--uvicorn-log-level", "warning")
+    with server(cmd, env={"NANOVLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": "1"}, ready_timeout=180) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return cached_llm(zoo_model(MODEL), block_size=16, seed=0, max_model_len=MAX_MODEL_LEN)
+
+
+def engine_state(url) -> dict:
+    r = httpx.get(f"{url}/debug/engine", headers=AUTH, timeout=30)   # runs check_invariants() in the server
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_idle(url, timeout: float = 15.0) -> dict:
+    """The engine's state once no request is live (aborts reach the engine between steps)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = engine_state(url)
+        if not state["requests"] or time.monotonic() > deadline:
+            return state
+        time.sleep(0.05)
+
+
+def assert_all_blocks_free(url) -> None:
+    state = wait_idle(url)
+    assert state["requests"] == [], f"requests still live: {state['requests']}"
+    s = state["stats"]
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"] and s["running"] == s["waiting"] == 0, s
+
+
+def metric(url, name: str, labels: str = "") -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    m = re.search(rf"^{re.escape(name)}(\{{[^}}]*{re.escape(labels)}[^}}]*\}})? (\S+)$", text, re.M)
+    assert m, f"{name} {labels} not in /metrics"
+    return float(m.group(2))
+
+
+def words(vocab: int, n: int, seed: int) -> str:
+    return " ".join(f"w{t}" for t in prompts_for(vocab, (n,), seed=seed)[0])
+
+
+# ------------------------------------------------------------------ equality
+def test_greedy_streaming_equals_non_streaming_equals_offline(client, offline):
+    vocab = ZOO[MODEL].vocab_size
+    text_prompt = words(vocab, 11, seed=1)
+    ids_prompt = prompts_for(vocab, (17,), seed=2)[0]
+    for prompt in (text_prompt, ids_prompt):
+        want = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+        full = client.completions.create(model="zoo", prompt=prompt, max_tokens=12, temperature=0)
+        chunks = list(client.completions.create(model="zoo", prompt=prompt, max_tokens=12, temperature=0,
+                                                stream=True))
+        streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert want.text and full.choices[0].text == streamed == want.text
+        assert full.choices[0].finish_reason == chunks[-1].choices[0].finish_reason == want.finish_reason
+        assert full.usage.completion_tokens == len(want.token_ids)
+        assert len(chunks) > 2, "the stream came in one piece"
+
+    conv = [{"role": "user", "content": words(vocab, 6, seed=3)}]
+    want = offline.chat(conv, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]
+    full = client.chat.completions.create(model="zoo", messages=conv, max_tokens=10, temperature=0)
+    chunks = list(client.chat.completions.create(model="zoo", messages=conv, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert full.choices[0].message.content == streamed == want.outputs[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.outputs[0].token_ids)
+    assert full.usage.prompt_tokens == chunks[-1].usage.prompt_tokens == len(want.prompt_token_ids)
+
+
+def test_sampling_fields_reach_the_engine(client, offline):
+    """stop, seed, top_k/top_p/min_p, min_tokens, ignore_eos, stop_token_ids, prompt_logprobs:
+    each request gives what offline generate gives with the same SamplingParams."""
+    vocab = ZOO[MODEL].vocab_size
+    prompt = words(vocab, 9, seed=4)
+    greedy = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0]
+    stop = " " + greedy.text.split(" ")[3]
+    cases = [
+        (dict(stop=[stop], temperature=0), {}),
+        (dict(temperature=1.0, top_p=0.9, seed=1234), {"top_k": 20, "min_p": 0.01}),
+        (dict(temperature=0), {"min_tokens": 5, "ignore_eos": True, "stop_token_ids": [greedy.token_ids[2]]}),
+    ]
+    for fields, extra in cases:
+        params = SamplingParams(max_tokens=8, **fields, **extra)
+        want = offline.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        for stream in (False, True):
+            r = client.completions.create(model="zoo", prompt=prompt, max_tokens=8, stream=stream, extra_body=extra,
+                                          **fields)
+            text = "".join(c.choices[0].text for c in r if c.choices) if stream else r.choices[0].text
+            assert text == want.text, (fields, extra, stream)
+    r = client.completions.create(model="zoo", prompt=prompt, max_tokens=8, stop=[stop], temperature=0)
+    assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].text
+    r = httpx.post(f"{client.base_url}completions", headers=AUTH, timeout=30, json={
+        "model": "zoo", "prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1})
+    plp = r.json()["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == 9 and all(len(d) >= 1 for d in plp[1:])
+
+
+def test_logprobs(client, offline):
+    vocab = ZOO[MODEL].vocab_size
+    prompt = words(vocab, 7, seed=5)
+    want = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=5, logprobs=3),
+                            use_tqdm=False)[0].outputs[0]
+    r = client.completions.create(model="zoo", prompt=prompt, max_tokens=5, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    for i, (tok, entry) in enumerate(zip(want.token_ids, want.logprobs)):
+        assert lp.token_logprobs[i] == pytest.approx(entry[tok].logprob, abs=1e-4)
+        assert len(lp.top_logprobs[i]) >= 3 and max(lp.top_logprobs[i].values()) == pytest.approx(
+            lp.token_logprobs[i], abs=1e-6)   # greedy: the sampled token is the most likely
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+
+    conv = [{"role": "user", "content": prompt}]
+    r = client.chat.completions.create(model="zoo", messages=conv, max_tokens=4, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    for c in content:
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+        assert c.top_logprobs[0].logprob == pytest.approx(c.logprob) and c.bytes == list(c.token.encode())
+    chunks = list(client.chat.completions.create(model="zoo", messages=conv, max_tokens=4, temperature=0,
+                                                 logprobs=True, top_logprobs=2, stream=True))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [c.token for c in streamed] == [c.token for c in content]
+
+
+def test_sse_chunk_shapes_and_usage(url):
+    body = {"model": "zoo", "prompt": [[5, 6, 7], [8, 9]], "max_tokens": 4, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert len({c["id"] for c in chunks}) == 1 and all(c["object"] == "text_completion" for c in chunks)
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 5, "completion_tokens": 8,
+                                                         "total_tokens": 13}
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == index]
+        assert [m["finish_reason"] for m in mine] == [None] * (len(mine) - 1) + ["length"]
+    body["stream_options"] = None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=30) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line and line != "data: [DONE]"]
+    assert all(c["choices"] and c.get("usage") is None for c in chunks)
+
+
+# ---------------------------------------------------------------- concurrency
+def test_64_concurrent_streaming_clients(url, offline):
+    vocab = ZOO[MODEL].vocab_size
+    prompts = prompts_for(vocab, [3 + (i * 7) % 40 for i in range(64)], seed=6)
+    want = [o.outputs[0].text for o in offline.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)]
+    steps_before = engine_state(url)["stats"]["steps"]
+
+    async def one(aclient, prompt):
+        stream = await aclient.completions.create(model="zoo", prompt=prompt, max_tokens=10, temperature=0,
+                                                  stream=True, extra_body={"ignore_eos": True})
+        text, reason = "", None
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            reason = chunk.choices[0].finish_reason or reason
+        return text, reason
+
+    async def main():
+        limits = httpx.Limits(max_connections=64)
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60,
+                                      http_client=httpx.AsyncClient(limits=limits, timeout=60)) as aclient:
+            return await asyncio.wait_for(asyncio.gather(*(one(aclient, p) for p in prompts)), timeout=90)
+
+    results = asyncio.run(main())
+    assert [r[0] for r in results] == want
+    assert all(r[1] == "length" for r in results)
+    steps = engine_state(url)["stats"]["steps"] - steps_before
+    assert steps < 64 * 10 / 4, f"{steps} steps for 64 requests of 10 tokens: they were not batched"
+    assert_all_blocks_free(url)
+    assert metric(url, "nanovllm:kv_cache_usage_perc") == 0.0
+
+
+def test_client_disconnect_aborts_the_request(url):
+    aborted_before = _aborted(url)
+    body = {"model": "zoo", "prompt": [5, 6, 7, 8], "max_tokens": 200, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]       # a few chunks, then hang up
+    assert sum(line.startswith("data: {") for line in got) >= 3
+    assert_all_blocks_free(url)
+    assert _aborted(url) == aborted_before + 1
+    # not streaming: the client gives up a quarter of the way through the request
+    start = time.perf_counter()
+    r = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, headers=AUTH, timeout=30)
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    full = time.perf_counter() - start
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, headers=AUTH, timeout=full / 4)
+    assert_all_blocks_free(url)
+    assert _aborted(url) == aborted_before + 2
+
+
+def _aborted(url) -> float:
+    try:
+        return metric(url, "nanovllm:request_success_total", 'finished_reason="abort"')
+    except AssertionError:   # no abort yet: the labelled series does not exist
+        return 0.0
+
+
+# -------------------------------------------------------------------- errors
+TOO_LONG = [7] * (MAX_MODEL_LEN + 4)
+BAD_REQUESTS = [
+    # (route, body, status, param)
+    ("completions", b'{"prompt": "w5", "max_tokens": ', 400, "body"),
+    ("completions", b'[1, 2]', 400, "body"),
+    ("completions", {"model": "gpt-4", "prompt": "w5"}, 404, "model"),
+    ("completions", {"prompt": "w5", "max_tokens": "5"}, 400, "max_tokens"),
+    ("completions", {"prompt": "w5", "temperature": "hot"}, 400, "temperature"),
+    ("completions", {"prompt": 5}, 400, "prompt"),
+    ("completions", {"max_tokens": 5}, 400, "prompt"),
+    ("completions", {"prompt": "w5", "stream": "yes"}, 400, "stream"),
+    ("completions", {"prompt": "w5", "stream_options": {"include_usage": 1}}, 400, "stream_options.include_usage"),
+    ("completions", {"prompt": "w5", "temperature": -1}, 400, "temperature"),
+    ("completions", {"prompt": "w5", "top_p": 0}, 400, "top_p"),
+    ("completions", {"prompt": "w5", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"prompt": "w5", "n": 2}, 400, "n"),
+    ("completions", {"prompt": "w5", "logprobs": -1}, 400, "logprobs"),
+    ("completions", {"prompt": "w5", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ("completions", {"prompt": "w5", "min_tokens": 9, "max_tokens": 3}, 400, "min_tokens"),
+    ("completions", {"prompt": [10 ** 6]}, 400, "prompt"),
+    ("completions", {"prompt": TOO_LONG}, 400, "prompt"),
+    ("completions", {"prompt": TOO_LONG, "stream": True}, 400, "prompt"),
+    ("completions", {"prompt": "w5", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+    ("chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("chat/completions", {"messages": []}, 400, "messages"),
+    ("chat/completions", {"messages": [{"content": "w5"}]}, 400, "messages[0].role"),
+    ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "w5"}], "top_logprobs": 3}, 400, "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": " ".join(["w9"] * MAX_MODEL_LEN)}]},
+     400, "messages"),
+]
+
+
+def test_bad_requests_get_4xx_naming_the_field_and_the_server_keeps_serving(url, client):
+    for route, body, status, param in BAD_REQUESTS:
+        kwargs = {"content": body, "headers": {**AUTH, "Content-Type": "application/json"}} if isinstance(
+            body, bytes) else {"json": body, "headers": AUTH}
+        r = httpx.post(f"{url}/v1/{route}", timeout=30, **kwargs)
+        assert r.status_code == status, (body, r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param, (body, err)
+        assert err["message"] and "Traceback" not in r.text
+        ok = client.completions.create(model="zoo", prompt="w10 w11", max_tokens=2, temperature=0)
+        assert ok.choices[0].finish_reason in ("length", "stop"), body
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="w10", max_tokens=2)
+    assert_all_blocks_free(url)
+
+
+def test_api_key(url):
+    body = {"prompt": "w10", "max_tokens": 1}
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 401
+    r = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200          # open, for load balancers
+    assert httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=30).status_code == 200
+
+
+# --------------------------------------------------------- the other routes
+def test_models_tokenize_detokenize(url, client, offline):
+    assert [m.id for m in client.models.list().data] == ["zoo"]
+    tok = offline.get_tokenizer()
+    r = httpx.post(f"{url}/tokenize", json={"prompt": "w10 w20 w30"}, headers=AUTH, timeout=30).json()
+    assert r["tokens"] == tok.encode("w10 w20 w30") and r["count"] == 3 and r["max_model_len"] == MAX_MODEL_LEN
+    conv = [{"role": "user", "content": "w10 w20"}]
+    r = httpx.post(f"{url}/tokenize", json={"messages": conv}, headers=AUTH, timeout=30).json()
+    assert r["tokens"] == tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
+    r = httpx.post(f"{url}/detokenize", json={"tokens": tok.encode("w10 w20")}, headers=AUTH, timeout=30)
+    assert r.json() == {"prompt": "w10 w20"}
+    r = httpx.post(f"{url}/detokenize", json={"tokens": [5, 10 ** 7]}, headers=AUTH, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens[1]"
+
+
+def test_metrics(url, client):
+    names = ["nanovllm:time_to_first_token_seconds_count", "nanovllm:inter_token_latency_seconds_count",
+             "nanovllm:e2e_request_latency_seconds_count", "nanovllm:request_queue_time_seconds_count",
+             "nanovllm:generation_tokens_total", "nanovllm:prompt_tokens_total"]
+    before = {n: metric(url, n) for n in names}
+    client.completions.create(model="zoo", prompt=[5, 6, 7, 8, 9], max_tokens=6, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = {n: metric(url, n) for n in names}
+    assert after["nanovllm:generation_tokens_total"] - before["nanovllm:generation_tokens_total"] == 6
+    assert after["nanovllm:prompt_tokens_total"] - before["nanovllm:prompt_tokens_total"] == 5
+    assert after["nanovllm:inter_token_latency_seconds_count"] - before["nanovllm:inter_token_latency_seconds_count"] == 5
+    for n in names[:4]:
+        assert after[n] - before[n] == (5 if "inter_token" in n else 1), n
+    for n in ("nanovllm:kv_cache_usage_perc", "nanovllm:num_preemptions_total", "nanovllm:prefix_cache_hit_rate",
+              "nanovllm:prefix_cache_queries_total", "nanovllm:num_requests_running"):
+        assert metric(url, n) >= 0
+    assert metric(url, "nanovllm:prefix_cache_queries_total") > 0
