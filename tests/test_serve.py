@@ -342,3 +342,26 @@ def test_metrics(url, client):
               "nanovllm:prefix_cache_queries_total", "nanovllm:num_requests_running"):
         assert metric(url, n) >= 0
     assert metric(url, "nanovllm:prefix_cache_queries_total") > 0
+
+
+# ------------------------------------------------------------- bench serve
+def test_bench_serve_client(url):
+    """`nanovllm bench serve`'s client against this server: every request completes with the
+    tokens asked for, and the latencies are consistent."""
+    from nanovllm.bench.serve import percentile, run_requests
+    from nanovllm.bench.workloads import Workload
+
+    vocab = ZOO[MODEL].vocab_size
+    w = Workload("t", prompts_for(vocab, (4, 9, 30, 12, 7, 3), seed=8), [5, 9, 3, 12, 6, 1], 0.0, 0, 0)
+    m = asyncio.run(run_requests(url, "zoo", w, rate=50.0, max_concurrency=3, api_key=KEY))
+    assert all(r.ok for r in m.results), [r.error for r in m.results]
+    assert [r.output_tokens for r in m.results] == w.max_tokens and m.output_tokens == sum(w.max_tokens)
+    for r, n in zip(m.results, w.max_tokens):
+        assert 0 < r.ttft <= r.e2e and len(r.itl) == n - 1 and all(x >= 0 for x in r.itl)
+    s = m.summary()
+    assert s["completed"] == 6 and s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"]
+    bad = asyncio.run(run_requests(url, "zoo", w, rate=float("inf"), max_concurrency=None, api_key="wrong"))
+    assert not any(r.ok for r in bad.results) and "401" in bad.results[0].error   # failures are counted
+    import numpy as np
+    xs = [0.3, 0.1, 0.7, 0.2, 0.9]
+    assert [percentile(xs, p) for p in (50, 90, 99)] == pytest.approx(np.percentile(xs, [50, 90, 99]))

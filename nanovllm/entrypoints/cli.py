@@ -139,15 +139,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_args(bench)
     add_engine_args(bench)
     bench.set_defaults(func=cmd_bench)
-    add_serve_command(sub)
+    add_serve_commands(sub, bench)
     return parser
 
 
-def add_serve_command(sub) -> None:
-    """`nanovllm serve` (nanovllm/entrypoints/openai/cli_args.py)."""
+def add_serve_commands(sub, bench) -> None:
+    """`nanovllm serve` (entrypoints/openai/cli_args.py) and `nanovllm bench serve` (bench/serve.py)."""
+    from nanovllm.bench.serve import add_bench_serve_command
     from nanovllm.entrypoints.openai.cli_args import add_serve_parser
 
     add_serve_parser(sub)
+    add_bench_serve_command(bench)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -227,8 +227,8 @@ async def serve(args, engine_kwargs: dict) -> None:
     import uvicorn
 
     loop = asyncio.get_running_loop()
-    engine = await loop.run_in_executor(None, functools.partial(AsyncLLM.from_engine_args, args.model,
-                                                                **engine_kwargs))
+    engine = await loop.run_in_executor(None, functools.partial(
+        AsyncLLM.from_engine_args, args.model, load_format=getattr(args, "load_format", "auto"), **engine_kwargs))
     try:
         app = build_app(engine, served_names(args), api_key=args.api_key)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,

@@ -20,6 +20,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' (default: $NANOVLLM_API_KEY; none: open)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) the API accepts (default: MODEL as given, or SmolLM2-135M-Instruct)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights (benchmarks of a model shape)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_args(p)

@@ -1,0 +1,262 @@
+"""`nanovllm bench serve`: a benchmark workload sent over HTTP to OpenAI-compatible servers.
+
+Each request is a streaming ``/v1/completions`` call with the workload's prompt token ids,
+max_tokens, temperature and ``ignore_eos`` (vLLM's extra field). Requests arrive at
+``--request-rate`` per second (Poisson; ``inf`` = all at once) with at most ``--max-concurrency``
+in flight. Measured on the client: TTFT (send -> first text chunk), inter-token latency (the
+gaps between chunks, per token), end-to-end latency, output throughput (usage tokens / wall
+time of the run). Targets: the nanovllm server (started here with the engine flags, or
+``--base-url``), ``--peer vllm`` (``vllm serve`` from vLLM's own virtual env, started here), and
+``--offline`` (the same workload through ``LLM.generate`` in this process, for served / offline).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+from nanovllm.bench.server_process import nanovllm_serve_command, server
+from nanovllm.bench.workloads import Workload, cpu_workload, gpu_workload, shape_config_dir
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+@dataclass
+class ServeMeasurement:
+    engine: str
+    duration: float
+    results: list[RequestResult]
+
+    @property
+    def completed(self) -> list[RequestResult]:
+        return [r for r in self.results if r.ok]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.output_tokens for r in self.completed)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.duration
+
+    def summary(self) -> dict:
+        done = self.completed
+        out = {"engine": self.engine, "completed": len(done), "failed": len(self.results) - len(done),
+               "duration_s": self.duration, "output_tokens": self.output_tokens,
+               "output_tokens_per_s": self.tokens_per_s, "requests_per_s": len(done) / self.duration}
+        for name, values in (("ttft_ms", [r.ttft for r in done]), ("itl_ms", [x for r in done for x in r.itl]),
+                             ("e2e_ms", [r.e2e for r in done])):
+            out[name] = {"mean": statistics.fmean(values) * 1e3 if values else None,
+                         **{f"p{p}": percentile(values, p) * 1e3 if values else None for p in (50, 90, 99)}}
+        return out
+
+
+def percentile(values: list[float], p: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    xs = sorted(values)
+    k = (len(xs) - 1) * p / 100
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+async def one_request(client, url: str, model: str, prompt: list[int], max_tokens: int,
+                      temperature: float) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    last = None
+    result = RequestResult(ok=False)
+    pending = 0   # tokens of chunks that carried no text yet (held-back multi-byte text)
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                result.error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
+                return result
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage") and not chunk.get("choices"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                    continue
+                pending += 1
+                if not chunk["choices"][0]["text"]:
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    result.ttft = now - start
+                else:
+                    result.itl += [(now - last) / pending] * pending
+                last, pending = now, 0
+        result.e2e = time.perf_counter() - start
+        result.ok = result.output_tokens > 0
+        if not result.ok:
+            result.error = "no usage chunk"
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+async def run_requests(url: str, model: str, w: Workload, rate: float, max_concurrency: int | None,
+                       seed: int = 0, api_key: str | None = None) -> ServeMeasurement:
+    import httpx
+
+    limit = asyncio.Semaphore(max_concurrency or len(w.prompts))
+    rng = random.Random(seed)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), headers=headers,
+                                 limits=httpx.Limits(max_connections=max_concurrency or len(w.prompts))) as client:
+        async def limited(prompt, n):
+            async with limit:
+                return await one_request(client, url, model, prompt, n, w.temperature)
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt, n in zip(w.prompts, w.max_tokens):
+            tasks.append(asyncio.create_task(limited(prompt, n)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        return ServeMeasurement("", time.perf_counter() - start, list(results))
+
+
+def measure(url: str, model: str, w: Workload, args) -> ServeMeasurement:
+    warm = Workload("warm-up", [[(t + 1) % 30000 for t in p[:32]] for p in w.prompts[:4]], [8] * 4,
+                    w.temperature, 0, 0)
+    asyncio.run(run_requests(url, model, warm, float("inf"), None, api_key=args.api_key))
+    return asyncio.run(run_requests(url, model, w, args.request_rate, args.max_concurrency, api_key=args.api_key))
+
+
+def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", choices=("cpu", "gpu"), default="cpu", help="the dataset (BENCH.md workloads)")
+    p.add_argument("--shape", default="qwen3-0.6b", help="random-weight model shape for the gpu workload")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (Poisson); "
+                                                                            "inf: all at once")
+    p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    p.add_argument("--base-url", default=None, help="benchmark this running server instead of starting one")
+    p.add_argument("--api-key", default=None, help="API key of the --base-url server")
+    p.add_argument("--peer", action="append", choices=("vllm",), default=[], help="also start and measure "
+                                                                                  "vllm serve (repeatable)")
+    p.add_argument("--vllm-python", default=None, help="python of vLLM's virtual env (default: "
+                                                       "$NANOVLLM_VLLM_PYTHON or ./.venv-vllm)")
+    p.add_argument("--vllm-arg", action="append", default=[], help="extra argument for vllm serve (repeatable)")
+    p.add_argument("--offline", action="store_true", help="also run the workload offline (LLM.generate)")
+    p.add_argument("--json-out", default=None, help="write the measurements as JSON here")
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    from nanovllm.entrypoints.cli import engine_kwargs
+    from nanovllm.loader.model_loader import resolve_model_dir
+
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
+    w = cpu_workload() if args.workload == "cpu" else gpu_workload()
+    w.check_totals()
+    eargs = engine_kwargs(args)
+    dummy = args.workload == "gpu" and not args.model
+    model_dir = shape_config_dir(args.shape) if dummy else resolve_model_dir(args.model)
+    print(f"workload {w.name}: {len(w.prompts)} requests, {w.num_prompt_tokens} prompt tokens, "
+          f"{w.num_output_tokens} output tokens; rate {args.request_rate}, max concurrency "
+          f"{args.max_concurrency or 'unbounded'}; model {model_dir}", file=sys.stderr)
+    rows: list[ServeMeasurement] = []
+    offline = None
+    if args.offline:
+        from nanovllm.bench.peers import run_nanovllm
+        offline = run_nanovllm(w, model_dir, eargs, "dummy" if dummy else "auto")[0]
+        print(f"  nanovllm offline: {offline.tokens_per_s:.1f} tok/s", file=sys.stderr)
+
+    flags = [f"--{k.replace('_', '-')}={v}" if not isinstance(v, bool) else
+             f"--{'' if v else 'no-'}{k.replace('_', '-')}" for k, v in eargs.items()]
+    if dummy:
+        flags += ["--load-format=dummy", "--max-model-len=4096"]
+    if args.base_url:
+        rows.append(_measured("nanovllm serve (given URL)", args.base_url, None, w, args))
+    else:
+        cmd = nanovllm_serve_command(model_dir, "--served-model-name", "bench", "--uvicorn-log-level", "warning",
+                                     *flags)
+        with server(cmd, ready_timeout=900) as url:
+            rows.append(_measured("nanovllm serve", url, "bench", w, args))
+    for peer in args.peer:
+        from nanovllm.bench.peers import find_vllm_python, python_version_of
+        python = find_vllm_python(args.vllm_python)
+        if python is None:
+            print("  vllm: skipped (no vLLM virtual env found; pass --vllm-python)", file=sys.stderr)
+            continue
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+               "--served-model-name", "bench", "--dtype", "float32" if w.name == "cpu" else "bfloat16",
+               "--seed", "0", "--disable-log-requests", "--gpu-memory-utilization", "0.15", *args.vllm_arg]
+        env = {"PYTHONPATH": "", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        try:
+            with server(cmd, env=env, ready_timeout=1800) as url:
+                rows.append(_measured(f"vllm serve {python_version_of(python)}", url, "bench", w, args))
+        except Exception as e:  # noqa: BLE001 - a failing peer is reported, not fatal to the table
+            print(f"  vllm: failed: {type(e).__name__}: {e}", file=sys.stderr)
+    print_table(rows, offline)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"argv": sys.argv, "workload": w.name, "request_rate": args.request_rate,
+                       "max_concurrency": args.max_concurrency, "engine_args": eargs,
+                       "offline_tokens_per_s": offline.tokens_per_s if offline else None,
+                       "results": [m.summary() for m in rows]}, f, indent=1)
+    return 0 if all(not m.summary()["failed"] for m in rows) else 1
+
+
+def _measured(label: str, url: str, model: str | None, w: Workload, args) -> ServeMeasurement:
+    if model is None:
+        import httpx
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        model = httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    m = measure(url, model, w, args)
+    m.engine = label
+    s = m.summary()
+    print(f"  {label}: {s['output_tokens_per_s']:.1f} tok/s, {s['completed']} ok, {s['failed']} failed"
+          + (f" (first error: {next(r.error for r in m.results if not r.ok)})" if s["failed"] else ""),
+          file=sys.stderr)
+    return m
+
+
+def print_table(rows: list[ServeMeasurement], offline) -> None:
+    sums = [m.summary() for m in rows]
+    print("\n| metric | " + " | ".join(s["engine"] for s in sums) + " |")
+    print("| --- |" + " ---: |" * len(sums))
+
+    def line(name, values):
+        print(f"| {name} | " + " | ".join(values) + " |")
+
+    line("requests ok / failed", [f"{s['completed']} / {s['failed']}" for s in sums])
+    line("duration (s)", [f"{s['duration_s']:.2f}" for s in sums])
+    line("output tok/s", [f"{s['output_tokens_per_s']:,.1f}" for s in sums])
+    line("requests/s", [f"{s['requests_per_s']:.2f}" for s in sums])
+    for key, label in (("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
+        for stat in ("mean", "p50", "p90", "p99"):
+            line(f"{label} {stat} (ms)", ["n/a" if s[key][stat] is None else f"{s[key][stat]:,.1f}" for s in sums])
+    if offline is not None:
+        print(f"\nnanovllm offline (LLM.generate, same workload): {offline.tokens_per_s:,.1f} tok/s; served / offline: "
+              + ", ".join(f"{s['engine']} {s['output_tokens_per_s'] / offline.tokens_per_s:.1%}" for s in sums))
+
+
+def add_bench_serve_command(bench: argparse.ArgumentParser) -> None:
+    """`nanovllm bench serve ...` beside the offline `nanovllm bench ...`."""
+    from nanovllm.entrypoints.cli import add_engine_args
+
+    subs = bench.add_subparsers(dest="bench_command", required=False, metavar="{serve}")
+    p = subs.add_parser("serve", help="serving benchmark over HTTP (TTFT, ITL, end-to-end; vs vllm serve)")
+    add_bench_serve_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=run_bench_serve)
