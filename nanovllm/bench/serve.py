@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -198,10 +199,10 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         if python is None:
             print("  vllm: skipped (no vLLM virtual env found; pass --vllm-python)", file=sys.stderr)
             continue
-        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-               "--served-model-name", "bench", "--dtype", "float32" if w.name == "cpu" else "bfloat16",
-               "--seed", "0", "--disable-log-requests", "--gpu-memory-utilization", "0.15", *args.vllm_arg]
-        env = {"PYTHONPATH": "", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        cmd = [python, "-m", "vllm.entrypoints.cli.main", "serve", model_dir, "--served-model-name", "bench",
+               "--dtype", "float32" if w.name == "cpu" else "bfloat16", "--seed", "0", *args.vllm_arg]
+        # the CPU build keeps its KV cache in host memory: 2 GiB, not a share of all of it
+        env = {"PYTHONPATH": "", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
         try:
             with server(cmd, env=env, ready_timeout=1800) as url:
                 rows.append(_measured(f"vllm serve {python_version_of(python)}", url, "bench", w, args))

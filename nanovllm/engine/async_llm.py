@@ -208,7 +208,7 @@ class AsyncLLM:
                 _, request_id, prompt, params, fut = cmd
                 try:
                     engine.add_request(request_id, prompt, params)
-                except (ValueError, TypeError) as e:
+                except Exception as e:  # noqa: BLE001 - a refused request is its caller's error, not the engine's
                     self._to_loop(self._settle, fut, None, e)
                 else:
                     self._to_loop(self._settle, fut, None, None)

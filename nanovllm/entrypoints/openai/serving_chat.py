@@ -85,9 +85,10 @@ async def create_chat_completion(engine: AsyncLLM, req: ChatCompletionRequest, s
     model = req.model or served[0]
     if req.stream:
         return _stream(req, started, request_id, model, top or 0)
-    async for _, out in merged(started):
-        if out.finished:
-            break
+    async with merged(started) as outputs:
+        async for _, out in outputs:
+            if out.finished:
+                break
     c = out.outputs[0]
     choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
               "logprobs": chat_logprobs(c, top or 0), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
@@ -116,15 +117,16 @@ async def _stream(req: ChatCompletionRequest, started, request_id: str, model: s
 
     try:
         first = True
-        async for _, out in merged(started):
-            c = out.outputs[0]
-            prompt_tokens = len(out.prompt_token_ids)
-            completion_tokens += len(c.token_ids)
-            if first:
-                first = False
-                yield sse(chunk({"role": "assistant", "content": ""}))
-            if c.text or c.finish_reason is not None or c.logprobs:
-                yield sse(chunk({"content": c.text} if c.text else {}, c))
+        async with merged(started) as outputs:
+            async for _, out in outputs:
+                c = out.outputs[0]
+                prompt_tokens = len(out.prompt_token_ids)
+                completion_tokens += len(c.token_ids)
+                if first:
+                    first = False
+                    yield sse(chunk({"role": "assistant", "content": ""}))
+                if c.text or c.finish_reason is not None or c.logprobs:
+                    yield sse(chunk({"content": c.text} if c.text else {}, c))
         if include_usage:
             yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                        "choices": [], "usage": usage(prompt_tokens, completion_tokens)})

@@ -4,6 +4,7 @@ streams of several prompts, usage, server-sent events."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import re
@@ -101,14 +102,23 @@ async def start(engine: AsyncLLM, prompts: list, params: list[SamplingParams], r
     return list(zip(gens, firsts))
 
 
-async def merged(started) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from several started requests, as they come."""
+def merged(started) -> contextlib.aclosing:
+    """``async with merged(started) as outputs``: (prompt index, output) from several started
+    requests, as they come; leaving the block (or an error) closes them all, aborting the
+    unfinished ones."""
+    return contextlib.aclosing(_merged(started))
+
+
+async def _merged(started) -> AsyncIterator[tuple[int, RequestOutput]]:
     if len(started) == 1:
         gen, first = started[0]
-        yield 0, first
-        if not first.finished:
-            async for out in gen:
-                yield 0, out
+        try:
+            yield 0, first
+            if not first.finished:
+                async for out in gen:
+                    yield 0, out
+        finally:
+            await gen.aclose()   # at once, not when collected: closing aborts an unfinished request
         return
     queue: asyncio.Queue = asyncio.Queue()
 

@@ -60,26 +60,27 @@ async def create_completion(engine: AsyncLLM, req: CompletionRequest, served: li
     started = await start(engine, prompts, params, request_id, "prompt")
     model = req.model or served[0]
     if req.stream:
-        return _stream(req, started, request_id, model)
+        return _stream(req, started, request_id, model, engine.tokenizer)
     choices, prompt_tokens, completion_tokens = [], 0, 0
-    async for i, out in merged(started):
-        if not out.finished:
-            continue
-        c = out.outputs[0]
-        text = c.text
-        if req.echo:
-            text = (out.prompt or engine.tokenizer.decode(out.prompt_token_ids)) + text
-        choices.append({"index": i, "text": text, "logprobs": completion_logprobs(c, 0),
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                        "prompt_logprobs": prompt_logprobs_json(out)})
-        prompt_tokens += len(out.prompt_token_ids)
-        completion_tokens += len(c.token_ids)
+    async with merged(started) as outputs:
+        async for i, out in outputs:
+            if not out.finished:
+                continue
+            c = out.outputs[0]
+            text = c.text
+            if req.echo:
+                text = (out.prompt or engine.tokenizer.decode(out.prompt_token_ids)) + text
+            choices.append({"index": i, "text": text, "logprobs": completion_logprobs(c, 0),
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                            "prompt_logprobs": prompt_logprobs_json(out)})
+            prompt_tokens += len(out.prompt_token_ids)
+            completion_tokens += len(c.token_ids)
     choices.sort(key=lambda ch: ch["index"])
     return {"id": request_id, "object": "text_completion", "created": now(), "model": model,
             "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
 
-async def _stream(req: CompletionRequest, started, request_id: str, model: str) -> AsyncIterator[str]:
+async def _stream(req: CompletionRequest, started, request_id: str, model: str, tokenizer) -> AsyncIterator[str]:
     created = now()
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
@@ -90,25 +91,26 @@ async def _stream(req: CompletionRequest, started, request_id: str, model: str) 
     offsets = [0] * n
     echoed = [not req.echo] * n
     try:
-        async for i, out in merged(started):
-            c = out.outputs[0]
-            prompt_tokens[i] = len(out.prompt_token_ids)
-            completion_tokens[i] += len(c.token_ids)
-            text = c.text
-            if not echoed[i]:
-                text, echoed[i] = (out.prompt or "") + text, True
-            logprobs = completion_logprobs(c, offsets[i])
-            offsets[i] += len(text)
-            if not text and not c.token_ids and c.finish_reason is None:
-                continue
-            chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-                     "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                                  "stop_reason": c.stop_reason}]}
-            if out.prompt_logprobs is not None:
-                chunk["choices"][0]["prompt_logprobs"] = prompt_logprobs_json(out)
-            if continuous:
-                chunk["usage"] = usage(prompt_tokens[i], completion_tokens[i])
-            yield sse(chunk)
+        async with merged(started) as outputs:
+            async for i, out in outputs:
+                c = out.outputs[0]
+                prompt_tokens[i] = len(out.prompt_token_ids)
+                completion_tokens[i] += len(c.token_ids)
+                text = c.text
+                if not echoed[i]:
+                    text, echoed[i] = (out.prompt or tokenizer.decode(out.prompt_token_ids)) + text, True
+                logprobs = completion_logprobs(c, offsets[i])
+                offsets[i] += len(text)
+                if not text and not c.token_ids and c.finish_reason is None:
+                    continue
+                chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                         "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                                      "stop_reason": c.stop_reason}]}
+                if out.prompt_logprobs is not None:
+                    chunk["choices"][0]["prompt_logprobs"] = prompt_logprobs_json(out)
+                if continuous:
+                    chunk["usage"] = usage(prompt_tokens[i], completion_tokens[i])
+                yield sse(chunk)
         if include_usage:
             yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
                        "choices": [], "usage": usage(sum(prompt_tokens), sum(completion_tokens))})
