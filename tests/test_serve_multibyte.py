@@ -19,7 +19,7 @@ PROMPTS = ["Emoji list: 😀 😃 😄 😁 😆 😅 😂 🤣 😊 😇", "世
 def client(smollm_path):
     cmd = nanovllm_serve_command(None, "--max-model-len", "512", "--num-kvcache-blocks", "64",
                                  "--uvicorn-log-level", "warning")
-    with server(cmd, env={"OMP_NUM_THREADS": "1"}, ready_timeout=300) as url:
+    with server(cmd, ready_timeout=300) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
