@@ -3,8 +3,8 @@
 Each request is a streaming ``/v1/completions`` call with the workload's prompt token ids,
 max_tokens, temperature and ``ignore_eos`` (vLLM's extra field). Requests arrive at
 ``--request-rate`` per second (Poisson; ``inf`` = all at once) with at most ``--max-concurrency``
-in flight. Measured on the client: TTFT (send -> first text chunk), inter-token latency (the
-gaps between chunks, per token), end-to-end latency, output throughput (usage tokens / wall
+in flight. Measured on the client, as vLLM's ``bench serve`` does: TTFT (send -> first chunk),
+inter-token latency (the gaps between chunks: one token each), end-to-end latency, output throughput (usage tokens / wall
 time of the run). Targets: the nanovllm server (started here with the engine flags, or
 ``--base-url``), ``--peer vllm`` (``vllm serve`` from vLLM's own virtual env, started here), and
 ``--offline`` (the same workload through ``LLM.generate`` in this process, for served / offline).
@@ -81,7 +81,6 @@ async def one_request(client, url: str, model: str, prompt: list[int], max_token
     start = time.perf_counter()
     last = None
     result = RequestResult(ok=False)
-    pending = 0   # tokens of chunks that carried no text yet (held-back multi-byte text)
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -94,15 +93,14 @@ async def one_request(client, url: str, model: str, prompt: list[int], max_token
                 if chunk.get("usage") and not chunk.get("choices"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                     continue
-                pending += 1
-                if not chunk["choices"][0]["text"]:
-                    continue
+                # as vLLM's benchmark: every chunk is a token event, with or without text (a
+                # model without a tokenizer, text held back until a character is whole)
                 now = time.perf_counter()
                 if last is None:
                     result.ttft = now - start
                 else:
-                    result.itl += [(now - last) / pending] * pending
-                last, pending = now, 0
+                    result.itl.append(now - last)
+                last = now
         result.e2e = time.perf_counter() - start
         result.ok = result.output_tokens > 0
         if not result.ok:
