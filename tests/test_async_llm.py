@@ -116,3 +116,54 @@ def test_bad_requests_raise_to_the_caller(engine):
     assert "empty" in errors[0] and "vocabulary" in errors[1] and "max_model_len" in errors[2]
     assert "request_id" in errors[3] and "already in use" in errors[4]
     assert free == total and live == []
+
+
+def test_a_failing_step_kills_the_engine_loudly(engine):
+    """A step that raises (here: the executor fails) ends every caller with EngineDeadError, and
+    every later call too; the server answers 503 then (see the server test below)."""
+    from nanovllm.engine.async_llm import EngineDeadError
+
+    def broken(mi):
+        raise RuntimeError("device lost")
+    engine.engine.executor.execute = broken
+
+    async def main():
+        errors = []
+        for rid in ("a", "b"):
+            try:
+                async for _ in engine.generate([5, 6, 7], GREEDY, rid):
+                    pass
+            except EngineDeadError as e:
+                errors.append(str(e))
+        try:
+            await engine.check_health()
+        except EngineDeadError as e:
+            errors.append(str(e))
+        return errors
+
+    errors = asyncio.run(main())
+    assert len(errors) == 3 and all("device lost" in e for e in errors), errors
+    assert not engine.is_running
+
+
+def test_server_answers_503_once_the_engine_is_dead(engine):
+    httpx = pytest.importorskip("httpx", reason="the serve extra (httpx) is not installed")
+    pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
+    from nanovllm.entrypoints.openai.api_server import build_app
+
+    def broken(mi):
+        raise RuntimeError("device lost")
+    engine.engine.executor.execute = broken
+    app = build_app(engine, ["zoo"])
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            first = await client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 3})
+            second = await client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 3})
+            health = await client.get("/health")
+            return first, second, health
+
+    first, second, health = asyncio.run(main())
+    for r in (first, second, health):
+        assert r.status_code == 503, r.text
+        assert "device lost" in r.json()["error"]["message"] and "Traceback" not in r.text

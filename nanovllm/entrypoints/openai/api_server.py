@@ -143,20 +143,21 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
             return JSONResponse(result)
         return DisconnectAwareStreamingResponse(result, media_type="text/event-stream")
 
-    async def _guard(coro):
+    def _check_alive() -> None:
         if engine.errored is not None:
             raise OpenAIError(503, f"the engine failed and serves no more requests: {engine.errored!r}")
-        return await coro
 
     @app.post("/v1/completions")
     @with_cancellation
     async def completions(body: CompletionRequest, raw_request: Request):
-        return _respond(await _guard(create_completion(engine, body, served_model_names, max_model_len)))
+        _check_alive()
+        return _respond(await create_completion(engine, body, served_model_names, max_model_len))
 
     @app.post("/v1/chat/completions")
     @with_cancellation
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request):
-        return _respond(await _guard(create_chat_completion(engine, body, served_model_names, max_model_len)))
+        _check_alive()
+        return _respond(await create_chat_completion(engine, body, served_model_names, max_model_len))
 
     @app.get("/v1/models")
     async def models():
