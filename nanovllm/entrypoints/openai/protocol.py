@@ -6,7 +6,7 @@ Responses are built as plain dicts in the serving modules (their shapes are Open
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -100,5 +100,3 @@ class DetokenizeRequest(BaseModel):
     model: str | None = None
     tokens: list[int]
 
-
-FinishReason = Literal["stop", "length", "abort", "error"]
