@@ -12,20 +12,24 @@ __version__ = "0.2.0"
 _EXPORTS = {
     "LLM": "nanovllm.llm",
     "LLMEngine": "nanovllm.engine.engine",
+    "AsyncLLM": "nanovllm.engine.async_llm",
     "EngineConfig": "nanovllm.config",
     "SamplingParams": "nanovllm.sampling_params",
+    "RequestOutputKind": "nanovllm.sampling_params",
     "RequestOutput": "nanovllm.outputs",
     "CompletionOutput": "nanovllm.outputs",
     "Logprob": "nanovllm.outputs",
+    "RequestMetrics": "nanovllm.outputs",
 }
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:
     from nanovllm.config import EngineConfig
+    from nanovllm.engine.async_llm import AsyncLLM
     from nanovllm.engine.engine import LLMEngine
     from nanovllm.llm import LLM
-    from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
-    from nanovllm.sampling_params import SamplingParams
+    from nanovllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+    from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 def __getattr__(name: str):

@@ -78,6 +78,23 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
                 raise streamer.exception()
 
 
+class APIKeyMiddleware:
+    """401 unless ``Authorization: Bearer KEY`` (plain ASGI: streamed responses pass untouched)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(OpenAIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                                                      "Authorization", "invalid_api_key"))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def with_cancellation(handler):
     """Run a handler while listening for the client's disconnect; cancel the handler (and so
     abort its engine requests) if the client goes first."""
@@ -129,14 +146,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         logger.exception("unexpected error while serving a request")
         return error_response(OpenAIError(500, f"internal error: {type(exc).__name__}"))
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response(OpenAIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                                                  "Authorization", "invalid_api_key"))
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     def _respond(result):
         if isinstance(result, dict):
