@@ -36,14 +36,11 @@ print(" ".join(dist for mod, dist in deps.items() if importlib.util.find_spec(mo
 EOF
 )
 if [ -n "$need" ]; then
-    if [ -d "$WHEELS" ]; then
-        "$PY" -m pip install -q --no-index --no-deps --find-links "$WHEELS" $need >> "$LOG/env.txt" 2>&1 || \
-            "$PY" -m pip install -q --no-index --no-deps --target /tmp/nanovllm-ci-site "$WHEELS"/*.whl \
-                >> "$LOG/env.txt" 2>&1
-        export PYTHONPATH="$PYTHONPATH:/tmp/nanovllm-ci-site"
+    if [ -d "$WHEELS" ]; then   # offline: the wheels (and their missing dependencies) in $WHEELS
+        "$PY" -m pip install -q --no-index --find-links "$WHEELS" $need >> "$LOG/env.txt" 2>&1
     else
         "$PY" -m pip install -q $need >> "$LOG/env.txt" 2>&1
-    fi
+    fi || echo "pip install failed: $need" >> "$LOG/env.txt"
 fi
 echo "installed: ${need:-nothing}" >> "$LOG/env.txt"
 
