@@ -1,11 +1,19 @@
 """Structured per-step events: what the scheduler decided and what the step produced.
 
 Tests read them (preemptions happened, chunk bounds, cache hits); people read
-them through ``nanovllm generate --trace`` to watch a scheduler work.
+them through ``nanovllm generate --trace`` to watch a scheduler work, and
+``nanovllm trace --html`` / ``nanovllm experiment`` turn them into pages and plots
+(``to_dict`` is the JSON form; ``summarize_requests`` the per-request view).
+
+Each event carries ``t_start`` (taken when the event is built, as the step is
+scheduled and launched) and ``t_end`` (when its outputs were applied and it was
+recorded), both ``time.perf_counter()`` seconds: step times and time to first
+token come from them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -18,6 +26,12 @@ class SeqStep:
     block_ids: list[int]
     num_cached_tokens: int | None = None  # prefix-cache hit, set when admitted this step
 
+    @property
+    def samples(self) -> bool:
+        """This step reaches the sequence's last known token, so it samples the next one
+        (a prefill chunk that stops short of the end samples nothing)."""
+        return self.num_computed_before + self.num_new_tokens == self.num_tokens
+
 
 @dataclass
 class StepEvent:
@@ -28,10 +42,23 @@ class StepEvent:
     finished: list[tuple[str, str]] = field(default_factory=list)  # (request_id, finish_reason)
     num_free_blocks: int = 0
     num_blocks: int = 0
+    t_start: float = field(default_factory=time.perf_counter)
+    t_end: float | None = None  # set by Tracer.record
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.seqs)
+
+    @property
+    def duration(self) -> float | None:
+        return None if self.t_end is None else self.t_end - self.t_start
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict (the trace viewer's step record)."""
+        d = asdict(self)
+        d["finished"] = [list(f) for f in self.finished]
+        d["num_tokens"] = self.num_tokens
+        return d
 
     def format(self) -> str:
         head = (f"step {self.step:>4} {self.kind:<7} tokens={self.num_tokens:<5} seqs={len(self.seqs):<3} "
@@ -56,6 +83,51 @@ def _short(ids: list[int], limit: int = 12) -> str:
         ", ".join(map(str, ids[-limit // 2:])) + "]"
 
 
+@dataclass
+class RequestSummary:
+    """One request's life read off the events: steps, sampled tokens, times (perf_counter s)."""
+    request_id: str
+    first_step: int                    # first step that computed it
+    first_token_step: int | None       # first step that sampled a token for it
+    finish_step: int | None
+    finish_reason: str | None
+    num_sampled: int                   # steps that sampled a token for it
+    num_prefill_chunks: int            # prefill steps (chunks and recomputes)
+    num_preemptions: int
+    num_cached_tokens: int             # prefix-cache hit tokens at its first admission
+    t_first_scheduled: float
+    t_first_token: float | None
+    t_finish: float | None
+
+
+def summarize_requests(events: list[StepEvent]) -> dict[str, RequestSummary]:
+    """Per-request summaries, in order of first appearance. A step's token counts once it is
+    recorded (``t_end``); a request whose output was discarded (aborted in flight) may have
+    ``num_sampled`` one above its output length."""
+    out: dict[str, RequestSummary] = {}
+    for ev in events:
+        t_end = ev.t_end if ev.t_end is not None else ev.t_start
+        for s in ev.seqs:
+            r = out.get(s.request_id)
+            if r is None:
+                r = out[s.request_id] = RequestSummary(
+                    s.request_id, ev.step, None, None, None, 0, 0, 0, s.num_cached_tokens or 0,
+                    ev.t_start, None, None)
+            if s.phase == "prefill":
+                r.num_prefill_chunks += 1
+            if s.samples:
+                r.num_sampled += 1
+                if r.first_token_step is None:
+                    r.first_token_step, r.t_first_token = ev.step, t_end
+        for rid in ev.preempted:
+            if rid in out:
+                out[rid].num_preemptions += 1
+        for rid, reason in ev.finished:
+            if rid in out:
+                out[rid].finish_step, out[rid].finish_reason, out[rid].t_finish = ev.step, reason, t_end
+    return out
+
+
 class Tracer:
     """Collects StepEvents when enabled; an optional callback sees each one."""
 
@@ -66,6 +138,8 @@ class Tracer:
         self.events: list[StepEvent] = []
 
     def record(self, event: StepEvent) -> None:
+        if event.t_end is None:
+            event.t_end = time.perf_counter()
         if self.callback is not None:
             self.callback(event)
         self.events.append(event)

@@ -1,4 +1,4 @@
-"""`nanovllm generate | bench`: the command line.
+"""`nanovllm generate | bench | experiment | trace`: the command line.
 
 Engine flags are generated from EngineConfig's fields (``--block-size``,
 ``--enable-prefix-caching / --no-enable-prefix-caching``, ...), so the CLI and
@@ -140,6 +140,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(bench)
     bench.set_defaults(func=cmd_bench)
     add_serve_commands(sub, bench)
+
+    from nanovllm.experiments.runner import add_experiment_args, cmd_experiment
+    exp = sub.add_parser("experiment", help="the study course's experiments 01-07: tables, CSV, plots")
+    add_experiment_args(exp)
+    add_engine_args(exp)
+    exp.set_defaults(func=lambda a: cmd_experiment(a, engine_kwargs(a)))
+
+    from nanovllm.trace_html.cli import add_trace_args, cmd_trace
+    trace = sub.add_parser("trace", help="run prompts and write the step trace as an HTML page")
+    add_trace_args(trace)
+    add_sampling_args(trace)
+    add_engine_args(trace)
+    trace.set_defaults(func=lambda a: cmd_trace(a, engine_kwargs(a), sampling_params(a)))
     return parser
 
 
