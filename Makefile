@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_INDEX ?=
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup run test test-fast conformance bench clean
+.PHONY: setup browser run test test-fast conformance bench clean
 
 $(VENV)/.setup-done: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,12 +19,22 @@ $(VENV)/.setup-done: pyproject.toml
 
 setup: $(VENV)/.setup-done
 
+# The trace viewer's browser test drives Debian's chromium (Playwright, from the test extra, never
+# downloads a browser). Installed with apt-get where that works (root); elsewhere the test skips
+# and says why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+	      || echo "make browser: apt-get could not install chromium; the browser test will skip"; \
+	  else echo "make browser: chromium is missing and installing it needs root and apt-get; the browser test will skip"; fi; }
+
 # the main job: the default model (SmolLM2-135M-Instruct) answers a chat question
 run: setup
 	$(VENV)/bin/nanovllm generate --chat "$(PROMPT)" --temperature 0 --max-tokens 64
 
 # the CPU test suite (unit, property-based, end to end against transformers)
-test: setup
+test: setup browser
 	CONFORMANCE_REQUIRE_ASSETS=1 $(PY) -m pytest -n auto -q
 
 test-fast: setup

@@ -7,7 +7,7 @@ import csv
 import json
 import pytest
 
-from tests.conftest import zoo_model
+from tests.conftest import engine_args, zoo_model
 
 pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install -e '.[experiments]')")
 
@@ -78,12 +78,13 @@ PNG = {"01": "input_length.png", "02": "output_length.png", "03": "batch_scaling
 
 
 @pytest.mark.parametrize("number", list(TINY))
-def test_experiment_writes_consistent_csv_and_png(number, tmp_path):
+def test_experiment_writes_consistent_csv_and_png(number, tmp_path, device):
     mod = load(number)
     shape = TINY[number](mod)
     lines: list[str] = []
+    args = {k: v for k, v in engine_args(device).items() if k not in mod.SWEPT}
     report = run_experiment(number, model=zoo_model(MODEL), shape=shape, out_dir=tmp_path,
-                            engine_args={"device": "cpu"}, echo=lines.append)
+                            engine_args=args, echo=lines.append)
     out = tmp_path / f"{mod.NUMBER}-{mod.NAME}"
     rows = _rows(out / CSV[number])
     check_rows(number, shape, rows)

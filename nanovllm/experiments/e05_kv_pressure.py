@@ -29,7 +29,7 @@ class Shape:
 
 
 SHAPES = {"cpu": Shape(4, 16, 12, (5, 8, 12, 16)),
-          "gpu": Shape(64, 256, 256, (64, 128, 256, 512, 1024, 2048), block_size=16)}
+          "gpu": Shape(64, 256, 256, (256, 512, 1024, 2048), block_size=16)}
 
 
 def engine_args(shape: Shape) -> dict:

@@ -33,6 +33,10 @@ def _prompts(args) -> list[str]:
     return prompts
 
 
+def _print_event(event) -> None:
+    print(event.format(), file=sys.stderr, flush=True)
+
+
 def cmd_trace(args: argparse.Namespace, engine_args: dict, params) -> int:
     """``params``: the SamplingParams from the sampling flags (used for given prompts)."""
     from nanovllm.llm import LLM
@@ -47,11 +51,7 @@ def cmd_trace(args: argparse.Namespace, engine_args: dict, params) -> int:
         from nanovllm.experiments import e04_scheduler_watch as e04
         shape = e04.SHAPES["cpu"]
         engine_args = {**e04.engine_args(shape), **engine_args}
-    trace = True
-    if args.print_steps:
-        def trace(event):
-            print(event.format(), file=sys.stderr, flush=True)
-    llm = LLM(args.model, trace=trace, **engine_args)
+    llm = LLM(args.model, trace=_print_event if args.print_steps else True, **engine_args)
     try:
         if demo:
             prompts = e04.prompts(shape, llm.llm_engine.vocab_size)
