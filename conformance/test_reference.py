@@ -14,8 +14,9 @@ import torch
 import golden
 from conformance.adapters import Sampling
 from conformance.adapters.base import GREEDY, PROMPT_LOGPROBS
-from conformance.compare import LOGPROB_TOL, compare_greedy
-from conformance.harness import delta, generate, golden_step_logprobs, require, tokens
+from conformance.compare import compare_greedy
+from conformance.harness import (delta, generate, golden_step_logprobs, logprob_tol, max_diverged_frac, require,
+                                 tokens)
 
 NAMES = golden.NAMES
 ZOO_NAMES = sorted(golden.ZOO_FILES)
@@ -40,10 +41,10 @@ def greedy_run(engines, name: str):
     return _runs[key]
 
 
-def greedy_report(g, got):
+def greedy_report(g, got, engine):
     cases = g["cases"]
     return compare_greedy([c["greedy"] for c in cases], [golden_step_logprobs(c) for c in cases], got,
-                          delta(g["dtype"]))
+                          delta(g["dtype"], engine), max_diverged_frac(g["dtype"], engine))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -66,7 +67,7 @@ def test_prompt_logprobs_match_reference(engines, name, figure):
         want = torch.tensor(case["prompt_lps"], dtype=torch.float64)
         if len(want):
             worst = max(worst, float((got - want).abs().max()))
-            tol = LOGPROB_TOL[g["dtype"]]
+            tol = logprob_tol(g["dtype"], engine)
             torch.testing.assert_close(got, want, atol=tol, rtol=tol,
                                        msg=lambda m, c=case: f"case {c['id']} (len {len(c['prompt'])}): {m}")
     figure("max logprob diff", worst)
@@ -75,8 +76,8 @@ def test_prompt_logprobs_match_reference(engines, name, figure):
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_matches_reference(engines, name, figure):
     """Item 10: 64 greedy tokens, tie-aware against the reference's top-5."""
-    g, _, got = greedy_run(engines, name)
-    report = greedy_report(g, got)
+    g, engine, got = greedy_run(engines, name)
+    report = greedy_report(g, got, engine)
     figure("exact", f"{report.num_exact}/{report.num_seqs}")
     figure("divergences", len(report.allowed) + len(report.failed))
     assert report.ok, report.summary()
@@ -85,8 +86,8 @@ def test_greedy_matches_reference(engines, name, figure):
 @pytest.mark.parametrize("name", ZOO_NAMES)
 def test_fp32_greedy_exact_on_zoo(engines, name, figure):
     """Item 11: the zoo's logits are peaked; in float32 every sequence must be exact."""
-    g, _, got = greedy_run(engines, name)
-    report = greedy_report(g, got)
+    g, engine, got = greedy_run(engines, name)
+    report = greedy_report(g, got, engine)
     figure("exact", f"{report.num_exact}/{report.num_seqs}")
     assert report.num_exact == report.num_seqs, report.summary()
 
@@ -111,7 +112,7 @@ def test_prefill_decode_consistency(engines, name, figure):
             if top_tok != tok:
                 margin = entry[top_tok].logprob - entry[tok].logprob
                 worst = max(worst, margin)
-                if margin >= delta(g["dtype"]):
+                if margin >= delta(g["dtype"], engine):
                     bad.append(f"case {case['id']} step {t}: decode chose {tok}, prefill ranks {top_tok} "
                                f"first by {margin:.3g}")
     figure("tokens compared", compared)
