@@ -16,7 +16,7 @@ import pytest
 
 from conformance.adapters import Result, Sampling, Unsupported, adapter_class
 from conformance.adapters.base import KNOB_CAPABILITY, Capability
-from conformance.compare import DELTA, LOGPROB_TOL, MAX_DIVERGED_FRAC
+from conformance.compare import DELTA, LOGPROB_RTOL, LOGPROB_TOL, MAX_DIVERGED_FRAC
 
 DEFAULT_KNOBS = {"dtype": "float32", "seed": 0}
 BS = 16  # the block size the golden prompts are built around (the default where the engine allows it)
@@ -193,6 +193,11 @@ def delta(dtype: str = "float32", engine=None) -> float:
 def logprob_tol(dtype: str = "float32", engine=None) -> float:
     """The logprob tolerance for this dtype, or for the engine's own arithmetic."""
     return _measured(LOGPROB_TOL, dtype, engine)
+
+
+def logprob_rtol(dtype: str = "float32", engine=None) -> float:
+    """The relative part of the logprob tolerance (for floats the same as the absolute one)."""
+    return _measured(LOGPROB_RTOL, dtype, engine)
 
 
 def max_diverged_frac(dtype: str = "float32", engine=None) -> float:

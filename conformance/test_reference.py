@@ -15,8 +15,8 @@ import golden
 from conformance.adapters import Sampling
 from conformance.adapters.base import GREEDY, PROMPT_LOGPROBS
 from conformance.compare import compare_greedy
-from conformance.harness import (delta, generate, golden_step_logprobs, logprob_tol, max_diverged_frac, require,
-                                 tokens)
+from conformance.harness import (delta, generate, golden_step_logprobs, logprob_rtol, logprob_tol,
+                                 max_diverged_frac, require, tokens)
 
 NAMES = golden.NAMES
 ZOO_NAMES = sorted(golden.ZOO_FILES)
@@ -67,8 +67,8 @@ def test_prompt_logprobs_match_reference(engines, name, figure):
         want = torch.tensor(case["prompt_lps"], dtype=torch.float64)
         if len(want):
             worst = max(worst, float((got - want).abs().max()))
-            tol = logprob_tol(g["dtype"], engine)
-            torch.testing.assert_close(got, want, atol=tol, rtol=tol,
+            torch.testing.assert_close(got, want, atol=logprob_tol(g["dtype"], engine),
+                                       rtol=logprob_rtol(g["dtype"], engine),
                                        msg=lambda m, c=case: f"case {c['id']} (len {len(c['prompt'])}): {m}")
     figure("max logprob diff", worst)
 

@@ -80,10 +80,11 @@ def main(argv=None) -> int:
         bad = compare_greedy(refs, ref_lps, wrong, args.delta, args.max_diverged_frac)
         if args.logprob_tol is not None:
             for what, lps in (("llama.cpp", plps), ("wrong engine", wrong_plps)):
-                worst = max(abs(lp[p][c["prompt"][p]].logprob - c["prompt_lps"][p - 1]) - args.logprob_tol *
-                            abs(c["prompt_lps"][p - 1]) for c, lp in zip(cases, lps) for p in range(1, len(c["prompt"])))
-                print(f"prompt logprobs, {what}: largest |diff| - tol * |ref| = {worst:.4f} "
-                      f"({'within' if worst <= args.logprob_tol else 'OUTSIDE'} tolerance {args.logprob_tol})")
+                diffs = [abs(lp[p][c["prompt"][p]].logprob - c["prompt_lps"][p - 1])
+                         for c, lp in zip(cases, lps) for p in range(1, len(c["prompt"]))]
+                print(f"prompt logprobs, {what}: largest |diff| {max(diffs):.4f}, mean {sum(diffs) / len(diffs):.4f} "
+                      f"({'within' if max(diffs) <= args.logprob_tol else 'OUTSIDE'} tolerance {args.logprob_tol})")
+                result.setdefault("prompt_logprob_diffs", {})[what] = {"max": max(diffs), "mean": sum(diffs) / len(diffs)}
         print(f"delta {args.delta}: llama.cpp {'passes' if right.ok else 'FAILS'} ({right.summary()}); "
               f"wrong engine (RoPE base {float(base) / 2:g} instead of {float(base):g}) "
               f"{'passes: the rule is too loose' if bad.ok else 'is rejected'} ({bad.summary()})")
