@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ LAYER_NAMES = {
 }
 TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 ARCHS = {"llama", "qwen2", "qwen3"}
+EXPORT_VERSION = 2  # bump whenever export() writes something else: cached files are rebuilt
 
 
 def gguf_name(hf_name: str) -> str:
@@ -41,6 +43,32 @@ def gguf_name(hf_name: str) -> str:
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """HF's rotary halves -> llama.cpp's interleaved pairs (rows of q_proj / k_proj)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def rope_parameters(cfg: dict) -> dict:
+    """RoPE theta and scaling from config.json, as transformers 4 (rope_theta, rope_scaling) or 5
+    (rope_parameters) writes them: {"rope_theta", "rope_type", ...}."""
+    rp = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rp.setdefault("rope_theta", float(cfg.get("rope_theta", 10000.0)))
+    rp["rope_type"] = rp.get("rope_type") or rp.get("type") or "default"
+    return rp
+
+
+def llama3_rope_factors(rp: dict, head_dim: int) -> np.ndarray:
+    """llama.cpp's ``rope_freqs`` for Llama 3 scaling: the divisor of each rotary frequency."""
+    factor, low, high = rp["factor"], rp.get("low_freq_factor", 1.0), rp.get("high_freq_factor", 4.0)
+    old = rp.get("original_max_position_embeddings", 8192)
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * rp["rope_theta"] ** (i / head_dim)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def export(model_dir: Path, dest: Path) -> None:
@@ -65,7 +93,15 @@ def export(model_dir: Path, dest: Path) -> None:
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    rp = rope_parameters(cfg)
+    w.add_rope_freq_base(float(rp["rope_theta"]))
+    if rp["rope_type"] == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rp["factor"]))
+    elif rp["rope_type"] == "llama3" and arch == "llama":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(rp, head_dim))
+    elif rp["rope_type"] != "default":
+        raise ValueError(f"RoPE scaling {rp['rope_type']!r} cannot be exported")
     w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     w.add_vocab_size(cfg["vocab_size"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
@@ -84,7 +120,7 @@ def export(model_dir: Path, dest: Path) -> None:
     w.add_add_bos_token(False)
     for name, t in sorted(load_file(str(model_dir / "model.safetensors")).items()):
         t = t.astype(np.float32)
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             t = permute_qk(t, heads if "q_proj" in name else kv_heads)
         w.add_tensor(gguf_name(name), np.ascontiguousarray(t))
     w.write_header_to_file()
@@ -97,7 +133,7 @@ def export(model_dir: Path, dest: Path) -> None:
 def f32_gguf(model_dir: str) -> str:
     """The float32 GGUF file of the HF directory ``model_dir``, exported on first use (cached)."""
     src = Path(model_dir).resolve()
-    stamp = hashlib.sha256()
+    stamp = hashlib.sha256(f"export {EXPORT_VERSION}".encode())
     for name in ("config.json", "model.safetensors"):
         st = (src / name).stat()
         stamp.update(f"{name}:{st.st_size}:{st.st_mtime_ns}".encode())

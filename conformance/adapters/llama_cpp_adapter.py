@@ -52,6 +52,27 @@ def logprob_entry(lps: np.ndarray, token: int, k: int) -> dict[int, Logprob]:
     return out
 
 
+def context_length(gguf_path: str) -> int:
+    """The context the GGUF file declares (``<arch>.context_length``)."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    arch = reader.fields["general.architecture"].contents()
+    return int(reader.fields[f"{arch}.context_length"].contents())
+
+
+def generation_eos_ids(model_dir: str) -> list[int]:
+    """The EOS ids of an HF directory's generation_config.json ([] when there is none)."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return []
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
 def file_arithmetic(file_type) -> str | None:
     """None for float32 weights; else "gguf <file type>" (e.g. "gguf MOSTLY_Q4_1"): the
     comparison rules take the delta measured for that quantization (conformance.compare)."""
@@ -104,12 +125,18 @@ class LlamaCppAdapter(EngineAdapter):
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         f32 = knobs.get("dtype") in (None, "float32")
         threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
-        self.llm = Llama(model_path=gguf, n_ctx=int(os.environ.get("CONFORMANCE_LLAMA_CPP_N_CTX", "1024")),
+        # the context: the model's own (max_position_embeddings), capped to keep logits_all small
+        n_ctx = min(int(os.environ.get("CONFORMANCE_LLAMA_CPP_N_CTX", "1024")), context_length(gguf))
+        self.context = n_ctx  # llama.cpp pads n_ctx up (to 256): the limit is the model's
+        self.llm = Llama(model_path=gguf, n_ctx=n_ctx,
                          logits_all=True, seed=int(knobs.get("seed") or 0), n_threads=threads,
                          n_threads_batch=threads, verbose=False,
                          **({"type_k": GGML_TYPE_F32, "type_v": GGML_TYPE_F32} if f32 else {}), **self.llama_args)
         self._rng = random.Random(knobs.get("seed") or 0)
         self.eos = self.llm.token_eos()
+        # every EOS id of the model: generation_config.json's list where there is one (an HF
+        # directory), else the GGUF's own
+        self.eos_ids = {self.eos} | set(generation_eos_ids(model_dir))
         self.gguf = gguf
         self.arithmetic = file_arithmetic(self.llm.metadata.get("general.file_type"))
 
@@ -119,9 +146,11 @@ class LlamaCppAdapter(EngineAdapter):
 
     def _one(self, prompt: list[int], p: Sampling) -> Result:
         llm = self.llm
-        if len(prompt) + p.max_tokens > llm.n_ctx():
-            raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens {p.max_tokens} exceeds n_ctx "
-                             f"{llm.n_ctx()} (CONFORMANCE_LLAMA_CPP_N_CTX)")
+        if len(prompt) >= self.context:
+            raise ValueError(f"prompt of {len(prompt)} tokens does not fit the context of {self.context} tokens")
+        if len(prompt) + p.max_tokens > self.context:
+            raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens {p.max_tokens} exceeds the context of "
+                             f"{self.context} tokens")
         llm.set_seed(p.seed if p.seed is not None else self._rng.getrandbits(31))
         toks: list[int] = []
         finish, stop_reason, text = "length", None, None
@@ -132,7 +161,7 @@ class LlamaCppAdapter(EngineAdapter):
                 if tok in p.stop_token_ids:
                     finish, stop_reason = "stop", int(tok)
                     break
-                if tok == self.eos and not p.ignore_eos:
+                if tok in self.eos_ids and not p.ignore_eos:
                     finish = "stop"
                     break
                 if p.stop:
@@ -161,7 +190,7 @@ class LlamaCppAdapter(EngineAdapter):
         if self.tokenizer is not None:  # an exported zoo model: its own tokenizer has the text
             return self.tokenizer.decode(toks, skip_special_tokens=True)
         # the stop token itself (EOS and other special tokens) is not text, as in vLLM
-        special = {self.eos}
+        special = self.eos_ids
         return self.llm.detokenize([t for t in toks if t not in special]).decode("utf-8", errors="replace")
 
     def close(self) -> None:
