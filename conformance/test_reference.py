@@ -1,10 +1,12 @@
-"""Against the reference (golden files from transformers, float32): catalogue items 9-12.
+"""Against the reference (golden files from transformers, float32).
 
-9  prompt logprobs vs reference at prompt lengths {1, bs-1, bs, bs+1, 2bs, 3bs, 5bs+3, ...};
-10 greedy vs reference, tie-aware, 64 tokens (zoo and SmolLM2-135M);
-11 float32 greedy exact on the peaked zoo models;
-12 prefill/decode consistency: the engine re-scores prompt + output in one prefill, and its argmax
-   must be the token it generated wherever the margin exceeds delta.
+- prompt logprobs vs reference at prompt lengths {1, bs-1, bs, bs+1, 2bs, 3bs, 5bs+3, ...};
+- greedy vs reference, tie-aware, 64 tokens (zoo and SmolLM2-135M);
+- float32 greedy exact on the peaked zoo models;
+- prefill/decode consistency: the engine re-scores prompt + output in one prefill, and its argmax
+  must be the token it generated wherever the margin exceeds delta.
+Engines in quantized arithmetic are judged with the delta and tolerance measured for it
+(conformance/compare.py).
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ def greedy_report(g, got, engine):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_prompt_logprobs_match_reference(engines, name, figure):
-    """Item 9: the logprob of every prompt token given the ones before it, to fp32 tolerance."""
+    """The logprob of every prompt token given the ones before it, to fp32 tolerance."""
     g, engine = golden_engine(engines, name)
     require(engine, PROMPT_LOGPROBS)
     cases = g["cases"]
@@ -75,7 +77,7 @@ def test_prompt_logprobs_match_reference(engines, name, figure):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_matches_reference(engines, name, figure):
-    """Item 10: 64 greedy tokens, tie-aware against the reference's top-5."""
+    """64 greedy tokens, tie-aware against the reference's top-5."""
     g, engine, got = greedy_run(engines, name)
     report = greedy_report(g, got, engine)
     figure("exact", f"{report.num_exact}/{report.num_seqs}")
@@ -85,7 +87,7 @@ def test_greedy_matches_reference(engines, name, figure):
 
 @pytest.mark.parametrize("name", ZOO_NAMES)
 def test_fp32_greedy_exact_on_zoo(engines, name, figure):
-    """Item 11: the zoo's logits are peaked; in float32 every sequence must be exact."""
+    """The zoo's logits are peaked; in float32 every sequence must be exact."""
     g, engine, got = greedy_run(engines, name)
     report = greedy_report(g, got, engine)
     figure("exact", f"{report.num_exact}/{report.num_seqs}")
@@ -94,7 +96,7 @@ def test_fp32_greedy_exact_on_zoo(engines, name, figure):
 
 @pytest.mark.parametrize("name", ["qwen3-gqa4-hd128", "llama-1kv-hd128", golden.SMOLLM])
 def test_prefill_decode_consistency(engines, name, figure):
-    """Item 12: decode produced token t; a prefill over prompt + output must rank it first
+    """Decode produced token t; a prefill over prompt + output must rank it first
     (or within delta of the first)."""
     g, engine = golden_engine(engines, name)
     require(engine, GREEDY, PROMPT_LOGPROBS)
