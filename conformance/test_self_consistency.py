@@ -18,10 +18,10 @@ import pytest
 
 import golden
 from conformance.adapters import Sampling
-from conformance.adapters.base import GREEDY, PREEMPTION_STATS, PREFIX_CACHE_STATS
+from conformance.adapters.base import GREEDY, PREEMPTION_STATS, PREFIX_CACHE_STATS, Capability
 from conformance.compare import assert_tokens_equal, compare_greedy
 from conformance.zoo import ZOO
-from conformance.harness import delta, generate, golden_step_logprobs, require, tokens
+from conformance.harness import delta, generate, golden_step_logprobs, require, skip_lacking, tokens
 
 MODEL = "qwen3-gqa4-hd128"
 BATCH_SIZES = [*range(1, 11), 15, 16, 17, 31, 32, 33]
@@ -174,8 +174,8 @@ def test_async_scheduling_equivalence(engines, figure):
     """Async scheduling on vs off, same tokens and finish reasons (float32: bitwise)."""
     g, cases = _golden()
     model = golden.model_dir(g)
-    if "async_scheduling" not in engines.capabilities:
-        pytest.skip(f"engine {engines.name} lacks capability 'async_scheduling' (no such engine knob)")
+    if Capability.ASYNC_SCHEDULING not in engines.capabilities:
+        skip_lacking(engines.name, Capability.ASYNC_SCHEDULING, "no such engine knob")
     picked = [cases[c] for c in ("len1", "len-bs", "len-bs+1", "len-3bs", "prefix-2bs-a", "prefix-2bs-b",
                                  "len-5bs+3", "long")]
     params = []
