@@ -21,7 +21,10 @@ What each kind of server is sent and declares:
   include_stop_str_in_output, prompt_logprobs, return_tokens_as_token_ids. Whether the server
   honours the last one is probed with one request: where it does, the output's token ids and the
   logprob entries' ids come back as ``token_id:N`` (capabilities token_ids, logprobs); where it
-  does not, the output ids are its text tokenized again and logprobs are not checked.
+  does not, the output ids are its text (asked with ``skip_special_tokens: false`` unless the
+  request has stop strings, so that EOS and other special tokens stay in it) tokenized again, the
+  text is those ids decoded without the special tokens, and logprobs are not checked. Ids recovered from text cannot include a token
+  whose text a stop string cut off (vLLM keeps that token in the ids).
 - ``llama-cpp`` (llama-cpp-python's server): text prompts only (``prompt`` is a string), text
   out; top_k, min_p, min_tokens, seed. The adapter detokenizes prompts with the model's
   tokenizer and refuses (capability token_ids) a prompt whose text does not tokenize back to
@@ -170,6 +173,10 @@ class OpenAIAdapter(EngineAdapter):
                 # every request asks for logprobs: the output's token ids come back through them
                 body["logprobs"] = p.logprobs or 0
                 body["return_tokens_as_token_ids"] = True
+            elif not p.stop:
+                # the ids come from the text: keep the special tokens (EOS, ...) in it (not with stop
+                # strings: the server's own text is then what is checked)
+                body["skip_special_tokens"] = False
             body.update(min_p=p.min_p, min_tokens=p.min_tokens, ignore_eos=p.ignore_eos,
                         stop_token_ids=list(p.stop_token_ids),
                         include_stop_str_in_output=p.include_stop_str_in_output)
@@ -218,6 +225,8 @@ class OpenAIAdapter(EngineAdapter):
         else:
             ids = self.tokenizer(choice["text"], add_special_tokens=False)["input_ids"]
             logprobs = None
+            if self.ids_in and not p.stop:  # the text kept its special tokens: vLLM's text drops them
+                choice = dict(choice, text=self.tokenizer.decode(ids, skip_special_tokens=True))
         usage = reply.get("usage") or {}
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         return Result(token_ids=list(ids), finish_reason=choice.get("finish_reason"), text=choice.get("text"),
