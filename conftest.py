@@ -104,3 +104,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)"))
         if item.get_closest_marker("multi_gpu") and n_gpu < 2:
             item.add_marker(pytest.mark.skip(reason=f"needs 2 CUDA GPUs, {n_gpu} visible"))
+
+
+# the conformance suite's pytest plugin (options such as --engine, fixtures, the honest exit);
+# an installed nanovllm registers it through its pytest11 entry point under the same name
+pytest_plugins = ["conformance.plugin"]

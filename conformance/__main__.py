@@ -1,9 +1,14 @@
-"""``python -m conformance --engine NAME --report FILE.md [--notes NOTES.md] [pytest args...]``
+"""Check an LLM inference engine against the conformance suite, and write a Markdown report.
 
-Runs the conformance checks against one engine (pytest, in a subprocess) and writes a Markdown
-report: one row per check with its result and key figure (max logprob difference, divergences,
-preemptions seen, cached tokens, p-values), then the messages of the failures and skips.
-``--notes`` appends a hand-written judgement (defect of the engine or limit of the adapter).
+Runs the suite's checks (pytest, in a subprocess) against one engine and, with --report, writes
+one row per check with its result and key figure (max logprob difference, divergences,
+preemptions seen, cached tokens, p-values), what went unchecked by capability, the failures'
+messages, and the command line that reproduces the run. --notes appends a hand-written
+judgement (defect of the engine or limit of the adapter).
+
+Exit status: 0 when every check that ran passed and the engine could take at least half of
+them; 1 when a check failed, the engine is unavailable here, or more than half of the checks
+were skipped for missing capabilities (--allow-skips accepts that); pytest's own codes otherwise.
 """
 from __future__ import annotations
 
@@ -11,22 +16,41 @@ import argparse
 import datetime
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from conformance.plugin import STATUS, list_engines
+
+PACKAGE_PARENT = Path(__file__).resolve().parent.parent
+
+EPILOG = """\
+examples:
+  python -m conformance --list-engines
+  python -m conformance --engine hf-cb --report hf-cb.md
+  python -m conformance --engine openai --report server.md        # $OPENAI_BASE_URL, $CONFORMANCE_OPENAI_MODEL
+  python -m conformance --adapter mypkg.engine:MyAdapter -k greedy
+  python -m conformance --engine vllm --report vllm.md -- -x --durations=10
+
+Arguments this command does not know go to pytest (-k EXPR, -m MARKEXPR, -x, -n 2, ...).
+Engines: built-in names, names that installed packages register in the entry-point group
+nanovllm.conformance.adapters, or any EngineAdapter subclass given as --adapter module:Class.
+Writing an adapter: docs/conformance/WRITING_AN_ADAPTER.md in the nanovllm repository.
+"""
 
 
-def engine_version(name: str) -> str:
+def engine_version(spec: str) -> str:
     from conformance.adapters import adapter_class
 
-    cls = adapter_class(name)
-    describe = getattr(cls, "describe", None)
-    return describe() if describe else name
+    try:
+        return adapter_class(spec).describe()
+    except Exception as e:  # noqa: BLE001 - the report still gets written
+        return f"{spec} ({e})"
 
 
 def parse_junit(path: Path) -> list[dict]:
@@ -34,9 +58,12 @@ def parse_junit(path: Path) -> list[dict]:
     for case in ET.parse(path).iter("testcase"):
         module = case.get("classname", "").split(".")[-1]
         row = {"check": f"{module}::{case.get('name')}", "seconds": float(case.get("time", 0)),
-               "result": "pass", "message": "", "figures": {}}
+               "result": "pass", "message": "", "figures": {}, "status": None}
         for prop in case.iter("property"):
-            row["figures"][prop.get("name")] = prop.get("value")
+            if prop.get("name") == STATUS:
+                row["status"] = prop.get("value")
+            else:
+                row["figures"][prop.get("name")] = prop.get("value")
         for tag, result in (("failure", "FAIL"), ("error", "ERROR"), ("skipped", "skip")):
             el = case.find(tag)
             if el is not None:
@@ -52,15 +79,36 @@ def _one_line(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + " ..."
 
 
-def write_report(rows: list[dict], engine: str, out: Path, argv: list[str], wall: float, notes: str) -> None:
-    counts = {k: sum(r["result"] == k for r in rows) for k in ("pass", "FAIL", "ERROR", "skip")}
+def tally(rows: list[dict]) -> dict:
+    """checked / failed / unchecked by capability / skipped for reasons that are not the engine's."""
+    unchecked = Counter(r["status"].split(":", 1)[1] for r in rows
+                        if (r["status"] or "").startswith("unchecked:"))
+    return {"passed": sum(r["result"] == "pass" for r in rows),
+            "failed": sum(r["result"] in ("FAIL", "ERROR") for r in rows),
+            "unchecked": unchecked,
+            "other_skips": sum(r["result"] == "skip" and not (r["status"] or "").startswith("unchecked:")
+                               for r in rows)}
+
+
+def command_line(argv: list[str]) -> str:
+    """The command that reproduces this run ($CONFORMANCE_COMMAND when a wrapper started it)."""
+    return os.environ.get("CONFORMANCE_COMMAND") or shlex.join(["python", "-m", "conformance", *argv])
+
+
+def write_report(rows: list[dict], engine: str, out: Path, argv: list[str], wall: float, notes: str,
+                 exit_status: int) -> None:
+    t = tally(rows)
+    n_un = sum(t["unchecked"].values())
+    by_cap = ", ".join(f"`{cap}` x{n}" for cap, n in sorted(t["unchecked"].items(), key=lambda kv: -kv[1]))
     lines = [f"# Conformance report: `{engine}`", "",
              f"- engine: {engine_version(engine)}",
              f"- date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, "
              f"{os.cpu_count()} CPUs, {platform.system()}; python {platform.python_version()}",
-             f"- command: `python -m conformance {' '.join(argv)}`",
-             f"- result: {counts['pass']} passed, {counts['FAIL'] + counts['ERROR']} failed, "
-             f"{counts['skip']} skipped; wall time {wall:.0f} s", "",
+             f"- command: `{command_line(argv)}`",
+             f"- result: {t['passed']} checked and passed, {t['failed']} failed, {n_un} unchecked "
+             f"(skipped for a missing capability{': ' + by_cap if by_cap else ''}), "
+             f"{t['other_skips']} skipped for reasons that are not the engine's (slow, GPU); "
+             f"exit status {exit_status}; wall time {wall:.0f} s", "",
              "| check | result | key figure | seconds |", "| --- | --- | --- | --- |"]
     for r in rows:
         figs = "; ".join(f"{k}: {v}" for k, v in r["figures"].items())
@@ -77,27 +125,53 @@ def write_report(rows: list[dict], engine: str, out: Path, argv: list[str], wall
     out.write_text("\n".join(lines) + "\n")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--engine", default="nanovllm")
-    ap.add_argument("--report", type=Path, required=True)
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m conformance", description=__doc__,
+                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", default=os.environ.get("CONFORMANCE_ENGINE", "nanovllm"),
+                    help="engine to check (see --list-engines; default nanovllm, env CONFORMANCE_ENGINE)")
+    ap.add_argument("--adapter", metavar="MODULE:CLASS",
+                    help="an EngineAdapter subclass to check instead of a named engine")
+    ap.add_argument("--report", type=Path, help="write the Markdown report here")
     ap.add_argument("--notes", type=Path, help="Markdown appended to the report (the judgement)")
-    args, pytest_args = ap.parse_known_args(argv)
+    ap.add_argument("--allow-skips", action="store_true",
+                    help="exit 0 even when the engine is unavailable or most checks were skipped "
+                         "for missing capabilities")
+    ap.add_argument("--list-engines", action="store_true", help="list the known engines and exit")
+    return ap
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, pytest_args = build_parser().parse_known_args(argv)
+    if pytest_args[:1] == ["--"]:
+        pytest_args = pytest_args[1:]
+    if args.list_engines:
+        print(list_engines())
+        return 0
+    spec = args.adapter or args.engine
+    if args.notes and not args.notes.is_file():
+        print(f"--notes {args.notes}: no such file", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="conformance-report-") as tmp:
         xml = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", str(ROOT / "conformance"), "--engine", args.engine,
+        cmd = [sys.executable, "-m", "pytest", "--pyargs", "conformance", "-p", "conformance.plugin",
+               "--adapter" if args.adapter else "--engine", spec,
                f"--junitxml={xml}", "-o", "junit_family=xunit1", "-p", "no:cacheprovider", "-q",
-               *pytest_args]
+               *(["--allow-skips"] if args.allow_skips else []), *pytest_args]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_PARENT), env.get("PYTHONPATH")) if p)
         start = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        proc = subprocess.run(cmd, env=env)
         wall = time.perf_counter() - start
         if not xml.is_file():
             print(f"pytest wrote no results (exit {proc.returncode})", file=sys.stderr)
             return proc.returncode or 1
         rows = parse_junit(xml)
-    notes = args.notes.read_text() if args.notes else ""
-    write_report(rows, args.engine, args.report, sys.argv[1:] if argv is None else list(argv), wall, notes)
-    print(f"wrote {args.report} ({len(rows)} checks)")
+    if args.report:
+        notes = args.notes.read_text() if args.notes else ""
+        write_report(rows, spec, args.report, argv, wall, notes, proc.returncode)
+        print(f"wrote {args.report} ({len(rows)} checks)")
     return proc.returncode
 
 

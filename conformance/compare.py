@@ -17,6 +17,23 @@ from dataclasses import dataclass, field
 
 DELTA = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 5e-2}
 LOGPROB_TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
+LOGPROB_RTOL = dict(LOGPROB_TOL)  # relative part of the prompt-logprob tolerance (the same, for floats)
+# the share of sequences that may diverge (at near-ties) before a greedy comparison fails as a whole
+MAX_DIVERGED_FRAC = {"float32": 0.5, "bfloat16": 0.5, "float16": 0.5}
+
+# Quantized weights (GGUF Q4_1) computed in the engine's own quantized arithmetic, judged against
+# the reference on the dequantized weights. Measured with llama.cpp on SmolLM2-135M Q4_1
+# (scripts/quantized_margins.py, docs/conformance/llama-cpp.md): every one of the 11 golden
+# sequences leaves the reference within 64 tokens, always at a near-tie of the reference (largest
+# margin there 0.343, never outside its top-5); prompt logprobs differ by up to 0.243. So: delta
+# 0.5, every sequence may diverge once, prompt logprobs within 0.3 (absolute). At delta 0.5
+# the reference's top-1 beats its top-2 by more at 73% of the golden steps (a wrong token there
+# fails), and llama.cpp with a wrong RoPE base is rejected (the script's control).
+Q4_1 = "gguf MOSTLY_Q4_1"
+DELTA[Q4_1] = 0.5
+LOGPROB_TOL[Q4_1] = 0.3
+LOGPROB_RTOL[Q4_1] = 0.0
+MAX_DIVERGED_FRAC[Q4_1] = 1.0
 
 
 @dataclass

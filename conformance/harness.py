@@ -2,8 +2,9 @@
 
 Checks never import an engine: they ask the ``engines`` fixture (an
 :class:`EnginePool`) for one by model directory and knobs. A knob or request the
-engine cannot take ends the check with ``pytest.skip("engine X lacks capability
-Y")``; nothing passes silently.
+engine cannot take ends the check with a skip that says "engine X lacks capability Y"
+(or "engine X is not available here: why"); nothing passes silently, and the plugin counts
+these skips, by those words, against the run (more than half of the checks unchecked fails it).
 """
 from __future__ import annotations
 
@@ -14,20 +15,22 @@ from collections import OrderedDict
 import pytest
 
 from conformance.adapters import Result, Sampling, Unsupported, adapter_class
-from conformance.adapters.base import KNOB_CAPABILITY
-from conformance.compare import DELTA
+from conformance.adapters.base import KNOB_CAPABILITY, Capability
+from conformance.compare import DELTA, LOGPROB_RTOL, LOGPROB_TOL, MAX_DIVERGED_FRAC
 
 DEFAULT_KNOBS = {"dtype": "float32", "seed": 0}
 BS = 16  # the block size the golden prompts are built around (the default where the engine allows it)
 
 
-def skip_lacking(engine_name: str, capability: str, detail: str = ""):
-    pytest.skip(f"engine {engine_name} lacks capability {capability}" + (f" ({detail})" if detail else ""))
+def skip_lacking(engine_name: str, capability, detail: str = ""):
+    """Skip a check the engine cannot take, naming the capability (the plugin counts these)."""
+    cap = Capability.parse(capability)
+    pytest.skip(f"engine {engine_name} lacks capability {cap}" + (f" ({detail})" if detail else ""))
 
 
-def require(engine, *capabilities: str) -> None:
+def require(engine, *capabilities) -> None:
     for cap in capabilities:
-        if cap not in engine.capabilities:
+        if Capability.parse(cap) not in engine.capabilities:
             skip_lacking(engine.name, cap)
 
 
@@ -64,21 +67,22 @@ class EnginePool:
 
     def __init__(self, name: str, max_live: int | None = None, block_size: int | None = None,
                  device: str = "cpu"):
-        self.name = name
         self.device = device
         self.cls = adapter_class(name)
+        self.name = self.cls.name if ":" in name else name
         self.reason = self.cls.unavailable()
         # every engine of the pool gets this block size unless a check asks for another one
-        self.bs = block_size or getattr(self.cls, "preferred_block_size", BS)
-        self.max_live = max_live or getattr(self.cls, "max_live", 8)
+        self.bs = block_size or self.cls.preferred_block_size or BS
+        self.max_live = max_live or self.cls.max_live
         self._live: OrderedDict = OrderedDict()
         self._owned: list = []
 
     @property
-    def capabilities(self) -> frozenset[str]:
+    def capabilities(self) -> frozenset[Capability]:
         """What the engine can do (from a fresh, unloaded adapter)."""
         if not hasattr(self, "_caps"):
-            self._caps = self.cls().capabilities
+            self._check_available()
+            self._caps = Capability.set_of(self.cls().capabilities)
         return self._caps
 
     def optional(self, **knobs) -> dict:
@@ -94,14 +98,14 @@ class EnginePool:
         self._check_available()
         engine = self.cls()
         defaults = dict(DEFAULT_KNOBS, device=self.device)
-        if "block_size" in engine.capabilities:
+        if Capability.BLOCK_SIZE in engine.capabilities:
             defaults["block_size"] = self.bs
         gib = os.environ.get("CONFORMANCE_KV_CACHE_GIB")
-        if gib and knobs.get("device", self.device) == "cuda" and "kv_budget" in engine.capabilities:
+        if gib and knobs.get("device", self.device) == "cuda" and Capability.KV_BUDGET in engine.capabilities:
             # several engines share a GPU (pytest-xdist workers, pooled engines): each gets this much
             # KV cache instead of sizing itself from the whole device
             defaults["kv_cache_gib"] = float(gib)
-        if knobs.get("device", self.device) == "cuda" and "max_num_seqs" in engine.capabilities:
+        if knobs.get("device", self.device) == "cuda" and Capability.MAX_NUM_SEQS in engine.capabilities:
             defaults["max_num_seqs"] = 64  # every check's batch fits; fewer CUDA graphs to capture
         try:
             engine.load(model_dir, **{**defaults, **knobs})
@@ -168,5 +172,34 @@ def golden_step_logprobs(case: dict) -> list[dict[int, float]]:
     return [dict(zip(ids, lps)) for ids, lps in zip(case["top_ids"], case["top_lps"])]
 
 
-def delta(dtype: str = "float32") -> float:
-    return DELTA[dtype]
+def arithmetic(dtype: str, engine=None) -> str:
+    """What the engine computed in: its adapter's ``arithmetic`` (quantized weights) or the dtype."""
+    return getattr(engine, "arithmetic", None) or dtype
+
+
+def _measured(table: dict, dtype: str, engine) -> float:
+    key = arithmetic(dtype, engine)
+    if key not in table:
+        raise KeyError(f"no delta or tolerance measured for arithmetic {key!r} (known: {', '.join(table)}); "
+                       f"measure it with scripts/quantized_margins.py and add it to conformance/compare.py")
+    return table[key]
+
+
+def delta(dtype: str = "float32", engine=None) -> float:
+    """The greedy rule's near-tie margin for this dtype, or for the engine's own arithmetic."""
+    return _measured(DELTA, dtype, engine)
+
+
+def logprob_tol(dtype: str = "float32", engine=None) -> float:
+    """The logprob tolerance for this dtype, or for the engine's own arithmetic."""
+    return _measured(LOGPROB_TOL, dtype, engine)
+
+
+def logprob_rtol(dtype: str = "float32", engine=None) -> float:
+    """The relative part of the logprob tolerance (for floats the same as the absolute one)."""
+    return _measured(LOGPROB_RTOL, dtype, engine)
+
+
+def max_diverged_frac(dtype: str = "float32", engine=None) -> float:
+    """The share of sequences that may diverge at near-ties, for this dtype or arithmetic."""
+    return _measured(MAX_DIVERGED_FRAC, dtype, engine)

@@ -1,4 +1,4 @@
-"""Admission control: catalogue item 18. A request that can never run ends with a clear error
+"""Admission control. A request that can never run ends with a clear error
 (an exception naming the limit, or a result with an error finish reason) within a time limit,
 never a hang; afterwards the engine still serves a normal request correctly."""
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""API contracts: catalogue items 22 (stop) and 23 (logprobs).
+"""API contracts: stopping and logprobs.
 
-22 stop strings, stop_token_ids, EOS, ignore_eos, min_tokens, max_tokens -> exact tokens,
-   finish_reason, stop_reason and text;
-23 logprobs=k gives k or k+1 entries per token, rank 1 = the argmax, values equal the reference's
-   log_softmax (greedy), and for a sampled request the raw distribution's (re-scored by a prefill).
+- stop strings, stop_token_ids, EOS, ignore_eos, min_tokens, max_tokens -> exact tokens,
+  finish_reason, stop_reason and text;
+- logprobs=k gives k or k+1 entries per token, rank 1 = the argmax, values equal the reference's
+  log_softmax (greedy), and for a sampled request the raw distribution's (re-scored by a prefill).
 """
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def _check_entries(entries, generated, k, what):
 
 
 def test_logprobs_greedy_match_reference(setup, figure):
-    """Item 23: top-k ids and values against the golden top-5; rank 1 is the greedy token."""
+    """Top-k ids and values against the golden top-5; rank 1 is the greedy token."""
     g, cases, engine = setup
     require(engine, GREEDY, LOGPROBS)
     k = 5
@@ -139,7 +139,7 @@ def test_logprobs_greedy_match_reference(setup, figure):
 
 
 def test_logprobs_sampled_are_raw_distribution(setup, figure):
-    """Item 23: with temperature 0.7 the logprobs are still the raw model's (vLLM's meaning):
+    """With temperature 0.7 the logprobs are still the raw model's (vLLM's meaning):
     re-scoring prompt + output by a prefill gives the same values."""
     g, cases, engine = setup
     require(engine, SAMPLING, SEED, LOGPROBS, PROMPT_LOGPROBS)

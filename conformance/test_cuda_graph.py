@@ -1,4 +1,4 @@
-"""CUDA graphs: catalogue item 14. Decode through captured graphs gives the eager tokens at batch
+"""CUDA graphs. Decode through captured graphs gives the eager tokens at batch
 sizes around the capture buckets {1, 3, 7, 9, 17, 25, 45} (padding rows must not disturb real ones)."""
 from __future__ import annotations
 

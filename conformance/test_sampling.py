@@ -1,8 +1,8 @@
-"""Random sampling: catalogue items 20 and 21.
+"""Random sampling.
 
-20 a seeded request reproduces its tokens, whatever its batch-mates, and another seed changes them;
-21 the first sampled token follows the reference's filtered distribution (chi-square) for
-   temperature, top_k, top_p and min_p, with zero samples outside the allowed set.
+- a seeded request reproduces its tokens, whatever its batch-mates, and another seed changes them;
+- the first sampled token follows the reference's filtered distribution (chi-square) for
+  temperature, top_k, top_p and min_p, with zero samples outside the allowed set.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def _configs(s: dict) -> dict[str, tuple[dict, str | None]]:
 
 @pytest.mark.parametrize("which", ["temperature", "top_k", "top_p", "min_p"])
 def test_sampling_distribution(engines, which, figure):
-    """Item 21: N single-token samples from one prompt against the filtered reference distribution."""
+    """N single-token samples from one prompt against the filtered reference distribution."""
     g, engine = _setup(engines)
     s = g["sampling"]
     kw, cap = _configs(s)[which]
@@ -77,7 +77,7 @@ def test_chi_square_rule_fails_on_wrong_distribution():
 
 
 def test_seeded_requests_reproducible_and_batch_independent(engines, figure):
-    """Item 20: same seed, same tokens, alone or among other requests; another seed differs."""
+    """Same seed, same tokens, alone or among other requests; another seed differs."""
     g, engine = _setup(engines)
     require(engine, SAMPLING, SEED)
     cases = {c["id"]: c["prompt"] for c in g["cases"]}

@@ -1,15 +1,15 @@
 """Self-consistency: the engine's mechanisms must not change its tokens (float32: bitwise).
 
-13 batch invariance: a needle prompt alone vs inside batches of 1..10, 15, 16, 17, 31, 32, 33;
-15 chunked prefill at token budgets {7, 16, 17, 64, inf} vs the golden greedy tokens and each other;
-16 prefix cache on/off: boundary prefix, partial block, fully cached prompt, cold then hot;
-   the cached-token counter equals the expected multiple of the block size;
-17 preemption: >= 256 generated tokens under a starved KV budget equal the ample run, with
-   the preemption counter > 0;
-24 outputs come back in input order;
-26 async scheduling (the next step queued before this one's tokens are read back) gives the
-   tokens of synchronous scheduling: greedy and seeded rows, length finishes, stop tokens met
-   while the next step is in flight, preemption.
+- batch invariance: a needle prompt alone vs inside batches of 1..10, 15, 16, 17, 31, 32, 33;
+- chunked prefill at token budgets {7, 16, 17, 64, inf} vs the golden greedy tokens and each other;
+- prefix cache on/off: boundary prefix, partial block, fully cached prompt, cold then hot;
+  the cached-token counter equals the expected multiple of the block size;
+- preemption: >= 256 generated tokens under a starved KV budget equal the ample run, with
+  the preemption counter > 0;
+- outputs come back in input order;
+- async scheduling (the next step queued before this one's tokens are read back) gives the
+  tokens of synchronous scheduling: greedy and seeded rows, length finishes, stop tokens met
+  while the next step is in flight, preemption.
 """
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ import pytest
 
 import golden
 from conformance.adapters import Sampling
-from conformance.adapters.base import GREEDY, PREEMPTION_STATS, PREFIX_CACHE_STATS
+from conformance.adapters.base import GREEDY, PREEMPTION_STATS, PREFIX_CACHE_STATS, Capability
 from conformance.compare import assert_tokens_equal, compare_greedy
 from conformance.zoo import ZOO
-from conformance.harness import delta, generate, golden_step_logprobs, require, tokens
+from conformance.harness import delta, generate, golden_step_logprobs, require, skip_lacking, tokens
 
 MODEL = "qwen3-gqa4-hd128"
 BATCH_SIZES = [*range(1, 11), 15, 16, 17, 31, 32, 33]
@@ -47,7 +47,7 @@ def _assert_golden_prefix(g, cases: list[dict], got: list[list[int]], what: str)
 
 
 def test_batch_invariance(engines, figure):
-    """Item 13: the needle's greedy tokens do not depend on how many batch-mates it has."""
+    """The needle's greedy tokens do not depend on how many batch-mates it has."""
     g, cases = _golden()
     engine = engines.get(golden.model_dir(g))
     require(engine, GREEDY)
@@ -70,7 +70,7 @@ def test_batch_invariance(engines, figure):
 
 @pytest.mark.parametrize("budget", BUDGETS, ids=[str(b) for b in BUDGETS])
 def test_chunked_prefill_equivalence(engines, budget, figure):
-    """Item 15: every prompt length around block and budget edges gives the unchunked tokens."""
+    """Every prompt length around block and budget edges gives the unchunked tokens."""
     g, cases = _golden()
     picked = [cases[c] for c in ("len1", "len-bs-1", "len-bs", "len-bs+1", "len-3bs", "len-5bs+3", "long")]
     knobs = {"max_batched_tokens": budget} if budget != float("inf") else {"chunked_prefill": False}
@@ -92,7 +92,7 @@ def expected_cached(history: list[list[int]], prompt: list[int], bs: int) -> int
 
 
 def test_prefix_cache_on_off(engines, figure):
-    """Item 16: cold then hot runs with a prefix cache give the tokens of a run without one."""
+    """Cold then hot runs with a prefix cache give the tokens of a run without one."""
     g, cases = _golden()
     bs = engines.bs
     model = golden.model_dir(g)
@@ -112,7 +112,7 @@ def test_prefix_cache_on_off(engines, figure):
 
 
 def test_prefix_cache_counter(engines, figure):
-    """Item 16: cached tokens = bs * floor(common prefix / bs), capped so one token is computed."""
+    """Cached tokens = bs * floor(common prefix / bs), capped so one token is computed."""
     g, cases = _golden()
     bs = engines.bs
     on = engines.fresh(golden.model_dir(g), prefix_cache=True)
@@ -138,7 +138,7 @@ def test_prefix_cache_counter(engines, figure):
 
 
 def test_preemption_equivalence(engines, figure):
-    """Item 17: starve the KV cache so requests are preempted and recomputed; tokens are unchanged."""
+    """Starve the KV cache so requests are preempted and recomputed; tokens are unchanged."""
     g, cases = _golden()
     model = golden.model_dir(g)
     picked = [cases[c] for c in ("len-bs+1", "len-3bs", "len-5bs+3", "prefix-2bs-b")]
@@ -159,7 +159,7 @@ def test_preemption_equivalence(engines, figure):
 
 
 def test_outputs_in_input_order(engines, figure):
-    """Item 24: results line up with their prompts whatever order requests finish in."""
+    """Results line up with their prompts whatever order requests finish in."""
     g, cases = _golden()
     engine = engines.get(golden.model_dir(g))
     picked = [cases[c] for c in ("long", "len1", "len-3bs", "len-bs", "prefix-2bs-a", "len-bs+1")]
@@ -171,11 +171,11 @@ def test_outputs_in_input_order(engines, figure):
 
 
 def test_async_scheduling_equivalence(engines, figure):
-    """Item 26: async scheduling on vs off, same tokens and finish reasons (float32: bitwise)."""
+    """Async scheduling on vs off, same tokens and finish reasons (float32: bitwise)."""
     g, cases = _golden()
     model = golden.model_dir(g)
-    if "async_scheduling" not in engines.capabilities:
-        pytest.skip(f"engine {engines.name} lacks capability 'async_scheduling' (no such engine knob)")
+    if Capability.ASYNC_SCHEDULING not in engines.capabilities:
+        skip_lacking(engines.name, Capability.ASYNC_SCHEDULING, "no such engine knob")
     picked = [cases[c] for c in ("len1", "len-bs", "len-bs+1", "len-3bs", "prefix-2bs-a", "prefix-2bs-b",
                                  "len-5bs+3", "long")]
     params = []

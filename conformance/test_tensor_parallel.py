@@ -1,4 +1,4 @@
-"""Tensor parallelism: catalogue item 19. TP=2 against the reference and TP=1, on a model with one
+"""Tensor parallelism. TP=2 against the reference and TP=1, on a model with one
 KV head (replicated over the ranks) and an odd vocabulary (1001: uneven vocabulary shards); TP=4 on
 a model with 2 KV heads and 8 query heads, so each KV head is replicated on 2 ranks (the layout
 where a wrong rank -> KV head formula shows: TP=2 has only whole heads per rank or one head

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nanovllm.loader.cache import build_once, cache_root
+from conformance.cache import build_once, cache_root
 
 ZOO_VERSION = 2  # bump whenever make_weights or the tokenizer changes what an existing model gets
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<|user|>", "<|assistant|>"]

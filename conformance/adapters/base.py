@@ -1,10 +1,15 @@
-"""The adapter protocol: how a check reaches an engine, whichever engine it is.
+"""The adapter contract: how a check reaches an engine, whichever engine it is.
 
 A check asks for an engine by name and knobs, generates from token-id prompts
 with per-request :class:`Sampling`, and reads :class:`Result` objects. It never
 imports the engine. An engine that lacks something a check needs says so in
-``capabilities``; the check is then skipped with the capability named
-(``require``), never silently passed.
+``capabilities`` (members of :class:`Capability`); the check is then skipped
+with the capability named, never silently passed, and a run where too many
+checks were skipped that way fails (see ``conformance.plugin``).
+
+Every adapter subclasses :class:`EngineAdapter`, which holds everything the
+harness calls: ``unavailable()``, ``describe()``, ``preferred_block_size``,
+``max_live``, ``load``, ``generate``, ``stats``, ``close``.
 
 Engine knobs (``load(model_dir, **knobs)``) are engine-agnostic names; each
 adapter maps them to its own arguments and refuses (``Unsupported``) the ones
@@ -13,47 +18,95 @@ it cannot honour:
 ========================  ====================  ==========================================
 knob                      capability            meaning
 ========================  ====================  ==========================================
-block_size                block_size            tokens per KV block
-kv_blocks                 kv_budget             number of KV blocks (starve it to preempt)
-kv_cache_gib              kv_budget             KV cache size in GiB (engines sharing a GPU)
-max_batched_tokens        chunk_budget          token budget of one step (chunk size)
-chunked_prefill           chunk_budget          False: a prompt is prefilled whole
-prefix_cache              prefix_cache          prefix caching on / off
-tp                        tp                    tensor-parallel size
-cuda_graph                cuda_graph            True: decode through CUDA graphs
-max_num_seqs              max_num_seqs          sequences in one step
-max_model_len             max_model_len         context limit
+block_size                BLOCK_SIZE            tokens per KV block
+kv_blocks                 KV_BUDGET             number of KV blocks (starve it to preempt)
+kv_cache_gib              KV_BUDGET             KV cache size in GiB (engines sharing a GPU)
+max_batched_tokens        CHUNK_BUDGET          token budget of one step (chunk size)
+chunked_prefill           CHUNK_BUDGET          False: a prompt is prefilled whole
+prefix_cache              PREFIX_CACHE          prefix caching on / off
+tp                        TP                    tensor-parallel size
+cuda_graph                CUDA_GRAPH            True: decode through CUDA graphs
+max_num_seqs              MAX_NUM_SEQS          sequences in one step
+max_model_len             MAX_MODEL_LEN         context limit
+async_scheduling          ASYNC_SCHEDULING      overlap scheduling with the model step
 seed, dtype, device       (always)              engine seed, "float32", "cpu" / "cuda"
 ========================  ====================  ==========================================
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import enum
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol, runtime_checkable
+from typing import ClassVar
 
-# What a check may need. Knob capabilities are listed in the table above.
-GREEDY = "greedy"                   # temperature 0 = argmax
-SAMPLING = "sampling"               # temperature > 0
-SEED = "seed"                       # per-request seeds (reproducible, batch-independent)
-TOP_K, TOP_P, MIN_P = "top_k", "top_p", "min_p"
-LOGPROBS = "logprobs"               # top-k logprobs of the raw distribution, with ranks, per step
-SAMPLED_LOGPROB = "sampled_logprob"  # only the sampled token's logprob per step
-PROMPT_LOGPROBS = "prompt_logprobs"
-STOP_STRINGS = "stop_strings"       # text trimmed at a stop string (include_stop_str_in_output)
-STOP_TOKEN_IDS = "stop_token_ids"
-MIN_TOKENS = "min_tokens"
-EOS = "eos"                         # stops at the model's EOS ids unless ignore_eos
-TEXT = "text"                       # detokenized output text
-PREFIX_CACHE_STATS = "prefix_cache_stats"  # per-request cached-token counter
-PREEMPTION_STATS = "preemption_stats"      # engine-wide preemption counter
-ADMISSION_CONTROL = "admission_control"    # refuses a request that can never fit
 
-KNOB_CAPABILITY = {
-    "block_size": "block_size", "kv_blocks": "kv_budget", "kv_cache_gib": "kv_budget", "max_batched_tokens": "chunk_budget",
-    "chunked_prefill": "chunk_budget", "prefix_cache": "prefix_cache", "tp": "tp",
-    "cuda_graph": "cuda_graph", "max_num_seqs": "max_num_seqs", "max_model_len": "max_model_len",
-    "async_scheduling": "async_scheduling",
+class Capability(str, enum.Enum):
+    """What a check may need from an engine. The value is the name used in messages and reports."""
+
+    # requests
+    GREEDY = "greedy"                        # temperature 0 = argmax
+    SAMPLING = "sampling"                    # temperature > 0
+    SEED = "seed"                            # per-request seeds (reproducible, batch-independent)
+    TOP_K = "top_k"
+    TOP_P = "top_p"
+    MIN_P = "min_p"
+    LOGPROBS = "logprobs"                    # top-k logprobs of the raw distribution, with ranks, per step
+    SAMPLED_LOGPROB = "sampled_logprob"      # only the sampled token's logprob per step
+    PROMPT_LOGPROBS = "prompt_logprobs"
+    STOP_STRINGS = "stop_strings"            # text trimmed at a stop string (include_stop_str_in_output)
+    STOP_TOKEN_IDS = "stop_token_ids"
+    MIN_TOKENS = "min_tokens"
+    EOS = "eos"                              # stops at the model's EOS ids unless ignore_eos
+    IGNORE_EOS = "ignore_eos"                # generates on past EOS (every 64-token greedy comparison needs it)
+    TEXT = "text"                            # detokenized output text
+    TOKEN_IDS = "token_ids"                  # takes token-id prompts, returns the output's ids (text-only APIs lack it)
+    # engine-wide counters and behaviour
+    PREFIX_CACHE_STATS = "prefix_cache_stats"  # per-request cached-token counter
+    PREEMPTION_STATS = "preemption_stats"      # engine-wide preemption counter
+    ADMISSION_CONTROL = "admission_control"    # refuses a request that can never fit
+    # models
+    ANY_MODEL = "any_model"                  # loads whichever model a check names, not one fixed model or format
+    # engine knobs (see the table above)
+    BLOCK_SIZE = "block_size"
+    KV_BUDGET = "kv_budget"
+    CHUNK_BUDGET = "chunk_budget"
+    PREFIX_CACHE = "prefix_cache"
+    TP = "tp"
+    CUDA_GRAPH = "cuda_graph"
+    MAX_NUM_SEQS = "max_num_seqs"
+    MAX_MODEL_LEN = "max_model_len"
+    ASYNC_SCHEDULING = "async_scheduling"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value) -> "Capability":
+        """A member from a member or its value; ValueError naming the value and the known ones."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown capability {value!r}; known: {', '.join(c.value for c in cls)}") from None
+
+    @classmethod
+    def set_of(cls, values: Iterable) -> frozenset["Capability"]:
+        return frozenset(cls.parse(v) for v in values)
+
+
+C = Capability
+# module-level names kept for checks written against them
+GREEDY, SAMPLING, SEED = C.GREEDY, C.SAMPLING, C.SEED
+TOP_K, TOP_P, MIN_P = C.TOP_K, C.TOP_P, C.MIN_P
+LOGPROBS, SAMPLED_LOGPROB, PROMPT_LOGPROBS = C.LOGPROBS, C.SAMPLED_LOGPROB, C.PROMPT_LOGPROBS
+STOP_STRINGS, STOP_TOKEN_IDS, MIN_TOKENS, EOS, TEXT = C.STOP_STRINGS, C.STOP_TOKEN_IDS, C.MIN_TOKENS, C.EOS, C.TEXT
+PREFIX_CACHE_STATS, PREEMPTION_STATS, ADMISSION_CONTROL = C.PREFIX_CACHE_STATS, C.PREEMPTION_STATS, C.ADMISSION_CONTROL
+
+KNOB_CAPABILITY: dict[str, Capability] = {
+    "block_size": C.BLOCK_SIZE, "kv_blocks": C.KV_BUDGET, "kv_cache_gib": C.KV_BUDGET,
+    "max_batched_tokens": C.CHUNK_BUDGET,
+    "chunked_prefill": C.CHUNK_BUDGET, "prefix_cache": C.PREFIX_CACHE, "tp": C.TP,
+    "cuda_graph": C.CUDA_GRAPH, "max_num_seqs": C.MAX_NUM_SEQS, "max_model_len": C.MAX_MODEL_LEN,
+    "async_scheduling": C.ASYNC_SCHEDULING,
 }
 ALWAYS_KNOBS = {"seed", "dtype", "device"}
 
@@ -61,7 +114,8 @@ ALWAYS_KNOBS = {"seed", "dtype", "device"}
 class Unsupported(Exception):
     """The engine cannot do what was asked; ``capability`` names what it lacks."""
 
-    def __init__(self, capability: str, detail: str = ""):
+    def __init__(self, capability, detail: str = ""):
+        capability = Capability.parse(capability)
         super().__init__(f"lacks capability {capability}" + (f" ({detail})" if detail else ""))
         self.capability = capability
         self.detail = detail
@@ -93,15 +147,16 @@ class Sampling:
     def with_(self, **kw) -> "Sampling":
         return replace(self, **kw)
 
-    def needs(self) -> set[str]:
+    def needs(self) -> set[Capability]:
         """The capabilities this request needs."""
-        caps = {GREEDY} if self.temperature == 0 else {SAMPLING}
-        for name, cap in ((self.top_k, TOP_K), (self.top_p < 1.0, TOP_P), (self.min_p > 0, MIN_P),
-                          (self.seed is not None, SEED), (self.stop, STOP_STRINGS),
-                          (self.stop_token_ids, STOP_TOKEN_IDS), (self.min_tokens, MIN_TOKENS),
-                          (self.logprobs is not None, LOGPROBS),
-                          (self.prompt_logprobs is not None, PROMPT_LOGPROBS)):
-            if name:
+        caps = {C.GREEDY} if self.temperature == 0 else {C.SAMPLING}
+        for used, cap in ((self.top_k, C.TOP_K), (self.top_p < 1.0, C.TOP_P), (self.min_p > 0, C.MIN_P),
+                          (self.seed is not None, C.SEED), (self.ignore_eos, C.IGNORE_EOS),
+                          (self.stop, C.STOP_STRINGS),
+                          (self.stop_token_ids, C.STOP_TOKEN_IDS), (self.min_tokens, C.MIN_TOKENS),
+                          (self.logprobs is not None, C.LOGPROBS),
+                          (self.prompt_logprobs is not None, C.PROMPT_LOGPROBS)):
+            if used:
                 caps.add(cap)
         return caps
 
@@ -125,21 +180,66 @@ class Result:
     extra: dict = field(default_factory=dict)
 
 
-@runtime_checkable
-class EngineAdapter(Protocol):
-    name: str
-    capabilities: frozenset[str]
+class EngineAdapter:
+    """Base class of every adapter: what the harness calls, with defaults where one makes sense.
 
-    def load(self, model_dir: str, **knobs) -> None: ...
+    A subclass sets ``name`` and ``capabilities`` (a set of :class:`Capability`, or their
+    values) and implements ``load`` and ``generate``. Override ``unavailable`` when the engine
+    may be missing here (the run then fails and says why, instead of passing on skips), and
+    ``describe`` to name the engine's version in reports.
+    """
 
-    def generate(self, prompts: list[list[int]], params: list[Sampling]) -> list[Result]: ...
+    name: ClassVar[str] = ""
+    capabilities: frozenset[Capability] = frozenset()
+    # the KV block size the suite uses for this engine (None: the suite's 16, which the golden
+    # prompts are built around); an engine whose attention needs another sets its smallest one
+    preferred_block_size: ClassVar[int | None] = None
+    # engines of this kind the harness keeps loaded at once (least recently used closed first)
+    max_live: ClassVar[int] = 8
+    # set by load() when the engine computes in other arithmetic than the dtype it was asked for
+    # (quantized weights): the comparison rules then take their delta and tolerance for it
+    # (conformance.compare.DELTA / LOGPROB_TOL keys)
+    arithmetic: str | None = None
 
-    def stats(self) -> dict: ...  # engine-wide counters: "preemptions", "cached_tokens" where known
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if isinstance(cls.__dict__.get("capabilities"), (set, frozenset, list, tuple)):
+            cls.capabilities = Capability.set_of(cls.__dict__["capabilities"])
 
-    def close(self) -> None: ...
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """None when the engine can run here, else why not (a missing package, server, GPU)."""
+        return None
+
+    @classmethod
+    def describe(cls) -> str:
+        """The engine and its version, for reports."""
+        return cls.name
+
+    def load(self, model_dir: str, **knobs) -> None:
+        """Load the HF model directory ``model_dir`` with engine-agnostic ``knobs``."""
+        raise NotImplementedError
+
+    def generate(self, prompts: list[list[int]], params: list[Sampling]) -> list[Result]:
+        """One Result per prompt, in input order; params holds one Sampling per prompt."""
+        raise NotImplementedError
+
+    def stats(self) -> dict:
+        """Engine-wide counters: "preemptions", "cached_tokens" where the engine tells."""
+        return {}
+
+    def close(self) -> None:
+        """Release the engine (processes, memory); the adapter may be loaded again."""
+
+    # helpers for subclasses
+    def check_knobs(self, knobs: dict) -> None:
+        check_knobs(self.name, self.capabilities, knobs)
+
+    def check_params(self, params: Sequence[Sampling]) -> None:
+        check_params(self.capabilities, params)
 
 
-def check_knobs(name: str, capabilities: frozenset[str], knobs: dict) -> None:
+def check_knobs(name: str, capabilities, knobs: dict) -> None:
     """Raise Unsupported for a knob the engine cannot take (None values mean 'default')."""
     for knob, value in knobs.items():
         if value is None or knob in ALWAYS_KNOBS:
@@ -151,8 +251,22 @@ def check_knobs(name: str, capabilities: frozenset[str], knobs: dict) -> None:
             raise Unsupported(cap, f"knob {knob}={value!r}")
 
 
-def check_params(capabilities: frozenset[str], params: Sequence[Sampling]) -> None:
+def check_params(capabilities, params: Sequence[Sampling]) -> None:
     for p in params:
-        missing = sorted(p.needs() - capabilities)
+        missing = sorted(p.needs() - set(capabilities), key=lambda c: c.value)
         if missing:
             raise Unsupported(missing[0], f"needed by {p}")
+
+
+def cut_at_stop_string(text: str, stops, include: bool) -> tuple[str, str | None]:
+    """(text up to the earliest stop string, that string), vLLM's way: the stop string is cut
+    (or kept, ``include``) and nothing after it remains; (text, None) when none occurs."""
+    best = None
+    for s in stops:
+        i = text.find(s)
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, s)
+    if best is None:
+        return text, None
+    i, s = best
+    return text[: i + len(s)] if include else text[:i], s

@@ -1,5 +1,5 @@
-"""Runs inside another engine's own Python (vLLM's virtual environment, or one with upstream
-nano-vllm): ``python engine_worker.py vllm|nano-vllm``. Imports nothing from this repository.
+"""Runs inside vLLM's own Python (its virtual environment): ``python engine_worker.py vllm``.
+Imports nothing from this repository.
 
 Protocol: one JSON object per line on stdin, one reply per line on the file descriptor given
 in $CONFORMANCE_REPLY_FD (stdout is pointed at stderr so library prints cannot corrupt it).
@@ -116,45 +116,6 @@ class VLLMBackend:
         return out
 
 
-class NanoVLLMBackend:
-    """Upstream nano-vllm (GeeeekExplorer/nano-vllm): CUDA only, sampling only (no greedy), no
-    logprobs, no seeds, no stop strings; block size a multiple of 256."""
-
-    def __init__(self):
-        import nanovllm
-        self.version = "nano-vllm %s" % getattr(nanovllm, "__version__", "?")
-        self.llm = None
-
-    def load(self, model, knobs):
-        from nanovllm import LLM
-        for k, cap in (("prefix_cache", "prefix_cache"), ("chunked_prefill", "chunk_budget")):
-            if knobs.get(k) is not None:
-                raise Unsupported(cap)
-        args = {"enforce_eager": not knobs.get("cuda_graph", True)}
-        if knobs.get("block_size") is not None:
-            if knobs["block_size"] % 256:
-                raise Unsupported("block_size", "kvcache_block_size must be a multiple of 256")
-            args["kvcache_block_size"] = knobs["block_size"]
-        for k, name in (("tp", "tensor_parallel_size"), ("max_model_len", "max_model_len"),
-                        ("max_num_seqs", "max_num_seqs"), ("max_batched_tokens", "max_num_batched_tokens"),
-                        ("kv_blocks", "num_kvcache_blocks")):
-            if knobs.get(k) is not None:
-                args[name] = int(knobs[k])
-        self.llm = LLM(model, **args)
-
-    def generate(self, prompts, params):
-        from nanovllm import SamplingParams
-        sps = [SamplingParams(temperature=p["temperature"], max_tokens=p["max_tokens"], ignore_eos=p["ignore_eos"])
-               for p in params]
-        outs = self.llm.generate([list(x) for x in prompts], sps, use_tqdm=False)
-        return [{"token_ids": list(o["token_ids"]), "finish_reason": None, "text": o.get("text"),
-                 "stop_reason": None, "logprobs": None, "prompt_logprobs": None, "num_cached_tokens": None}
-                for o in outs]
-
-    def stats(self):
-        return {}
-
-
 def main():
     kind = sys.argv[1]
     reply_fd = int(os.environ["CONFORMANCE_REPLY_FD"])
@@ -174,7 +135,7 @@ def main():
                 send({"ok": True})
                 break
             if backend is None:
-                backend = VLLMBackend() if kind == "vllm" else NanoVLLMBackend()
+                backend = VLLMBackend()
             if op == "load":
                 backend.load(msg["model"], msg["knobs"])
                 send({"ok": True, "version": backend.version})

@@ -14,8 +14,7 @@ import random
 
 import torch
 
-from conformance.adapters import base
-from conformance.adapters.base import Logprob, Result, Sampling
+from conformance.adapters.base import C, EngineAdapter, Logprob, Result, Sampling, cut_at_stop_string
 
 
 def logprob_entry(row: torch.Tensor, token: int, k: int) -> dict[int, Logprob]:
@@ -30,23 +29,11 @@ def logprob_entry(row: torch.Tensor, token: int, k: int) -> dict[int, Logprob]:
     return out
 
 
-def cut_at_stop_string(text: str, stops, include: bool) -> tuple[str, str | None]:
-    best = None
-    for s in stops:
-        i = text.find(s)
-        if i != -1 and (best is None or i < best[0]):
-            best = (i, s)
-    if best is None:
-        return text, None
-    i, s = best
-    return text[: i + len(s)] if include else text[:i], s
-
-
-class HFAdapter:
+class HFAdapter(EngineAdapter):
     name = "hf"
-    capabilities = frozenset({base.GREEDY, base.SAMPLING, base.SEED, base.TOP_K, base.TOP_P, base.MIN_P,
-                              base.LOGPROBS, base.SAMPLED_LOGPROB, base.PROMPT_LOGPROBS, base.STOP_STRINGS,
-                              base.STOP_TOKEN_IDS, base.MIN_TOKENS, base.EOS, base.TEXT})
+    capabilities = frozenset({C.GREEDY, C.SAMPLING, C.SEED, C.TOP_K, C.TOP_P, C.MIN_P,
+                              C.LOGPROBS, C.SAMPLED_LOGPROB, C.PROMPT_LOGPROBS, C.STOP_STRINGS,
+                              C.STOP_TOKEN_IDS, C.MIN_TOKENS, C.EOS, C.IGNORE_EOS, C.TEXT, C.ANY_MODEL})
 
     def __init__(self):
         import transformers
@@ -54,10 +41,6 @@ class HFAdapter:
         self.version = transformers.__version__
         self.model = self.tokenizer = None
         self._rng = random.Random(0)
-
-    @staticmethod
-    def unavailable() -> str | None:
-        return None
 
     @staticmethod
     def describe() -> str:
@@ -69,7 +52,7 @@ class HFAdapter:
 
         from conformance.reference import load_hf_model
 
-        base.check_knobs(self.name, self.capabilities, knobs)
+        self.check_knobs(knobs)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: torch.float32}[knobs.get("dtype")]
         self.model = load_hf_model(model_dir, dtype)
         self._rng = random.Random(knobs.get("seed") or 0)
@@ -83,7 +66,7 @@ class HFAdapter:
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompts: list[list[int]], params: list[Sampling]) -> list[Result]:
-        base.check_params(self.capabilities, params)
+        self.check_params(params)
         results: list[Result | None] = [None] * len(prompts)
         groups: dict[tuple, list[int]] = {}
         for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -148,9 +131,6 @@ class HFAdapter:
         logits = self.model(torch.tensor([prompt])).logits[0].float()
         lps = torch.log_softmax(logits, dim=-1)
         return [None] + [logprob_entry(lps[pos - 1], prompt[pos], k) for pos in range(1, len(prompt))]
-
-    def stats(self) -> dict:
-        return {}
 
     def close(self) -> None:
         self.model = None

@@ -16,8 +16,7 @@ import threading
 
 import torch
 
-from conformance.adapters import base
-from conformance.adapters.base import Result, Sampling
+from conformance.adapters.base import C, EngineAdapter, Result, Sampling
 
 _lock = threading.Lock()
 _offloaded = [0]
@@ -42,11 +41,12 @@ def _count_offloads() -> None:
         _patched[0] = True
 
 
-class HFContinuousBatchingAdapter:
+class HFContinuousBatchingAdapter(EngineAdapter):
     name = "hf-cb"
-    capabilities = frozenset({base.GREEDY, base.SAMPLING, base.TOP_K, base.TOP_P, base.MIN_P,
-                              base.STOP_TOKEN_IDS, base.EOS, base.TEXT, base.PREEMPTION_STATS,
-                              "block_size", "kv_budget", "chunk_budget", "prefix_cache", "max_num_seqs"})
+    capabilities = frozenset({C.GREEDY, C.SAMPLING, C.TOP_K, C.TOP_P, C.MIN_P,
+                              C.STOP_TOKEN_IDS, C.EOS, C.IGNORE_EOS, C.TEXT, C.PREEMPTION_STATS,
+                              C.ANY_MODEL, C.BLOCK_SIZE, C.KV_BUDGET, C.CHUNK_BUDGET, C.PREFIX_CACHE,
+                              C.MAX_NUM_SEQS})
     preferred_block_size = 16
     max_live = 2  # each engine holds a model and sizes a KV cache from host memory
 
@@ -54,10 +54,6 @@ class HFContinuousBatchingAdapter:
         self.model = self.tokenizer = None
         self.knobs: dict = {}
         self._start_offloaded = 0
-
-    @staticmethod
-    def unavailable() -> str | None:
-        return None
 
     @staticmethod
     def describe() -> str:
@@ -68,7 +64,7 @@ class HFContinuousBatchingAdapter:
     def load(self, model_dir: str, **knobs) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-        base.check_knobs(self.name, self.capabilities, knobs)
+        self.check_knobs(knobs)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: torch.float32}[knobs.get("dtype")]
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
                                                           attn_implementation="paged|sdpa").eval()
@@ -105,7 +101,7 @@ class HFContinuousBatchingAdapter:
         return ContinuousBatchingConfig(**cfg)
 
     def generate(self, prompts: list[list[int]], params: list[Sampling]) -> list[Result]:
-        base.check_params(self.capabilities, params)
+        self.check_params(params)
         results: list[Result | None] = [None] * len(prompts)
         groups: dict[tuple, list[int]] = {}
         for i, p in enumerate(params):

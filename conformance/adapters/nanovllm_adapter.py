@@ -1,8 +1,10 @@
-"""nanovllm through its public API: ``LLM(...)``, ``LLM.generate``, ``LLM.stats()``."""
+"""nanovllm through its public API: ``LLM(...)``, ``LLM.generate``, ``LLM.stats()``.
+
+The only module of the suite that imports nanovllm (a test enforces it): the suite itself is
+engine-agnostic and checks nanovllm the way it checks any other engine."""
 from __future__ import annotations
 
-from conformance.adapters import base
-from conformance.adapters.base import Logprob, Result, Sampling
+from conformance.adapters.base import C, EngineAdapter, Logprob, Result, Sampling
 
 _KNOBS = {"block_size": "block_size", "kv_blocks": "num_kvcache_blocks", "kv_cache_gib": "kv_cache_memory_gib",
           "max_batched_tokens": "max_num_batched_tokens", "chunked_prefill": "enable_chunked_prefill",
@@ -17,31 +19,22 @@ def _logprob_dicts(entries) -> list:
     return [None if d is None else {t: Logprob(lp.logprob, lp.rank) for t, lp in d.items()} for d in entries]
 
 
-class NanovllmAdapter:
+class NanovllmAdapter(EngineAdapter):
     name = "nanovllm"
 
     def __init__(self):
         import torch
 
-        caps = {base.GREEDY, base.SAMPLING, base.SEED, base.TOP_K, base.TOP_P, base.MIN_P, base.LOGPROBS,
-                base.SAMPLED_LOGPROB, base.PROMPT_LOGPROBS, base.STOP_STRINGS, base.STOP_TOKEN_IDS,
-                base.MIN_TOKENS, base.EOS, base.TEXT, base.PREFIX_CACHE_STATS, base.PREEMPTION_STATS,
-                base.ADMISSION_CONTROL, "block_size", "kv_budget", "chunk_budget", "prefix_cache",
-                "max_num_seqs", "max_model_len", "async_scheduling"}
-        try:
-            import nanovllm.worker.distributed  # noqa: F401  (tensor parallelism has landed)
-            caps.add("tp")
-        except ImportError:
-            pass
+        caps = {C.GREEDY, C.SAMPLING, C.SEED, C.TOP_K, C.TOP_P, C.MIN_P, C.LOGPROBS, C.SAMPLED_LOGPROB,
+                C.PROMPT_LOGPROBS, C.STOP_STRINGS, C.STOP_TOKEN_IDS, C.MIN_TOKENS, C.EOS, C.IGNORE_EOS, C.TEXT,
+                C.PREFIX_CACHE_STATS, C.PREEMPTION_STATS, C.ADMISSION_CONTROL, C.ANY_MODEL, C.BLOCK_SIZE,
+                C.KV_BUDGET, C.CHUNK_BUDGET, C.PREFIX_CACHE, C.MAX_NUM_SEQS, C.MAX_MODEL_LEN,
+                C.ASYNC_SCHEDULING, C.TP}
         if torch.cuda.is_available():
-            caps.add("cuda_graph")
+            caps.add(C.CUDA_GRAPH)
         self.capabilities = frozenset(caps)
         self.llm = None
         self.version = __import__("nanovllm").__version__
-
-    @staticmethod
-    def unavailable() -> str | None:
-        return None
 
     @staticmethod
     def describe() -> str:
@@ -53,7 +46,7 @@ class NanovllmAdapter:
     def load(self, model_dir: str, **knobs) -> None:
         from nanovllm import LLM
 
-        base.check_knobs(self.name, self.capabilities, knobs)
+        self.check_knobs(knobs)
         args = {_KNOBS[k]: v for k, v in knobs.items() if v is not None and k in _KNOBS}
         if knobs.get("cuda_graph") is not None:
             args["enforce_eager"] = not knobs["cuda_graph"]
@@ -65,7 +58,7 @@ class NanovllmAdapter:
     def generate(self, prompts: list[list[int]], params: list[Sampling]) -> list[Result]:
         from nanovllm import SamplingParams
 
-        base.check_params(self.capabilities, params)
+        self.check_params(params)
         sps = [SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
                               seed=p.seed, max_tokens=p.max_tokens, min_tokens=p.min_tokens,
                               stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),

@@ -1,9 +1,8 @@
-"""Engines that live in their own Python (their own torch pins): vLLM and upstream nano-vllm.
+"""Engines that live in their own Python (their own torch pins): vLLM's offline ``LLM``.
 
 The adapter starts ``engine_worker.py`` with that Python, one process per loaded engine, and
 talks JSON lines to it (see engine_worker.py). vLLM's Python is $NANOVLLM_VLLM_PYTHON or
-``.venv-vllm/bin/python`` at the repository root (BENCH.md says how it is installed); upstream
-nano-vllm's is $NANO_VLLM_PYTHON.
+``.venv-vllm/bin/python`` under the current directory (the suite's README says how to install it).
 """
 from __future__ import annotations
 
@@ -14,10 +13,8 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from conformance.adapters import base
-from conformance.adapters.base import Logprob, Result, Sampling, Unsupported
+from conformance.adapters.base import C, EngineAdapter, Logprob, Result, Sampling, Unsupported
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("engine_worker.py")
 
 
@@ -31,7 +28,7 @@ class EngineError(RuntimeError):
     """An error the engine raised (its type name is kept in the message)."""
 
 
-class SubprocessAdapter:
+class SubprocessAdapter(EngineAdapter):
     kind = ""
     max_live = 2  # engines (processes) alive at once
     python_env = ""
@@ -44,7 +41,7 @@ class SubprocessAdapter:
 
     @classmethod
     def python(cls) -> str | None:
-        p = os.environ.get(cls.python_env) or (str(ROOT / cls.default_python) if cls.default_python else None)
+        p = os.environ.get(cls.python_env) or (str(Path.cwd() / cls.default_python) if cls.default_python else None)
         return p if p and Path(p).is_file() else None
 
     @classmethod
@@ -106,7 +103,7 @@ class SubprocessAdapter:
 
     # ---------------------------------------------------------------- protocol
     def load(self, model_dir: str, **knobs) -> None:
-        base.check_knobs(self.name, self.capabilities, knobs)
+        self.check_knobs(knobs)
         self._start()
         knobs = {k: (None if v == float("inf") else v) for k, v in knobs.items()}
         if knobs.get("max_batched_tokens") is None and "max_batched_tokens" in knobs:
@@ -114,7 +111,7 @@ class SubprocessAdapter:
         self.version = self._call({"op": "load", "model": model_dir, "knobs": knobs})["version"]
 
     def generate(self, prompts: list[list[int]], params: list[Sampling]) -> list[Result]:
-        base.check_params(self.capabilities, params)
+        self.check_params(params)
         reply = self._call({"op": "generate", "prompts": [list(p) for p in prompts],
                             "params": [asdict(p) for p in params]})
         return [Result(token_ids=r["token_ids"], finish_reason=r["finish_reason"], text=r["text"],
@@ -151,21 +148,9 @@ class VLLMAdapter(SubprocessAdapter):
     probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
     preferred_block_size = 32  # the CPU build's attention needs a multiple of 32
     version_probe = "import vllm, torch; print('vLLM', vllm.__version__, '(torch', torch.__version__ + ')')"
-    capabilities = frozenset({base.GREEDY, base.SAMPLING, base.SEED, base.TOP_K, base.TOP_P, base.MIN_P,
-                              base.LOGPROBS, base.SAMPLED_LOGPROB, base.PROMPT_LOGPROBS, base.STOP_STRINGS,
-                              base.STOP_TOKEN_IDS, base.MIN_TOKENS, base.EOS, base.TEXT,
-                              base.PREFIX_CACHE_STATS, base.PREEMPTION_STATS, base.ADMISSION_CONTROL,
-                              "block_size", "kv_budget", "chunk_budget", "prefix_cache", "max_num_seqs",
-                              "max_model_len"})
+    capabilities = frozenset({C.GREEDY, C.SAMPLING, C.SEED, C.TOP_K, C.TOP_P, C.MIN_P, C.LOGPROBS,
+                              C.SAMPLED_LOGPROB, C.PROMPT_LOGPROBS, C.STOP_STRINGS, C.STOP_TOKEN_IDS,
+                              C.MIN_TOKENS, C.EOS, C.IGNORE_EOS, C.TEXT, C.PREFIX_CACHE_STATS, C.PREEMPTION_STATS,
+                              C.ADMISSION_CONTROL, C.ANY_MODEL, C.BLOCK_SIZE, C.KV_BUDGET, C.CHUNK_BUDGET,
+                              C.PREFIX_CACHE, C.MAX_NUM_SEQS, C.MAX_MODEL_LEN})
 
-
-class NanoVLLMAdapter(SubprocessAdapter):
-    name = kind = "nano-vllm"
-    python_env = "NANO_VLLM_PYTHON"
-    pythonpath_env = "NANO_VLLM_PYTHONPATH"
-    probe = ("import torch, nanovllm; from nanovllm import LLM; "
-             "assert not hasattr(nanovllm, 'EngineConfig'), 'this is our nanovllm, not upstream nano-vllm'; "
-             "assert torch.cuda.is_available(), 'upstream nano-vllm needs a CUDA GPU'")
-    version_probe = "import nanovllm; print('nano-vllm', getattr(nanovllm, '__version__', '?'))"
-    capabilities = frozenset({base.SAMPLING, base.EOS, base.TEXT, "block_size", "kv_budget", "chunk_budget",
-                              "max_num_seqs", "max_model_len", "tp", "cuda_graph"})
