@@ -117,6 +117,7 @@ PRESSURE = "tests/test_prefix_cache_pressure.py"
 STATS = "tests/test_stats_counters.py"
 OPTIONS = "tests/test_request_options.py"
 PREEMPT_OUT = "tests/test_preemption_outputs.py"
+SEEDED = "tests/test_seeded_sampling.py"
 _CLASS_MUTANTS = {
     # 3. per-request fields under preemption and re-admission
     "prompt_logprobs_reappended_on_recompute": [PFIELDS, PREEMPT_OUT],
@@ -134,7 +135,7 @@ _CLASS_MUTANTS = {
     "top_p_mass_before_top_k": [SAMP],
     "first_row_temperature_for_all": [SAMP],
     "top_p_by_position": [SAMP],
-    "seeded_generator_not_kept": [SAMP],
+    "seeded_generator_not_kept": [SAMP, SEEDED],
     "seed_zero_unseeded": [SAMP],
     # 7. request options at non-defaults
     "chat_always_adds_generation_prompt": [OPTIONS],
@@ -176,7 +177,7 @@ _CORE_E2E = {
     "preempted_to_queue_back": [POLICY],
     "admit_in_preempting_step": [POLICY],
     "cache_stats_first_admission_only": [STATS, POLICY],
-    "num_cached_tokens_every_admission": [PFIELDS, STATS, POLICY],
+    "num_cached_tokens_every_admission": [PFIELDS, PREEMPT_OUT, STATS, POLICY],
     "preemptions_not_per_request": [PFIELDS, STATS, POLICY],
 }
 PROPERTY_FILES = ["tests/properties/test_block_manager_properties.py", "tests/properties/test_scheduler_properties.py"]
