@@ -6,7 +6,7 @@ Tight caches (which block a later, unrelated request evicts; what stays hittable
   request's blocks are released last block first, so a later request that needs k more blocks
   than the empty ones evicts that request's *last* k full blocks, and the prompt then hits the
   rest; a block hit again by another request becomes recently used and outlives older ones;
-* on random workloads (fake runner, no torch), every admission's hit, every eviction and the
+* on random workloads (the real engine loop over the fake executor, no torch), every admission's hit, every eviction and the
   free blocks after every step equal the policy model's (tests/properties/policy_model.py).
 
 Same step (the second of two sequences computing the same block finds the first's published
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from conformance.zoo import ZOO, zoo_model
 from nanovllm.core.block_manager import hash_block_tokens
 from tests.conftest import prompts_for
-from tests.properties.fake_runner import FakeEngine
+from tests.properties.harness import EngineHarness
 from tests.properties.policy_check import Req, run_against_model
 
 MODEL = "llama-mha-hd64"
@@ -128,7 +128,7 @@ def test_same_step_prefix_chain_continues():
     llm.close()
 
 
-# ------------------------------------------------------------- random workloads, fake runner
+# ------------------------------------------------------------- random workloads, the engine over the fake executor
 STEMS = [[0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1], [1, 1, 2, 1, 1, 2, 1, 1, 2, 1, 1, 2], [2, 0, 0, 2, 0, 0, 2, 0]]
 reuse_prompt_st = st.tuples(st.sampled_from(STEMS), st.integers(1, 14), st.lists(st.integers(0, 2), max_size=2)).map(
     lambda t: tuple(t[0][:t[1]] + t[2]))
@@ -172,8 +172,8 @@ same_step_case = st.tuples(
 
 def check_same_step_collision_safety(case) -> None:
     bs, batches, max_tokens = case
-    eng = FakeEngine(num_blocks=64, block_size=bs, max_num_seqs=4, max_num_batched_tokens=64, hash_fn=weak_hash,
-                     vocab_size=2, strict=True)
+    eng = EngineHarness(num_blocks=64, block_size=bs, max_num_seqs=4, max_num_batched_tokens=64, hash_fn=weak_hash,
+                        vocab_size=2, strict=True)
     for batch in batches:   # each batch is admitted in one step: its sequences compute shared blocks together
         for prompt in batch:
             eng.add_request(prompt, max_tokens)
@@ -195,7 +195,7 @@ def test_same_step_collision_regression():
     so it publishes nothing. Z=[1,1,2,2,3] must then hit nothing (strict fake K/V reads)."""
     def colliding(parent, tokens):
         return 0 if parent is None else hash_block_tokens(parent, tokens)
-    eng = FakeEngine(num_blocks=32, block_size=2, max_num_seqs=4, hash_fn=colliding, vocab_size=5, strict=True)
+    eng = EngineHarness(num_blocks=32, block_size=2, max_num_seqs=4, hash_fn=colliding, vocab_size=5, strict=True)
     eng.add_request([0, 0, 2, 2, 4], 1)
     eng.add_request([1, 1, 2, 2, 4], 1)
     eng.run()

@@ -1,10 +1,10 @@
 """Scheduling policy and accounting, step by step, against expectations derived independently.
 
-* The real Scheduler and BlockManager (driven by the fake runner, no torch) against the policy
+* The real engine loop (LLMEngine over the fake executor, no torch) against the policy
   model (tests/properties/policy_model.py: the documented policy restated over token content),
   on random workloads whose requests arrive while others run, under tight caches: every step's
   schedule, admissions with their cache hits, preemptions, finishes and free blocks; the
-  counters; each request's num_cached_tokens and num_preemptions.
+  stats() counters; each request's num_cached_tokens and num_preemptions.
 * First-come-first-served order with recompute preemption (``check_fcfs``), from the trace
   alone: a preempted request goes back to the front of the queue and is never overtaken by a
   later arrival; victims are the latest arrivals; a step that preempts admits no one.

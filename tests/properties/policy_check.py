@@ -1,8 +1,9 @@
 """Checks built on the policy model and on first principles, shared by the scheduling and
 prefix-cache tests.
 
-``run_against_model`` drives the real Scheduler/BlockManager (through ``FakeEngine``) and the
-independent ``PolicyModel`` with the same arrivals and compares them after every step.
+``run_against_model`` drives the real engine loop (``LLMEngine`` over the fake executor, through
+``EngineHarness``) and the independent ``PolicyModel`` with the same arrivals and compares them
+after every step, and their counters (``stats()``) at the end.
 ``check_fcfs`` checks first-come-first-served order with recompute preemption on any trace,
 without the model: it needs only who arrived when, and what each step did.
 
@@ -12,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tests.properties.fake_runner import FakeEngine, kv_chain, next_token
+from tests.properties.fake_runner import kv_chain, next_token
+from tests.properties.harness import EngineHarness
 from tests.properties.policy_model import ModelRequest, PolicyModel
 
 
@@ -68,7 +70,7 @@ def check_fcfs(steps: list[StepView], arrived_before: dict[str, int]) -> None:
             done.add(rid)
 
 
-def fake_views(eng: FakeEngine) -> list[StepView]:
+def fake_views(eng: EngineHarness) -> list[StepView]:
     return [StepView([r for r, _, _ in h.scheduled], [r for r, _ in h.admitted], list(h.preempted), list(h.finished))
             for h in eng.history]
 
@@ -76,11 +78,11 @@ def fake_views(eng: FakeEngine) -> list[StepView]:
 def run_against_model(cfg: dict, batches, *, vocab_size: int = 3, hash_fn=None, compare: bool = True):
     """``batches``: [(requests added now, steps run after)]; then everything runs to the end.
 
-    Returns (FakeEngine, PolicyModel, arrived_before). Raises AssertionError at the first step
-    where the real scheduler / block manager and the model disagree. With ``compare=False`` only
-    the FakeEngine runs (its own checks stay on): for checks that must not lean on the model.
+    Returns (EngineHarness, PolicyModel, arrived_before). Raises AssertionError at the first step
+    where the real engine and the model disagree. With ``compare=False`` only the engine runs (the
+    harness's own checks stay on): for checks that must not lean on the model.
     """
-    eng = FakeEngine(**cfg, vocab_size=vocab_size, hash_fn=hash_fn)
+    eng = EngineHarness(**cfg, vocab_size=vocab_size, hash_fn=hash_fn)
     model = PolicyModel(**cfg, next_token=lambda rid, toks: next_token(kv_chain(toks), vocab_size))
     arrived_before: dict[str, int] = {}
 
@@ -126,10 +128,9 @@ def run_against_model(cfg: dict, batches, *, vocab_size: int = 3, hash_fn=None, 
         return eng, model, arrived_before
     assert model.step() is None, "the engine and the model do not end together"
 
-    sched = eng.scheduler
-    assert sched.num_preemptions == model.counters["preemptions"]
-    assert sched.num_cache_hit_tokens == model.counters["prefix_cache_hit_tokens"]
-    assert sched.num_cache_query_tokens == model.counters["prefix_cache_query_tokens"]
+    stats = eng.engine.stats()
+    for name, value in model.counters.items():
+        assert stats[name] == value, f"stats()[{name!r}] = {stats[name]}, the model expects {value}"
     for rid, req in model.requests.items():
         seq = eng.requests[rid]
         assert seq.num_cached_tokens == req.num_cached_tokens, \
