@@ -245,7 +245,7 @@ def free_head_block_first() -> ContextManager:
 def freed_cached_block_to_head() -> ContextManager:
     """Freed blocks that carry a hash go to the head of the free queue (most recently used is
     evicted first) and empty ones to the tail."""
-    return _edit(BlockManager, "free", ("if block.block_hash is None:", "if block.block_hash is not None:"))
+    return _edit(BlockManager, "_release", ("if block.block_hash is None:", "if block.block_hash is not None:"))
 
 
 def evict_newest_first() -> ContextManager:
@@ -258,8 +258,8 @@ def evict_newest_first() -> ContextManager:
 def hits_only_prompt_blocks() -> ContextManager:
     """Cache hits are looked up over the prompt only: a preempted request, re-admitted with its
     generated tokens, does not find the blocks of those tokens it published before."""
-    return _edit(BlockManager, "get_computed_blocks", ("range((seq.num_tokens - 1) // bs)",
-                                                       "range((seq.num_prompt_tokens - 1) // bs)"))
+    return _edit(BlockManager, "_max_cached_blocks", ("(seq.num_tokens - 1) // self.block_size",
+                                                      "(seq.num_prompt_tokens - 1) // self.block_size"))
 
 
 def generated_blocks_never_cached() -> ContextManager:
