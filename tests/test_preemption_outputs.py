@@ -6,7 +6,9 @@ this one walks every field of nanovllm's RequestOutput / CompletionOutput / Logp
 token ids, text (stop strings, include_stop_str_in_output), cumulative_logprob, logprobs and
 prompt logprobs with ranks and decoded tokens, finish and stop reasons, num_cached_tokens. Only
 ``metrics`` differs by design: 0 preemptions in the ample run, and in the starved one each
-request's count equals the preemptions the trace shows for it.
+request's count equals the preemptions the trace shows for it; num_generation_tokens is the same
+in both; the times keep their order (arrival <= first scheduled <= first token <= last token <=
+finished: a preempted request keeps its first scheduling time).
 
 Workload: the issue-10 reproduction (zoo llama-mha-hd64, 9 KV blocks of 16, prompts of
 [40, 23, 17, 33, 5, 60, 16, 31] tokens), each request with other options.
@@ -77,8 +79,13 @@ def test_every_output_field_survives_preemption():
     events = starved.llm_engine.tracer.events
     preempted = [rid for e in events for rid in e.preempted]
     assert preempted, "the starved run never preempted"
-    assert all(w.metrics["num_preemptions"] == 0 for w in want)
-    assert [g.metrics["num_preemptions"] for g in got] == [preempted.count(g.request_id) for g in got]
+    assert all(w.metrics.num_preemptions == 0 for w in want)
+    assert [g.metrics.num_preemptions for g in got] == [preempted.count(g.request_id) for g in got]
+    for w, g in zip(want, got):
+        assert g.metrics.num_generation_tokens == w.metrics.num_generation_tokens == len(g.outputs[0].token_ids)
+        m = g.metrics
+        times = [m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time, m.finished_time]
+        assert None not in times and times == sorted(times), f"request {g.request_id}: times out of order {times}"
     logprob_requests = {g.request_id for g, p in zip(got, params) if p.logprobs is not None or p.prompt_logprobs is not None}
     assert logprob_requests & set(preempted), "no request with logprobs was preempted: weak check"
     starved.llm_engine.check_invariants()

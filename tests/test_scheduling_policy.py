@@ -146,8 +146,8 @@ def test_engine_trace_and_stats_follow_policy_model(engine_run):
         assert out.outputs[0].token_ids == tokens[rid], f"{rid}: tokens differ from the ample run"
         assert out.num_cached_tokens == req.num_cached_tokens, \
             f"{rid}: num_cached_tokens {out.num_cached_tokens}, model {req.num_cached_tokens} (first admission)"
-        assert out.metrics["num_preemptions"] == req.num_preemptions, \
-            f"{rid}: num_preemptions {out.metrics['num_preemptions']}, model {req.num_preemptions}"
+        assert out.metrics.num_preemptions == req.num_preemptions, \
+            f"{rid}: num_preemptions {out.metrics.num_preemptions}, model {req.num_preemptions}"
         assert out.outputs[0].finish_reason == req.finish_reason
 
 

@@ -5,7 +5,8 @@ preemptions, chunked recomputes) the trace (``LLM(trace=True)``) records what ea
 computed; from it alone the counters follow:
 
 * ``steps`` = trace events; ``preemptions`` = preempted entries = the sum of the requests'
-  ``metrics["num_preemptions"]``, and each request's count = its preempted entries;
+  ``metrics.num_preemptions``, and each request's count = its preempted entries;
+  ``metrics.num_generation_tokens`` = the tokens it returns;
 * ``prompt_tokens_computed`` = the tokens of every chunk that is not a decode (prefill chunks and
   recomputes, including a recompute's last chunk past the prompt); ``generation_tokens`` = the
   chunks that reach their request's last token (each samples one) = the tokens returned;
@@ -66,7 +67,8 @@ def test_stats_counters_match_the_trace(run):
     for rid, out in outputs.items():
         firsts = [s.num_cached_tokens for s in admissions if s.request_id == rid]
         assert out.num_cached_tokens == firsts[0], f"{rid}: num_cached_tokens is not its first admission's hit"
-        assert out.metrics["num_preemptions"] == preempted.count(rid) == len(firsts) - 1, rid
+        assert out.metrics.num_preemptions == preempted.count(rid) == len(firsts) - 1, rid
+        assert out.metrics.num_generation_tokens == len(out.outputs[0].token_ids), rid
         end = None  # where the request's computed tokens end; None while it waits
         for e in events:
             if rid in e.preempted:

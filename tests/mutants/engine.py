@@ -435,8 +435,8 @@ def chat_always_adds_generation_prompt() -> ContextManager:
 def skip_special_tokens_ignored() -> ContextManager:
     """Output text always skips special tokens, whatever skip_special_tokens says."""
     (op,) = _modules("nanovllm.engine.output_processor")
-    return _edit(op, "make_request_output", ("decode(tokenizer, seq.output_token_ids, params.skip_special_tokens)",
-                                             "decode(tokenizer, seq.output_token_ids, True)"))
+    return _edit(op, "final_text", ("decode(tokenizer, seq.output_token_ids, seq.params.skip_special_tokens)",
+                                    "decode(tokenizer, seq.output_token_ids, True)"))
 
 
 def stop_text_skips_specials() -> ContextManager:
@@ -462,3 +462,11 @@ def prompt_tokens_skip_recompute_tail() -> ContextManager:
     return _edit(engine_mod.LLMEngine, "_postprocess", (
         "if not (num_new == 1 and id(seq) in sampling and start >= seq.num_prompt_tokens):",
         "if id(seq) not in sampling or start < seq.num_prompt_tokens:"))
+
+
+def first_scheduled_time_every_admission() -> ContextManager:
+    """metrics.first_scheduled_time is set at every admission: a preempted request reports its
+    re-admission (after its first tokens) as its first scheduling."""
+    (engine_mod,) = _modules("nanovllm.engine.engine")
+    return _edit(engine_mod.LLMEngine, "_launch_next", ("if seq.metrics.first_scheduled_time is None:",
+                                                        "if True:"))

@@ -124,6 +124,7 @@ _CLASS_MUTANTS = {
     "output_logprobs_cleared_on_preemption": [PFIELDS, PREEMPT_OUT],
     "cumulative_logprob_reset_on_preemption": [PREEMPT_OUT],
     "seeded_generator_dropped_on_preemption": [PFIELDS, PREEMPT_OUT],
+    "first_scheduled_time_every_admission": [PREEMPT_OUT],
     # 4. exact contract boundaries
     "min_tokens_ban_off_by_one": [BOUNDS],
     "stop_string_window_too_narrow": [BOUNDS],
