@@ -342,8 +342,10 @@ class LLMEngine:
             record_prompt_logprobs(seq, list(zip(seq.token_ids[first:first + len(rows)], rows)))
         sampling = {id(seq) for seq in plan.samplers}
         for seq, num_new, start in zip(plan.sched.seqs, plan.sched.num_new_tokens, plan.starts):
-            if id(seq) not in sampling or start < seq.num_prompt_tokens:
-                self.num_prompt_tokens += num_new   # a prefill chunk (or a recompute) samples nothing new
+            # every chunk but a decode (the newest token of a request past its prompt) is prompt work:
+            # prefill chunks and recomputes after a preemption, including a recompute's last chunk
+            if not (num_new == 1 and id(seq) in sampling and start >= seq.num_prompt_tokens):
+                self.num_prompt_tokens += num_new
 
         reported: list[Sequence] = []
         streams = self._streams

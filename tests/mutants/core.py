@@ -15,7 +15,9 @@ Importing this module imports no torch.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
+import textwrap
 from collections.abc import Callable, Iterator
 from typing import ContextManager
 
@@ -36,6 +38,28 @@ def _patched(*patches: tuple[object, str, object]) -> Iterator[None]:
     finally:
         for obj, name, old in reversed(saved):
             setattr(obj, name, old)
+
+
+def _edited(owner: object, name: str, *edits: tuple[str, str]):
+    """A copy of the function ``owner.name`` (a module function or a method) whose source has each
+    ``(old, new)`` edit applied; ``old`` must occur exactly once, so a mutant that no longer fits
+    the code fails loudly instead of silently testing nothing. The copy reads the live globals of
+    the function's module."""
+    func = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    src = textwrap.dedent(inspect.getsource(func))
+    for old, new in edits:
+        if src.count(old) != 1:
+            raise AssertionError(f"mutant edit of {func.__qualname__}: {old!r} occurs {src.count(old)} times")
+        src = src.replace(old, new)
+    namespace: dict = {}
+    exec(compile(src, f"<mutant of {func.__module__}.{func.__qualname__}>", "exec"),
+         sys.modules[func.__module__].__dict__, namespace)
+    return namespace[func.__name__]
+
+
+def _edit(owner: object, name: str, *edits: tuple[str, str]) -> ContextManager:
+    """Patch ``owner.name`` with its edited copy (see ``_edited``)."""
+    return _patched((owner, name, _edited(owner, name, *edits)))
 
 
 # ------------------------------------------------------------ block manager
@@ -210,12 +234,111 @@ def position_after_preemption() -> ContextManager:
     return _patched(*patches)
 
 
+# ------------------------------------------- tight caches over time (eviction order, what stays)
+def free_head_block_first() -> ContextManager:
+    """free() releases a table first block first: a prefix's head is evicted before its tail,
+    so the whole chain stops being hittable while its deeper blocks still take cache room."""
+    return _edit(BlockManager, "free", ("for block_id in reversed(seq.block_table):",
+                                        "for block_id in seq.block_table:"))
+
+
+def freed_cached_block_to_head() -> ContextManager:
+    """Freed blocks that carry a hash go to the head of the free queue (most recently used is
+    evicted first) and empty ones to the tail."""
+    return _edit(BlockManager, "_release", ("if block.block_hash is None:", "if block.block_hash is not None:"))
+
+
+def evict_newest_first() -> ContextManager:
+    """Allocation takes free blocks from the tail of the queue: the most recently released cached
+    block is evicted first, even while empty blocks are free."""
+    return _edit(BlockManager, "allocate_slots", ("self.free_blocks.popitem(last=False)",
+                                                  "self.free_blocks.popitem(last=True)"))
+
+
+def hits_only_prompt_blocks() -> ContextManager:
+    """Cache hits are looked up over the prompt only: a preempted request, re-admitted with its
+    generated tokens, does not find the blocks of those tokens it published before."""
+    return _edit(BlockManager, "_max_cached_blocks", ("(seq.num_tokens - 1) // self.block_size",
+                                                      "(seq.num_prompt_tokens - 1) // self.block_size"))
+
+
+def generated_blocks_never_cached() -> ContextManager:
+    """Only prompt blocks are published: blocks full of generated tokens are never cached."""
+    return _edit(BlockManager, "cache_full_blocks", (
+        "num_full = seq.num_computed_tokens // self.block_size",
+        "num_full = min(seq.num_computed_tokens, seq.num_prompt_tokens) // self.block_size"))
+
+
+def evictions_not_counted() -> ContextManager:
+    """Reusing a cached block forgets its hash but does not count the eviction."""
+    return _edit(BlockManager, "_evict", ("self.num_evictions += 1", "pass"))
+
+
+# ------------------------------------- same step: two sequences compute the same prefix block
+def twin_block_stops_chain() -> ContextManager:
+    """A block already published by another sequence of the same step is taken for a collision:
+    nothing later of this sequence is published, so its own continuation is never hittable."""
+    return _edit(BlockManager, "cache_full_blocks", (
+        "elif twin.token_ids == token_ids and twin.parent_serial == parent_serial:",
+        "elif False:"))
+
+
+def twin_block_chains_from_own_copy() -> ContextManager:
+    """After a twin, the chain continues from the sequence's own private copy (which has no
+    serial) instead of the published twin: later blocks get a parent no hit can ever match."""
+    return _edit(BlockManager, "cache_full_blocks", ("parent = twin  # the same K/V", "parent = block  # the same K/V"))
+
+
+def twin_check_skips_parent() -> ContextManager:
+    """A twin is trusted on its tokens alone: under a hash collision of the parent chain, later
+    blocks chain to K/V computed after other tokens."""
+    return _edit(BlockManager, "cache_full_blocks", (
+        "elif twin.token_ids == token_ids and twin.parent_serial == parent_serial:",
+        "elif twin.token_ids == token_ids:"))
+
+
+# ------------------------------------------------------------- queue order and accounting
+def preempted_to_queue_back() -> ContextManager:
+    """A preempted request goes to the back of the waiting queue: later arrivals overtake it."""
+    return _edit(Scheduler, "_preempt", ("self.waiting.appendleft(seq)", "self.waiting.append(seq)"))
+
+
+def admit_in_preempting_step() -> ContextManager:
+    """A step that preempted still admits waiting requests (which may be the victim itself)."""
+    return _edit(Scheduler, "schedule", ("while (not out.preempted and self.waiting", "while (self.waiting"))
+
+
+def cache_stats_first_admission_only() -> ContextManager:
+    """The prefix-cache counters count a request's first admission only, not its re-admissions."""
+    return _edit(Scheduler, "schedule", (
+        "seq.num_cached_tokens = num_cached\n        self.num_cache_hit_tokens += num_cached\n"
+        "        self.num_cache_query_tokens += seq.num_tokens\n",
+        "seq.num_cached_tokens = num_cached\n            self.num_cache_hit_tokens += num_cached\n"
+        "            self.num_cache_query_tokens += seq.num_tokens\n"))
+
+
+def num_cached_tokens_every_admission() -> ContextManager:
+    """num_cached_tokens is overwritten at every admission: after a preemption it reports the hit
+    of the re-admission (often its own blocks), not of its first admission."""
+    return _edit(Scheduler, "schedule", ("if seq.num_cached_tokens < 0:", "if True:"))
+
+
+def preemptions_not_per_request() -> ContextManager:
+    """A preemption is counted engine-wide but not on the request (metrics num_preemptions 0)."""
+    return _edit(Scheduler, "_preempt", ("seq.num_preemptions += 1", "pass"))
+
+
 MUTANTS: dict[str, Callable[[], ContextManager]] = {
     f.__name__: f for f in (
         free_no_decref, publish_before_compute, hit_skips_token_check, full_hit_skips_last_token,
         stale_hash_after_eviction, hit_left_in_free_queue, failed_alloc_not_atomic, hash_not_chained,
         hash_uses_python_hash, budget_off_by_one, max_num_seqs_off_by_one, chunk_boundary_off_by_one,
         preempt_keeps_block_table, preempt_oldest, chunked_off_recompute_stuck, position_after_preemption,
+        free_head_block_first, freed_cached_block_to_head, evict_newest_first, hits_only_prompt_blocks,
+        generated_blocks_never_cached, evictions_not_counted, twin_block_stops_chain,
+        twin_block_chains_from_own_copy, twin_check_skips_parent, preempted_to_queue_back,
+        admit_in_preempting_step, cache_stats_first_admission_only, num_cached_tokens_every_admission,
+        preemptions_not_per_request,
     )
 }
 

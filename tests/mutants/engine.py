@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ContextManager
 
-from tests.mutants.core import _patched  # noqa: F401  (re-exported for mutants.py)
+from tests.mutants.core import _edit, _edited, _patched  # noqa: F401  (_patched re-exported for mutants.py)
 
 
 def _modules(*names: str) -> list:
@@ -289,3 +289,184 @@ def triton_decode_drops_last_key() -> ContextManager:
     def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, **kw):
         return orig(q, k_cache, v_cache, block_tables, (seq_lens - 1).clamp(min=0), scale, **kw)
     return _patched((triton_ops, "paged_decode", paged_decode))
+
+
+# ------------------------------------------------ per-request fields under preemption (class 3)
+def prompt_logprobs_reappended_on_recompute() -> ContextManager:
+    """The bug of issue 10: a recompute after a preemption scores every prompt row of its chunks
+    again and the engine appends them to the prompt logprobs already recorded (tokens unaffected)."""
+    mi_mod, engine_mod = _modules("nanovllm.core.model_input", "nanovllm.engine.engine")
+    orig = mi_mod.build_model_input
+
+    def build_model_input(out, block_size, finished_seq_ids=None):
+        mi, plan = orig(out, block_size, finished_seq_ids)
+        mi.prompt_logprob_jobs, plan.prompt_logprob_jobs = [], []
+        for j, (seq, start, num_new) in enumerate(zip(out.seqs, plan.starts, out.num_new_tokens)):
+            last = min(start + num_new, seq.num_prompt_tokens - 1)
+            if seq.params.prompt_logprobs is not None and start < last:   # the old rule: from start
+                mi.prompt_logprob_jobs.append((mi.query_start_loc[j], seq.token_ids[start + 1:last + 1],
+                                               seq.params.prompt_logprobs))
+                plan.prompt_logprob_jobs.append((seq, seq.num_prompt_logprobs_recorded))  # appended as new
+        return mi, plan
+    return _patched((mi_mod, "build_model_input", build_model_input),
+                    (engine_mod, "build_model_input", build_model_input))
+
+
+def output_logprobs_cleared_on_preemption() -> ContextManager:
+    """Preemption clears the logprobs recorded so far (as if the recompute recorded them again)."""
+    (sched,) = _modules("nanovllm.core.scheduler")
+    return _edit(sched.Scheduler, "_preempt", (
+        "seq.num_computed_tokens = 0",
+        "seq.num_computed_tokens = 0\n    if seq.output_logprobs is not None:\n        seq.output_logprobs.clear()"))
+
+
+def cumulative_logprob_reset_on_preemption() -> ContextManager:
+    """Preemption resets the request's cumulative logprob (a reset in the wrong place)."""
+    (sched,) = _modules("nanovllm.core.scheduler")
+    return _edit(sched.Scheduler, "_preempt", ("seq.num_computed_tokens = 0",
+                                               "seq.num_computed_tokens = 0\n    seq.cumulative_logprob = 0.0"))
+
+
+def seeded_generator_dropped_on_preemption() -> ContextManager:
+    """A preempted request's sampler state is dropped like a finished one's: a seeded request
+    re-admitted after a preemption draws its noise from the start of its stream again (CPU)."""
+    (engine_mod,) = _modules("nanovllm.engine.engine")
+    return _edit(engine_mod.LLMEngine, "_launch_next", (
+        "self._finished_seq_ids = []", "self._finished_seq_ids = [s.seq_id for s in sched.preempted]"))
+
+
+# -------------------------------------------------------- exact contract boundaries (class 4)
+def min_tokens_ban_off_by_one() -> ContextManager:
+    """Stop tokens stay banned one token too long: the token at output index min_tokens cannot stop."""
+    mi_mod, engine_mod = _modules("nanovllm.core.model_input", "nanovllm.engine.engine")
+    new = _edited(mi_mod, "build_model_input", ("seq.num_output_tokens < params.min_tokens",
+                                                "seq.num_output_tokens <= params.min_tokens"))
+    return _patched((mi_mod, "build_model_input", new), (engine_mod, "build_model_input", new))
+
+
+def stop_string_window_too_narrow() -> ContextManager:
+    """Stop strings are searched only in the characters the newest token added: a stop string
+    that spans a token boundary is never found."""
+    (stop_mod,) = _modules("nanovllm.core.stop")
+    return _edit(stop_mod, "find_stop_string", ("max(len(text) - num_new_chars - len(stop) + 1, 0)",
+                                                "max(len(text) - num_new_chars, 0)"))
+
+
+def stop_string_counts_at_min_tokens() -> ContextManager:
+    """A stop string completed by the min_tokens-th token already stops (vLLM: only past min_tokens)."""
+    stop_mod, engine_mod = _modules("nanovllm.core.stop", "nanovllm.engine.engine")
+    new = _edited(stop_mod, "check_stop", ("if n_out > params.min_tokens else None",
+                                           "if n_out >= params.min_tokens else None"))
+    return _patched((stop_mod, "check_stop", new), (engine_mod, "check_stop", new))
+
+
+def prompt_logprobs_chunk_offset_lost() -> ContextManager:
+    """The runner's 512-row chunks of prompt logprobs all read the hidden states of the first chunk."""
+    (runner,) = _modules("nanovllm.worker.model_runner")
+    return _edit(runner.ModelRunner, "_prompt_logprobs", (
+        "hidden[first_row + s:first_row + s + len(chunk)]", "hidden[first_row:first_row + len(chunk)]"))
+
+
+def logprobs_zero_treated_as_none() -> ContextManager:
+    """logprobs=0 (only the sampled token's logprob) is taken for "no logprobs"."""
+    (seq_mod,) = _modules("nanovllm.core.sequence")
+    return _edit(seq_mod.Sequence, "__init__", ("[] if params.logprobs is not None else None",
+                                                "[] if params.logprobs else None"))
+
+
+# ----------------------------------------------------- sampling parameter interplay (class 5)
+def filters_before_temperature() -> ContextManager:
+    """min_p, top_k and top_p are applied to the raw logits, the temperature after them."""
+    (sampler,) = _modules("nanovllm.layers.sampler")
+    scale = ("    if len(set(temps)) == 1:  # one temperature for all: a scalar, no host->device copy\n"
+             "        logits = logits / temps[0]\n"
+             "    else:\n"
+             "        logits = logits / torch.tensor(temps, device=device, dtype=torch.float32).unsqueeze(1)\n")
+    return _edit(sampler.Sampler, "_sample", (scale, ""),
+                 ("    probs = torch.softmax(logits, dim=-1)\n", scale + "    probs = torch.softmax(logits, dim=-1)\n"))
+
+
+def top_p_mass_before_top_k() -> ContextManager:
+    """top_p measures the mass of the distribution before top_k, not of the top_k survivors."""
+    (sampler,) = _modules("nanovllm.layers.sampler")
+    return _edit(sampler, "apply_top_k_top_p", (
+        "    sorted_logits = sorted_logits.masked_fill(ranks >= k, float(\"-inf\"))\n"
+        "    probs = torch.softmax(sorted_logits, dim=-1)\n",
+        "    probs = torch.softmax(sorted_logits, dim=-1)\n"
+        "    sorted_logits = sorted_logits.masked_fill(ranks >= k, float(\"-inf\"))\n"))
+
+
+def first_row_temperature_for_all() -> ContextManager:
+    """The one-temperature fast path is taken for every batch: all random rows get the first
+    row's temperature."""
+    (sampler,) = _modules("nanovllm.layers.sampler")
+    return _edit(sampler.Sampler, "_sample", ("if len(set(temps)) == 1:", "if True:"))
+
+
+def top_p_by_position() -> ContextManager:
+    """The random rows read the top_p of the batch's first rows (greedy ones included), not their own."""
+    (sampler,) = _modules("nanovllm.layers.sampler")
+    return _edit(sampler.Sampler, "_sample", ("top_ps = [meta.top_ps[r] for r in rows]",
+                                              "top_ps = meta.top_ps[:len(rows)]"))
+
+
+def seeded_generator_not_kept() -> ContextManager:
+    """A seeded request's generator is made afresh from its seed at every step (not kept): every
+    token of the request reuses the noise of its first one (CPU)."""
+    (runner,) = _modules("nanovllm.worker.model_runner")
+    return _edit(runner.ModelRunner, "_sampling_metadata", (
+        "gen = self.generators[seq_id] = torch.Generator", "gen = torch.Generator"))
+
+
+def seed_zero_unseeded() -> ContextManager:
+    """seed=0 is taken for "no seed" (a truthiness test): the request is not reproducible (CPU)."""
+    (runner,) = _modules("nanovllm.worker.model_runner")
+    return _edit(runner.ModelRunner, "_sampling_metadata", ("if seed is None:", "if not seed:"))
+
+
+# ----------------------------------------------- request options at non-defaults (class 7)
+def chat_always_adds_generation_prompt() -> ContextManager:
+    """LLM.chat applies the template with add_generation_prompt=True whatever the caller asked."""
+    (llm_mod,) = _modules("nanovllm.llm")
+    return _edit(llm_mod.LLM, "chat", ("add_generation_prompt=add_generation_prompt, tokenize=True",
+                                       "add_generation_prompt=True, tokenize=True"))
+
+
+def skip_special_tokens_ignored() -> ContextManager:
+    """Output text always skips special tokens, whatever skip_special_tokens says."""
+    (op,) = _modules("nanovllm.engine.output_processor")
+    return _edit(op, "final_text", ("decode(tokenizer, seq.output_token_ids, seq.params.skip_special_tokens)",
+                                    "decode(tokenizer, seq.output_token_ids, True)"))
+
+
+def stop_text_skips_specials() -> ContextManager:
+    """The text that stop strings are searched in (and cut from) always skips special tokens."""
+    stop_mod, engine_mod = _modules("nanovllm.core.stop", "nanovllm.engine.engine")
+    new = _edited(stop_mod, "check_stop", ("decode(tokenizer, seq.output_token_ids, params.skip_special_tokens)",
+                                           "decode(tokenizer, seq.output_token_ids, True)"))
+    return _patched((stop_mod, "check_stop", new), (engine_mod, "check_stop", new))
+
+
+def decoded_token_of_sampled() -> ContextManager:
+    """Every top-k logprob entry carries the decoded text of the sampled token, not its own."""
+    (op,) = _modules("nanovllm.engine.output_processor")
+    return _edit(op, "_logprob_dict", ("lp.decoded_token = tokenizer.decode([tok])",
+                                       "lp.decoded_token = tokenizer.decode([sampled])"))
+
+
+# ------------------------------------------------------------------ accounting (class 9)
+def prompt_tokens_skip_recompute_tail() -> ContextManager:
+    """The counting bug fixed with issue 10: a recompute's last chunk that starts past the prompt
+    is not counted in prompt_tokens_computed."""
+    (engine_mod,) = _modules("nanovllm.engine.engine")
+    return _edit(engine_mod.LLMEngine, "_postprocess", (
+        "if not (num_new == 1 and id(seq) in sampling and start >= seq.num_prompt_tokens):",
+        "if id(seq) not in sampling or start < seq.num_prompt_tokens:"))
+
+
+def first_scheduled_time_every_admission() -> ContextManager:
+    """metrics.first_scheduled_time is set at every admission: a preempted request reports its
+    re-admission (after its first tokens) as its first scheduling."""
+    (engine_mod,) = _modules("nanovllm.engine.engine")
+    return _edit(engine_mod.LLMEngine, "_launch_next", ("if seq.metrics.first_scheduled_time is None:",
+                                                        "if True:"))

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ContextManager
 
+from tests.mutants import engine as engine_mutants
 from tests.mutants.engine import (_patched, admission_check_skipped, async_input_from_wrong_row, cuda_graph_padding_writes_kv,
                                   fused_sampler_temperature_ignored, philox_seed_ignored, triton_decode_drops_last_key,
                                         decode_drops_last_key, eos_ignored, logprobs_after_temperature,
@@ -107,6 +108,46 @@ ENGINE_MUTANTS: list[Mutant] = [
             f"{REF}::test_prefill_decode_consistency[qwen3-gqa4-hd128]"], gpu_only=True),
 ]
 
+# issue 10: mutants of the classes the held-out mutants survived in, each with the checks aimed at its class
+PFIELDS = CORE_DIR + "test_preemption_fields.py"
+BOUNDS = CORE_DIR + "test_boundaries.py"
+SAME_STEP = CORE_DIR + "test_prefix_cache_same_step.py"
+POLICY = "tests/test_scheduling_policy.py"
+PRESSURE = "tests/test_prefix_cache_pressure.py"
+STATS = "tests/test_stats_counters.py"
+OPTIONS = "tests/test_request_options.py"
+PREEMPT_OUT = "tests/test_preemption_outputs.py"
+SEEDED = "tests/test_seeded_sampling.py"
+_CLASS_MUTANTS = {
+    # 3. per-request fields under preemption and re-admission
+    "prompt_logprobs_reappended_on_recompute": [PFIELDS, PREEMPT_OUT],
+    "output_logprobs_cleared_on_preemption": [PFIELDS, PREEMPT_OUT],
+    "cumulative_logprob_reset_on_preemption": [PREEMPT_OUT],
+    "seeded_generator_dropped_on_preemption": [PFIELDS, PREEMPT_OUT],
+    "first_scheduled_time_every_admission": [PREEMPT_OUT],
+    # 4. exact contract boundaries
+    "min_tokens_ban_off_by_one": [BOUNDS],
+    "stop_string_window_too_narrow": [BOUNDS],
+    "stop_string_counts_at_min_tokens": [BOUNDS],
+    "prompt_logprobs_chunk_offset_lost": [BOUNDS],
+    "logprobs_zero_treated_as_none": [BOUNDS],
+    # 5. sampling parameter interplay
+    "filters_before_temperature": [SAMP],
+    "top_p_mass_before_top_k": [SAMP],
+    "first_row_temperature_for_all": [SAMP],
+    "top_p_by_position": [SAMP],
+    "seeded_generator_not_kept": [SAMP, SEEDED],
+    "seed_zero_unseeded": [SAMP],
+    # 7. request options at non-defaults
+    "chat_always_adds_generation_prompt": [OPTIONS],
+    "skip_special_tokens_ignored": [OPTIONS],
+    "stop_text_skips_specials": [OPTIONS],
+    "decoded_token_of_sampled": [OPTIONS],
+    # 9. accounting
+    "prompt_tokens_skip_recompute_tail": [STATS, POLICY],
+}
+ENGINE_MUTANTS += [Mutant(name, getattr(engine_mutants, name), checks) for name, checks in _CLASS_MUTANTS.items()]
+
 # e2e checks for the block-manager / scheduler mutants, on top of their property tests
 _CORE_E2E = {
     "free_no_decref": [f"{SELF}::test_preemption_equivalence", f"{SELF}::test_prefix_cache_counter"],
@@ -124,6 +165,21 @@ _CORE_E2E = {
     "preempt_keeps_block_table": [f"{SELF}::test_preemption_equivalence"],
     "preempt_oldest": [f"{SELF}::test_preemption_equivalence"],
     "position_after_preemption": [f"{SELF}::test_preemption_equivalence"],
+    # issue 10: tight caches over time, same-step twins, queue order and accounting
+    "free_head_block_first": [PRESSURE, POLICY],
+    "freed_cached_block_to_head": [PRESSURE, POLICY],
+    "evict_newest_first": [PRESSURE, POLICY],
+    "hits_only_prompt_blocks": [PRESSURE, POLICY],
+    "generated_blocks_never_cached": [PRESSURE, POLICY, SAME_STEP],
+    "evictions_not_counted": [PRESSURE, POLICY],
+    "twin_block_stops_chain": [PRESSURE, SAME_STEP],
+    "twin_block_chains_from_own_copy": [PRESSURE, SAME_STEP],
+    "twin_check_skips_parent": [PRESSURE],
+    "preempted_to_queue_back": [POLICY],
+    "admit_in_preempting_step": [POLICY],
+    "cache_stats_first_admission_only": [STATS, POLICY],
+    "num_cached_tokens_every_admission": [PFIELDS, PREEMPT_OUT, STATS, POLICY],
+    "preemptions_not_per_request": [PFIELDS, STATS, POLICY],
 }
 PROPERTY_FILES = ["tests/properties/test_block_manager_properties.py", "tests/properties/test_scheduler_properties.py"]
 
