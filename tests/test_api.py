@@ -127,9 +127,10 @@ def test_engine_from_engine_args_and_the_step_loop():
         outs = []
         while engine.has_unfinished_requests():
             outs += engine.step()
-        assert [o.request_id for o in outs] == ["x"] and len(outs[0].outputs[0].token_ids) == 3
+        assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3]   # CUMULATIVE: one per step
+        assert [o.finished for o in outs] == [False, False, True] and outs[-1].request_id == "x"
         llm = cached_llm(zoo_model(MODEL), block_size=16, seed=0)
-        assert outs[0].outputs[0].token_ids == llm.generate("w10 w20", params, use_tqdm=False)[0].outputs[0].token_ids
+        assert outs[-1].outputs[0].token_ids == llm.generate("w10 w20", params, use_tqdm=False)[0].outputs[0].token_ids
     finally:
         engine.close()
 

@@ -43,7 +43,8 @@ def _subparser(name: str) -> argparse.ArgumentParser:
 # ------------------------------------------------------------------ flags from the API
 def test_help_imports_no_torch():
     code = ("import sys\nfrom nanovllm.entrypoints.cli import main\n"
-            "for argv in (['--help'], ['generate', '--help'], ['bench', '--help']):\n"
+            "for argv in (['--help'], ['generate', '--help'], ['bench', '--help'], ['serve', '--help'],\n"
+            "             ['bench', 'serve', '--help']):\n"
             "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, e.code\n"
             "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'triton'))\n"
             "print('LOADED', loaded)\n")
@@ -113,6 +114,9 @@ def test_log_level_is_global_and_validated(capsys):
     assert parser.parse_args(["generate", "w1", "--log-level", "error"]).log_level == "ERROR"
     assert parser.parse_args(["generate", "w1"]).log_level == "WARNING"
     assert parser.parse_args(["bench", "--log-level", "INFO"]).log_level == "INFO"
+    # subcommands registered elsewhere (serve, bench serve) accept it too
+    assert parser.parse_args(["serve", "--log-level", "info"]).log_level == "INFO"
+    assert parser.parse_args(["bench", "serve", "--log-level", "debug"]).log_level == "DEBUG"
     with pytest.raises(SystemExit) as e:
         parser.parse_args(["generate", "w1", "--log-level", "loud"])
     assert e.value.code == 2 and "invalid log level 'loud'" in capsys.readouterr().err

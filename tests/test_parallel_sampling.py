@@ -23,6 +23,7 @@ import golden
 from conformance.stats import chi_square, filtered_distribution
 from conformance.zoo import ZOO, zoo_model
 from nanovllm import SamplingParams
+from nanovllm.sampling_params import RequestOutputKind
 from tests.conftest import cached_llm, engine_args, hf_reference, prompts_for
 
 MODEL = "llama-mha-hd64"   # its golden file holds the full next-token distribution of one prompt
@@ -98,7 +99,13 @@ def test_seeded_n_is_reproducible_and_child_i_draws_with_seed_plus_i(llm):
     assert other[:3] == first[1:], "seed 41's children are seed 40's shifted by one"
 
 
-def test_engine_api_n_gives_one_output_and_abort_ends_every_child():
+FINAL = RequestOutputKind.FINAL_ONLY
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE])
+def test_engine_api_n_outputs_and_abort_ends_every_child(kind):
+    """FINAL_ONLY: one output with the n completions; CUMULATIVE: each child's report as the
+    parent's output holding that completion (vLLM), the last one finished. Abort ends every child."""
     from nanovllm import LLM
 
     llm = LLM(zoo_model(MODEL), block_size=16, seed=0)
@@ -106,8 +113,10 @@ def test_engine_api_n_gives_one_output_and_abort_ends_every_child():
     vocab = ZOO[MODEL].vocab_size
     p = prompts_for(vocab, (7, 12), seed=8)
     try:
-        engine.add_request("a", p[0], SamplingParams(n=3, temperature=0.8, max_tokens=4, ignore_eos=True))
-        engine.add_request("b", p[1], SamplingParams(n=2, temperature=0.8, max_tokens=40, ignore_eos=True))
+        a = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=4, ignore_eos=True, output_kind=kind)
+        engine.add_request("a", p[0], a)
+        engine.add_request("b", p[1], SamplingParams(n=2, temperature=0.8, max_tokens=40, ignore_eos=True,
+                                                     output_kind=kind))
         with pytest.raises(ValueError, match="request_id 'a' is already in use"):
             engine.add_request("a", p[0], SamplingParams())
         with pytest.raises(ValueError, match="request_id '1_b' is already in use"):
@@ -115,11 +124,25 @@ def test_engine_api_n_gives_one_output_and_abort_ends_every_child():
         engine.check_invariants()
         done = []
         for _ in range(6):
-            done += engine.step()
-        assert [o.request_id for o in done] == ["a"]
-        assert [c.index for c in done[0].outputs] == [0, 1, 2] and all(len(c.token_ids) == 4 for c in done[0].outputs)
+            done += [o for o in engine.step() if o.request_id == "a"]
+        want = [c.token_ids for c in llm.generate([p[0]], dataclasses.replace(a, output_kind=FINAL),
+                                                  use_tqdm=False)[0].outputs]
+        if kind is FINAL:
+            assert len(done) == 1 and done[0].finished
+            assert [c.index for c in done[0].outputs] == [0, 1, 2]
+            assert [c.token_ids for c in done[0].outputs] == want
+        else:
+            assert all(len(o.outputs) == 1 for o in done) and [o.finished for o in done][-1] is True
+            assert not any(o.finished for o in done[:-1])
+            last = {}
+            for o in done:
+                c = o.outputs[0]
+                assert len(c.token_ids) >= len(last.get(c.index, [])), "CUMULATIVE reports only grow"
+                last[c.index] = c.token_ids
+            assert [last[i] for i in range(3)] == want
         aborted = engine.abort_request("b")
         assert aborted.request_id == "b" and aborted.finished
+        assert sorted(c.index for c in aborted.outputs) == [0, 1]
         assert [c.finish_reason for c in aborted.outputs] == ["abort", "abort"]
         assert not engine.has_unfinished_requests() and not engine.parents and not engine.requests
         engine.check_invariants()

@@ -92,8 +92,9 @@ class ResultPrinter:
     def add(self, index: int, out) -> None:
         self.pending[index] = out
         while self.next in self.pending:
-            self._print(self.next, self.pending.pop(self.next))
-            self.next += 1
+            with _sigint_deferred():   # a result is printed whole, and counted, or not at all
+                self._print(self.next, self.pending.pop(self.next))
+                self.next += 1
 
     def flush(self) -> None:
         for index in sorted(self.pending):
@@ -167,6 +168,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
               f"the other {len(prompts) - printer.printed} aborted", file=sys.stderr)
         return 130
     return 0
+
+
+@contextlib.contextmanager
+def _sigint_deferred():
+    """A SIGINT during the block raises KeyboardInterrupt after it (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
 
 
 @contextlib.contextmanager

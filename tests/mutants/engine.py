@@ -276,8 +276,8 @@ def eos_ignored() -> ContextManager:
     (engine_mod,) = _modules("nanovllm.engine.engine")
     orig = engine_mod.LLMEngine.make_sequence
 
-    def make_sequence(self, request_id, prompt, params):
-        seq = orig(self, request_id, prompt, params)
+    def make_sequence(self, request_id, prompt, params, *args, **kwargs):
+        seq = orig(self, request_id, prompt, params, *args, **kwargs)
         seq.stop_token_ids = frozenset(seq.params.stop_token_ids)
         return seq
     return _patched((engine_mod.LLMEngine, "make_sequence", make_sequence))
