@@ -2,8 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# torch 2.13.0: on the project's machines pip finds the CPU build on local disk. Elsewhere, point
-# TORCH_INDEX at https://download.pytorch.org/whl/cpu to avoid a multi-GB CUDA build.
+# torch 2.13.0: where pip's configuration does not already give the CPU build, point TORCH_INDEX at
+# https://download.pytorch.org/whl/cpu to avoid a multi-GB CUDA build.
 TORCH_INDEX ?=
 PROMPT ?= What is the capital of France?
 

@@ -54,26 +54,45 @@ class EngineConfig:
     """
 
     model: str | None = None
-    device: str = "auto"  # "auto": $NANOVLLM_DEVICE if set, else CUDA when torch sees a GPU, else CPU
+    """An HF model directory (safetensors), a .gguf file, or None for the default model."""
+    device: str = "auto"
+    """auto ($NANOVLLM_DEVICE if set, else CUDA when torch sees a GPU, else CPU), cpu or cuda."""
     dtype: str = "auto"
+    """Weights and activations: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16 or float16."""
     block_size: int | None = None
+    """Tokens per KV-cache block (None: 16 on CPU, 256 on GPU)."""
     num_kvcache_blocks: int | None = None
+    """KV-cache blocks (None: as many as the memory budget holds)."""
     max_num_seqs: int = 256
+    """Most sequences in one step."""
     max_num_batched_tokens: int | None = None
+    """Token budget of one step (None: 4096 on CPU, 8192 on GPU; at least max_model_len
+    without chunked prefill)."""
     max_model_len: int | None = None
+    """Longest sequence, prompt plus output (None: the model's limit, at most 8192)."""
     enable_prefix_caching: bool = True
+    """Reuse the KV blocks of prompt prefixes already computed."""
     enable_chunked_prefill: bool = True
+    """Split long prompts over several steps within the token budget."""
     enforce_eager: bool = False
+    """Never capture CUDA graphs (always eager on CPU)."""
     tensor_parallel_size: int = 1
+    """Ranks to split the model over (one worker process each)."""
     gpu_memory_utilization: float = 0.9
-    # KV cache size; default: CPU min(4 GiB, 30% of free RAM), GPU from gpu_memory_utilization
+    """Fraction of the GPU's memory the engine may use (weights, activations, KV cache)."""
     kv_cache_memory_gib: float | None = None
+    """The KV cache's size in GiB (None: on CPU min(4 GiB, 30% of the free RAM), on GPU from
+    gpu_memory_utilization)."""
     seed: int = 0
+    """The engine's seed: weights of dummy models and the noise of unseeded requests."""
     tokenizer: str | None = None
+    """A tokenizer directory (None: the model's own)."""
     skip_tokenizer_init: bool = False
-    attention_backend: str = "auto"  # "auto" | "torch" | "triton"
-    # schedule and launch step N+1 before step N's tokens reach the host (None: on for one GPU)
+    """Load no tokenizer: token-id prompts only, no output text."""
+    attention_backend: str = "auto"
+    """auto (triton on GPU, torch on CPU), torch or triton."""
     async_scheduling: bool | None = None
+    """Schedule and launch step N+1 before step N's tokens reach the host (None: on for one GPU)."""
     # resolved in resolve(): the loaded model's HF config and the model directory
     hf_config: object = field(default=None, repr=False)
     model_dir: str | None = field(default=None, repr=False)

@@ -5,6 +5,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
 
 from tqdm.auto import tqdm
@@ -61,6 +62,21 @@ class LLM:
         FINAL_ONLY (as in vLLM): no per-step detokenization. The caller's SamplingParams are
         not changed."""
         prompts = self._as_prompt_list(prompts)
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        for i, out in self.generate_iter(prompts, sampling_params, use_tqdm):
+            results[i] = out
+        return results  # type: ignore[return-value]
+
+    def generate_iter(self, prompts, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+                      use_tqdm: bool = True) -> Iterator[tuple[int, RequestOutput]]:
+        """Like generate(), but yields ``(input index, RequestOutput)`` as each request finishes.
+
+        Every request is validated and queued before this returns (a bad one raises here and
+        queues nothing). When the iteration ends early -- the caller stops (``close()``) or an
+        exception such as KeyboardInterrupt interrupts a step -- the unfinished requests are
+        aborted and the engine is left clean for the next call.
+        """
+        prompts = self._as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, (SamplingParams, dict)):  # a dict is refused by name below
@@ -78,33 +94,39 @@ class LLM:
                 params_list[i] = final_only[id(params)]
         engine = self.llm_engine
         # validate everything first, so a bad request leaves the engine untouched
-        seqs = []
+        order: dict[str, int] = {}
+        groups = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            request_id = str(next(self._request_counter))
             try:
-                seqs.append(engine.make_sequence(str(next(self._request_counter)), prompt, params))
+                groups.append(engine.make_sequences(request_id, prompt, params))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
-        order = {seq.request_id: i for i, seq in enumerate(seqs)}
-        for seq in seqs:
-            engine.add_sequence(seq)
-        results: list[RequestOutput | None] = [None] * len(seqs)
-        bar = tqdm(total=len(seqs), desc="Generating", unit="req", dynamic_ncols=True,
-                   disable=not use_tqdm)
-        start, done_tokens = time.perf_counter(), 0
+            order[request_id] = i
+        for group in groups:
+            for seq in group:
+                engine.add_sequence(seq)
+        return self._run(order, use_tqdm)
+
+    def _run(self, order: dict[str, int], use_tqdm: bool) -> Iterator[tuple[int, RequestOutput]]:
+        engine = self.llm_engine
+        left = set(order)
+        bar = tqdm(total=len(order), desc="Generating", unit="req", dynamic_ncols=True, disable=not use_tqdm)
+        start = time.perf_counter()
         try:
-            while any(r is None for r in results) and engine.has_unfinished_requests():
+            while left and engine.has_unfinished_requests():
                 for out in engine.step():
-                    if out.finished and out.request_id in order:
-                        results[order[out.request_id]] = out
-                        done_tokens += len(out.outputs[0].token_ids)
+                    if out.finished and out.request_id in left:
+                        left.discard(out.request_id)
                         bar.update(1)
+                        yield order[out.request_id], out
                 elapsed = time.perf_counter() - start
                 bar.set_postfix_str(f"out {engine.num_generation_tokens / max(elapsed, 1e-9):.1f} tok/s",
                                     refresh=False)
             engine.drain()  # async scheduling: no step left in flight between calls
-        except BaseException:
-            for seq in seqs:  # leave the engine clean for the next call
-                engine.abort_request(seq.request_id)
+        except BaseException:   # an error, Ctrl-C, or the caller closing the iterator
+            for request_id in left:  # leave the engine clean for the next call
+                engine.abort_request(request_id)
             try:
                 engine.drain()
             except Exception:  # noqa: BLE001 - the original error is the one to raise
@@ -112,13 +134,11 @@ class LLM:
             raise
         finally:
             bar.close()
-        return results  # type: ignore[return-value]
 
-    def chat(self, messages, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation (a list of
-        {"role", "content"} dicts) or a list of conversations, then generate."""
+    def chat_prompts(self, messages, add_generation_prompt: bool = True,
+                     chat_template_kwargs: dict | None = None) -> list[dict]:
+        """The prompts chat() generates from: the tokenizer's chat template applied to one
+        conversation (a list of {"role", "content"} dicts) or to each of a list of them."""
         tok = self.get_tokenizer()
         if tok is None or getattr(tok, "chat_template", None) is None:
             raise ValueError("chat() needs a tokenizer with a chat template; this model has none")
@@ -138,7 +158,15 @@ class LLM:
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids),
                             "prompt": tok.decode(ids, skip_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return prompts
+
+    def chat(self, messages, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation (a list of
+        {"role", "content"} dicts) or a list of conversations, then generate."""
+        return self.generate(self.chat_prompts(messages, add_generation_prompt, chat_template_kwargs),
+                             sampling_params, use_tqdm=use_tqdm)
 
     # -------------------------------------------------------------- lifetime
     def close(self) -> None:

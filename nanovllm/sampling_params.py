@@ -31,33 +31,84 @@ def _check_number(name: str, value) -> None:
         raise ValueError(f"{name} must not be NaN, got {value!r}")
 
 
+def _check_token_ids(name: str, ids) -> list[int]:
+    if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__"):
+        raise TypeError(f"{name} must be a list of token ids, got {ids!r}")
+    ids = list(ids)
+    for t in ids:
+        _check_int(f"{name}[]", t)
+        if t < 0:
+            raise ValueError(f"{name} must hold token ids >= 0, got {t}")
+    return ids
+
+
 @dataclass
 class SamplingParams:
-    """How to sample one request's tokens and when to stop.
+    """How to sample one request's tokens and when to stop (vLLM's fields and meanings).
 
     temperature 0 means greedy. top_k 0 or -1 means no top-k filter. logprobs=k
     returns the top-k log-probabilities (of the raw model distribution) of each
     generated token, plus the sampled token's when it is not among them;
     prompt_logprobs=k does the same for every prompt token after the first.
+
+    Logits processing, in vLLM's order, before temperature and the filters (and for greedy
+    rows too): only ``allowed_token_ids`` may be drawn; ``bad_words`` are banned (a word's
+    last token, when the tokens before it end the output so far); ``logit_bias`` is added;
+    ``repetition_penalty`` divides the positive logits and multiplies the negative ones of
+    every token in the prompt or the output; ``frequency_penalty`` x (times the token was
+    generated) and ``presence_penalty`` x (whether it was) are subtracted (output tokens
+    only). ``n`` completions per request: each is an independent child request; with a seed,
+    child i draws with seed + i (reproducible, and independent of its siblings).
+
     output_kind: what ``LLMEngine.step`` reports while the request runs (RequestOutputKind).
     """
 
     temperature: float = 1.0
+    """Randomness: the logits are divided by it; 0 means greedy."""
     top_k: int = 0
+    """Keep only the k most likely tokens (0 or -1: all)."""
     top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose probability reaches top_p, in (0, 1]."""
     min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one, in [0, 1]."""
     seed: int | None = None
+    """Per-request seed: the request's tokens then depend on nothing else (None: the engine's noise)."""
     max_tokens: int | None = 16
+    """Most tokens to generate (None: up to max_model_len)."""
     min_tokens: int = 0
+    """Fewest tokens to generate before EOS or a stop token may end the request."""
     stop: str | list[str] | None = None
+    """Strings that end the request when generated (not included in the text by default)."""
     stop_token_ids: list[int] | None = None
+    """Token ids that end the request when generated."""
     include_stop_str_in_output: bool = False
+    """Keep the stop string that ended the request in its text."""
     ignore_eos: bool = False
+    """Keep generating after the model's EOS token."""
     logprobs: int | None = None
+    """Return the log-probabilities of the top-k tokens (and of the sampled one) at each output position."""
     prompt_logprobs: int | None = None
+    """Return the top-k log-probabilities at each prompt position after the first."""
     skip_special_tokens: bool = True
+    """Leave special tokens out of the output text."""
     n: int = 1
+    """Completions per request (independent child requests; needs temperature > 0)."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already generated, in [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """Subtracted once per time a token was already generated, in [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """> 1 discourages, < 1 encourages tokens of the prompt and the output (positive logits are
+    divided by it, negative ones multiplied)."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> a value added to its logit."""
+    allowed_token_ids: list[int] | None = None
+    """Only these tokens may be generated (None: all)."""
+    bad_words: list[str] | None = None
+    """Words that must not be generated (their last token is banned when the output ends with
+    the tokens before it)."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    """What LLMEngine.step reports while the request runs (LLM.generate: FINAL_ONLY)."""
 
     def __post_init__(self) -> None:
         _check_number("temperature", self.temperature)
@@ -105,8 +156,54 @@ class SamplingParams:
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         _check_int("n", self.n)
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (parallel sampling is not supported), got {self.n}")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.n > 1 and self.temperature < 1e-5:
+            raise ValueError(f"n must be 1 when using greedy sampling (temperature 0), got {self.n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            for t, b in self.logit_bias.items():
+                _check_int("logit_bias key", t)
+                if t < 0:
+                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {t}")
+                _check_number(f"logit_bias[{t}]", b)
+                if b in (float("inf"), float("-inf")):
+                    raise ValueError(f"logit_bias[{t}] must be finite, got {b}")
+            self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _check_token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (None allows every token), got []")
+        if self.bad_words is None:
+            self.bad_words = []
+        elif isinstance(self.bad_words, str):
+            raise TypeError(f"bad_words must be a list of strings, got the string {self.bad_words!r}")
+        else:
+            self.bad_words = list(dict.fromkeys(self.bad_words))
+        for w in self.bad_words:
+            if not isinstance(w, str) or not w.strip():
+                raise ValueError(f"bad_words must hold non-empty strings, got {w!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise TypeError(f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), "
                             f"got {self.output_kind!r}")
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether a penalty reads the request's tokens (so each step needs its history)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    @property
+    def has_logits_processing(self) -> bool:
+        """Whether any logits processing beyond temperature and the filters applies."""
+        return (self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
+                or bool(self.bad_words))

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conformance.zoo import ZOO, zoo_model
-from nanovllm import LLM, RequestOutput, SamplingParams
+from nanovllm import LLM, EngineConfig, RequestOutput, SamplingParams
 from tests.conftest import cached_llm, prompts_for
 
 MODEL = "qwen3-gqa2-hd64-tied"
@@ -96,9 +96,9 @@ def test_cli_generate_json_and_trace():
     r = _cli("generate", "--model", path, "w10 w20 w30", "w5 w6", "--max-tokens", "4", "--temperature", "0",
              "--ignore-eos", "--json", "--trace", "--no-progress", "--max-num-batched-tokens", "3")
     assert r.returncode == 0, r.stderr
-    data = json.loads(r.stdout)
-    assert [len(o["token_ids"]) for o in data["outputs"]] == [4, 4]
-    assert data["stats"]["steps"] > 0
+    rows = [json.loads(line) for line in r.stdout.splitlines()]   # JSON Lines: one request per line
+    assert [len(o["outputs"][0]["token_ids"]) for o in rows] == [4, 4]
+    assert "'steps': " in r.stderr
     assert "step    0 prefill" in r.stderr and "finished:" in r.stderr
 
 
@@ -114,3 +114,78 @@ def test_cli_bad_flags_are_clear_errors(tmp_path):
     assert r.returncode == 2 and "--block-size" in r.stderr
     r = _cli("generate", "--model", str(tmp_path / "nope"), "w10")
     assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+# ------------------------------------------------------------------ first-hour errors and helpers
+def test_engine_from_engine_args_and_the_step_loop():
+    from nanovllm import LLMEngine
+
+    engine = LLMEngine.from_engine_args(zoo_model(MODEL), block_size=16, seed=0)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        engine.add_request("x", "w10 w20", params)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3]   # CUMULATIVE: one per step
+        assert [o.finished for o in outs] == [False, False, True] and outs[-1].request_id == "x"
+        llm = cached_llm(zoo_model(MODEL), block_size=16, seed=0)
+        assert outs[-1].outputs[0].token_ids == llm.generate("w10 w20", params, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        engine.close()
+
+
+def test_llmengine_constructor_points_to_from_engine_args():
+    from nanovllm import LLMEngine
+
+    with pytest.raises(TypeError,
+                       match=r"takes an EngineConfig and an executor, got str.*LLMEngine.from_engine_args\(model"):
+        LLMEngine(zoo_model(MODEL))
+    with pytest.raises(TypeError, match=r"got no executor.*from_engine_args"):
+        LLMEngine(EngineConfig())
+    with pytest.raises(TypeError, match="unknown engine argument.*'blocksize'"):
+        LLMEngine.from_engine_args(zoo_model(MODEL), blocksize=16)
+
+
+def test_use_after_close_is_a_clear_error():
+    llm = LLM(zoo_model(MODEL), block_size=16, seed=0)
+    llm.close()
+    llm.close()   # closing twice is fine
+    engine = llm.llm_engine
+    for call in (lambda: llm.generate("w10", use_tqdm=False), lambda: engine.add_request("a", "w10"),
+                 lambda: engine.step()):
+        with pytest.raises(RuntimeError, match=r"this engine is closed \(close\(\) was called\)"):
+            call()
+
+
+def test_a_dict_where_sampling_params_belong_is_named(llm):
+    with pytest.raises(TypeError, match=r"sampling_params must be a SamplingParams, got a dict.*SamplingParams\(\*\*"):
+        llm.generate(["w10"], {"temperature": 0}, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_reset_prefix_cache():
+    """False (nothing changed) while a request holds blocks; True once none does; after it, the
+    same prompt finds no cached block (without it, it does)."""
+    llm = LLM(zoo_model(MODEL), block_size=4, seed=0)
+    engine = llm.llm_engine
+    try:
+        prompt = prompts_for(ZOO[MODEL].vocab_size, (21,), seed=9)[0]
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        engine.add_request("a", prompt, params)
+        engine.step()
+        cached = len(engine.block_manager.cached)
+        assert cached > 0 and engine.reset_prefix_cache() is False and len(engine.block_manager.cached) == cached
+        while engine.has_unfinished_requests():
+            engine.step()
+
+        def hits() -> int:
+            before = llm.stats()["prefix_cache_hit_tokens"]
+            llm.generate([prompt], params, use_tqdm=False)
+            return llm.stats()["prefix_cache_hit_tokens"] - before
+        assert hits() == 20            # control: 5 full blocks of the 21-token prompt are cached
+        assert llm.reset_prefix_cache() is True and len(engine.block_manager.cached) == 0
+        assert hits() == 0
+        engine.check_invariants()
+    finally:
+        llm.close()

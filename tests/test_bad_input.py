@@ -14,7 +14,7 @@ from typing import Callable
 import pytest
 
 from conformance.zoo import ZOO, zoo_model
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, LLMEngine, SamplingParams
 from tests.conftest import cached_llm, prompts_for
 
 MODEL = "qwen2-gqa2-hd64"
@@ -65,6 +65,12 @@ def _cli(*argv):
     return trigger
 
 
+def _closed(ctx):
+    llm = LLM(zoo_model(MODEL), block_size=16, num_kvcache_blocks=6, max_model_len=128)
+    llm.close()
+    return llm.generate(GOOD, GOOD_PARAMS, use_tqdm=False)
+
+
 def _file(build):
     return lambda ctx: LLM(str(build(ctx)))
 
@@ -91,7 +97,46 @@ SAMPLING_CASES = [
     Case("sampling-logprobs-negative", _sampling(logprobs=-1), ValueError, "logprobs.*-1"),
     Case("sampling-prompt_logprobs-negative", _sampling(prompt_logprobs=-2), ValueError, "prompt_logprobs.*-2"),
     Case("sampling-seed-float", _sampling(seed=1.5), TypeError, "seed.*1.5"),
-    Case("sampling-n-2", _sampling(n=2), ValueError, "n must be 1.*2"),
+    Case("sampling-n-0", _sampling(n=0), ValueError, "n must be at least 1, got 0"),
+    Case("sampling-n-float", _sampling(n=2.0), TypeError, "n must be an int, got 2.0"),
+    Case("sampling-n-greedy", _sampling(n=2, temperature=0), ValueError,
+         r"n must be 1 when using greedy sampling \(temperature 0\), got 2"),
+    Case("sampling-presence_penalty-2.5", _sampling(presence_penalty=2.5), ValueError,
+         r"presence_penalty must be in \[-2, 2\], got 2.5"),
+    Case("sampling-frequency_penalty--3", _sampling(frequency_penalty=-3), ValueError,
+         r"frequency_penalty must be in \[-2, 2\], got -3"),
+    Case("sampling-frequency_penalty-str", _sampling(frequency_penalty="high"), TypeError,
+         "frequency_penalty must be a number, got 'high'"),
+    Case("sampling-presence_penalty-nan", _sampling(presence_penalty=float("nan")), ValueError,
+         "presence_penalty must not be NaN"),
+    Case("sampling-repetition_penalty-0", _sampling(repetition_penalty=0), ValueError,
+         "repetition_penalty must be a finite number > 0, got 0"),
+    Case("sampling-repetition_penalty-inf", _sampling(repetition_penalty=float("inf")), ValueError,
+         "repetition_penalty must be a finite number > 0, got inf"),
+    Case("sampling-logit_bias-list", _sampling(logit_bias=[1, 2]), TypeError,
+         r"logit_bias must be a dict of token id -> bias, got \[1, 2\]"),
+    Case("sampling-logit_bias-str-key", _sampling(logit_bias={"5": 1.0}), TypeError,
+         "logit_bias key must be an int, got '5'"),
+    Case("sampling-logit_bias-negative-key", _sampling(logit_bias={-5: 1.0}), ValueError,
+         "logit_bias keys must be token ids >= 0, got -5"),
+    Case("sampling-logit_bias-nan", _sampling(logit_bias={5: float("nan")}), ValueError,
+         r"logit_bias\[5\] must not be NaN"),
+    Case("sampling-logit_bias-inf", _sampling(logit_bias={5: float("-inf")}), ValueError,
+         r"logit_bias\[5\] must be finite, got -inf"),
+    Case("sampling-allowed_token_ids-empty", _sampling(allowed_token_ids=[]), ValueError,
+         r"allowed_token_ids must not be empty .* got \[\]"),
+    Case("sampling-allowed_token_ids-negative", _sampling(allowed_token_ids=[3, -1]), ValueError,
+         "allowed_token_ids must hold token ids >= 0, got -1"),
+    Case("sampling-allowed_token_ids-str", _sampling(allowed_token_ids="5,6"), TypeError,
+         "allowed_token_ids must be a list of token ids, got '5,6'"),
+    Case("sampling-allowed_token_ids-float", _sampling(allowed_token_ids=[5, 6.0]), TypeError,
+         r"allowed_token_ids\[\] must be an int, got 6.0"),
+    Case("sampling-bad_words-str", _sampling(bad_words="hello"), TypeError,
+         "bad_words must be a list of strings, got the string 'hello'"),
+    Case("sampling-bad_words-empty-word", _sampling(bad_words=["ok", " "]), ValueError,
+         "bad_words must hold non-empty strings, got ' '"),
+    Case("sampling-bad_words-int", _sampling(bad_words=[7]), ValueError,
+         "bad_words must hold non-empty strings, got 7"),
 ]
 
 ENGINE_CASES = [
@@ -124,6 +169,15 @@ ENGINE_CASES = [
     Case("engine-model-int", lambda ctx: LLM(123), TypeError, "model must be a path string or None, got 123"),
     Case("engine-model-empty", lambda ctx: LLM(""), ValueError,
          "model must be a model directory, a .gguf file or None, got ''"),
+    Case("engine-llmengine-from-a-path", lambda ctx: LLMEngine(zoo_model(MODEL)), TypeError,
+         r"takes an EngineConfig and an executor, got str; to load a model use LLMEngine.from_engine_args"),
+    Case("engine-from_engine_args-unknown-argument", lambda ctx: LLMEngine.from_engine_args(zoo_model(MODEL), blocks=4),
+         TypeError, "unknown engine argument.*'blocks'"),
+    Case("engine-bad_words-without-tokenizer", lambda ctx: LLM(
+        zoo_model(MODEL), skip_tokenizer_init=True, num_kvcache_blocks=6, max_model_len=128).generate(
+        GOOD, SamplingParams(bad_words=["w5"]), use_tqdm=False), ValueError,
+        r"bad_words=\['w5'\] needs a tokenizer, and this model has none"),
+    Case("engine-used-after-close", _closed, RuntimeError, r"this engine is closed \(close\(\) was called\)"),
 ]
 
 PROMPT_CASES = [
@@ -145,6 +199,14 @@ PROMPT_CASES = [
     Case("prompt-params-list-length", lambda ctx: ctx.llm.generate(prompts_for(VOCAB, (3, 4)), [SamplingParams()],
                                                                    use_tqdm=False),
          ValueError, "sampling_params has 1 entries but there are 2 prompts"),
+    Case("prompt-sampling_params-dict", lambda ctx: ctx.llm.generate(GOOD, {"temperature": 0}, use_tqdm=False),
+         TypeError, r"sampling_params must be a SamplingParams, got a dict .*write SamplingParams\(\*\*"),
+    Case("prompt-logit_bias-over-vocab", _prompt(prompts_for(VOCAB, (3,)), logit_bias={VOCAB: 1.0}), ValueError,
+         rf"logit_bias holds token id\(s\) \[{VOCAB}\] outside the vocabulary \[0, {VOCAB}\)"),
+    Case("prompt-allowed_token_ids-over-vocab", _prompt(prompts_for(VOCAB, (3,)), allowed_token_ids=[5, VOCAB + 3]),
+         ValueError, rf"allowed_token_ids holds token id\(s\) \[{VOCAB + 3}\] outside the vocabulary"),
+    Case("prompt-n-over-the-cache", _prompt(prompts_for(VOCAB, (40,))[0], max_tokens=60, n=3), ValueError,
+         "needs up to 7 KV blocks.*num_kvcache_blocks=6"),
     Case("prompt-logprobs-over-vocab", _prompt(prompts_for(VOCAB, (3,)), logprobs=VOCAB + 1), ValueError,
          f"logprobs={VOCAB + 1} exceeds the vocabulary size {VOCAB}"),
 ]
@@ -160,6 +222,21 @@ CLI_CASES = [
     Case("cli-missing-model", _cli("--model", "{tmp}/nope", "w10"), None, "nope.*does not exist"),
     Case("cli-max-tokens-0", _cli("--model", "{model}", "w10", "--max-tokens", "0"), None,
          "max_tokens must be >= 1, got 0"),
+    Case("cli-log-level-unknown", _cli("--model", "{model}", "w10", "--log-level", "loud"), None,
+         "argument --log-level: invalid log level 'loud'"),
+    Case("cli-logit-bias-not-json", _cli("--model", "{model}", "w10", "--logit-bias", "5:1"), None,
+         "argument --logit-bias: expected a JSON object of int -> float.*got '5:1'"),
+    Case("cli-allowed-token-ids-not-int", _cli("--model", "{model}", "w10", "--allowed-token-ids", "5,x"), None,
+         "argument --allowed-token-ids: expected comma-separated integers, got '5,x'"),
+    Case("cli-n-0", _cli("--model", "{model}", "w10", "--n", "0"), None, "n must be at least 1, got 0"),
+    Case("cli-n-greedy", _cli("--model", "{model}", "w10", "--n", "2", "--temperature", "0"), None,
+         "n must be 1 when using greedy sampling"),
+    Case("cli-repetition-penalty-0", _cli("--model", "{model}", "w10", "--repetition-penalty", "0"), None,
+         "repetition_penalty must be a finite number > 0, got 0.0"),
+    Case("cli-presence-penalty-3", _cli("--model", "{model}", "w10", "--presence-penalty", "3"), None,
+         r"presence_penalty must be in \[-2, 2\], got 3.0"),
+    Case("cli-bad-words-empty", _cli("--model", "{model}", "w10", "--bad-words", ""), None,
+         "bad_words must hold non-empty strings, got ''"),
 ]
 
 

@@ -13,30 +13,14 @@ import torch
 
 from nanovllm.bench import peers
 from nanovllm.bench.roofline import roofline
+from nanovllm.bench.args import PEERS, add_bench_args  # noqa: F401  (re-exported)
 from nanovllm.bench.workloads import SHAPES, cpu_workload, gpu_workload, shape_config_dir
 
 logger = logging.getLogger(__name__)
-PEERS = ("hf", "hf-cb", "vllm")
-
-
-def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", choices=("auto", "cpu", "gpu"), default="auto",
-                   help="BENCH.md workload (auto: gpu when CUDA is available, else cpu)")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b",
-                   help="random-weight model shape for the gpu workload")
-    p.add_argument("--peer", action="append", choices=PEERS, default=[],
-                   help="also run this peer on the same workload (repeatable)")
-    p.add_argument("--repeat", type=int, default=1, help="timed runs of nanovllm; the median is reported")
-    p.add_argument("--warm", action="store_true", help="also time nanovllm on the same prompts again "
-                                                      "(prefix cache warm)")
-    p.add_argument("--vllm-python", default=None, help="python of a virtual env with vllm(-cpu) installed "
-                                                       "(default: $NANOVLLM_VLLM_PYTHON or ./.venv-vllm)")
-    p.add_argument("--json-out", default=None, help="write the measurements as JSON here")
-    p.add_argument("--profile-steps", action="store_true", help="print where each engine step's time goes")
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from nanovllm.entrypoints.cli import engine_kwargs
+    from nanovllm.entrypoints.args import engine_kwargs
     from nanovllm.loader.model_loader import resolve_model_dir
 
     if args.repeat < 1:

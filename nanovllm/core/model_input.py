@@ -9,8 +9,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nanovllm.core.bad_words import banned_by_bad_words
 from nanovllm.core.scheduler import SchedulerOutput
 from nanovllm.core.sequence import Sequence
+
+
+@dataclass
+class RowLogitsProcessing:
+    """One sample row's logits processing beyond temperature and the filters (vLLM's meanings,
+    see SamplingParams). Built only for rows that use any, so plain rows cost nothing; bad
+    words travel as banned tokens (``ModelInput.banned_token_ids``) instead."""
+    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[int, float] | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # with a penalty: the request's tokens so far (never a placeholder: the engine waits for them)
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -36,6 +52,8 @@ class ModelInput:
     seeds: list[int | None] = field(default_factory=list)
     output_indices: list[int] = field(default_factory=list)   # index of the token each row samples
     banned_token_ids: list[list[int]] = field(default_factory=list)
+    # sample index -> its logits processing; only the rows that have some
+    logits_processing: dict[int, RowLogitsProcessing] = field(default_factory=dict)
     num_logprobs: list[int | None] = field(default_factory=list)
     # prompt logprobs: (first packed row, target token ids, k); row r scores target r
     prompt_logprob_jobs: list[tuple[int, list[int], int]] = field(default_factory=list)
@@ -58,6 +76,9 @@ class StepPlan:
     samplers: list[Sequence]           # the sequences that sample, in sample-row order
     # per prompt-logprob job, in job order: (sequence, prompt position of the job's first target)
     prompt_logprob_jobs: list[tuple[Sequence, int]]
+    # a sampler reads its tokens so far (penalties, bad words): async scheduling must not
+    # schedule the next step before this one's tokens are known
+    needs_token_history: bool = False
 
 
 def _slot(table: list[int], pos: int, block_size: int) -> int:
@@ -116,6 +137,27 @@ def build_model_input(out: SchedulerOutput, block_size: int,
             mi.seeds.append(params.seed)
             mi.output_indices.append(seq.num_output_tokens)
             banned = sorted(seq.stop_token_ids) if seq.num_output_tokens < params.min_tokens else []
+            if seq.logits_processing:
+                banned = _add_logits_processing(mi, seq, banned)
+                plan.needs_token_history |= seq.needs_token_history
             mi.banned_token_ids.append(banned)
             mi.num_logprobs.append(params.logprobs)
     return mi, plan
+
+
+def _add_logits_processing(mi: ModelInput, seq: Sequence, banned: list[int]) -> list[int]:
+    """Record the row's logits processing (the row just appended); return its banned tokens."""
+    params = seq.params
+    if seq.needs_token_history and seq.num_placeholders:
+        raise RuntimeError(f"{seq}: penalties or bad words over a placeholder token (the engine must "
+                           f"complete the previous step first)")
+    if seq.bad_words_token_ids:
+        banned = banned + banned_by_bad_words(seq.bad_words_token_ids, seq.token_ids[seq.num_prompt_tokens:])
+    row = RowLogitsProcessing(params.allowed_token_ids, params.logit_bias or None, params.repetition_penalty,
+                              params.presence_penalty, params.frequency_penalty)
+    if params.has_penalties:
+        row.prompt_token_ids = seq.token_ids[:seq.num_prompt_tokens]
+        row.output_token_ids = seq.token_ids[seq.num_prompt_tokens:]
+    if row.allowed_token_ids is not None or row.logit_bias or params.has_penalties:
+        mi.logits_processing[len(mi.sample_rows) - 1] = row
+    return banned

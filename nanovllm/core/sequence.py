@@ -23,6 +23,12 @@ class Sequence:
     blocks and ``num_computed_tokens == 0``. ``block_hashes[i]`` is the chain
     hash of block i, known once the block is full *and* computed.
 
+    Logits processing (``params.has_logits_processing``): ``bad_words_token_ids`` are the
+    request's bad words as token sequences (``core/bad_words.py``); ``needs_token_history``
+    says that sampling reads the tokens so far (penalties, multi-token bad words), so the
+    engine never leaves a placeholder in them. ``parent`` is the ParentRequest of a child
+    of an ``n > 1`` request (``engine/parallel_sampling.py``), else None.
+
     Async scheduling: ``num_placeholders`` (0 or 1) tokens at the end are being drawn by the
     step in flight (by its sample row ``pending_row``); they count in ``num_tokens`` (the next
     step computes their K/V, reading the token on the device) but are not in ``token_ids``.
@@ -34,11 +40,13 @@ class Sequence:
         "num_preemptions", "prompt", "arrival", "finish_reason", "stop_reason",
         "output_logprobs", "cumulative_logprob", "prompt_logprobs", "output_text",
         "stop_token_ids", "num_placeholders", "pending_row", "metrics",
+        "bad_words_token_ids", "logits_processing", "needs_token_history", "parent",
     )
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
                  params: SamplingParams, prompt: str | None = None, arrival: int = 0,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), bad_words_token_ids: list[list[int]] | None = None,
+                 parent=None):
         self.seq_id = seq_id
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -65,6 +73,11 @@ class Sequence:
         self.num_placeholders = 0
         self.pending_row: int | None = None
         self.metrics = RequestMetrics(arrival_time=time.time())   # timestamps, set by the engine
+        self.bad_words_token_ids: list[list[int]] = list(bad_words_token_ids or [])
+        self.logits_processing: bool = params.has_logits_processing
+        self.needs_token_history: bool = params.has_penalties or any(
+            len(w) > 1 for w in self.bad_words_token_ids)
+        self.parent = parent
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nanovllm.config import EngineConfig
+from nanovllm.core.bad_words import bad_words_token_ids
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.model_input import StepPlan, build_model_input
 from nanovllm.core.model_output import ModelOutput, ReadyOutput
@@ -25,6 +26,7 @@ from nanovllm.core.stop import check_stop, reaches_length_limit
 from nanovllm.engine.executor import Executor, StepHandle
 from nanovllm.engine.output_processor import (StreamState, make_request_output, make_stream_output, record_logprobs,
                                               record_prompt_logprobs)
+from nanovllm.engine.parallel_sampling import ParentRequest
 from nanovllm.engine.trace import SeqStep, StepEvent, Tracer
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
@@ -85,11 +87,13 @@ class LLMEngine:
     Most callers want ``LLMEngine.from_engine_args(model, **engine_args)`` or ``LLM``.
     """
 
-    def __init__(self, config: EngineConfig, executor: Executor, tokenizer=None,
+    def __init__(self, config: EngineConfig, executor: Executor | None = None, tokenizer=None,
                  eos_token_ids: tuple[int, ...] = (), trace: bool | Callable = False):
-        if not isinstance(config, EngineConfig):
-            raise TypeError(f"LLMEngine(config, executor, ...) takes an EngineConfig, got "
-                            f"{type(config).__name__}; to load a model use "
+        # executor defaults to None only so that LLMEngine("path") gets this message, not Python's
+        if not isinstance(config, EngineConfig) or executor is None:
+            got = type(config).__name__ if not isinstance(config, EngineConfig) else "no executor"
+            raise TypeError(f"LLMEngine(config, executor, ...) takes an EngineConfig and an executor, got "
+                            f"{got}; to load a model use "
                             f"LLMEngine.from_engine_args(model, **engine_args) or LLM(model, **engine_args)")
         if config.hf_config is None or config.block_size is None:
             raise ValueError("LLMEngine needs a resolved EngineConfig (call config.resolve(hf_config, "
@@ -107,6 +111,7 @@ class LLMEngine:
         self.tracer = Tracer(enabled=bool(trace), callback=trace if callable(trace) else None)
         self.requests: dict[str, Sequence] = {}
         self._streams: dict[str, StreamState] = {}   # requests whose output_kind is not FINAL_ONLY
+        self.parents: dict[str, ParentRequest] = {}   # n > 1: until every child has finished
         self._seq_ids = itertools.count()
         self._finished_seq_ids: list[int] = []
         self.num_steps = 0
@@ -187,52 +192,112 @@ class LLMEngine:
                 raise ValueError(f"prompt_token_ids[{i}]={t} is outside the vocabulary [0, {self.vocab_size})")
         return ids
 
-    def make_sequence(self, request_id: str, prompt, params: SamplingParams | None) -> Sequence:
-        """Validate one request completely (nothing is queued)."""
-        self._check_open()
+    def _check_request_id(self, request_id) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
+
+    def _check_params(self, params) -> SamplingParams:
+        """The request's SamplingParams, checked against this model (vocabulary, tokenizer)."""
         params = params if params is not None else SamplingParams()
         if isinstance(params, dict):
             raise TypeError(f"sampling_params must be a SamplingParams, got a dict ({params!r}); "
                             f"write SamplingParams(**{params!r})")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop={params.stop!r} needs a tokenizer, and this model has none")
+        for name in ("stop", "bad_words"):
+            if getattr(params, name) and self.tokenizer is None:
+                raise ValueError(f"{name}={getattr(params, name)!r} needs a tokenizer, and this model has none")
         for name, k in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
             if k is not None and k > self.vocab_size:
                 raise ValueError(f"{name}={k} exceeds the vocabulary size {self.vocab_size}")
+        for name, ids in (("logit_bias", list(params.logit_bias or ())),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            outside = [t for t in ids if t >= self.vocab_size]
+            if outside:
+                raise ValueError(f"{name} holds token id(s) {outside} outside the vocabulary [0, {self.vocab_size})")
+        return params
+
+    def _bad_words(self, params: SamplingParams) -> list[list[int]] | None:
+        if not params.bad_words:
+            return None
+        words = bad_words_token_ids(self.tokenizer, params.bad_words)
+        outside = sorted({t for w in words for t in w if not 0 <= t < self.vocab_size})
+        if outside:
+            raise ValueError(f"bad_words={params.bad_words!r} tokenize to id(s) {outside} outside the "
+                             f"vocabulary [0, {self.vocab_size})")
+        return words
+
+    def make_sequence(self, request_id: str, prompt, params: SamplingParams | None,
+                      parent: ParentRequest | None = None) -> Sequence:
+        """Validate one sequence completely (nothing is queued): a request with n == 1, or one
+        child of an n > 1 request (``make_sequences``)."""
+        self._check_open()
+        self._check_request_id(request_id)
+        params = self._check_params(params)
+        if params.n != 1:
+            raise ValueError(f"make_sequence builds one sequence; a request with n={params.n} "
+                             f"needs make_sequences or add_request")
         text, ids = self.tokenize_prompt(prompt)
         seq = Sequence(next(self._seq_ids), request_id, ids, params, prompt=text,
-                       eos_token_ids=self.eos_token_ids)
+                       eos_token_ids=self.eos_token_ids, bad_words_token_ids=self._bad_words(params),
+                       parent=parent)
         self.scheduler.check_admissible(seq)
         return seq
 
+    def make_sequences(self, request_id: str, prompt, params: SamplingParams | None) -> list[Sequence]:
+        """Validate one request completely (nothing is queued): its one sequence, or with
+        n > 1 its n child sequences (``engine/parallel_sampling.py``)."""
+        self._check_open()
+        params = self._check_params(params)
+        if params.n == 1:
+            return [self.make_sequence(request_id, prompt, params)]
+        self._check_request_id(request_id)
+        parent = ParentRequest(request_id, params)
+        return [self.make_sequence(cid, prompt, parent.child_params(i), parent)
+                for i, cid in enumerate(parent.child_ids)]
+
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
-        self.add_sequence(self.make_sequence(request_id, prompt, params))
+        for seq in self.make_sequences(request_id, prompt, params):
+            self.add_sequence(seq)
 
     def add_sequence(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
         self.requests[seq.request_id] = seq
         if seq.params.output_kind is not RequestOutputKind.FINAL_ONLY:
             self._streams[seq.request_id] = StreamState(seq, self.tokenizer)
+        if seq.parent is not None:
+            self.parents.setdefault(seq.parent.request_id, seq.parent)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """End an unfinished request now. With a step in flight that computes it, its blocks are
-        freed at once (the device finishes that step before any later step reuses them) and the
-        step's token for it is discarded when the step completes."""
+        """End an unfinished request now (an n > 1 request: all its unfinished children). With a
+        step in flight that computes it, its blocks are freed at once (the device finishes that
+        step before any later step reuses them) and the step's token for it is discarded when
+        the step completes. Returns its output (finish_reason "abort"), or None if unknown."""
+        parent = self.parents.get(request_id)
+        if parent is not None:
+            outs = self._outputs([self._abort(self.requests.pop(cid)) for cid in parent.child_ids
+                                  if cid in self.requests])
+            if not outs or request_id in self.parents:
+                raise RuntimeError(f"abort of {request_id!r} left its parent request behind")
+            return parent.combine(outs)
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return None
+        outs = self._outputs([self._abort(seq)])
+        if seq.parent is not None:   # a child aborted alone: its parent's output, if complete, comes next step
+            self._buffered += outs
+            return make_request_output(seq, self.tokenizer)
+        return outs[0]
+
+    def _abort(self, seq: Sequence) -> Sequence:
         self.scheduler.finish(seq)
         seq.drop_placeholder()   # a step that never completed (interrupted) leaves one behind
         seq.finish_reason = "abort"
         seq.metrics.finished_time = time.time()
         self._finished_seq_ids.append(seq.seq_id)
-        return self._output(seq)
+        return seq
 
     def _output(self, seq: Sequence) -> RequestOutput:
         """The output a request reports now (a finished one leaves the streams)."""
@@ -243,6 +308,21 @@ class LLMEngine:
         if state is None:
             return make_request_output(seq, self.tokenizer)
         return make_stream_output(seq, self.tokenizer, state)
+
+    def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """The outputs the sequences report now; a child of an n > 1 request reports through
+        its parent (``ParentRequest.add_child_output``: FINAL_ONLY once all have finished)."""
+        outs = []
+        for seq in seqs:
+            out: RequestOutput | None = self._output(seq)
+            parent = seq.parent
+            if parent is not None:
+                out = parent.add_child_output(out)
+                if parent.num_unfinished == 0:
+                    del self.parents[parent.request_id]
+            if out is not None:
+                outs.append(out)
+        return outs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._buffered)
@@ -269,7 +349,8 @@ class LLMEngine:
             launched = self._launch_next()
             if launched is None:
                 return outputs
-        if self.config.async_scheduling:
+        # penalties and multi-token bad words read the tokens so far: never a placeholder there
+        if self.config.async_scheduling and not launched.plan.needs_token_history:
             self._advance(launched)
             self._inflight = self._launch_next()
         return outputs + self._complete(launched)
@@ -324,7 +405,7 @@ class LLMEngine:
                                        if s.finish_reason is not None]
             launched.event.num_free_blocks = self.block_manager.num_free_blocks
             self.tracer.record(launched.event)
-        return [self._output(seq) for seq in reported]
+        return self._outputs(reported)
 
     def drain(self) -> None:
         """Complete the step in flight (async scheduling); its outputs go to the next step()."""
@@ -421,6 +502,11 @@ class LLMEngine:
     def check_invariants(self) -> None:
         self.drain()
         self.scheduler.check_invariants()
+        for pid, parent in self.parents.items():
+            live = sum(cid in self.requests for cid in parent.child_ids)
+            if live != parent.num_unfinished or live == 0:
+                raise RuntimeError(f"parent request {pid!r}: {live} live children, "
+                                   f"{parent.num_unfinished} unfinished")
 
     def close(self) -> None:
         self._inflight = None

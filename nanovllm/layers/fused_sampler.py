@@ -16,7 +16,8 @@ What it computes, per row r with inverse temperature ``inv_temp[r]``:
 - ``nonfinite[r]``: whether the row holds a NaN or an infinity (the engine ends
   such a request with an error instead of sampling it).
 
-Rows with top-k / top-p / min-p filters or banned tokens are not handled here: the
+Rows with top-k / top-p / min-p filters, banned tokens (min_tokens, bad words) or other
+logits processing (allowed tokens, logit bias, penalties) are not handled here: the
 Sampler sends those rows through its PyTorch path.
 """
 from __future__ import annotations

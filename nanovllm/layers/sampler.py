@@ -1,16 +1,17 @@
 """Sampler: logits of the rows that sample -> token ids (+ top-k logprobs).
 
-Order, as in vLLM: ban stop tokens while min_tokens is not reached; greedy rows
-take the argmax; random rows divide by the temperature, then apply min_p, top_k
+Order, as in vLLM: ban stop tokens while min_tokens is not reached and bad words;
+apply the rows' other logits processing (allowed tokens, logit bias, penalties:
+``logits_processing.py``); greedy rows take the argmax; random rows divide by the temperature, then apply min_p, top_k
 and top_p, and draw with the exponential race (argmax of p / E, E ~ Exp(1)),
 which samples exactly from p and never picks a token of probability 0.
 Each seeded request draws its noise from its own generator, so its tokens do
 not depend on its batch-mates. Logprobs are those of the raw model distribution.
 
 On a GPU, when the runner gives per-row Philox seeds (``row_seeds``), the rows
-without filters or bans are sampled by one fused kernel (``fused_sampler``: the
-Gumbel-max draw, the same distribution) and only the other rows take the
-PyTorch path, each seeded by its row seed.
+without filters, bans or logits processing are sampled by one fused kernel
+(``fused_sampler``: the Gumbel-max draw, the same distribution) and only the other
+rows take the PyTorch path, each seeded by its row seed.
 """
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanovllm.core.model_input import RowLogitsProcessing
 from nanovllm.core.model_output import SamplerOutput
 from nanovllm.layers import fused_sampler
+from nanovllm.layers.logits_processing import apply_logits_processing
 
 
 @dataclass
@@ -35,6 +38,8 @@ class SamplingMetadata:
     # output index; others: from the engine's seed and step), and which rows are seeded
     row_seeds: list[int] | None = None
     seeded: list[bool] | None = None
+    # row -> allowed tokens, logit bias, penalties (only the rows that have some)
+    processing: dict[int, RowLogitsProcessing] = field(default_factory=dict)
     greedy: list[bool] = field(init=False)
 
     def __post_init__(self):
@@ -106,8 +111,7 @@ class Sampler:
         inv_temp = [0.0 if g else 1.0 / t for g, t in zip(meta.greedy, meta.temperatures)]
         tokens, nonfinite = fused_sampler.sample(logits, _to_device(inv_temp, torch.float32, device),
                                                  _to_device(meta.row_seeds, torch.int64, device))
-        special = [i for i in range(n) if meta.banned_token_ids[i] or (not meta.greedy[i] and (
-            meta.top_ks[i] > 0 or meta.top_ps[i] < 1.0 or meta.min_ps[i] > 0))]
+        special = general_path_rows(meta)
         if special:
             sub = _select(meta, special)
             sub.generators = [torch.Generator(device=device).manual_seed(meta.row_seeds[r])
@@ -141,11 +145,12 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """float32 logits -> sampled token ids (a device tensor)."""
         n = logits.shape[0]
-        if any(meta.banned_token_ids):
+        if any(meta.banned_token_ids) or meta.processing:
             logits = logits.clone()
             for row, banned in enumerate(meta.banned_token_ids):
                 if banned:
                     logits[row, banned] = float("-inf")
+            logits = apply_logits_processing(logits, meta.processing)
 
         random_rows = [i for i, g in enumerate(meta.greedy) if not g]
         if len(random_rows) == n:   # no greedy row: sample every row without gathering them
@@ -188,10 +193,19 @@ class Sampler:
         return probs.div_(noise).argmax(dim=-1)
 
 
+def general_path_rows(meta: SamplingMetadata) -> list[int]:
+    """The rows the fused kernel cannot sample (it knows temperature only): filtered rows,
+    rows with banned tokens, rows with other logits processing."""
+    return [i for i in range(len(meta.temperatures)) if meta.banned_token_ids[i] or i in meta.processing or (
+        not meta.greedy[i] and (meta.top_ks[i] > 0 or meta.top_ps[i] < 1.0 or meta.min_ps[i] > 0))]
+
+
 def _select(meta: SamplingMetadata, rows: list[int]) -> SamplingMetadata:
     pick = lambda values: [values[r] for r in rows]  # noqa: E731
+    processing = {i: meta.processing[r] for i, r in enumerate(rows) if r in meta.processing}
     return SamplingMetadata(pick(meta.temperatures), pick(meta.top_ks), pick(meta.top_ps), pick(meta.min_ps),
-                            pick(meta.generators), pick(meta.banned_token_ids), pick(meta.num_logprobs))
+                            pick(meta.generators), pick(meta.banned_token_ids), pick(meta.num_logprobs),
+                            processing=processing)
 
 
 def _logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]) -> list:

@@ -262,7 +262,7 @@ class ModelRunner:
                 gen = self.generators[seq_id] = torch.Generator(device=self.device).manual_seed(seed)
             gens.append(gen)
         return SamplingMetadata(mi.temperatures, mi.top_ks, mi.top_ps, mi.min_ps, gens,
-                                mi.banned_token_ids, mi.num_logprobs)
+                                mi.banned_token_ids, mi.num_logprobs, processing=mi.logits_processing)
 
     def _philox_sampling_metadata(self, mi: ModelInput) -> SamplingMetadata:
         """GPU: per-row Philox seeds instead of stateful generators. A seeded request's seed for
@@ -277,7 +277,7 @@ class ModelRunner:
                  for r, (s, i) in enumerate(zip(mi.seeds, mi.output_indices))]
         return SamplingMetadata(mi.temperatures, mi.top_ks, mi.top_ps, mi.min_ps, [None] * n,
                                 mi.banned_token_ids, mi.num_logprobs, row_seeds=seeds,
-                                seeded=[s is not None for s in mi.seeds])
+                                seeded=[s is not None for s in mi.seeds], processing=mi.logits_processing)
 
     def _forward(self, mi: ModelInput):
         """The model on one step -> (hidden states, index of the rows that sample)."""

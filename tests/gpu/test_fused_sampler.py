@@ -123,3 +123,25 @@ def test_sampler_fused_path_mixes_plain_filtered_and_banned_rows():
     assert out.logprobs[0] is None and out.nonfinite_rows == []
     again = sampler(logits, meta)
     assert again.token_ids[1:3] == out.token_ids[1:3]            # seeded rows: same row seeds, same draws
+
+
+def test_sampler_fused_path_applies_logits_processing():
+    """Rows with logits processing (bias, repetition penalty, allowed tokens) leave the kernel for
+    the PyTorch path and get the processed argmax; plain rows stay the raw argmax."""
+    from nanovllm.core.model_input import RowLogitsProcessing
+    from nanovllm.layers.logits_processing import apply_logits_processing
+
+    torch.manual_seed(1)
+    vocab = 64
+    logits = torch.randn(5, vocab, device=DEVICE) * 3
+    order = logits.argsort(-1, descending=True).cpu()
+    rows = {1: RowLogitsProcessing(logit_bias={int(order[1, -1]): 100.0}),
+            2: RowLogitsProcessing(repetition_penalty=50.0, prompt_token_ids=order[2, :2].tolist(), output_token_ids=[]),
+            3: RowLogitsProcessing(allowed_token_ids=[5, 6, 7])}
+    meta = _meta(5, temperatures=[0.0, 0.0, 0.0, 1.0, 0.0], processing=rows)
+    out = Sampler(torch.Generator(device=DEVICE).manual_seed(0))(logits, meta)
+    processed = apply_logits_processing(logits.float().cpu().clone(), rows).argmax(-1).tolist()
+    assert out.token_ids[1] == int(order[1, -1]) and out.token_ids[2] == int(order[2, 2])
+    assert [out.token_ids[i] for i in (0, 1, 2, 4)] == [processed[i] for i in (0, 1, 2, 4)]
+    assert out.token_ids[3] in (5, 6, 7)
+    assert out.token_ids[0] == int(order[0, 0]) and out.token_ids[4] == int(order[4, 0])

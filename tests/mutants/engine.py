@@ -173,6 +173,88 @@ def prompt_logprobs_shifted() -> ContextManager:
     return _patched((runner.ModelRunner, "_prompt_logprobs", _prompt_logprobs))
 
 
+# ------------------------------------------------------- logits processing, n > 1
+def repetition_penalty_ignores_prompt() -> ContextManager:
+    """The repetition penalty applies to the output's tokens only (vLLM: prompt and output)."""
+    (lp,) = _modules("nanovllm.layers.logits_processing")
+    orig = lp.apply_penalties
+
+    def apply_penalties(x, rows):
+        return orig(x, [(i, dataclasses.replace(p, prompt_token_ids=[])) for i, p in rows])
+    return _patched((lp, "apply_penalties", apply_penalties))
+
+
+def presence_penalty_per_occurrence() -> ContextManager:
+    """presence_penalty is subtracted once per occurrence (like frequency_penalty), not once."""
+    (lp,) = _modules("nanovllm.layers.logits_processing")
+    orig = lp.apply_penalties
+
+    def apply_penalties(x, rows):
+        return orig(x, [(i, dataclasses.replace(p, frequency_penalty=p.frequency_penalty + p.presence_penalty,
+                                                presence_penalty=0.0)) for i, p in rows])
+    return _patched((lp, "apply_penalties", apply_penalties))
+
+
+def frequency_penalty_counts_prompt() -> ContextManager:
+    """The frequency and presence penalties count the prompt's tokens too (output only, in vLLM)."""
+    (lp,) = _modules("nanovllm.layers.logits_processing")
+    orig = lp.apply_penalties
+
+    def apply_penalties(x, rows):
+        return orig(x, [(i, dataclasses.replace(p, output_token_ids=(p.prompt_token_ids or []) + p.output_token_ids))
+                        for i, p in rows])
+    return _patched((lp, "apply_penalties", apply_penalties))
+
+
+def logit_bias_subtracted() -> ContextManager:
+    """logit_bias is subtracted from the logits instead of added."""
+    (lp,) = _modules("nanovllm.layers.logits_processing")
+    orig = lp.apply_logit_bias
+
+    def apply_logit_bias(x, rows):
+        return orig(x, [(i, {t: -v for t, v in bias.items()}) for i, bias in rows])
+    return _patched((lp, "apply_logit_bias", apply_logit_bias))
+
+
+def allowed_token_ids_last_dropped() -> ContextManager:
+    """The last id of allowed_token_ids is masked like the disallowed ones."""
+    (lp,) = _modules("nanovllm.layers.logits_processing")
+    orig = lp.apply_allowed_token_ids
+
+    def apply_allowed_token_ids(x, rows):
+        return orig(x, [(i, ids[:-1] or ids) for i, ids in rows])
+    return _patched((lp, "apply_allowed_token_ids", apply_allowed_token_ids))
+
+
+def bad_words_prefix_ignored() -> ContextManager:
+    """A bad word's last token is banned whatever precedes it (vLLM: only after its prefix)."""
+    bw, mi_mod = _modules("nanovllm.core.bad_words", "nanovllm.core.model_input")
+
+    def banned_by_bad_words(bad_words, output_ids):
+        return [w[-1] for w in bad_words if len(w) - 1 <= len(output_ids)]
+    return _patched((bw, "banned_by_bad_words", banned_by_bad_words),
+                    (mi_mod, "banned_by_bad_words", banned_by_bad_words))
+
+
+def n_children_share_seed() -> ContextManager:
+    """The n children of a seeded request all draw with the request's seed (vLLM: seed + i)."""
+    (ps,) = _modules("nanovllm.engine.parallel_sampling")
+
+    def child_params(self, index):
+        return dataclasses.replace(self.params, n=1)
+    return _patched((ps.ParentRequest, "child_params", child_params))
+
+
+def fused_sampler_skips_processing() -> ContextManager:
+    """The fused sampler keeps rows with logits processing (it applies temperature only)."""
+    (sampler,) = _modules("nanovllm.layers.sampler")
+    orig = sampler.general_path_rows
+
+    def general_path_rows(meta):
+        return orig(dataclasses.replace(meta, processing={}))
+    return _patched((sampler, "general_path_rows", general_path_rows))
+
+
 # ------------------------------------------------------- output processing, API
 def stop_string_kept() -> ContextManager:
     """The stop string is left in the output text although include_stop_str_in_output is False."""
@@ -194,8 +276,8 @@ def eos_ignored() -> ContextManager:
     (engine_mod,) = _modules("nanovllm.engine.engine")
     orig = engine_mod.LLMEngine.make_sequence
 
-    def make_sequence(self, request_id, prompt, params):
-        seq = orig(self, request_id, prompt, params)
+    def make_sequence(self, request_id, prompt, params, *args, **kwargs):
+        seq = orig(self, request_id, prompt, params, *args, **kwargs)
         seq.stop_token_ids = frozenset(seq.params.stop_token_ids)
         return seq
     return _patched((engine_mod.LLMEngine, "make_sequence", make_sequence))

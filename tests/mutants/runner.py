@@ -32,13 +32,17 @@ from pathlib import Path
 from typing import ContextManager
 
 from tests.mutants import engine as engine_mutants
-from tests.mutants.engine import (_patched, admission_check_skipped, async_input_from_wrong_row, cuda_graph_padding_writes_kv,
-                                  fused_sampler_temperature_ignored, philox_seed_ignored, triton_decode_drops_last_key,
-                                        decode_drops_last_key, eos_ignored, logprobs_after_temperature,
-                                        min_p_absolute, min_tokens_ignored, outputs_in_finish_order,
-                                        prefill_mask_top_left, prompt_logprobs_shifted, seed_ignored,
-                                        slot_mapping_off_by_one, stop_string_kept, temperature_ignored,
-                                        top_k_one_too_many, top_p_one_too_few, tp_allreduce_skipped)
+from tests.mutants.engine import (_patched, admission_check_skipped, allowed_token_ids_last_dropped,
+                                  async_input_from_wrong_row, bad_words_prefix_ignored, cuda_graph_padding_writes_kv,
+                                  decode_drops_last_key, eos_ignored, frequency_penalty_counts_prompt,
+                                  fused_sampler_skips_processing, fused_sampler_temperature_ignored,
+                                  logit_bias_subtracted, logprobs_after_temperature, min_p_absolute,
+                                  min_tokens_ignored, n_children_share_seed, outputs_in_finish_order,
+                                  philox_seed_ignored, prefill_mask_top_left, presence_penalty_per_occurrence,
+                                  prompt_logprobs_shifted, repetition_penalty_ignores_prompt, seed_ignored,
+                                  slot_mapping_off_by_one, stop_string_kept, temperature_ignored,
+                                  top_k_one_too_many, top_p_one_too_few, tp_allreduce_skipped,
+                                  triton_decode_drops_last_key)
 
 ENV = "NANOVLLM_MUTANT"
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -60,6 +64,10 @@ REF = CORE_DIR + "test_reference.py"
 SELF = CORE_DIR + "test_self_consistency.py"
 SAMP = CORE_DIR + "test_sampling.py"
 CONTRACTS = CORE_DIR + "test_contracts.py"
+LP = "tests/test_logits_processing.py"
+OPTS = "tests/test_sampling_options.py"
+GREEDY_OPTS = OPTS + "::test_greedy_with_option_matches_transformers_processors"  # ids gain [cuda] on GPU hosts
+PAR = "tests/test_parallel_sampling.py"
 
 ENGINE_MUTANTS: list[Mutant] = [
     Mutant("slot_mapping_off_by_one", slot_mapping_off_by_one,
@@ -106,6 +114,29 @@ ENGINE_MUTANTS: list[Mutant] = [
     Mutant("triton_decode_drops_last_key", triton_decode_drops_last_key,
            [f"{REF}::test_greedy_matches_reference[qwen2-gqa2-hd64]",
             f"{REF}::test_prefill_decode_consistency[qwen3-gqa4-hd128]"], gpu_only=True),
+    # logits processing and parallel sampling (tests/: against transformers' processors, chi-square)
+    Mutant("repetition_penalty_ignores_prompt", repetition_penalty_ignores_prompt,
+           [f"{LP}::test_repetition_penalty_matches_transformers", GREEDY_OPTS]),
+    Mutant("presence_penalty_per_occurrence", presence_penalty_per_occurrence,
+           [f"{LP}::test_frequency_and_presence_penalties_follow_the_openai_definition",
+            GREEDY_OPTS]),
+    Mutant("frequency_penalty_counts_prompt", frequency_penalty_counts_prompt,
+           [f"{LP}::test_frequency_and_presence_penalties_follow_the_openai_definition",
+            GREEDY_OPTS]),
+    Mutant("logit_bias_subtracted", logit_bias_subtracted,
+           [f"{LP}::test_logit_bias_matches_sequence_bias",
+            GREEDY_OPTS]),
+    Mutant("allowed_token_ids_last_dropped", allowed_token_ids_last_dropped,
+           [f"{LP}::test_allowed_token_ids_match_prefix_constrained",
+            GREEDY_OPTS]),
+    Mutant("bad_words_prefix_ignored", bad_words_prefix_ignored,
+           [f"{LP}::test_bad_words_match_no_bad_words_processor",
+            GREEDY_OPTS]),
+    Mutant("n_children_share_seed", n_children_share_seed,
+           [f"{PAR}::test_n_completions_follow_the_distribution",
+            f"{PAR}::test_seeded_n_is_reproducible_and_child_i_draws_with_seed_plus_i"]),
+    Mutant("fused_sampler_skips_processing", fused_sampler_skips_processing,
+           [f"{LP}::test_rows_with_processing_take_the_general_path_of_the_fused_sampler"]),
 ]
 
 # issue 10: mutants of the classes the held-out mutants survived in, each with the checks aimed at its class

@@ -145,11 +145,14 @@ class EngineHarness:
             self.computed[rid].append((start, start + n))
 
     def _collect(self, outputs: list[RequestOutput]) -> list[str]:
-        for out in outputs:
+        """The finished requests among a step's outputs (a CUMULATIVE request -- the engine's
+        default output_kind -- also reports every step it gets a token, unfinished)."""
+        finished = [out for out in outputs if out.finished]
+        for out in finished:
             completion = out.outputs[0]
             self.outputs[out.request_id] = list(completion.token_ids)
             self.finish_reasons[out.request_id] = completion.finish_reason
-        return [out.request_id for out in outputs]
+        return [out.request_id for out in finished]
 
     # --------------------------------------------------------------- requests
     def add_request(self, prompt: list[int], max_tokens: int = 8, *, request_id: str | None = None,
