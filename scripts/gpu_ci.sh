@@ -55,7 +55,7 @@ tw=$(date +%s)
 # ------------------------------------------------------------------ 3. the whole suite
 # a test that hangs is stopped (with every thread's stack in the log) instead of stalling the job
 per_test=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${NANOVLLM_TEST_TIMEOUT:-240}")
-timeout "$L_PYTEST" "$PY" -m pytest -n auto -q -rs -p no:cacheprovider --durations=25 $per_test \
+timeout "$L_PYTEST" "$PY" -m pytest -n auto -v -rfEs -p no:cacheprovider --durations=25 $per_test \
     --junitxml="$LOG/pytest.xml" > "$LOG/pytest.log" 2>&1
 rc_pytest=$?
 t1=$(date +%s)
@@ -76,7 +76,8 @@ t3=$(date +%s)
 echo "=== GPU CI, $(head -1 "$LOG/env.txt"), commit $(sed -n 2p "$LOG/env.txt") ==="
 sed -n '3,$p' "$LOG/env.txt" | grep -E "^(GPU|python|installed|warmed)" | head -5
 echo "--- warm-up $((tw - t0)) s; pytest -n auto (rc=$rc_pytest, $((t1 - tw)) s) ---"
-grep -E "^(FAILED|ERROR)" "$LOG/pytest.log" | head -30
+grep -E "^(FAILED|ERROR)| (FAILED|ERROR) " "$LOG/pytest.log" | sort -u | head -30
+echo "tests finished: $(grep -cE " (PASSED|FAILED|ERROR|SKIPPED) " "$LOG/pytest.log")"
 grep -E "^SKIPPED" "$LOG/pytest.log" | sed -E 's/^SKIPPED \[[0-9]+\] [^:]+(:[0-9]+)?: //' | sort | uniq -c | sort -rn | head -12
 tail -1 "$LOG/pytest.log"
 echo "--- conformance --device cuda (rc=$rc_conf, $((t2 - t1)) s) ---"
