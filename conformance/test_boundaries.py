@@ -1,4 +1,4 @@
-"""Exact boundaries of the API contracts (catalogue items 9, 22, 23 at their edges).
+"""Exact boundaries of the API contracts (prompt logprobs, stopping, logprobs) at their edges.
 
 * A stop token can end a request at exactly output index ``min_tokens`` (the first index where it
   is allowed), and at index ``min_tokens - 1`` it is banned: the sampler takes the next best token

@@ -1,6 +1,6 @@
 """Every per-request field survives preemption: a starved (preempting) run equals an ample one.
 
-Catalogue item 17 compares the tokens of a starved and an ample run; a request's other fields
+The preemption check of test_self_consistency compares the tokens of a starved and an ample run; a request's other fields
 were not compared, and a preempted request's prompt logprobs were once appended again on every
 recompute (tokens unaffected). Here one workload runs in an ample and in a starved KV cache and
 every field the adapter exposes must be equal, request by request, with lengths compared

@@ -1,6 +1,6 @@
-"""Prefix cache when several requests compute the same prefix together (catalogue item 16, same step).
+"""Prefix cache when several requests compute the same prefix together (in the same step).
 
-Item 16 admits requests one at a time. Sent together into a cold cache, requests that share a
+The prefix-cache checks of test_self_consistency admit requests one at a time. Sent together into a cold cache, requests that share a
 prefix compute its blocks in the same step: one engine-internal copy is kept, the others are
 duplicates, and each request's continuation must still chain to what was kept. The rule is the
 same as one at a time, and does not depend on how the engine ordered the work: a later request

@@ -101,7 +101,7 @@ def test_seeded_requests_reproducible_and_batch_independent(engines, figure):
 
 
 # ------------------------------------------------- filters at other temperatures, mixed batches
-# Catalogue item 21 runs every filter at temperature 1, where the order of temperature and filters
+# test_sampling_distribution runs every filter at temperature 1, where the order of temperature and filters
 # is invisible. vLLM divides by the temperature first, then filters (min_p, top_k, then top_p over
 # the top_k survivors). The parameters below are derived from the golden distribution: far from
 # any tie at the temperature used, and chosen so the other order (filters on the raw logits)
