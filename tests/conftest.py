@@ -9,6 +9,7 @@ root conftest's ``gpu_share``).
 from __future__ import annotations
 
 import os
+import sys
 from collections import OrderedDict
 
 import pytest
@@ -53,19 +54,32 @@ _engines: OrderedDict = OrderedDict()
 
 
 def cached_llm(model: str | None, **kwargs):
-    """One engine per (model, args) per test process (loading is the slow part); at most
-    MAX_CACHED_ENGINES stay loaded, the least recently used is closed first."""
+    """One engine per (model, args) per test process (loading is the slow part); the cache holds
+    at most MAX_CACHED_ENGINES, dropping the least recently used first. A dropped engine is not
+    closed: a fixture (module- or session-scoped) may still hold it, and it is freed (memory,
+    worker processes) when the last reference goes."""
     from nanovllm import LLM
 
     kwargs = engine_args(**kwargs) if kwargs.get("device") == "cuda" else kwargs
     key = (model, tuple(sorted(kwargs.items())))
     llm = _engines.pop(key, None)
     if llm is None:
-        while len(_engines) >= MAX_CACHED_ENGINES:
-            _engines.popitem(last=False)[1].close()
+        if len(_engines) >= MAX_CACHED_ENGINES:
+            while len(_engines) >= MAX_CACHED_ENGINES:
+                _engines.popitem(last=False)
+            _release_memory()
         llm = LLM(model, **kwargs)
     _engines[key] = llm
     return llm
+
+
+def _release_memory() -> None:
+    import gc
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 _references: dict = {}
