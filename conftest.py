@@ -56,12 +56,15 @@ if _share is not None:
     os.environ.setdefault("CONFORMANCE_KV_CACHE_GIB", str(_share[1]))
 
 # xdist workers share the cores: give each its share of threads (OpenMP spin-waits make
-# oversubscription far slower than the core count suggests).
+# oversubscription far slower than the core count suggests: 16 workers of 16 threads each on a
+# 16-core GPU host ran the suite several times slower). The variables reach the worker's
+# subprocesses (CLI tests, servers, TP workers); torch in this process is already imported, and the
+# conformance plugin sets its thread count (conformance/plugin.py).
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1 and "OMP_NUM_THREADS" not in os.environ:
-    _threads = str(max(1, (os.cpu_count() or 1) // _workers))
-    os.environ["OMP_NUM_THREADS"] = _threads
-    os.environ.setdefault("MKL_NUM_THREADS", _threads)
+    _threads = max(1, (os.cpu_count() or 1) // _workers)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    os.environ.setdefault("MKL_NUM_THREADS", str(_threads))
 
 try:
     from hypothesis import HealthCheck, settings

@@ -90,12 +90,16 @@ def pytest_cmdline_main(config):
 def _share_cores_between_workers() -> None:
     """Under pytest-xdist, give each worker its share of the cores. Two workers with two torch
     threads each on two cores make every small matmul wait on a descheduled OpenMP thread
-    (measured here: 12.9 ms instead of 0.5 ms for an [11, 576] x [576, 1536] linear)."""
+    (measured here: 12.9 ms instead of 0.5 ms for an [11, 576] x [576, 1536] linear). An
+    OMP_NUM_THREADS already set (by the user, or by a conftest after torch was imported, when
+    torch's pool no longer reads it) is applied as the count."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
-    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+    if workers > 1:
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
+                              else max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_configure(config):
