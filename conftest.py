@@ -60,9 +60,11 @@ if _share is not None:
 # 16-core GPU host ran the suite several times slower). The variables reach the worker's
 # subprocesses (CLI tests, servers, TP workers); torch in this process is already imported, and the
 # conformance plugin sets its thread count (conformance/plugin.py).
+from conformance.plugin import usable_cores  # noqa: E402
+
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1 and "OMP_NUM_THREADS" not in os.environ:
-    _threads = max(1, (os.cpu_count() or 1) // _workers)
+    _threads = max(1, usable_cores() // _workers)
     os.environ["OMP_NUM_THREADS"] = str(_threads)
     os.environ.setdefault("MKL_NUM_THREADS", str(_threads))
 

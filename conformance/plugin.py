@@ -87,6 +87,15 @@ def pytest_cmdline_main(config):
     return None
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's share, not the host's
+    count that os.cpu_count() reports), as pytest-xdist's ``-n auto`` counts them."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # no sched_getaffinity (macOS, Windows)
+        return os.cpu_count() or 1
+
+
 def _share_cores_between_workers() -> None:
     """Under pytest-xdist, give each worker its share of the cores. Two workers with two torch
     threads each on two cores make every small matmul wait on a descheduled OpenMP thread
@@ -99,7 +108,7 @@ def _share_cores_between_workers() -> None:
 
         threads = os.environ.get("OMP_NUM_THREADS", "")
         torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
-                              else max(1, (os.cpu_count() or 1) // workers))
+                              else max(1, usable_cores() // workers))
 
 
 def pytest_configure(config):

@@ -10,13 +10,15 @@ import sys
 import pytest
 import torch
 
+from conformance.plugin import usable_cores
+
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
 needs_xdist = pytest.mark.skipif(WORKERS < 2, reason="checks pytest-xdist's thread sharing: run under -n 2 or more")
 
 
 @needs_xdist
 def test_torch_threads_are_this_workers_share():
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     share = int(os.environ["OMP_NUM_THREADS"])
     assert torch.get_num_threads() == share, \
         f"torch uses {torch.get_num_threads()} threads, OMP_NUM_THREADS says {share}"
