@@ -266,7 +266,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "w5", "temperature": -1}, 400, "temperature"),
     ("completions", {"prompt": "w5", "top_p": 0}, 400, "top_p"),
     ("completions", {"prompt": "w5", "max_tokens": 0}, 400, "max_tokens"),
-    ("completions", {"prompt": "w5", "n": 2}, 400, "n"),
+    ("completions", {"prompt": "w5", "n": 0}, 400, "n"),
     ("completions", {"prompt": "w5", "logprobs": -1}, 400, "logprobs"),
     ("completions", {"prompt": "w5", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ("completions", {"prompt": "w5", "min_tokens": 9, "max_tokens": 3}, 400, "min_tokens"),

@@ -60,6 +60,9 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    return_tokens_as_token_ids: bool = False   # logprob tokens as "token_id:N" (vLLM's extra)
     request_id: str | None = None
 
 

@@ -1,16 +1,17 @@
-"""POST /v1/chat/completions: the tokenizer's chat template (as ``LLM.chat``), plain JSON or
-server-sent events (``chat.completion.chunk``: a role chunk, content deltas, the finish reason,
-then a usage chunk with ``stream_options.include_usage``, then ``[DONE]``)."""
+"""POST /v1/chat/completions: the tokenizer's chat template (as ``LLM.chat``), ``n`` choices,
+plain JSON or server-sent events (``chat.completion.chunk``: per choice a role chunk, content
+deltas, the finish reason; then a usage chunk with ``stream_options.include_usage``, then
+``[DONE]``)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
 from nanovllm.engine.async_llm import AsyncLLM
 from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
-from nanovllm.entrypoints.openai.serving_common import (check_model, merged, now, prompt_logprobs_json,
+from nanovllm.entrypoints.openai.serving_common import (check_model, choices, merged, now, prompt_logprobs_json,
                                                         random_id, sampling_params, sse, start, stream_error,
                                                         usage)
-from nanovllm.entrypoints.openai.serving_completion import LOGPROB_FLOOR
+from nanovllm.entrypoints.openai.serving_completion import LOGPROB_FLOOR, token_name
 from nanovllm.outputs import CompletionOutput
 
 MAX_TOP_LOGPROBS = 20   # OpenAI's limit
@@ -52,17 +53,20 @@ def apply_chat_template(tokenizer, req: ChatCompletionRequest) -> dict:
     return {"prompt": tokenizer.decode(ids, skip_special_tokens=False), "prompt_token_ids": list(ids)}
 
 
-def chat_logprobs(c: CompletionOutput, top: int) -> dict | None:
+def chat_logprobs(c: CompletionOutput, top: int, as_ids: bool = False) -> dict | None:
+    """OpenAI's chat logprobs; ``as_ids``: each token as ``token_id:N`` (its bytes stay its text's)."""
     if c.logprobs is None:
         return None
     content = []
     for token_id, entry in zip(c.token_ids, c.logprobs):
         sampled = entry[token_id]
-        best = sorted((lp for lp in entry.values() if lp.rank <= top), key=lambda lp: lp.rank)[:top]
-        content.append({"token": sampled.decoded_token or "", "logprob": max(sampled.logprob, LOGPROB_FLOOR),
+        best = sorted(((t, lp) for t, lp in entry.items() if lp.rank <= top), key=lambda kv: kv[1].rank)[:top]
+        content.append({"token": token_name(token_id, sampled.decoded_token, as_ids),
+                        "logprob": max(sampled.logprob, LOGPROB_FLOOR),
                         "bytes": list((sampled.decoded_token or "").encode()),
-                        "top_logprobs": [{"token": lp.decoded_token or "", "logprob": max(lp.logprob, LOGPROB_FLOOR),
-                                          "bytes": list((lp.decoded_token or "").encode())} for lp in best]})
+                        "top_logprobs": [{"token": token_name(t, lp.decoded_token, as_ids),
+                                          "logprob": max(lp.logprob, LOGPROB_FLOOR),
+                                          "bytes": list((lp.decoded_token or "").encode())} for t, lp in best]})
     return {"content": content}
 
 
@@ -81,19 +85,23 @@ async def create_chat_completion(engine: AsyncLLM, req: ChatCompletionRequest, s
                              logprobs=(top or 0) if req.logprobs else None, max_tokens=max_tokens,
                              default_max_tokens=None, stream=req.stream, prompt_param="messages")
     request_id = random_id("chatcmpl")
-    started = await start(engine, [prompt], [params], request_id, "messages")
+    started = await start(engine, [prompt] * req.n, choices(params, req.n), request_id, "messages")
     model = req.model or served[0]
     if req.stream:
         return _stream(req, started, request_id, model, top or 0)
+    results, completion_tokens = [], 0
     async with merged(started) as outputs:
-        async for _, out in outputs:
-            if out.finished:
-                break
-    c = out.outputs[0]
-    choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
-              "logprobs": chat_logprobs(c, top or 0), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        async for i, out in outputs:
+            if not out.finished:
+                continue
+            c = out.outputs[0]
+            results.append({"index": i, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": chat_logprobs(c, top or 0, req.return_tokens_as_token_ids),
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            completion_tokens += len(c.token_ids)
+    results.sort(key=lambda ch: ch["index"])
     response = {"id": request_id, "object": "chat.completion", "created": now(), "model": model,
-                "choices": [choice], "usage": usage(len(out.prompt_token_ids), len(c.token_ids))}
+                "choices": results, "usage": usage(len(out.prompt_token_ids), completion_tokens)}
     if out.prompt_logprobs is not None:
         response["prompt_logprobs"] = prompt_logprobs_json(out)
     return response
@@ -104,32 +112,34 @@ async def _stream(req: ChatCompletionRequest, started, request_id: str, model: s
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(opts and opts.continuous_usage_stats)
-    prompt_tokens = completion_tokens = 0
+    prompt_tokens = 0
+    completion_tokens = [0] * len(started)   # per choice
+    as_ids = req.return_tokens_as_token_ids
 
-    def chunk(delta: dict, c: CompletionOutput | None = None) -> dict:
+    def chunk(i: int, delta: dict, c: CompletionOutput | None = None) -> dict:
         d = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": 0, "delta": delta, "logprobs": chat_logprobs(c, top) if c else None,
+             "choices": [{"index": i, "delta": delta, "logprobs": chat_logprobs(c, top, as_ids) if c else None,
                           "finish_reason": c.finish_reason if c else None,
                           "stop_reason": c.stop_reason if c else None}]}
         if continuous:
-            d["usage"] = usage(prompt_tokens, completion_tokens)
+            d["usage"] = usage(prompt_tokens, completion_tokens[i])
         return d
 
     try:
-        first = True
+        first = [True] * len(started)
         async with merged(started) as outputs:
-            async for _, out in outputs:
+            async for i, out in outputs:
                 c = out.outputs[0]
                 prompt_tokens = len(out.prompt_token_ids)
-                completion_tokens += len(c.token_ids)
-                if first:
-                    first = False
-                    yield sse(chunk({"role": "assistant", "content": ""}))
+                completion_tokens[i] += len(c.token_ids)
+                if first[i]:
+                    first[i] = False
+                    yield sse(chunk(i, {"role": "assistant", "content": ""}))
                 if c.text or c.finish_reason is not None or c.logprobs:
-                    yield sse(chunk({"content": c.text} if c.text else {}, c))
+                    yield sse(chunk(i, {"content": c.text} if c.text else {}, c))
         if include_usage:
             yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                       "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+                       "choices": [], "usage": usage(prompt_tokens, sum(completion_tokens))})
     except Exception as e:  # noqa: BLE001 - the response has started: the error goes in the stream
         yield stream_error(e)
     yield sse("[DONE]")

@@ -1,12 +1,22 @@
 """What both OpenAI endpoints share: request -> SamplingParams (with the length checks vLLM
 makes), starting requests so that a bad one is a 400 before any byte is sent, merging the
-streams of several prompts, usage, server-sent events."""
+streams of several prompts, usage, server-sent events.
+
+``n`` completions per prompt: the server starts n engine requests per prompt, choice
+``i * n + j`` being prompt i's completion j, with the engine's rule for seeds (completion j draws
+with ``seed + j``, as ``engine/parallel_sampling.py`` does for ``SamplingParams.n``), so a seeded
+n > 1 request equals offline ``LLM.generate`` with the same n and seed; greedy n > 1 (which
+OpenAI allows) gives n equal choices. Each choice is an engine request of its own, so the
+/metrics figures count choices (finished requests, generated tokens, and the prompt tokens of
+each), as vLLM's do for its child requests; a response's usage counts each prompt once and the
+tokens of every choice."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import re
 import time
 import uuid
@@ -20,6 +30,8 @@ from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 # OpenAI's and vLLM's names -> the value that means "off" (passed through once SamplingParams has them)
 _PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+MAX_N = 128            # OpenAI's limit on n
+LOGIT_BIAS_LIMIT = 100.0   # OpenAI's range; vLLM clamps a bias into it
 
 
 def random_id(prefix: str) -> str:
@@ -33,7 +45,8 @@ def now() -> int:
 def param_of(message: str, default: str | None) -> str | None:
     """The request field an error message names (messages start with the field), else ``default``."""
     m = re.match(r"(\w+)", message)
-    if m and (m.group(1) in SamplingFields.model_fields or m.group(1) in ("prompt", "messages", "logprobs")):
+    if m and (m.group(1) in SamplingFields.model_fields or m.group(1) in ("prompt", "messages", "logprobs",
+                                                                             "best_of")):
         return m.group(1)
     return default
 
@@ -47,11 +60,9 @@ def check_model(req_model: str | None, served: list[str]) -> None:
 def sampling_params(req: SamplingFields, *, prompt_len: int, max_model_len: int, logprobs: int | None,
                     max_tokens: int | None, default_max_tokens: int | None, stream: bool,
                     prompt_param: str) -> SamplingParams:
-    """SamplingParams for one prompt, or OpenAIError(400) naming the field."""
-    if req.n != 1:
-        raise OpenAIError(400, f"n must be 1 (parallel sampling is not supported), got {req.n}", "n")
-    if req.logit_bias:
-        raise OpenAIError(400, "logit_bias is not supported", "logit_bias")
+    """SamplingParams for one prompt (with n = 1: ``choices`` fans out n), or OpenAIError(400)
+    naming the field."""
+    check_n(req.n)
     if prompt_len >= max_model_len:
         raise OpenAIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
                                f"request has {prompt_len} input tokens. Please reduce the length of the input.",
@@ -66,6 +77,8 @@ def sampling_params(req: SamplingFields, *, prompt_len: int, max_model_len: int,
                   stop=req.stop, stop_token_ids=req.stop_token_ids, seed=req.seed,
                   include_stop_str_in_output=req.include_stop_str_in_output,
                   skip_special_tokens=req.skip_special_tokens, prompt_logprobs=req.prompt_logprobs,
+                  logit_bias=logit_bias(req.logit_bias), bad_words=req.bad_words,
+                  allowed_token_ids=req.allowed_token_ids,
                   output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
     for name in ("temperature", "top_p", "top_k", "min_p"):
         if getattr(req, name) is not None:
@@ -82,6 +95,35 @@ def sampling_params(req: SamplingFields, *, prompt_len: int, max_model_len: int,
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
         raise OpenAIError(400, str(e), param_of(str(e), None)) from None
+
+
+def check_n(n: int) -> None:
+    if not 1 <= n <= MAX_N:
+        raise OpenAIError(400, f"n must be in [1, {MAX_N}], got {n}", "n")
+
+
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as string keys) -> SamplingParams' (int keys), each bias
+    clamped into [-100, 100] as vLLM does; a key that is not a token id or a value that is not
+    finite is a 400 naming the field. Ids outside the vocabulary are the engine's 400."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not re.fullmatch(r"\d+", key.strip()):
+            raise OpenAIError(400, f"logit_bias keys must be token ids (non-negative integers as strings), "
+                                   f"got {key!r}", "logit_bias")
+        if not math.isfinite(value):
+            raise OpenAIError(400, f"logit_bias[{key!r}] must be a finite number, got {value!r}", "logit_bias")
+        out[int(key)] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(value)))
+    return out
+
+
+def choices(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """One prompt's n choices: completion j draws with ``seed + j`` (the engine's rule for n > 1)."""
+    if n == 1:
+        return [params]
+    return [dataclasses.replace(params, seed=None if params.seed is None else params.seed + j) for j in range(n)]
 
 
 async def start(engine: AsyncLLM, prompts: list, params: list[SamplingParams], request_id: str,

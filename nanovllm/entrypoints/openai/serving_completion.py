@@ -1,15 +1,15 @@
-"""POST /v1/completions: text or token-id prompts (one or a list), plain JSON or server-sent
-events (``text_completion`` chunks, then a usage chunk with ``stream_options.include_usage``,
-then ``[DONE]``)."""
+"""POST /v1/completions: text or token-id prompts (one or a list), ``n`` choices each (choice
+``i * n + j``: prompt i, completion j), plain JSON or server-sent events (``text_completion``
+chunks, then a usage chunk with ``stream_options.include_usage``, then ``[DONE]``)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
 from nanovllm.engine.async_llm import AsyncLLM
 from nanovllm.entrypoints.openai.protocol import CompletionRequest, OpenAIError
-from nanovllm.entrypoints.openai.serving_common import (check_model, merged, now, prompt_logprobs_json,
-                                                        random_id, sampling_params, sse, start, stream_error,
-                                                        usage)
+from nanovllm.entrypoints.openai.serving_common import (check_model, check_n, choices, merged, now,
+                                                        prompt_logprobs_json, random_id, sampling_params, sse,
+                                                        start, stream_error, usage)
 from nanovllm.outputs import CompletionOutput
 
 LOGPROB_FLOOR = -9999.0   # -inf is not JSON: vLLM's floor
@@ -26,18 +26,24 @@ def _prompts(req: CompletionRequest) -> list:
     return list(p)
 
 
-def completion_logprobs(c: CompletionOutput, offset: int) -> dict | None:
-    """OpenAI's legacy logprobs object for the tokens of ``c`` (text offsets from ``offset``)."""
+def token_name(token_id: int, decoded: str | None, as_id: bool) -> str:
+    """A logprob entry's token: its text, or vLLM's ``token_id:N`` (return_tokens_as_token_ids)."""
+    return f"token_id:{token_id}" if as_id else (decoded or "")
+
+
+def completion_logprobs(c: CompletionOutput, offset: int, as_ids: bool = False) -> dict | None:
+    """OpenAI's legacy logprobs object for the tokens of ``c`` (text offsets from ``offset``);
+    ``as_ids``: tokens (and top_logprobs keys) as ``token_id:N``."""
     if c.logprobs is None:
         return None
     tokens, token_logprobs, top, offsets = [], [], [], []
     for token_id, entry in zip(c.token_ids, c.logprobs):
         sampled = entry[token_id]
         text = sampled.decoded_token or ""
-        tokens.append(text)
+        tokens.append(token_name(token_id, text, as_ids))
         token_logprobs.append(max(sampled.logprob, LOGPROB_FLOOR))
-        top.append({(lp.decoded_token or ""): max(lp.logprob, LOGPROB_FLOOR)
-                    for lp in sorted(entry.values(), key=lambda lp: lp.rank)})
+        top.append({token_name(t, lp.decoded_token, as_ids): max(lp.logprob, LOGPROB_FLOOR)
+                    for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)})
         offsets.append(offset)
         offset += len(text)
     return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top}
@@ -46,8 +52,13 @@ def completion_logprobs(c: CompletionOutput, offset: int) -> dict | None:
 async def create_completion(engine: AsyncLLM, req: CompletionRequest, served: list[str], max_model_len: int):
     """The JSON response (a dict) or an async iterator of SSE lines."""
     check_model(req.model, served)
-    for name, ok in (("best_of", req.best_of in (None, 1)), ("suffix", req.suffix is None),
-                     ("echo", not (req.echo and req.logprobs is not None))):
+    check_n(req.n)
+    if req.best_of is not None and req.best_of < req.n:
+        raise OpenAIError(400, f"best_of must be >= n, got best_of={req.best_of}, n={req.n}", "best_of")
+    if req.best_of is not None and req.best_of > req.n:
+        raise OpenAIError(400, f"best_of={req.best_of} > n={req.n} is not supported: this engine does not rank "
+                               f"completions (best_of = n, or no best_of, returns every completion)", "best_of")
+    for name, ok in (("suffix", req.suffix is None), ("echo", not (req.echo and req.logprobs is not None))):
         if not ok:
             raise OpenAIError(400, f"{name}={getattr(req, name)!r} is not supported"
                                    + (" together with logprobs" if name == "echo" else ""), name)
@@ -57,11 +68,13 @@ async def create_completion(engine: AsyncLLM, req: CompletionRequest, served: li
                               max_tokens=req.max_tokens, default_max_tokens=16, stream=req.stream,
                               prompt_param="prompt") for n in lens]
     request_id = random_id("cmpl")
-    started = await start(engine, prompts, params, request_id, "prompt")
+    # choice i * n + j: prompt i, completion j
+    started = await start(engine, [p for p in prompts for _ in range(req.n)],
+                          [c for sp in params for c in choices(sp, req.n)], request_id, "prompt")
     model = req.model or served[0]
     if req.stream:
         return _stream(req, started, request_id, model, engine.tokenizer)
-    choices, prompt_tokens, completion_tokens = [], 0, 0
+    results, prompt_tokens, completion_tokens = [], 0, 0
     async with merged(started) as outputs:
         async for i, out in outputs:
             if not out.finished:
@@ -70,14 +83,16 @@ async def create_completion(engine: AsyncLLM, req: CompletionRequest, served: li
             text = c.text
             if req.echo:
                 text = (out.prompt or engine.tokenizer.decode(out.prompt_token_ids)) + text
-            choices.append({"index": i, "text": text, "logprobs": completion_logprobs(c, 0),
+            results.append({"index": i, "text": text,
+                            "logprobs": completion_logprobs(c, 0, req.return_tokens_as_token_ids),
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                             "prompt_logprobs": prompt_logprobs_json(out)})
-            prompt_tokens += len(out.prompt_token_ids)
+            if i % req.n == 0:   # a prompt counts once, whatever its n
+                prompt_tokens += len(out.prompt_token_ids)
             completion_tokens += len(c.token_ids)
-    choices.sort(key=lambda ch: ch["index"])
+    results.sort(key=lambda ch: ch["index"])
     return {"id": request_id, "object": "text_completion", "created": now(), "model": model,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+            "choices": results, "usage": usage(prompt_tokens, completion_tokens)}
 
 
 async def _stream(req: CompletionRequest, started, request_id: str, model: str, tokenizer) -> AsyncIterator[str]:
@@ -99,7 +114,7 @@ async def _stream(req: CompletionRequest, started, request_id: str, model: str, 
                 text = c.text
                 if not echoed[i]:
                     text, echoed[i] = (out.prompt or tokenizer.decode(out.prompt_token_ids)) + text, True
-                logprobs = completion_logprobs(c, offsets[i])
+                logprobs = completion_logprobs(c, offsets[i], req.return_tokens_as_token_ids)
                 offsets[i] += len(text)
                 if not text and not c.token_ids and c.finish_reason is None:
                     continue
@@ -113,7 +128,7 @@ async def _stream(req: CompletionRequest, started, request_id: str, model: str, 
                 yield sse(chunk)
         if include_usage:
             yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                       "choices": [], "usage": usage(sum(prompt_tokens), sum(completion_tokens))})
+                       "choices": [], "usage": usage(sum(prompt_tokens[::req.n]), sum(completion_tokens))})
     except Exception as e:  # noqa: BLE001 - the response has started: the error goes in the stream
         yield stream_error(e)
     yield sse("[DONE]")
