@@ -16,10 +16,10 @@ httpx = pytest.importorskip("httpx", reason="the serve extra (httpx) is not inst
 openai = pytest.importorskip("openai", reason="the serve extra (openai) is not installed")
 pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
 
-from conformance.zoo import ZOO, zoo_model  # noqa: E402
-from nanovllm import SamplingParams  # noqa: E402
-from nanovllm.bench.server_process import nanovllm_serve_command, server  # noqa: E402
-from tests.conftest import cached_llm, prompts_for  # noqa: E402
+from conformance.zoo import ZOO, zoo_model
+from nanovllm import SamplingParams
+from nanovllm.bench.server_process import nanovllm_serve_command, server
+from tests.conftest import cached_llm, prompts_for
 
 MODEL = "qwen3-gqa2-hd64-tied"
 MAX_MODEL_LEN = 256
@@ -63,7 +63,7 @@ def streamed_ids(chunks, num_choices: int) -> list[list[int]]:
 def metrics(url) -> dict[str, float]:
     """Prometheus counters summed over their labels."""
     out: dict[str, float] = {}
-    for name, value in re.findall(r"^(nanovllm:\w+?)(?:\{[^}]*\})? (\S+)$", httpx.get(f"{url}/metrics").text, re.M):
+    for name, value in re.findall(r"^(nanovllm:\w+?)(?:\{[^}]*\})? (\S+)$", httpx.get(f"{url}/metrics").text, re.MULTILINE):
         out[name] = out.get(name, 0.0) + float(value)
     return out
 
@@ -158,16 +158,16 @@ def test_penalties_bad_words_allowed_token_ids_equal_offline(client, offline):
     """Each option equals offline generate with the same SamplingParams, and changes the
     output (so a server that dropped it would fail)."""
     prompt = prompts_for(VOCAB, (10,), seed=14)[0]
-    base = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    base = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
     plain = offline_ids(offline, prompt, **base)[0]
     tok = offline.get_tokenizer()
     allowed = sorted(set(prompt[:4]))
     cases = [
-        dict(temperature=0.8, seed=9, presence_penalty=1.5, frequency_penalty=0.7),
-        dict(repetition_penalty=1.8),
-        dict(repetition_penalty=0.3),
-        dict(bad_words=[tok.decode([plain[0]]).strip()]),
-        dict(allowed_token_ids=allowed),
+        {"temperature": 0.8, "seed": 9, "presence_penalty": 1.5, "frequency_penalty": 0.7},
+        {"repetition_penalty": 1.8},
+        {"repetition_penalty": 0.3},
+        {"bad_words": [tok.decode([plain[0]]).strip()]},
+        {"allowed_token_ids": allowed},
     ]
     for extra in cases:
         want = offline_ids(offline, prompt, **{**base, **extra})[0]
