@@ -15,14 +15,14 @@ import random
 
 import pytest
 import torch
-from transformers import (LogitsProcessorList, NoBadWordsLogitsProcessor, PrefixConstrainedLogitsProcessor,
-                          RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)
+from transformers import PrefixConstrainedLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 from conformance.stats import chi_square
 from nanovllm.core.bad_words import banned_by_bad_words, bad_words_token_ids
 from nanovllm.core.model_input import RowLogitsProcessing
 from nanovllm.layers.logits_processing import apply_logits_processing
 from nanovllm.layers.sampler import Sampler, SamplingMetadata, general_path_rows
+from tests.hf_processors import bad_words_reference, logit_bias_reference
 
 VOCAB = 40
 ALPHA = 1e-3
@@ -99,8 +99,8 @@ def test_logit_bias_matches_sequence_bias():
     logits = _logits(3, seed=3)
     bias = [{3: 5.0, 17: -2.5}, {0: 100.0}, {39: -100.0, 1: 0.25, 2: -0.5}]
     rows = {r: _row(logit_bias=b) for r, b in enumerate(bias)}
-    want = torch.stack([SequenceBiasLogitsProcessor([[[t], v] for t, v in b.items()])(
-        torch.tensor([[5, 6]]), logits[r:r + 1].clone())[0] for r, b in enumerate(bias)])
+    want = torch.stack([logit_bias_reference(b, torch.tensor([[5, 6]]), logits[r:r + 1].clone())[0]
+                        for r, b in enumerate(bias)])
     torch.testing.assert_close(_processed(logits, rows), want, rtol=0, atol=1e-5)
 
 
@@ -129,9 +129,7 @@ def test_bad_words_match_no_bad_words_processor():
             output = output + words[0][:-1]
         got = sorted(set(banned_by_bad_words(words, output)))
         scores = torch.zeros(1, VOCAB)
-        hf = NoBadWordsLogitsProcessor(words, eos_token_id=None)
-        want = (hf(torch.tensor([output or [0]]) if output else torch.zeros(1, 0, dtype=torch.long),
-                   scores) == float("-inf"))[0].nonzero().flatten().tolist()
+        want = (bad_words_reference(words, output, scores) == float("-inf"))[0].nonzero().flatten().tolist()
         assert got == want, f"case {case}: words {words}, output {output}: {got} != {want}"
         multi_token_bans += any(len(w) > 1 and w[-1] in got and w[-1] not in
                                 {x[-1] for x in words if len(x) == 1} for w in words)
@@ -171,13 +169,11 @@ def test_everything_together_matches_transformers_in_vllms_order():
         words = [[rng.choice(allowed)], output[-1:] + [rng.choice(allowed)]]
         bias = {rng.choice(allowed): rng.uniform(-4, 4) for _ in range(3)}
         rep, freq, pres = rng.uniform(0.5, 2.5), rng.uniform(-2, 2), rng.uniform(-2, 2)
-        hf = LogitsProcessorList([
-            PrefixConstrainedLogitsProcessor(lambda b, i, allowed=allowed: allowed, num_beams=1),
-            NoBadWordsLogitsProcessor(words, eos_token_id=None),
-            SequenceBiasLogitsProcessor([[[t], v] for t, v in bias.items()]),
-        ])
         # bad words (vLLM) look at the output tokens only; the repetition penalty at the prompt too
-        want = hf(torch.tensor([output]), logits.clone())
+        want = PrefixConstrainedLogitsProcessor(lambda b, i, allowed=allowed: allowed, num_beams=1)(
+            torch.tensor([output]), logits.clone())
+        want = bad_words_reference(words, output, want)
+        want = logit_bias_reference(bias, torch.tensor([output]), want)
         want = RepetitionPenaltyLogitsProcessor(rep)(torch.tensor([prompt + output]), want)[0]
         want = _openai_penalties(want, output, freq, pres)
         row = _row(prompt, output, allowed_token_ids=allowed, logit_bias=bias, repetition_penalty=rep,

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (NoBadWordsLogitsProcessor, PrefixConstrainedLogitsProcessor, RepetitionPenaltyLogitsProcessor,
-                          SequenceBiasLogitsProcessor)
+from transformers import PrefixConstrainedLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 from conformance.zoo import ZOO, zoo_model
 from nanovllm import LLM, SamplingParams
+from tests.hf_processors import bad_words_reference, logit_bias_reference
 from tests.conftest import cached_llm, engine_args, hf_reference, prompts_for
 
 MODEL = "qwen3-gqa2-hd64-tied"   # its greedy output repeats tokens: penalties change it
@@ -62,14 +62,13 @@ def _hf_processed(logits: torch.Tensor, prompt: list[int], out: list[int], param
             torch.tensor([prompt + out]), x)
     if params.bad_words and out:
         words = [tokenizer.encode(w, add_special_tokens=False) for w in params.bad_words]
-        x = NoBadWordsLogitsProcessor(words, eos_token_id=None)(torch.tensor([out]), x)
+        x = bad_words_reference(words, out, x)
     elif params.bad_words:   # no output yet: only single-token words apply
         single = [w for w in params.bad_words if len(tokenizer.encode(w, add_special_tokens=False)) == 1]
         for w in single:
             x[0, tokenizer.encode(w, add_special_tokens=False)[0]] = float("-inf")
     if params.logit_bias:
-        x = SequenceBiasLogitsProcessor([[[t], v] for t, v in params.logit_bias.items()])(
-            torch.tensor([prompt + out]), x)
+        x = logit_bias_reference(params.logit_bias, torch.tensor([prompt + out]), x)
     if params.repetition_penalty != 1.0:
         x = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(torch.tensor([prompt + out]), x)
     x = x[0]
