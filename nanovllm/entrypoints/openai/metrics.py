@@ -77,6 +77,11 @@ class ServerMetrics:
                                     buckets=TOKEN_BUCKETS, registry=r)
         self.gen_len = Histogram("nanovllm:request_generation_tokens", "Generated tokens per request.", labels,
                                  buckets=TOKEN_BUCKETS, registry=r)
+        # every per-model series exists from start-up, at zero: a scrape before the first request
+        # sees the metrics (a labelled metric shows no sample until its label values are used)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue,
+                       self.prompt_len, self.gen_len):
+            metric.labels(model_name)
         r.register(EngineStatsCollector(engine, model_name))
         self.model_name = model_name
         self._last: dict[str, tuple[float | None, int]] = {}   # request -> (last token time, tokens so far)
