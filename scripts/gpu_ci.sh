@@ -35,7 +35,7 @@ phase() {
 # ------------------------------------------------------------------ 1. environment, dependencies
 { date -u +"%Y-%m-%dT%H:%M:%SZ"; echo "${NANOVLLM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"; nvidia-smi -L
   "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__,
-'| triton', triton.__version__, '| GPUs', torch.cuda.device_count(), torch.cuda.get_device_name(0))"
+'| triton', triton.__version__, '| transformers', __import__('transformers').__version__, '| GPUs', torch.cuda.device_count(), torch.cuda.get_device_name(0))"
 } > "$LOG/env.txt" 2>&1
 # what the test suite imports beyond the image (module -> distribution)
 need=$("$PY" - <<'EOF'

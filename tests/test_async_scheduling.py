@@ -34,8 +34,8 @@ def _workload(n=24, seed=0, stop_every=None):
 
 
 def _run(async_scheduling, prompts, params, device="cpu", **kw):
-    llm = LLM(zoo_model(MODEL), **engine_args(device), async_scheduling=async_scheduling, block_size=4, max_model_len=256,
-              max_num_batched_tokens=64, seed=0, **kw)
+    llm = LLM(zoo_model(MODEL), **engine_args(device, async_scheduling=async_scheduling, block_size=4, max_model_len=256,
+                                              max_num_batched_tokens=64, seed=0, **kw))
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
         llm.llm_engine.check_invariants()
@@ -109,7 +109,7 @@ def test_async_prefix_cache_and_chunks_match(device):
 
 def test_abort_and_add_while_a_step_is_in_flight(device):
     prompts, _ = _workload(n=6, seed=4)
-    llm = LLM(zoo_model(MODEL), **engine_args(device), async_scheduling=True, block_size=4, max_model_len=256, seed=0)
+    llm = LLM(zoo_model(MODEL), **engine_args(device, async_scheduling=True, block_size=4, max_model_len=256, seed=0))
     try:
         engine = llm.llm_engine
         for i, p in enumerate(prompts):
@@ -138,7 +138,7 @@ def test_interrupt_mid_pipeline_leaves_the_engine_clean(monkeypatch, device):
     requests, no placeholder token survives, every block returns, the engine serves again."""
     prompts, _ = _workload(n=6, seed=5)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    llm = LLM(zoo_model(MODEL), **engine_args(device), async_scheduling=True, block_size=4, max_model_len=256, seed=0)
+    llm = LLM(zoo_model(MODEL), **engine_args(device, async_scheduling=True, block_size=4, max_model_len=256, seed=0))
     try:
         want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         engine = llm.llm_engine

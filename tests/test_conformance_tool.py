@@ -120,7 +120,8 @@ def test_example_adapter_passes_its_checks_and_a_wrong_engine_fails(tmp_path):
     """The adapter of WRITING_AN_ADAPTER.md against one zoo model; then the same engine with its
     tokens shifted by one (a wrong engine) must fail the same checks."""
     report = tmp_path / "naive.md"
-    out = run_conformance("--adapter", "example_adapter:NaiveAdapter", "--report", str(report),
+    # one device: the counts below are per device (a CUDA host would run each check twice)
+    out = run_conformance("--adapter", "example_adapter:NaiveAdapter", "--report", str(report), "--device", "cpu",
                           "-k", "llama-mha-hd64 and (greedy or prompt_logprobs)", pythonpath=[EXAMPLE_DIR])
     assert out.returncode == 0, out.stdout[-3000:]
     assert "3 checked and passed, 0 failed, 0 unchecked" in report.read_text()
@@ -135,6 +136,6 @@ def test_example_adapter_passes_its_checks_and_a_wrong_engine_fails(tmp_path):
                 r.token_ids = [t + 1 for t in r.token_ids]
                 return r
     '''))
-    bad = run_conformance("--adapter", "wrong_engine:Wrong", "-k", "llama-mha-hd64 and greedy",
+    bad = run_conformance("--adapter", "wrong_engine:Wrong", "--device", "cpu", "-k", "llama-mha-hd64 and greedy",
                           pythonpath=[EXAMPLE_DIR, tmp_path])
     assert bad.returncode == 1 and "2 failed" in bad.stdout, bad.stdout[-3000:]

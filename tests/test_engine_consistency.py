@@ -19,7 +19,7 @@ def path():
 
 @pytest.fixture(scope="module")
 def baseline(path, device):
-    return cached_llm(path, **engine_args(device), block_size=BS, seed=0, enable_prefix_caching=False)
+    return cached_llm(path, **engine_args(device, block_size=BS, seed=0, enable_prefix_caching=False))
 
 
 def _greedy(n):
@@ -31,7 +31,7 @@ def test_starved_kv_cache_preempts_and_matches(path, baseline, device):
     params = _greedy(64)
     want = token_ids(baseline.generate(prompts, params, use_tqdm=False))
     # 9 blocks of 16 = 144 slots; the longest request alone needs ceil(123 / 16) = 8 blocks
-    starved = LLM(path, **engine_args(device), block_size=BS, seed=0, num_kvcache_blocks=9, trace=True)
+    starved = LLM(path, **engine_args(device, block_size=BS, seed=0, num_kvcache_blocks=9, trace=True))
     got = token_ids(starved.generate(prompts, params, use_tqdm=False))
     assert_tokens_equal(want, got, "starved vs ample KV cache")
     stats = starved.stats()
@@ -47,7 +47,7 @@ def test_chunked_prefill_budgets_match(path, baseline, budget, device):
     prompts = prompts_for(ZOO[MODEL].vocab_size, (1, 15, 16, 17, 40), seed=2)
     params = _greedy(12)
     want = token_ids(baseline.generate(prompts, params, use_tqdm=False))
-    llm = LLM(path, **engine_args(device), block_size=BS, seed=0, max_num_batched_tokens=budget, trace=True)
+    llm = LLM(path, **engine_args(device, block_size=BS, seed=0, max_num_batched_tokens=budget, trace=True))
     got = token_ids(llm.generate(prompts, params, use_tqdm=False))
     assert_tokens_equal(want, got, f"chunked prefill at budget {budget}")
     events = llm.llm_engine.tracer.events
@@ -60,8 +60,8 @@ def test_chunked_prefill_budgets_match(path, baseline, budget, device):
 def test_unchunked_prefill_matches(path, baseline, device):
     prompts = prompts_for(ZOO[MODEL].vocab_size, (3, 40, 17), seed=4)
     want = token_ids(baseline.generate(prompts, _greedy(8), use_tqdm=False))
-    llm = LLM(path, **engine_args(device), block_size=BS, seed=0, enable_chunked_prefill=False, max_num_batched_tokens=64,
-              max_model_len=64)
+    llm = LLM(path, **engine_args(device, block_size=BS, seed=0, enable_chunked_prefill=False, max_num_batched_tokens=64,
+              max_model_len=64))
     assert_tokens_equal(want, token_ids(llm.generate(prompts, _greedy(8), use_tqdm=False)), "unchunked")
 
 
@@ -72,7 +72,7 @@ def test_prefix_caching_on_off_and_cached_token_counts(path, baseline, device):
     prompts = [shared[:n] + t for n, t in ((32, tails[0]), (37, tails[1]), (16, tails[2]))] + [shared]
     params = _greedy(10)
     want = token_ids(baseline.generate(prompts, params, use_tqdm=False))
-    llm = LLM(path, **engine_args(device), block_size=BS, seed=0, enable_prefix_caching=True)
+    llm = LLM(path, **engine_args(device, block_size=BS, seed=0, enable_prefix_caching=True))
     first = llm.generate([shared], params, use_tqdm=False)  # cold: computes and publishes 2 full blocks
     assert first[0].num_cached_tokens == 0
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -103,7 +103,7 @@ def test_block_sizes_match(path, baseline, bs, device):
     prompts = prompts_for(ZOO[MODEL].vocab_size, (1, 31, 32, 33), seed=9)
     params = _greedy(10)
     want = token_ids(baseline.generate(prompts, params, use_tqdm=False))
-    llm = LLM(path, **engine_args(device), block_size=bs, seed=0, num_kvcache_blocks=max(8, 256 // bs))
+    llm = LLM(path, **engine_args(device, block_size=bs, seed=0, num_kvcache_blocks=max(8, 256 // bs)))
     assert_tokens_equal(want, token_ids(llm.generate(prompts, params, use_tqdm=False)), f"block_size {bs}")
 
 

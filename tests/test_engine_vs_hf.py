@@ -16,7 +16,7 @@ LENGTHS = (1, 15, 16, 17, 48, 83)
 
 def test_greedy_equals_hf_on_zoo(zoo_name, device):
     path = zoo_model(zoo_name)
-    llm = cached_llm(path, **engine_args(device), block_size=16, seed=0)
+    llm = cached_llm(path, **engine_args(device, block_size=16, seed=0))
     ref = hf_reference(path)
     prompts = prompts_for(ZOO[zoo_name].vocab_size, LENGTHS)
     got = token_ids(llm.generate(prompts, GREEDY, use_tqdm=False))
@@ -81,7 +81,7 @@ def test_tie_aware_rule_negative_controls():
 @pytest.mark.parametrize("name", ["qwen2-gqa2-hd64", "llama-1kv-hd128"])
 def test_prompt_logprobs_equal_hf(name, device):
     path = zoo_model(name)
-    llm = cached_llm(path, **engine_args(device), block_size=16, seed=0)
+    llm = cached_llm(path, **engine_args(device, block_size=16, seed=0))
     ref = hf_reference(path)
     for n in (1, 15, 16, 17, 83):
         prompt = prompts_for(ZOO[name].vocab_size, (n,), seed=n)[0]
@@ -97,7 +97,7 @@ def test_prompt_logprobs_equal_hf(name, device):
 def test_logprobs_contract_and_values(device):
     """k or k+1 entries per token, rank 1 = argmax, values = log_softmax of the reference."""
     path = zoo_model("llama-mha-hd64")
-    llm = cached_llm(path, **engine_args(device), block_size=16, seed=0)
+    llm = cached_llm(path, **engine_args(device, block_size=16, seed=0))
     ref = hf_reference(path)
     prompt = prompts_for(ZOO["llama-mha-hd64"].vocab_size, (20,), seed=3)[0]
     k = 4

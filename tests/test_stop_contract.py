@@ -12,7 +12,7 @@ MODEL = "llama-mha-hd64"
 
 @pytest.fixture(scope="module")
 def llm(device):
-    return cached_llm(zoo_model(MODEL), **engine_args(device), block_size=16, seed=0)
+    return cached_llm(zoo_model(MODEL), **engine_args(device, block_size=16, seed=0))
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_stop_strings_trimmed_or_included(llm, free_run, device):
 
 def test_max_model_len_gives_length(device):
     path = zoo_model(MODEL)
-    small = LLM(path, **engine_args(device), block_size=16, seed=0, max_model_len=20)
+    small = LLM(path, **engine_args(device, block_size=16, seed=0, max_model_len=20))
     prompt = prompts_for(ZOO[MODEL].vocab_size, (15,), seed=1)[0]
     out = small.generate([prompt], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
                          use_tqdm=False)[0].outputs[0]
