@@ -72,6 +72,16 @@ def test_bench_and_cli_import_in_either_order():
         assert r.returncode == 0 and "OK" in r.stdout, (order, r.stderr[-2000:])
 
 
+def test_bench_latency_help_loads_no_torch():
+    code = ("import sys\nfrom nanovllm.entrypoints.cli import main\n"
+            "try:\n    main(['bench', 'latency', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+            "print('LOADED', sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
+    assert r.returncode == 0 and "LOADED []" in r.stdout, r.stderr[-2000:]
+    assert "--batch-size" in r.stdout and "--num-iters" in r.stdout and "(default: 1 and 8)" in r.stdout
+
+
 # ------------------------------------------------------------------ step_profiler hook
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_step_profiler_is_called_once_per_step_with_its_phases(model, async_scheduling):
