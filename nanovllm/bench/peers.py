@@ -43,44 +43,29 @@ def _warmup_prompts(w: Workload, n: int = 4) -> list[list[int]]:
     # token ids shifted by one so the warm-up shares no prefix-cache blocks with the workload;
     # one short and several long prompts, so kernels meet the shapes of the timed run (JIT-compiled
     # variants, GEMM heuristics) before the clock starts
-    prompts = [[(t + 1) % 30000 for t in p] for p in w.prompts[:n]]
+    prompts = [[(t + 1) % (w.vocab_size or 30000) for t in p] for p in w.prompts[:n]]
     return [prompts[0][:32]] + prompts[1:]
 
 
 # ------------------------------------------------------------------------ nanovllm
 class StepProfile:
-    """Wall time per engine phase, summed over a run (host phases; "execute" includes the device)."""
+    """Wall time per engine phase, summed over the steps of a run: the engine's ``step_profiler``
+    hook (``nanovllm/engine/step_timing.py``) calls ``record`` once per completed step."""
 
-    def __init__(self, engine):
-        import nanovllm.engine.engine as engine_module
-
+    def __init__(self) -> None:
         self.totals: dict[str, float] = {}
         self.steps = 0
-        self._wrap(engine.scheduler, "schedule", "schedule")
-        self._wrap(engine.executor, "execute", "execute (runner + device)")
-        if hasattr(engine.executor, "launch"):
-            self._wrap(engine.executor, "launch", "launch (runner, async)")
-        self._wrap(engine, "_postprocess", "postprocess")
-        self._wrap(engine.scheduler, "update_after_step", "update_after_step")
-        self._wrap(engine_module, "build_model_input", "build_model_input")
 
-    def _wrap(self, obj, attr: str, label: str) -> None:
-        fn = getattr(obj, attr)
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.totals[label] = self.totals.get(label, 0.0) + time.perf_counter() - start
-                if label == "schedule":
-                    self.steps += 1
-        setattr(obj, attr, timed)
+    def record(self, phases: dict[str, float]) -> None:
+        self.steps += 1
+        for phase, seconds in phases.items():
+            self.totals[phase] = self.totals.get(phase, 0.0) + seconds
 
     def report(self, wall: float) -> str:
-        lines = [f"step profile: {self.steps} steps, {wall / max(self.steps, 1) * 1e3:.2f} ms/step wall"]
+        per = max(self.steps, 1)
+        lines = [f"step profile: {self.steps} steps, {wall / per * 1e3:.2f} ms/step wall"]
         for label, total in sorted(self.totals.items(), key=lambda kv: -kv[1]):
-            lines.append(f"  {label:<28} {total:7.2f} s  {total / max(self.steps, 1) * 1e3:6.2f} ms/step")
+            lines.append(f"  {label:<28} {total:7.2f} s  {total / per * 1e3:6.2f} ms/step")
         return "\n".join(lines)
 
 
@@ -95,14 +80,15 @@ def run_nanovllm(w: Workload, model: str | None, engine_args: dict, load_format:
     try:
         llm.generate(_warmup_prompts(w), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
         results = []
-        prof = StepProfile(llm.llm_engine) if profile else None
+        prof = StepProfile() if profile else None
         for label in ["nanovllm"] + (["nanovllm (prefix cache warm)"] if warm_repeat else []):
+            llm.llm_engine.step_profiler = prof.record if prof is not None and label == "nanovllm" else None
             _sync(device)
             start = time.perf_counter()
             outs = llm.generate(w.prompts, params, use_tqdm=False)
             _sync(device)
             elapsed = time.perf_counter() - start
-            if prof is not None and label == "nanovllm":
+            if llm.llm_engine.step_profiler is not None:
                 print(prof.report(elapsed), file=sys.stderr)
             n = sum(len(o.outputs[0].token_ids) for o in outs)
             results.append(Measurement(label, n, elapsed, f"steps={llm.stats()['steps']}"))

@@ -1,4 +1,10 @@
-"""`nanovllm bench`: one workload, nanovllm and its peers in the same run, a table of ratios."""
+"""`nanovllm bench`: one workload, nanovllm and its peers in the same run, a table of ratios.
+
+``run_bench`` is four steps: ``setup_target`` (the workload, model and engine arguments),
+``run_ours`` (nanovllm, ``--repeat`` times, the median), ``run_peer`` per ``--peer`` (each
+peer's own figures, or its own line saying it failed and why), and ``report`` (the table, the
+roofline on GPU shapes, ``--json-out``).
+"""
 from __future__ import annotations
 
 import argparse
@@ -8,97 +14,181 @@ import logging
 import platform
 import statistics
 import sys
+from dataclasses import dataclass, field
 
 import torch
 
 from nanovllm.bench import peers
-from nanovllm.bench.roofline import roofline
 from nanovllm.bench.args import PEERS, add_bench_args  # noqa: F401  (re-exported)
-from nanovllm.bench.workloads import SHAPES, cpu_workload, gpu_workload, shape_config_dir
+from nanovllm.bench.datasets import build_workload, resolve_name
+from nanovllm.bench.roofline import Roofline, roofline
+from nanovllm.bench.workloads import SHAPES, Workload, shape_config_dir
 
 logger = logging.getLogger(__name__)
 
 
-def run_bench(args: argparse.Namespace) -> int:
+@dataclass
+class Target:
+    """What is measured: the workload, the model and how every engine loads it."""
+    workload: Workload
+    model_dir: str
+    model_label: str
+    load_format: str          # "dummy": random weights (a GPU shape)
+    engine_args: dict
+    device: str
+    dtype: torch.dtype
+    shape: dict | None = None  # the GPU shape, for the roofline
+
+    @property
+    def random_weights(self) -> bool:
+        return self.load_format == "dummy"
+
+
+@dataclass
+class PeerResult:
+    """One peer's outcome: its measurements, or why it has none."""
+    peer: str
+    measurements: list[peers.Measurement] = field(default_factory=list)
+    failed: str | None = None    # "ExceptionType: message"
+    skipped: str | None = None
+
+    def lines(self) -> list[str]:
+        """Progress lines for stderr: the peer's own figures, never another engine's."""
+        if self.failed is not None:
+            return [f"  {self.peer}: failed: {self.failed}"]
+        if self.skipped is not None:
+            return [f"  {self.peer}: skipped ({self.skipped})"]
+        return [f"  {m.engine}: {m.tokens_per_s:.1f} tok/s" for m in self.measurements]
+
+
+def _vocab_size(model_dir: str) -> int | None:
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(model_dir), "vocab_size", None)
+
+
+def _tokenizer(model_dir: str):
+    def tokenize(text: str) -> list[int]:
+        from transformers import AutoTokenizer
+
+        if not hasattr(tokenize, "tok"):
+            tokenize.tok = AutoTokenizer.from_pretrained(model_dir)
+        return tokenize.tok(text)["input_ids"]
+    return tokenize
+
+
+def setup_target(args: argparse.Namespace) -> Target:
     from nanovllm.entrypoints.args import engine_kwargs
     from nanovllm.loader.model_loader import resolve_model_dir
 
-    if args.repeat < 1:
-        raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
-    kind = args.workload
-    if kind == "auto":
-        kind = "gpu" if torch.cuda.is_available() else "cpu"
-    w = gpu_workload() if kind == "gpu" else cpu_workload()
-    w.check_totals()
+    name = resolve_name(args.dataset, args.input_len, torch.cuda.is_available())
     eargs = engine_kwargs(args)
-    if kind == "gpu":
+    shape = None
+    if name == "gpu":
+        shape = None if args.model else SHAPES[args.shape]
         model_dir = args.model or shape_config_dir(args.shape)
-        load_format = "auto" if args.model else "dummy"
+        load_format, label = ("auto", args.model) if args.model else ("dummy", f"{args.shape} shape")
         eargs.setdefault("max_model_len", 4096)
         device, dtype = "cuda", torch.bfloat16
     else:
         model_dir = resolve_model_dir(args.model)
-        load_format = "auto"
+        load_format, label = "auto", args.model or "default"
         eargs.setdefault("dtype", "float32")
         device, dtype = "cpu", torch.float32
-    print(f"workload {w.name}: {len(w.prompts)} requests, {w.num_prompt_tokens} prompt tokens, "
-          f"{w.num_output_tokens} output tokens; model {args.model or (args.shape if kind == 'gpu' else 'default')}",
-          file=sys.stderr)
+    w = build_workload(name, args.num_prompts, args.input_len, args.output_len, _vocab_size(model_dir),
+                       None if load_format == "dummy" else _tokenizer(model_dir))
+    return Target(w, model_dir, label, load_format, eargs, device, dtype, shape)
 
-    results: list[peers.Measurement] = []
-    runs = []
+
+def run_ours(target: Target, args: argparse.Namespace) -> list[peers.Measurement]:
+    """nanovllm ``--repeat`` times: the median row first, then the ``--warm`` rows."""
+    runs, extra = [], []
     for i in range(args.repeat):
-        ms = peers.run_nanovllm(w, model_dir, eargs, load_format, warm_repeat=args.warm and i == 0,
-                                profile=args.profile_steps and i == 0)
+        ms = peers.run_nanovllm(target.workload, target.model_dir, target.engine_args, target.load_format,
+                                warm_repeat=args.warm and i == 0, profile=args.profile_steps and i == 0)
         runs.append(ms[0])
-        results += ms[1:]
+        extra += ms[1:]
         print(f"  nanovllm run {i + 1}: {ms[0].tokens_per_s:.1f} tok/s", file=sys.stderr)
     median_s = statistics.median(m.seconds for m in runs)
-    ours = peers.Measurement("nanovllm", runs[0].output_tokens, median_s,
-                             f"median of {len(runs)}" if len(runs) > 1 else "")
-    results.insert(0, ours)
+    note = f"median of {len(runs)}" if len(runs) > 1 else ""
+    return [peers.Measurement("nanovllm", runs[0].output_tokens, median_s, note)] + extra
 
-    random_weights = load_format == "dummy"
+
+def run_peer(peer: str, target: Target, args: argparse.Namespace) -> PeerResult:
+    """One peer on the target's workload; an exception becomes a failed PeerResult."""
+    w, t = target.workload, target
+    try:
+        if peer == "hf":
+            return PeerResult(peer, [peers.run_hf_generate(w, t.model_dir, t.device, t.dtype, t.random_weights)])
+        if peer == "hf-cb":
+            return PeerResult(peer, [peers.run_hf_continuous_batching(w, t.model_dir, t.device, t.dtype,
+                                                                      t.random_weights)])
+        if peer == "vllm":
+            python = peers.find_vllm_python(args.vllm_python)
+            if python is None:
+                return PeerResult(peer, skipped="no vLLM virtual env found; pass --vllm-python")
+            return PeerResult(peer, peers.run_vllm(w, t.model_dir, python,
+                                                   dtype=str(t.dtype).removeprefix("torch.")))
+        raise ValueError(f"--peer {peer!r}: not one of {', '.join(PEERS)}")
+    except Exception as e:
+        logger.info("peer %s failed", peer, exc_info=True)   # the whole message (--log-level INFO)
+        return PeerResult(peer, failed=one_line(f"{type(e).__name__}: {e}"))
+
+
+def one_line(text: str) -> str:
+    """A multi-line error (a subprocess's traceback) as one line: its first and last lines."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[0] if len(lines) <= 1 else f"{lines[0]} ... {lines[-1]}"
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    target = setup_target(args)
+    w = target.workload
+    print(f"workload {w.name}: {len(w.prompts)} requests, {w.num_prompt_tokens} prompt tokens, "
+          f"{w.num_output_tokens} output tokens; model {target.model_label}", file=sys.stderr)
+    ours = run_ours(target, args)
+    outcomes = []
     for peer in args.peer:
-        try:
-            if peer == "hf":
-                results.append(peers.run_hf_generate(w, model_dir, device, dtype, random_weights))
-            elif peer == "hf-cb":
-                results.append(peers.run_hf_continuous_batching(w, model_dir, device, dtype, random_weights))
-            elif peer == "vllm":
-                python = peers.find_vllm_python(args.vllm_python)
-                if python is None:
-                    print("  vllm: skipped (no vLLM virtual env found; pass --vllm-python)", file=sys.stderr)
-                    continue
-                results += peers.run_vllm(w, model_dir, python, dtype=str(dtype).removeprefix("torch."))
-        except Exception as e:  # a failing peer is reported, not fatal to the table
-            print(f"  {peer}: failed: {type(e).__name__}: {e}", file=sys.stderr)
-        print(f"  {results[-1].engine}: {results[-1].tokens_per_s:.1f} tok/s", file=sys.stderr)
-
-    limit = None
-    if kind == "gpu":
-        shape = SHAPES[args.shape] if not args.model else None
-        if shape is not None:
-            limit = roofline(w, shape, tp=eargs.get("tensor_parallel_size", 1))
-    print_table(w, results, ours, limit)
-    if args.json_out:
-        meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
-                "device": torch.cuda.get_device_name() if kind == "gpu" else platform.processor() or "cpu",
-                "workload": w.name, "engine_args": eargs, "argv": sys.argv}
-        rows = [{"engine": m.engine, "output_tokens": m.output_tokens, "seconds": m.seconds,
-                 "tokens_per_s": m.tokens_per_s, "note": m.note} for m in results]
-        with open(args.json_out, "w") as f:
-            json.dump({"meta": meta, "results": rows,
-                       "roofline_tokens_per_s": limit.output_tokens_per_s if limit else None}, f, indent=1)
+        outcome = run_peer(peer, target, args)
+        for line in outcome.lines():
+            print(line, file=sys.stderr)
+        outcomes.append(outcome)
+    limit = roofline(w, target.shape, tp=target.engine_args.get("tensor_parallel_size", 1)) if target.shape else None
+    report(target, ours, outcomes, limit, args.json_out)
     return 0
 
 
-def print_table(w, results, ours, limit) -> None:
-    print(f"\n| engine | output tok/s | seconds | nanovllm / engine |")
+def report(target: Target, ours: list[peers.Measurement], outcomes: list[PeerResult], limit: Roofline | None,
+           json_out: str | None) -> None:
+    results = ours + [m for o in outcomes for m in o.measurements]
+    print_table(results, ours[0], limit, [o for o in outcomes if not o.measurements])
+    if json_out:
+        write_json(json_out, target, results, outcomes, limit)
+
+
+def print_table(results: list[peers.Measurement], ours: peers.Measurement, limit: Roofline | None,
+                missing: list[PeerResult] = ()) -> None:
+    print("\n| engine | output tok/s | seconds | nanovllm / engine |")
     print("| --- | ---: | ---: | ---: |")
     for m in results:
         ratio = f"{ours.tokens_per_s / m.tokens_per_s:.2f}x" if m.output_tokens else "n/a (no tokens)"
         print(f"| {m.engine} | {m.tokens_per_s:,.1f} | {m.seconds:.2f} | {ratio} |")
+    for o in missing:
+        why = f"failed: {o.failed}" if o.failed is not None else f"skipped: {o.skipped}"
+        print(f"| {o.peer} | {why.replace('|', '/')} | - | - |")
     if limit is not None:
         print(f"\nroofline: {limit.describe()}")
         print(f"nanovllm reaches {ours.tokens_per_s / limit.output_tokens_per_s:.1%} of the physical limit")
+
+
+def write_json(path: str, target: Target, results: list[peers.Measurement], outcomes: list[PeerResult],
+               limit: Roofline | None) -> None:
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+            "device": torch.cuda.get_device_name() if target.device == "cuda" else platform.processor() or "cpu",
+            "workload": target.workload.name, "engine_args": target.engine_args, "argv": sys.argv}
+    rows = [{"engine": m.engine, "output_tokens": m.output_tokens, "seconds": m.seconds,
+             "tokens_per_s": m.tokens_per_s, "note": m.note} for m in results]
+    rows += [{"engine": o.peer, "failed": o.failed, "skipped": o.skipped} for o in outcomes if not o.measurements]
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "results": rows,
+                   "roofline_tokens_per_s": limit.output_tokens_per_s if limit else None}, f, indent=1)

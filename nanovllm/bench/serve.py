@@ -158,7 +158,7 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
-    from nanovllm.entrypoints.cli import engine_kwargs
+    from nanovllm.entrypoints.args import engine_kwargs
     from nanovllm.loader.model_loader import resolve_model_dir
 
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -250,14 +250,3 @@ def print_table(rows: list[ServeMeasurement], offline) -> None:
     if offline is not None:
         print(f"\nnanovllm offline (LLM.generate, same workload): {offline.tokens_per_s:,.1f} tok/s; served / offline: "
               + ", ".join(f"{s['engine']} {s['output_tokens_per_s'] / offline.tokens_per_s:.1%}" for s in sums))
-
-
-def add_bench_serve_command(bench: argparse.ArgumentParser) -> None:
-    """`nanovllm bench serve ...` beside the offline `nanovllm bench ...`."""
-    from nanovllm.entrypoints.cli import add_engine_args
-
-    subs = bench.add_subparsers(dest="bench_command", required=False, metavar="{serve}")
-    p = subs.add_parser("serve", help="serving benchmark over HTTP (TTFT, ITL, end-to-end; vs vllm serve)")
-    add_bench_serve_args(p)
-    add_engine_args(p)
-    p.set_defaults(func=run_bench_serve)

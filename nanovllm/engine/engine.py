@@ -27,6 +27,7 @@ from nanovllm.engine.executor import Executor, StepHandle
 from nanovllm.engine.output_processor import (StreamState, make_request_output, make_stream_output, record_logprobs,
                                               record_prompt_logprobs)
 from nanovllm.engine.parallel_sampling import ParentRequest
+from nanovllm.engine.step_timing import OFF, PhaseTimer
 from nanovllm.engine.trace import SeqStep, StepEvent, Tracer
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
@@ -41,6 +42,7 @@ class _Launched:
     handle: StepHandle            # .result() -> ModelOutput
     event: StepEvent | None
     counted: bool = False         # update_after_step done already (async scheduling)
+    timer: PhaseTimer = OFF       # phase times for step_profiler (engine/step_timing.py)
 
 
 def eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
@@ -109,6 +111,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.enable_chunked_prefill)
         self.tracer = Tracer(enabled=bool(trace), callback=trace if callable(trace) else None)
+        # None, or called once per completed step with {phase: seconds} (engine/step_timing.py)
+        self.step_profiler: Callable[[dict[str, float]], None] | None = None
         self.requests: dict[str, Sequence] = {}
         self._streams: dict[str, StreamState] = {}   # requests whose output_kind is not FINAL_ONLY
         self.parents: dict[str, ParentRequest] = {}   # n > 1: until every child has finished
@@ -356,7 +360,9 @@ class LLMEngine:
         return outputs + self._complete(launched)
 
     def _launch_next(self) -> _Launched | None:
+        timer = PhaseTimer() if self.step_profiler is not None else OFF
         sched = self.scheduler.schedule()
+        timer.lap("schedule")
         if sched.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler produced an empty step with requests pending")
@@ -367,14 +373,16 @@ class LLMEngine:
                 seq.metrics.first_scheduled_time = now
         mi, plan = build_model_input(sched, self.config.block_size, self._finished_seq_ids)
         self._finished_seq_ids = []
+        timer.lap("build_model_input")
         event = self._trace_begin(plan) if self.tracer.enabled else None
         assert self.executor is not None
         if self.config.async_scheduling:
             handle = self.executor.launch(mi)
         else:
             handle = ReadyOutput(self.executor.execute(mi))
+        timer.lap("launch" if self.config.async_scheduling else "execute")
         self._num_launched += 1
-        return _Launched(plan, handle, event)
+        return _Launched(plan, handle, event, timer=timer)
 
     def _advance(self, launched: _Launched) -> None:
         """Async scheduling: account for a step in flight as if its tokens were known.
@@ -395,11 +403,18 @@ class LLMEngine:
                 self.scheduler.finish(seq)
 
     def _complete(self, launched: _Launched) -> list[RequestOutput]:
+        timer = launched.timer
+        timer.restart()
         result = launched.handle.result()
+        timer.lap("wait")
         if not launched.counted:
             self.scheduler.update_after_step(launched.plan.sched)
+            timer.lap("update_after_step")
         reported = self._postprocess(launched.plan, result)
+        timer.lap("postprocess")
         self.num_steps += 1
+        if self.step_profiler is not None and timer.phases is not None:
+            self.step_profiler(timer.phases)
         if launched.event is not None:
             launched.event.finished = [(s.request_id, s.finish_reason) for s in reported
                                        if s.finish_reason is not None]

@@ -243,7 +243,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 SUBCOMMANDS: list[Subcommand] = [
     Subcommand("generate", "generate text for prompts (offline batch)", add_generate_args, cmd_generate),
-    Subcommand("bench", "throughput benchmark, side by side with peers", add_bench_args, cmd_bench),
+    Subcommand("bench", "throughput benchmark, side by side with peers (also: bench serve, bench latency)",
+               add_bench_args, cmd_bench),
     Subcommand("experiment", "the study course's experiments 01-07: tables, CSV, plots",
                add_experiment_args, cmd_experiment),
     Subcommand("trace", "run prompts and write the step trace as an HTML page", add_trace_args, cmd_trace),
@@ -280,12 +281,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_serve_commands(sub, bench) -> None:
-    """`nanovllm serve` (entrypoints/openai/cli_args.py) and `nanovllm bench serve` (bench/serve.py)."""
-    from nanovllm.bench.serve import add_bench_serve_command
+    """`nanovllm serve` (entrypoints/openai/cli_args.py), `nanovllm bench serve` and `nanovllm bench
+    latency` (bench/args.py; the bench package never imports this module)."""
+    from nanovllm.bench.args import add_bench_subcommands
     from nanovllm.entrypoints.openai.cli_args import add_serve_parser
 
     add_serve_parser(sub)
-    add_bench_serve_command(bench)
+    add_bench_subcommands(bench)
 
 
 def _add_global_args_everywhere(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,273 @@
+"""`nanovllm bench`: the bench package never imports the CLI module, the engine's step_profiler
+hook, a failing peer's own line, the vllm-style knobs (--dataset, --num-prompts, --input-len,
+--output-len) and their errors, and `bench latency`. Tiny zoo models: seconds, not minutes."""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conformance.zoo import zoo_model
+from nanovllm import SamplingParams
+from nanovllm.bench import datasets
+from nanovllm.bench.latency import request_latencies
+from nanovllm.bench.run import PeerResult, one_line
+from nanovllm.bench.workloads import cpu_workload
+from nanovllm.entrypoints import cli
+from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tests.conftest import cached_llm
+
+MODEL = "qwen3-gqa2-hd64-tied"   # vocabulary 1031
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "nanovllm" / "bench"
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return zoo_model(MODEL)
+
+
+# ------------------------------------------------------------------ no import cycle
+def cli_imports(source: str) -> list[str]:
+    """Every import of the CLI module (nanovllm.entrypoints.cli) in a module's source, at any depth."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith("nanovllm.entrypoints.cli")]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module.startswith("nanovllm.entrypoints.cli"):
+                found.append(node.module)
+            elif node.module == "nanovllm.entrypoints" and any(a.name == "cli" for a in node.names):
+                found.append("nanovllm.entrypoints.cli")
+    return found
+
+
+def test_bench_package_never_imports_the_cli():
+    """cli.py imports the bench package (its flags, its subcommands); the way back is closed."""
+    files = sorted(BENCH.glob("*.py"))
+    assert len(files) >= 8
+    offenders = {f.name: cli_imports(f.read_text()) for f in files}
+    assert not any(offenders.values()), offenders
+    # negative controls: the forms the check must catch
+    for bad in ("from nanovllm.entrypoints.cli import engine_kwargs",
+                "def f():\n    from nanovllm.entrypoints import cli\n",
+                "import nanovllm.entrypoints.cli as c"):
+        assert cli_imports(bad), bad
+    assert not cli_imports("from nanovllm.entrypoints.args import engine_kwargs")
+
+
+def test_bench_and_cli_import_in_either_order():
+    torch_free = ["nanovllm.bench.args", "nanovllm.bench.datasets", "nanovllm.bench.serve"]
+    for order in (torch_free + ["nanovllm.entrypoints.cli"], ["nanovllm.entrypoints.cli"] + torch_free):
+        code = "import importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in order) + \
+               "from nanovllm.entrypoints.cli import build_parser\nbuild_parser()\nprint('OK')\n"
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
+        assert r.returncode == 0 and "OK" in r.stdout, (order, r.stderr[-2000:])
+
+
+def test_bench_latency_help_loads_no_torch():
+    code = ("import sys\nfrom nanovllm.entrypoints.cli import main\n"
+            "try:\n    main(['bench', 'latency', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+            "print('LOADED', sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
+    assert r.returncode == 0 and "LOADED []" in r.stdout, r.stderr[-2000:]
+    assert "--batch-size" in r.stdout and "--num-iters" in r.stdout and "(default: 1 and 8)" in r.stdout
+
+
+# ------------------------------------------------------------------ step_profiler hook
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_step_profiler_is_called_once_per_step_with_its_phases(model, async_scheduling):
+    llm = cached_llm(model, device="cpu", dtype="float32", async_scheduling=async_scheduling)
+    engine = llm.llm_engine
+    calls: list[dict] = []
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    before = engine.num_steps
+    engine.step_profiler = calls.append
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        engine.step_profiler = None
+    steps = engine.num_steps - before
+    assert steps >= 6 and len(calls) == steps
+    launch = "launch" if async_scheduling else "execute"
+    for phases in calls:
+        assert {"schedule", "build_model_input", launch, "wait", "postprocess"} <= set(phases), phases
+        assert all(0.0 <= s < 60 for s in phases.values()), phases
+    assert sum(p[launch] for p in calls) > 0
+    # unset: not called, and nothing timed
+    llm.generate(prompts, params, use_tqdm=False)
+    assert len(calls) == steps
+
+
+def test_bench_profile_steps_uses_the_hook(model, capsys):
+    """--profile-steps prints the summed phases the hook delivered, one count per engine step."""
+    rc = cli.main(["bench", "--model", model, "--dataset", "random", "--num-prompts", "2", "--input-len", "6",
+                   "--output-len", "4", "--profile-steps"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    m = re.search(r"step profile: (\d+) steps", err)
+    assert m and int(m.group(1)) >= 4, err   # 4 output tokens: at least 4 steps
+    for phase in ("schedule", "build_model_input", "execute", "postprocess"):
+        assert re.search(rf"^\s+{phase}\s+[\d.]+ s\s+[\d.]+ ms/step$", err, re.MULTILINE), (phase, err)
+
+
+# ------------------------------------------------------------------ a failing peer
+def test_a_failing_peer_gets_its_own_line(model, capsys, tmp_path):
+    """vllm made to fail (a python without vLLM): its line says failed and why, and no line
+    repeats another engine's figures under its name or after it; hf, which works, has its own."""
+    out = tmp_path / "bench.json"
+    rc = cli.main(["bench", "--model", model, "--dataset", "random", "--num-prompts", "2", "--input-len", "6",
+                   "--output-len", "4", "--peer", "vllm", "--peer", "hf", "--vllm-python", sys.executable,
+                   "--json-out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    progress = [line for line in captured.err.splitlines() if line.startswith("  ") and ": " in line
+                and not line.startswith("   ")]
+    vllm = [line for line in progress if line.startswith("  vllm")]
+    assert len(vllm) == 1 and vllm[0].startswith("  vllm: failed: RuntimeError: vLLM peer failed (exit 1)"), progress
+    assert "No module named 'vllm'" in vllm[0] and "tok/s" not in vllm[0]
+    figures = [line for line in progress if line.endswith("tok/s")]
+    assert [line.split(":")[0] for line in figures] == ["  nanovllm run 1", "  transformers generate (padded batch)"]
+    rows = [line for line in captured.out.splitlines() if line.startswith("| vllm ")]
+    assert len(rows) == 1 and "failed: RuntimeError" in rows[0] and rows[0].endswith("| - | - |"), captured.out
+    saved = json.loads(out.read_text())["results"]
+    assert [r["engine"] for r in saved][-1] == "vllm" and "No module named 'vllm'" in saved[-1]["failed"]
+    assert "tokens_per_s" not in saved[-1]
+
+
+def test_peer_result_lines_never_borrow_figures():
+    from nanovllm.bench.peers import Measurement
+
+    ok = PeerResult("vllm", [Measurement("vLLM 0.1 (cold)", 100, 2.0), Measurement("vLLM 0.1 (warm)", 100, 1.0)])
+    assert ok.lines() == ["  vLLM 0.1 (cold): 50.0 tok/s", "  vLLM 0.1 (warm): 100.0 tok/s"]
+    assert PeerResult("hf", failed="OSError: x").lines() == ["  hf: failed: OSError: x"]
+    assert PeerResult("vllm", skipped="no env").lines() == ["  vllm: skipped (no env)"]
+    assert one_line("RuntimeError: failed (exit 1): Traceback\n  File x\nImportError: y\n") == \
+        "RuntimeError: failed (exit 1): Traceback ... ImportError: y"
+
+
+# ------------------------------------------------------------------ knobs and their errors
+@pytest.mark.parametrize("argv, names", [
+    (["--num-prompts", "0"], ["--num-prompts", "'0'"]),
+    (["--input-len", "-3"], ["--input-len", "'-3'"]),
+    (["--output-len", "x"], ["--output-len", "'x'"]),
+    (["--repeat", "0"], ["--repeat", "'0'"]),
+    (["latency", "--batch-size", "0"], ["--batch-size", "'0'"]),
+    (["latency", "--num-iters-warmup", "-1"], ["--num-iters-warmup", "'-1'"]),
+])
+def test_bad_numbers_are_refused_naming_flag_and_value(argv, names, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser().parse_args(["bench", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and all(n in err for n in names), err
+
+
+def test_bad_dataset_is_refused_naming_flag_and_value(model, capsys, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt_token_ids": [1, 2]}\n{"text": "no prompt"}\n')
+    cases = [(["--dataset", "sharegpt"], "--dataset 'sharegpt': not one of auto, cpu, gpu, random"),
+             (["--dataset", str(tmp_path / "none.jsonl")], "none.jsonl'"),
+             (["--dataset", str(bad)], "line 2: needs \"prompt\""),
+             (["--dataset", "cpu", "--input-len", "8"], "--input-len applies to --dataset random, not --dataset 'cpu'"),
+             (["--dataset", "cpu"], "--dataset cpu: its token ids reach"),   # zoo vocabulary 1031
+             ]
+    for argv, message in cases:
+        rc = cli.main(["bench", "--model", model, *argv])
+        err = capsys.readouterr().err
+        assert rc == 2 and message in err, (argv, err)
+
+
+def test_random_dataset():
+    w = datasets.build_workload("random", 5, 7, 3, vocab_size=50)
+    assert len(w.prompts) == 5 and {len(p) for p in w.prompts} == {7} and w.max_tokens == [3] * 5
+    assert all(0 <= t < 50 for p in w.prompts for t in p) and len({tuple(p) for p in w.prompts}) == 5
+    assert w.prompts == datasets.build_workload("random", 5, 7, 3, vocab_size=50).prompts   # seeded
+    d = datasets.build_workload("random", None, None, None, vocab_size=50)
+    assert (len(d.prompts), len(d.prompts[0]), d.max_tokens[0]) == (32, 128, 128)
+    assert datasets.resolve_name("auto", 16, cuda=False) == "random"
+    assert datasets.resolve_name("auto", None, cuda=False) == "cpu"
+    assert datasets.resolve_name("auto", None, cuda=True) == "gpu"
+
+
+def test_named_workload_cut_by_num_prompts_and_output_len():
+    full = cpu_workload()
+    w = datasets.build_workload("cpu", 4, None, 7, vocab_size=None)
+    assert w.prompts == full.prompts[:4] and w.max_tokens == [7] * 4
+    assert w.expected_prompt_tokens is None and "first 4" in w.name   # no longer BENCH.md's totals
+    assert datasets.build_workload("cpu", None, None, None, None).max_tokens == full.max_tokens
+    with pytest.raises(ValueError, match=r"--num-prompts 33: --dataset 'cpu' has 32 requests"):
+        datasets.build_workload("cpu", 33, None, None, None)
+
+
+def test_jsonl_dataset(tmp_path):
+    f = tmp_path / "reqs.jsonl"
+    f.write_text('{"prompt_token_ids": [3, 4, 5], "max_tokens": 2}\n\n{"prompt": "w1 w2", "max_tokens": 9}\n'
+                 '{"prompt_token_ids": [7]}\n')
+    w = datasets.build_workload(str(f), None, None, None, vocab_size=100, tokenize=lambda s: [len(s)])
+    assert w.prompts == [[3, 4, 5], [5], [7]] and w.max_tokens == [2, 9, datasets.JSONL_DEFAULT_OUTPUT_LEN]
+    w = datasets.build_workload(str(f), 2, None, 4, vocab_size=100, tokenize=lambda s: [len(s)])
+    assert w.prompts == [[3, 4, 5], [5]] and w.max_tokens == [4, 4]
+    with pytest.raises(ValueError, match=r"line 1: prompt_token_ids holds id 5, the model's vocabulary has 5"):
+        datasets.build_workload(str(f), None, None, None, vocab_size=5, tokenize=len)
+    f.write_text('{"prompt_token_ids": [1], "max_tokens": 0}\n')
+    with pytest.raises(ValueError, match=r"line 1: max_tokens must be a positive integer, got 0"):
+        datasets.build_workload(str(f), None, None, None, vocab_size=5)
+    f.write_text('[1, 2]\n')
+    with pytest.raises(ValueError, match=r"line 1: expected an object, got list"):
+        datasets.build_workload(str(f), None, None, None, vocab_size=5)
+
+
+def test_jsonl_dataset_end_to_end(model, capsys, tmp_path):
+    """Text prompts go through the model's tokenizer; every request gets exactly its max_tokens."""
+    f = tmp_path / "reqs.jsonl"
+    f.write_text('{"prompt": "w10 w11 w12", "max_tokens": 3}\n{"prompt_token_ids": [20, 21], "max_tokens": 5}\n')
+    out = tmp_path / "bench.json"
+    rc = cli.main(["bench", "--model", model, "--dataset", str(f), "--json-out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "workload reqs.jsonl: 2 requests" in captured.err and "8 output tokens" in captured.err
+    ours = json.loads(out.read_text())["results"][0]
+    assert ours["engine"] == "nanovllm" and ours["output_tokens"] == 8
+
+
+# ------------------------------------------------------------------ latency
+def _output(n_tokens: int, arrival: float, first: float, last: float) -> RequestOutput:
+    return RequestOutput("0", None, [1], [CompletionOutput(0, "", list(range(n_tokens)), None, None, "length")],
+                         True, metrics=RequestMetrics(arrival, arrival, first, last, last))
+
+
+def test_request_latencies():
+    assert request_latencies(_output(5, 100.0, 100.25, 101.25)) == (0.25, 0.25)   # 4 gaps in 1 s
+    assert request_latencies(_output(1, 100.0, 100.5, 100.5)) == (0.5, None)      # one token: no TPOT
+    with pytest.raises(RuntimeError, match="no token times"):
+        request_latencies(_output(2, 100.0, None, None))
+
+
+def test_bench_latency(model, capsys, tmp_path):
+    out = tmp_path / "latency.json"
+    rc = cli.main(["bench", "latency", "--model", model, "--batch-size", "1", "--batch-size", "3",
+                   "--input-len", "5", "--output-len", "4", "--num-iters", "2", "--num-iters-warmup", "0",
+                   "--json-out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    saved = json.loads(out.read_text())
+    assert [r["batch_size"] for r in saved["results"]] == [1, 3]
+    for r in saved["results"]:
+        b = r["batch_size"]
+        assert r["requests"] == 2 * b and r["batches"] == 2
+        for key in ("ttft_ms", "tpot_ms", "batch_ms"):
+            assert 0 < r[key]["p50"] <= r[key]["p90"], (key, r)
+        # a request's first token and its 3 later ones all fit in its batch's wall time
+        assert r["ttft_ms"]["p50"] + 3 * r["tpot_ms"]["p50"] <= r["batch_ms"]["p90"] * 1.05, r
+    assert re.search(r"^\| 1 \| [\d,.]+ \| [\d,.]+ \| [\d,.]+ \| [\d,.]+ \| [\d,.]+ \| [\d,.]+ \|$",
+                     captured.out, re.MULTILINE), captured.out
+    assert re.search(r"^\| 3 \| ", captured.out, re.MULTILINE)
