@@ -159,3 +159,20 @@ def test_tp2_async_killed_worker_raises_quickly_and_leaves_no_process():
     llm.close()
     assert _wait_gone(pids, timeout=5) == []
     assert _live_children() - before == set()
+
+
+# --------------------------------------------------------------- GPU, NCCL (scripts/tp_gpu_check.sh)
+@pytest.mark.multi_gpu
+def test_tp2_async_equals_sync_and_tp1_nccl_cuda_graphs():
+    """The same comparison over NCCL with CUDA graphs (float32: only the split GEMM sums differ)."""
+    args = {**ARGS, "device": "cuda", "enforce_eager": False, "max_num_seqs": 16}
+    prompts, params = _workload()
+    runs = {}
+    for name, tp, mode in (("tp1", 1, False), ("tp2 sync", 2, False), ("tp2 async", 2, True)):
+        with LLM(zoo_model(MODEL), tensor_parallel_size=tp, async_scheduling=mode, **args) as llm:
+            runs[name] = _summary(llm.generate(prompts, params, use_tqdm=False))
+            stats = llm.stats()
+        assert (stats["pipelined_steps"] > 0) == mode and stats["preemptions"] > 0, (name, stats)
+        torch.cuda.empty_cache()
+    _assert_same(runs["tp2 sync"], runs["tp2 async"], "TP=2 async vs TP=2 sync (CUDA)")
+    _assert_same(runs["tp1"], runs["tp2 async"], "TP=2 async vs TP=1 (CUDA)")

@@ -298,7 +298,9 @@ def _serve(executor, conn) -> None:
             else:
                 result = getattr(executor, method)(*args)
         except BaseException:
-            _send(conn, ("error", f"in {method}():\n{traceback.format_exc()}"))
+            # a launch's error is read with a later message's replies: say where it came from
+            where = f"(in launch() of step {args[0]})\n" if method == "launch" else ""
+            _send(conn, ("error", where + traceback.format_exc()))
             return
         _send(conn, ("ok", result))
 
