@@ -361,6 +361,17 @@ def tp_ranks_sample_apart() -> ContextManager:
     return _patched((runner.ModelRunner, "_share_sampled", _share_sampled))
 
 
+def tp_result_ignores_ticket() -> ContextManager:
+    """Async scheduling with tensor parallelism: a worker answers result() with its oldest queued
+    step whatever ticket was asked for, so after a step abandoned by an interrupted engine every
+    later result is one step behind. Patched inside the TP workers."""
+    (dist_mod,) = _modules("nanovllm.worker.distributed")
+
+    def _take_result(launched, ticket):
+        return launched.popleft()[1].result()
+    return _patched((dist_mod, "_take_result", _take_result))
+
+
 # ------------------------------------------------- the CUDA engine's own paths (GPU only)
 def fused_sampler_temperature_ignored() -> ContextManager:
     """The fused GPU sampler draws every random row at temperature 1."""
