@@ -96,9 +96,16 @@ def test_tp2_async_equals_sync_and_tp1(tp2_async, placeholder_rows):
     prompts, params = _workload()
     with LLM(zoo_model(MODEL), async_scheduling=False, **ARGS) as llm:
         tp1 = _summary(llm.generate(prompts, params, use_tqdm=False))
-    with LLM(zoo_model(MODEL), tensor_parallel_size=2, async_scheduling=False, **ARGS) as llm:
-        tp2_sync = _summary(llm.generate(prompts, params, use_tqdm=False))
-    assert placeholder_rows["rows"] == 0
+    # TP=2 sync on the same workers (one start-up less): the engine reads the switch at every step,
+    # nothing is in flight between generate() calls, and the prefix cache is emptied in between
+    engine = tp2_async.llm_engine
+    engine.config.async_scheduling = False
+    try:
+        tp2_sync = _summary(tp2_async.generate(prompts, params, use_tqdm=False))
+    finally:
+        engine.config.async_scheduling = True
+    assert placeholder_rows["rows"] == 0 and engine.num_pipelined_steps == 0
+    assert tp2_async.reset_prefix_cache()
     before = tp2_async.stats()
     got = _summary(tp2_async.generate(prompts, params, use_tqdm=False))
     stats = tp2_async.stats()
