@@ -18,16 +18,16 @@ import time
 import pytest
 import torch
 
+import nanovllm.engine.engine as engine_module
 from conformance.zoo import ZOO, zoo_model
 from nanovllm import LLM, SamplingParams
-import nanovllm.engine.engine as engine_module
 from tests.test_tp import _live_children, _wait_gone, _worker_pids
 
 MODEL = "qwen3-gqa2-hd64-tied"
 VOCAB = ZOO[MODEL].vocab_size
 # a small cache (40 blocks of 4 tokens for 16 requests of up to 64 tokens): preemption and recompute
-ARGS = dict(device="cpu", dtype="float32", block_size=4, max_model_len=256, max_num_batched_tokens=64,
-            num_kvcache_blocks=40, seed=0)
+ARGS = {"device": "cpu", "dtype": "float32", "block_size": 4, "max_model_len": 256,
+        "max_num_batched_tokens": 64, "num_kvcache_blocks": 40, "seed": 0}
 TOL = 1e-4   # TP=2 sums its GEMMs in another order than TP=1: float32 rounding, never a token here
 
 
@@ -157,7 +157,7 @@ def test_tp2_async_killed_worker_raises_quickly_and_leaves_no_process():
     llm = LLM(zoo_model(MODEL), tensor_parallel_size=2, async_scheduling=True, trace=kill_rank1,
               **{**ARGS, "num_kvcache_blocks": 400})
     pids = _worker_pids(llm)
-    prompts, params = _workload(n=8, seed=1)
+    prompts, _ = _workload(n=8, seed=1)
     with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) was killed by signal SIGKILL"):
         llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 8,
                      use_tqdm=False)

@@ -96,7 +96,7 @@ class TensorParallelExecutor:
     def execute(self, mi: ModelInput) -> ModelOutput:
         return self._call("execute", mi)[0]
 
-    def launch(self, mi: ModelInput) -> "TensorParallelStepHandle":
+    def launch(self, mi: ModelInput) -> TensorParallelStepHandle:
         """Async scheduling: send the step to every rank and return at once (no reply is awaited).
         Each worker queues it and goes on reading its pipe, so step N+1's inputs reach it while
         step N may still run; the sampled tokens stay on the devices (rank 0 samples and
