@@ -159,8 +159,6 @@ ENGINE_CASES = [
     Case("engine-enable_prefix_caching-str", _engine(enable_prefix_caching="yes"), TypeError,
          "enable_prefix_caching.*'yes'"),
     Case("engine-async_scheduling-str", _engine(async_scheduling="on"), TypeError, "async_scheduling.*'on'"),
-    Case("engine-async_scheduling-with-tp", _engine(async_scheduling=True, tensor_parallel_size=2), ValueError,
-         "async_scheduling=True needs tensor_parallel_size=1, got tensor_parallel_size=2"),
     Case("engine-seed-negative", _engine(seed=-1), ValueError, "seed.*-1"),
     Case("engine-unknown-argument", _engine(no_such_arg=1), TypeError, "unknown engine argument.*'no_such_arg'"),
     Case("engine-kv_cache_memory_gib-0", _engine(kv_cache_memory_gib=0), ValueError, "kv_cache_memory_gib.*0"),

@@ -13,6 +13,10 @@ process and on one host. Invariants and the order things happen in:
 - Every call goes to every rank and waits for every rank's reply (the
   acknowledgement); rank 0's reply carries the result. Ranks run the same
   collectives in the same order, so they must all get the same work.
+- Async scheduling splits a step into two messages: ``launch`` (no reply; the
+  worker queues the step and reads on) and ``result`` (by ticket, replied like
+  a call). Rank 0 samples and broadcasts the tokens to the other ranks on the
+  device, where every rank's next step fills its placeholder rows from them.
 - Any failure (a worker's exception, a worker that died, Ctrl-C while waiting)
   shuts every worker down before the error reaches the caller: after one rank
   fails the others may be stuck in a collective, so the group cannot go on.
@@ -25,6 +29,7 @@ time needs the usual ``if __name__ == "__main__":`` guard.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import pickle
@@ -57,6 +62,7 @@ class TensorParallelExecutor:
     def __init__(self, config: EngineConfig, load_format: str = "auto"):
         self.world_size = config.tensor_parallel_size
         self._error: str | None = None
+        self._num_launched = 0   # async scheduling: the ticket of the last launched step
         ctx = mp.get_context("spawn")
         self._store = dist.TCPStore(_HOST, 0, self.world_size, is_master=True,
                                     timeout=_RENDEZVOUS_TIMEOUT, wait_for_workers=False)
@@ -90,6 +96,24 @@ class TensorParallelExecutor:
     def execute(self, mi: ModelInput) -> ModelOutput:
         return self._call("execute", mi)[0]
 
+    def launch(self, mi: ModelInput) -> TensorParallelStepHandle:
+        """Async scheduling: send the step to every rank and return at once (no reply is awaited).
+        Each worker queues it and goes on reading its pipe, so step N+1's inputs reach it while
+        step N may still run; the sampled tokens stay on the devices (rank 0 samples and
+        broadcasts them, ``ModelRunner.launch``). ``result()`` fetches rank 0's output later."""
+        self._check_open("launch")
+        self._check_alive("launch")
+        self._num_launched += 1
+        try:
+            self._post("launch", self._num_launched, mi)
+        except BaseException as e:   # e.g. Ctrl-C halfway through a message: the pipes are unusable
+            self._abort(f"launch() failed: {type(e).__name__}")
+            raise
+        return TensorParallelStepHandle(self, self._num_launched)
+
+    def _result(self, ticket: int) -> ModelOutput:
+        return self._call("result", ticket)[0]
+
     def close(self) -> None:
         """Stop every worker (idempotent; also run at interpreter exit)."""
         self._finalizer()
@@ -97,20 +121,39 @@ class TensorParallelExecutor:
     # -------------------------------------------------------------------- RPC
     def _call(self, method: str, *args) -> list:
         """Run ``method`` on every rank; each rank's return value, in rank order."""
-        if not self._finalizer.alive:
-            raise RuntimeError(f"TensorParallelExecutor is closed{self._error or ''}; "
-                               f"cannot run {method}()")
-        message = pickle.dumps((method, args))
+        self._check_open(method)
         try:
-            for conn in self._conns:
-                try:
-                    conn.send_bytes(message)
-                except OSError:
-                    pass  # that worker is dead: _gather reports it
+            self._post(method, *args)
             return self._gather(method)
         except BaseException as e:
             self._abort(f"{method}() failed: {type(e).__name__}")
             raise
+
+    def _check_open(self, method: str) -> None:
+        if not self._finalizer.alive:
+            raise RuntimeError(f"TensorParallelExecutor is closed{self._error or ''}; "
+                               f"cannot run {method}()")
+
+    def _post(self, method: str, *args) -> None:
+        """Send one message to every rank; a dead rank is reported by the next ``_gather``."""
+        message = pickle.dumps((method, args))
+        for conn in self._conns:
+            try:
+                conn.send_bytes(message)
+            except OSError:
+                pass  # that worker is dead: _gather reports it
+
+    def _check_alive(self, method: str) -> None:
+        """Before a message that gets no reply: a rank that died or sent an error (a failed
+        launch) is reported now, not after more work has been queued behind it."""
+        ready = wait(self._conns + [p.sentinel for p in self.processes], timeout=0)
+        if ready:
+            try:
+                self._gather(method)   # raises: any reply now is an error, any sentinel a death
+                raise RuntimeError(f"tensor-parallel workers sent an unexpected reply before {method}()")
+            except BaseException as e:
+                self._abort(f"{method}() failed: {type(e).__name__}")
+                raise
 
     def _gather(self, method: str) -> list:
         """One reply per rank. A worker's error or death raises RuntimeError at once."""
@@ -157,6 +200,21 @@ class TensorParallelExecutor:
             if proc.is_alive():
                 proc.terminate()
         self._finalizer()
+
+
+class TensorParallelStepHandle:
+    """A step launched on every rank; ``result()`` asks the workers for it once (rank 0's output).
+    Tickets let a worker match the request to its queued step: a handle never asked for (an
+    interrupted engine) is completed and dropped by the worker when a later one is."""
+
+    def __init__(self, executor: TensorParallelExecutor, ticket: int):
+        self._executor, self._ticket = executor, ticket
+        self._result: ModelOutput | None = None
+
+    def result(self) -> ModelOutput:
+        if self._result is None:
+            self._result = self._executor._result(self._ticket)
+        return self._result
 
 
 def _shutdown(processes: list, conns: list, store) -> None:
@@ -214,22 +272,48 @@ def _init_worker(rank: int, port: int, config: EngineConfig, load_format: str):
 
 
 def _serve(executor, conn) -> None:
-    """Answer calls until told to close; after an error the worker leaves (the group is broken)."""
+    """Answer calls until told to close; after an error the worker leaves (the group is broken).
+
+    ``launch`` (async scheduling) queues a step and sends no reply, so the worker goes straight
+    back to its pipe for the next message; ``result`` waits for a queued step (by ticket) and
+    replies with its output. Steps run in the order they arrive on every rank."""
+    launched: collections.deque = collections.deque()   # (ticket, StepHandle), oldest first
     while True:
         try:
             method, args = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):  # the parent is gone
             method, args = "close", ()
         if method == "close":
+            launched.clear()
             executor.close()
             dist.destroy_process_group()
             return
         try:
-            result = getattr(executor, method)(*args)
+            if method == "launch":
+                ticket, mi = args
+                launched.append((ticket, executor.launch(mi)))
+                continue
+            if method == "result":
+                result = _take_result(launched, args[0])
+            else:
+                result = getattr(executor, method)(*args)
         except BaseException:
-            _send(conn, ("error", traceback.format_exc()))
+            # a launch's error is read with a later message's replies: say where it came from
+            where = f"(in launch() of step {args[0]})\n" if method == "launch" else ""
+            _send(conn, ("error", where + traceback.format_exc()))
             return
         _send(conn, ("ok", result))
+
+
+def _take_result(launched: collections.deque, ticket: int) -> ModelOutput:
+    """The output of the queued step ``ticket``; older steps nobody asked for are completed and
+    dropped (their results were abandoned: an interrupted engine)."""
+    while launched:
+        queued, handle = launched.popleft()
+        output = handle.result()
+        if queued == ticket:
+            return output
+    raise RuntimeError(f"result() of step {ticket}, which was never launched on this rank")
 
 
 def _send(conn, message) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 
 from nanovllm.attention.backends import get_backend
 from nanovllm.attention.metadata import AttentionMetadata
@@ -323,17 +324,32 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, mi: ModelInput) -> "StepHandle":
-        """Queue a step on the device and return at once (async scheduling, one rank): the
-        sampled tokens stay on the device for the next step's placeholder rows; the handle's
-        ``result()`` waits for them."""
+        """Queue a step on the device and return at once (async scheduling): the sampled tokens
+        stay on the device for the next step's placeholder rows; the handle's ``result()``
+        waits for them. With tensor parallelism rank 0 samples and every rank gets its tokens
+        (``_share_sampled``); the other ranks' handles return an empty output."""
         hidden, sample_rows = self._forward(mi)
         prompt_lps = self._prompt_logprobs(hidden, mi)
         if not mi.sample_rows:
             return StepHandle(lambda: ModelOutput(None, prompt_lps))
         logits = self.model.compute_logits(hidden[sample_rows])
-        pending = self.sampler.launch(logits, self._sampling_metadata(mi))
-        self.prev_tokens = pending.tokens
+        pending = self.sampler.launch(logits, self._sampling_metadata(mi)) if self.rank == 0 else None
+        self.prev_tokens = pending.tokens if tp_size() == 1 else self._share_sampled(pending, logits, mi)
+        if pending is None:
+            return StepHandle(lambda: ModelOutput(None, []))
         return StepHandle(lambda: ModelOutput(pending.result(), prompt_lps))
+
+    def _share_sampled(self, pending, logits: torch.Tensor, mi: ModelInput) -> torch.Tensor:
+        """Tensor parallelism: rank 0's sampled tokens on every rank, on the device (a broadcast,
+        queued on the stream with NCCL: no host synchronisation). Only rank 0 samples, so the
+        ranks cannot disagree on a token whatever their generators hold."""
+        n = len(mi.sample_rows)
+        if pending is not None:
+            tokens = pending.tokens.to(torch.int64)
+        else:
+            tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
+        dist.broadcast(tokens, src=0)
+        return tokens
 
     def _prompt_logprobs(self, hidden: torch.Tensor, mi: ModelInput):
         results = []

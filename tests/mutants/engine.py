@@ -340,6 +340,38 @@ def async_input_from_wrong_row() -> ContextManager:
     return _patched((runner.ModelRunner, "_fill_pending", _fill_pending))
 
 
+def tp_ranks_sample_apart() -> ContextManager:
+    """Async scheduling with tensor parallelism: rank 0's sampled tokens are not broadcast; every
+    other rank samples its own from the (all-gathered) logits, its generators seeded with
+    seed + rank, and fills its placeholder rows with them. Patched inside the TP workers."""
+    import torch
+
+    (runner,) = _modules("nanovllm.worker.model_runner")
+
+    def _share_sampled(self, pending, logits, mi):
+        if pending is not None:
+            return pending.tokens
+        meta = self._sampling_metadata(mi)
+        meta.generators = [None if s is None else torch.Generator(device=logits.device).manual_seed(s + self.rank)
+                           for s in mi.seeds]
+        if meta.row_seeds is not None:   # CUDA: Philox keys instead of generators
+            meta.row_seeds = [s + self.rank for s in meta.row_seeds]
+        gen = torch.Generator(device=logits.device).manual_seed(self.config.seed + self.rank)
+        return runner.Sampler(gen).launch(logits, meta).tokens
+    return _patched((runner.ModelRunner, "_share_sampled", _share_sampled))
+
+
+def tp_result_ignores_ticket() -> ContextManager:
+    """Async scheduling with tensor parallelism: a worker answers result() with its oldest queued
+    step whatever ticket was asked for, so after a step abandoned by an interrupted engine every
+    later result is one step behind. Patched inside the TP workers."""
+    (dist_mod,) = _modules("nanovllm.worker.distributed")
+
+    def _take_result(launched, ticket):
+        return launched.popleft()[1].result()
+    return _patched((dist_mod, "_take_result", _take_result))
+
+
 # ------------------------------------------------- the CUDA engine's own paths (GPU only)
 def fused_sampler_temperature_ignored() -> ContextManager:
     """The fused GPU sampler draws every random row at temperature 1."""

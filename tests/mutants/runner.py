@@ -41,7 +41,8 @@ from tests.mutants.engine import (_patched, admission_check_skipped, allowed_tok
                                   philox_seed_ignored, prefill_mask_top_left, presence_penalty_per_occurrence,
                                   prompt_logprobs_shifted, repetition_penalty_ignores_prompt, seed_ignored,
                                   slot_mapping_off_by_one, stop_string_kept, temperature_ignored,
-                                  top_k_one_too_many, top_p_one_too_few, tp_allreduce_skipped,
+                                  top_k_one_too_many, top_p_one_too_few, tp_allreduce_skipped, tp_ranks_sample_apart,
+                                  tp_result_ignores_ticket,
                                   triton_decode_drops_last_key)
 
 ENV = "NANOVLLM_MUTANT"
@@ -105,6 +106,10 @@ ENGINE_MUTANTS: list[Mutant] = [
            [CORE_DIR + "test_tensor_parallel.py::test_tp2_equals_tp1_gloo_cpu"]),
     Mutant("async_input_from_wrong_row", async_input_from_wrong_row,
            [f"{SELF}::test_async_scheduling_equivalence"]),
+    Mutant("tp_ranks_sample_apart", tp_ranks_sample_apart,
+           ["tests/test_tp_async.py::test_tp2_async_equals_sync_and_tp1"]),
+    Mutant("tp_result_ignores_ticket", tp_result_ignores_ticket,
+           ["tests/test_tp_async.py::test_tp2_step_abandoned_by_an_interrupt"]),
     Mutant("cuda_graph_padding_writes_kv", cuda_graph_padding_writes_kv,
            [CORE_DIR + "test_cuda_graph.py"], gpu_only=True),
     Mutant("fused_sampler_temperature_ignored", fused_sampler_temperature_ignored,
