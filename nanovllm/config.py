@@ -92,7 +92,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     """auto (triton on GPU, torch on CPU), torch or triton."""
     async_scheduling: bool | None = None
-    """Schedule and launch step N+1 before step N's tokens reach the host (None: on for CUDA)."""
+    """Schedule and launch step N+1 before step N's tokens reach the host (None: on for one GPU; with
+    tensor parallelism on GPUs pass True: that path is checked on CPUs (gloo) but not yet on GPUs)."""
     # resolved in resolve(): the loaded model's HF config and the model directory
     hf_config: object = field(default=None, repr=False)
     model_dir: str | None = field(default=None, repr=False)
@@ -182,7 +183,7 @@ class EngineConfig:
             self.max_num_batched_tokens = (default if self.enable_chunked_prefill
                                            else max(default, self.max_model_len))
         if self.async_scheduling is None:
-            self.async_scheduling = self.device == "cuda"
+            self.async_scheduling = self.device == "cuda" and self.tensor_parallel_size == 1
         if self.enforce_eager is False and self.device == "cpu":
             self.enforce_eager = True  # CUDA graphs only exist on GPUs
         vocab = getattr(hf_config, "vocab_size", None)
