@@ -25,8 +25,16 @@ import pytest
 
 import golden
 from conformance.adapters import Sampling
-from conformance.adapters.base import (EOS, GREEDY, LOGPROBS, PREEMPTION_STATS, PROMPT_LOGPROBS, SAMPLING, SEED,
-                                       STOP_TOKEN_IDS)
+from conformance.adapters.base import (
+    EOS,
+    GREEDY,
+    LOGPROBS,
+    PREEMPTION_STATS,
+    PROMPT_LOGPROBS,
+    SAMPLING,
+    SEED,
+    STOP_TOKEN_IDS,
+)
 from conformance.compare import LOGPROB_TOL
 from conformance.harness import generate, require
 

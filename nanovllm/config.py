@@ -98,7 +98,7 @@ class EngineConfig:
     model_dir: str | None = field(default=None, repr=False)
 
     @classmethod
-    def from_kwargs(cls, model: str | None = None, **kwargs) -> "EngineConfig":
+    def from_kwargs(cls, model: str | None = None, **kwargs) -> EngineConfig:
         names = {f.name for f in dataclasses.fields(cls) if f.name not in ("hf_config", "model_dir")}
         unknown = sorted(set(kwargs) - names)
         if unknown:

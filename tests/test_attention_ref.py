@@ -59,7 +59,7 @@ def test_paged_attention_equals_dense(block_size, heads, kv_heads, head_dim):
     scale = head_dim ** -0.5
     out = torch_ref.paged_attention(q, k_cache, v_cache, meta, scale)
     assert not out.isnan().any(), "read an unwritten (NaN) slot"
-    for i, (ctx, n_q) in enumerate(specs):
+    for i in range(len(specs)):
         s, e = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         torch.testing.assert_close(out[s:e], _dense(q[s:e], ks[i], vs[i], scale), atol=1e-5, rtol=1e-5)
 

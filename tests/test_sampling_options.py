@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (NoBadWordsLogitsProcessor, PrefixConstrainedLogitsProcessor, RepetitionPenaltyLogitsProcessor,
-                          SequenceBiasLogitsProcessor)
+from transformers import (
+    NoBadWordsLogitsProcessor,
+    PrefixConstrainedLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+)
 
 from conformance.zoo import ZOO, zoo_model
 from nanovllm import LLM, SamplingParams

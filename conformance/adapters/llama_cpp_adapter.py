@@ -26,8 +26,7 @@ import random
 
 import numpy as np
 
-from conformance.adapters.base import (C, EngineAdapter, Logprob, Result, Sampling, Unsupported,
-                                       cut_at_stop_string)
+from conformance.adapters.base import C, EngineAdapter, Logprob, Result, Sampling, Unsupported, cut_at_stop_string
 from conformance.gguf_export import f32_gguf
 from conformance.models import gguf_source
 

@@ -209,7 +209,7 @@ def run_vllm(w: Workload, model_dir: str, python: str, warm_repeat: bool = True,
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH="")
     proc = subprocess.run([python, str(Path(__file__).with_name("vllm_peer.py"))], input=json.dumps(payload),
                           capture_output=True, text=True, env=env, timeout=3600)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{\"results\"")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{\"results\"")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"vLLM peer failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
     out = json.loads(lines[-1])

@@ -31,7 +31,8 @@ from __future__ import annotations
 import itertools
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence as Seq
+from collections.abc import Callable, Iterable
+from collections.abc import Sequence as Seq
 
 import xxhash
 

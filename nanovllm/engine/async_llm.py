@@ -48,7 +48,7 @@ class AsyncLLM:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def from_engine_args(cls, model: str | None = None, **engine_args) -> "AsyncLLM":
+    def from_engine_args(cls, model: str | None = None, **engine_args) -> AsyncLLM:
         return cls(LLMEngine.from_engine_args(model, **engine_args))
 
     # ------------------------------------------------------------ front end

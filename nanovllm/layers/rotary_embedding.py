@@ -9,7 +9,6 @@ from torch import nn
 
 from nanovllm.layers import fused_ops
 
-
 # the RoPE scaling types we implement, with the fields each needs (transformers' names and formulas)
 ROPE_TYPES = {
     "default": (),
