@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
@@ -94,7 +95,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     """Schedule and launch step N+1 before step N's tokens reach the host (None: on for one GPU)."""
     # resolved in resolve(): the loaded model's HF config and the model directory
-    hf_config: object = field(default=None, repr=False)
+    hf_config: Any = field(default=None, repr=False)
     model_dir: str | None = field(default=None, repr=False)
 
     @classmethod

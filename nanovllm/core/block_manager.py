@@ -165,7 +165,7 @@ class BlockManager:
         seq.block_table.append(block.block_id)
 
     def _evict(self, block: Block) -> None:
-        del self.cached[block.block_hash]
+        del self.cached[block.block_hash]  # type: ignore[arg-type]  # a cached block has its hash
         block.block_hash = None
         block.token_ids = None
         block.serial = block.parent_serial = None

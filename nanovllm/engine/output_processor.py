@@ -115,7 +115,7 @@ class StreamState:
         text = self.detokenizer.output_text
         params = seq.params
         if params.stop and not params.include_stop_str_in_output:
-            hold = stop_prefix_len(text, params.stop)
+            hold = stop_prefix_len(text, params.stop)  # type: ignore[arg-type]  # a list after __post_init__
             if hold:
                 text = text[:-hold]
         return text
@@ -141,7 +141,7 @@ def make_stream_output(seq: Sequence, tokenizer, state: StreamState) -> RequestO
 
     if state.logprobs is not None:
         state.logprobs += [_logprob_dict(tokenizer, tok, entry)
-                           for tok, entry in seq.output_logprobs[len(state.logprobs):]]
+                           for tok, entry in seq.output_logprobs[len(state.logprobs):]]  # type: ignore[index]  # set when logprobs are
     logprobs = None
     if state.logprobs is not None:
         logprobs = state.logprobs[state.num_tokens_sent:] if delta else list(state.logprobs)

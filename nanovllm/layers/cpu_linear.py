@@ -52,4 +52,4 @@ def pack_linear_weights(model: nn.Module) -> int:
 def unpack_linear_weights(model: nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, "packed_weight"):
-            module.packed_weight = None
+            module.packed_weight = None  # type: ignore[assignment]

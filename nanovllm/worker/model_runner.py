@@ -169,7 +169,7 @@ class ModelRunner:
         before the measurement and freed after it; they also compile the kernels.
         """
         cfg = self.config
-        lens, left = [], cfg.max_num_batched_tokens
+        lens, left = [], cfg.max_num_batched_tokens  # type: ignore[var-annotated]
         while left > 0 and len(lens) < cfg.max_num_seqs:
             lens.append(min(left, cfg.max_model_len))
             left -= lens[-1]
@@ -195,7 +195,7 @@ class ModelRunner:
         before = torch.cuda.memory_allocated()
         with torch.inference_mode():
             hidden, rows = self._forward(mi)
-            logits = self.model.compute_logits(hidden[rows])
+            logits = self.model.compute_logits(hidden[rows])  # type: ignore[operator]  # the model's compute_logits (nn.Module is untyped)
             n = logits.shape[0]
             sampler = Sampler(torch.Generator(device=self.device).manual_seed(0))
             sampler(logits, SamplingMetadata([1.0] * n, [50] * n, [0.9] * n, [0.0] * n, [None] * n,
@@ -252,7 +252,7 @@ class ModelRunner:
             return self._philox_sampling_metadata(mi)
         for seq_id in mi.finished_seq_ids:
             self.generators.pop(seq_id, None)
-        gens = []
+        gens = []  # type: ignore[var-annotated]
         for seq_id, seed in zip(mi.sample_seq_ids, mi.seeds):
             if seed is None:
                 gens.append(None)
@@ -316,7 +316,7 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(hidden, mi)
         if not mi.sample_rows:
             return ModelOutput(None, prompt_lps)
-        logits = self.model.compute_logits(hidden[sample_rows])
+        logits = self.model.compute_logits(hidden[sample_rows])  # type: ignore[operator]  # the model's compute_logits (nn.Module is untyped)
         if self.rank != 0:
             return ModelOutput(None, [])
         return ModelOutput(self.sampler(logits, self._sampling_metadata(mi)), prompt_lps)
@@ -330,7 +330,7 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(hidden, mi)
         if not mi.sample_rows:
             return StepHandle(lambda: ModelOutput(None, prompt_lps))
-        logits = self.model.compute_logits(hidden[sample_rows])
+        logits = self.model.compute_logits(hidden[sample_rows])  # type: ignore[operator]  # the model's compute_logits (nn.Module is untyped)
         pending = self.sampler.launch(logits, self._sampling_metadata(mi))
         self.prev_tokens = pending.tokens
         return StepHandle(lambda: ModelOutput(pending.result(), prompt_lps))
@@ -341,7 +341,7 @@ class ModelRunner:
             rows = []
             for s in range(0, len(targets), 512):  # bounded memory: 512 rows of vocab logits at a time
                 chunk = targets[s:s + 512]
-                logits = self.model.compute_logits(hidden[first_row + s:first_row + s + len(chunk)]).float()
+                logits = self.model.compute_logits(hidden[first_row + s:first_row + s + len(chunk)]).float()  # type: ignore[operator]  # the model's compute_logits (nn.Module is untyped)
                 lp = torch.log_softmax(logits, dim=-1)
                 tgt = torch.tensor(chunk, device=lp.device).unsqueeze(1)
                 tgt_lp = lp.gather(1, tgt)
