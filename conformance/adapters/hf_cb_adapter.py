@@ -37,7 +37,7 @@ def _count_offloads() -> None:
             ok = orig(self)
             _offloaded[0] += max(0, before - len(self.scheduler.active_requests))
             return ok
-        om.OffloadingManager.offload_requests = offload_requests  # type: ignore[method-assign]  # the patch is the point
+        om.OffloadingManager.offload_requests = offload_requests  # type: ignore[method-assign]
         _patched[0] = True
 
 

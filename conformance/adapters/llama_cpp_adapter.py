@@ -166,7 +166,7 @@ class LlamaCppAdapter(EngineAdapter):
                 if p.stop:
                     cut, hit = cut_at_stop_string(self._text(toks), p.stop, p.include_stop_str_in_output)
                     if hit is not None:
-                        finish, stop_reason, text = "stop", hit, cut  # type: ignore[assignment]  # stop_reason: a token id or a stop string
+                        finish, stop_reason, text = "stop", hit, cut  # type: ignore[assignment]
                         break
                 if len(toks) >= p.max_tokens:
                     break

@@ -121,7 +121,7 @@ def load_hf(model_dir: str, device: str, dtype: torch.dtype, random_weights: boo
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, **kwargs)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs).to(device)  # type: ignore[arg-type]  # transformers' .to() typing
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs).to(device)  # type: ignore[arg-type]
     return model.eval()
 
 

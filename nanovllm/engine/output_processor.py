@@ -141,7 +141,7 @@ def make_stream_output(seq: Sequence, tokenizer, state: StreamState) -> RequestO
 
     if state.logprobs is not None:
         state.logprobs += [_logprob_dict(tokenizer, tok, entry)
-                           for tok, entry in seq.output_logprobs[len(state.logprobs):]]  # type: ignore[index]  # set when logprobs are
+                           for tok, entry in seq.output_logprobs[len(state.logprobs):]]  # type: ignore[index]
     logprobs = None
     if state.logprobs is not None:
         logprobs = state.logprobs[state.num_tokens_sent:] if delta else list(state.logprobs)

@@ -18,7 +18,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = tp_rank() * self.rows_per_rank
         self.vocab_end = min(self.vocab_start + self.rows_per_rank, vocab_size)
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]  # the loader's hook on the parameter
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
         expected = (self.vocab_size, param.shape[1])

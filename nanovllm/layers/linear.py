@@ -28,11 +28,11 @@ class LinearBase(nn.Module):
         self.output_size = output_size
         self.tp_dim = tp_dim
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]  # the loader's hook on the parameter
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.packed_weight: torch.Tensor | None = None  # oneDNN copy on CPU (cpu_linear.py)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]  # the loader's hook on the parameter
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
 

@@ -28,7 +28,7 @@ def check_rope_scaling(rope_scaling: dict | None) -> None:
     kind = rope_type(rope_scaling)
     if kind not in ROPE_TYPES:
         raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
-    missing = [k for k in ROPE_TYPES[kind] if k not in rope_scaling]  # type: ignore[operator]  # a type other than default has a dict
+    missing = [k for k in ROPE_TYPES[kind] if k not in rope_scaling]  # type: ignore[operator]
     if missing:
         raise ValueError(f"rope_scaling of type {kind!r} lacks {', '.join(missing)} (got {rope_scaling})")
     partial = (rope_scaling or {}).get("partial_rotary_factor", 1.0)

@@ -89,7 +89,7 @@ class Sampler:
             return self._fused(logits, meta)
         if meta.row_seeds is not None:  # fused kernel off: the seeded rows draw from their row seeds
             meta.generators = [torch.Generator(device=logits.device).manual_seed(s) if seeded else None
-                               for s, seeded in zip(meta.row_seeds, meta.seeded)]  # type: ignore[arg-type]  # seeded is set with row_seeds
+                               for s, seeded in zip(meta.row_seeds, meta.seeded)]  # type: ignore[arg-type]
         logits = logits.float()
         n = logits.shape[0]
         # rows with NaN/inf are reported (the engine ends those requests); what they sample is discarded
@@ -100,7 +100,7 @@ class Sampler:
 
         def finish() -> SamplerOutput:
             nonfinite = (~finite).nonzero().flatten().tolist() if not bool(finite.all()) else []
-            logprobs = _logprobs(raw_logprobs, tokens, meta.num_logprobs) if want_logprobs else [None] * n  # type: ignore[arg-type]  # set when want_logprobs
+            logprobs = _logprobs(raw_logprobs, tokens, meta.num_logprobs) if want_logprobs else [None] * n  # type: ignore[arg-type]
             return SamplerOutput(tokens.tolist(), nonfinite, logprobs)
         return PendingSample(tokens, finish)
 
@@ -110,7 +110,7 @@ class Sampler:
         device = logits.device
         inv_temp = [0.0 if g else 1.0 / t for g, t in zip(meta.greedy, meta.temperatures)]
         tokens, nonfinite = fused_sampler.sample(logits, _to_device(inv_temp, torch.float32, device),
-                                                 _to_device(meta.row_seeds, torch.int64, device))  # type: ignore[arg-type]  # the fused path has row_seeds
+                                                 _to_device(meta.row_seeds, torch.int64, device))  # type: ignore[arg-type]
         special = general_path_rows(meta)
         if special:
             sub = _select(meta, special)
@@ -220,7 +220,7 @@ def _logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, num_logprobs: li
     ti = top_ids.tolist() if top_ids is not None else None
     for row, k in enumerate(num_logprobs):
         if k is not None:
-            out[row] = (slp[row], srank[row], list(zip(ti[row][:k], tv[row][:k])) if k else [])  # type: ignore[index]  # max_k > 0 when k
+            out[row] = (slp[row], srank[row], list(zip(ti[row][:k], tv[row][:k])) if k else [])  # type: ignore[index]
     return out
 
 

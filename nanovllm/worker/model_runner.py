@@ -195,7 +195,7 @@ class ModelRunner:
         before = torch.cuda.memory_allocated()
         with torch.inference_mode():
             hidden, rows = self._forward(mi)
-            logits = self.model.compute_logits(hidden[rows])  # type: ignore[operator]  # the model's compute_logits (nn.Module is untyped)
+            logits = self.model.compute_logits(hidden[rows])  # type: ignore[operator]
             n = logits.shape[0]
             sampler = Sampler(torch.Generator(device=self.device).manual_seed(0))
             sampler(logits, SamplingMetadata([1.0] * n, [50] * n, [0.9] * n, [0.0] * n, [None] * n,
@@ -316,7 +316,7 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(hidden, mi)
         if not mi.sample_rows:
             return ModelOutput(None, prompt_lps)
-        logits = self.model.compute_logits(hidden[sample_rows])  # type: ignore[operator]  # the model's compute_logits (nn.Module is untyped)
+        logits = self.model.compute_logits(hidden[sample_rows])  # type: ignore[operator]
         if self.rank != 0:
             return ModelOutput(None, [])
         return ModelOutput(self.sampler(logits, self._sampling_metadata(mi)), prompt_lps)
@@ -330,7 +330,7 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(hidden, mi)
         if not mi.sample_rows:
             return StepHandle(lambda: ModelOutput(None, prompt_lps))
-        logits = self.model.compute_logits(hidden[sample_rows])  # type: ignore[operator]  # the model's compute_logits (nn.Module is untyped)
+        logits = self.model.compute_logits(hidden[sample_rows])  # type: ignore[operator]
         pending = self.sampler.launch(logits, self._sampling_metadata(mi))
         self.prev_tokens = pending.tokens
         return StepHandle(lambda: ModelOutput(pending.result(), prompt_lps))
@@ -341,7 +341,7 @@ class ModelRunner:
             rows = []
             for s in range(0, len(targets), 512):  # bounded memory: 512 rows of vocab logits at a time
                 chunk = targets[s:s + 512]
-                logits = self.model.compute_logits(hidden[first_row + s:first_row + s + len(chunk)]).float()  # type: ignore[operator]  # the model's compute_logits (nn.Module is untyped)
+                logits = self.model.compute_logits(hidden[first_row + s:first_row + s + len(chunk)]).float()  # type: ignore[operator]
                 lp = torch.log_softmax(logits, dim=-1)
                 tgt = torch.tensor(chunk, device=lp.device).unsqueeze(1)
                 tgt_lp = lp.gather(1, tgt)
