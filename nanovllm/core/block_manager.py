@@ -37,6 +37,7 @@ from collections.abc import Sequence as Seq
 import xxhash
 
 from nanovllm.core.sequence import Sequence
+from nanovllm.core.utils import cdiv
 
 HashFn = Callable[[int | None, Seq[int]], int]
 
@@ -84,12 +85,8 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
 
-    @property
-    def usage(self) -> float:
-        return 1.0 - len(self.free_blocks) / self.num_blocks
-
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def update_block_hashes(self, seq: Sequence) -> None:
         """Extend seq.block_hashes to cover every full block of its known tokens."""

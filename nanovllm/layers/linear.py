@@ -53,11 +53,6 @@ class LinearBase(nn.Module):
         return cpu_linear.linear(x, self.weight, self.bias, self.packed_weight)
 
 
-class ReplicatedLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, output_size, bias, tp_dim=None)
-
-
 class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size, divide(output_size, tp_size(), "output size"), bias, tp_dim=0)

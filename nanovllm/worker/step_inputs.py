@@ -25,10 +25,11 @@ import torch
 
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.core.model_input import ModelInput
+from nanovllm.core.utils import cdiv
 
 
 def _align(n: int) -> int:
-    return -(-n // 8) * 8
+    return cdiv(n, 8) * 8
 
 
 def _layout(t: int, s: int, w: int) -> dict[str, tuple[int, int, type]]:
