@@ -76,7 +76,9 @@ class SubprocessAdapter(EngineAdapter):
         env = dict(os.environ, PYTHONPATH=os.environ.get(self.pythonpath_env, ""),
                    CONFORMANCE_REPLY_FD=str(write_fd), VLLM_ENABLE_V1_MULTIPROCESSING="0",
                    TOKENIZERS_PARALLELISM="false")
-        self.proc = subprocess.Popen([self.python(), str(WORKER), self.kind], stdin=subprocess.PIPE,  # type: ignore[list-item]
+        python = self.python()
+        assert python is not None, f"{self.name}: no python (unavailable() says why)"
+        self.proc = subprocess.Popen([python, str(WORKER), self.kind], stdin=subprocess.PIPE,
                                      stdout=self._log, stderr=self._log, env=env, text=True,
                                      pass_fds=(write_fd,))
         os.close(write_fd)

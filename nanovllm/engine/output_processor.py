@@ -140,8 +140,9 @@ def make_stream_output(seq: Sequence, tokenizer, state: StreamState) -> RequestO
     state.text_sent = text if len(text) >= len(sent) else sent
 
     if state.logprobs is not None:
+        assert seq.output_logprobs is not None  # a request with logprobs records them
         state.logprobs += [_logprob_dict(tokenizer, tok, entry)
-                           for tok, entry in seq.output_logprobs[len(state.logprobs):]]  # type: ignore[index]
+                           for tok, entry in seq.output_logprobs[len(state.logprobs):]]
     logprobs = None
     if state.logprobs is not None:
         logprobs = state.logprobs[state.num_tokens_sent:] if delta else list(state.logprobs)

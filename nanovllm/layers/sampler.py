@@ -88,8 +88,9 @@ class Sampler:
         if meta.row_seeds is not None and fused_sampler.enabled(logits):
             return self._fused(logits, meta)
         if meta.row_seeds is not None:  # fused kernel off: the seeded rows draw from their row seeds
+            assert meta.seeded is not None  # set with row_seeds
             meta.generators = [torch.Generator(device=logits.device).manual_seed(s) if seeded else None
-                               for s, seeded in zip(meta.row_seeds, meta.seeded)]  # type: ignore[arg-type]
+                               for s, seeded in zip(meta.row_seeds, meta.seeded)]
         logits = logits.float()
         n = logits.shape[0]
         # rows with NaN/inf are reported (the engine ends those requests); what they sample is discarded
@@ -108,14 +109,15 @@ class Sampler:
         """One kernel for the plain rows; the PyTorch path for rows with filters or bans."""
         n = logits.shape[0]
         device = logits.device
+        assert meta.row_seeds is not None and meta.seeded is not None  # launch() takes this path with row seeds
         inv_temp = [0.0 if g else 1.0 / t for g, t in zip(meta.greedy, meta.temperatures)]
         tokens, nonfinite = fused_sampler.sample(logits, _to_device(inv_temp, torch.float32, device),
-                                                 _to_device(meta.row_seeds, torch.int64, device))  # type: ignore[arg-type]
+                                                 _to_device(meta.row_seeds, torch.int64, device))
         special = general_path_rows(meta)
         if special:
             sub = _select(meta, special)
-            sub.generators = [torch.Generator(device=device).manual_seed(meta.row_seeds[r])  # type: ignore[index]
-                              if meta.seeded[r] else None for r in special]  # type: ignore[index]
+            sub.generators = [torch.Generator(device=device).manual_seed(meta.row_seeds[r])
+                              if meta.seeded[r] else None for r in special]
             index = _to_device(special, torch.int64, device)
             tokens[index] = self._choose(logits[index].float(), sub)
         want = [i for i, k in enumerate(meta.num_logprobs) if k is not None]
