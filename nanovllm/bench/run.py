@@ -12,8 +12,8 @@ import sys
 import torch
 
 from nanovllm.bench import peers
-from nanovllm.bench.args import PEERS, add_bench_args  # noqa: F401  (re-exported)
 from nanovllm.bench.roofline import roofline
+from nanovllm.bench.args import PEERS, add_bench_args  # noqa: F401  (re-exported)
 from nanovllm.bench.workloads import SHAPES, cpu_workload, gpu_workload, shape_config_dir
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def print_table(w, results, ours, limit) -> None:
-    print("\n| engine | output tok/s | seconds | nanovllm / engine |")
+    print(f"\n| engine | output tok/s | seconds | nanovllm / engine |")
     print("| --- | ---: | ---: | ---: |")
     for m in results:
         ratio = f"{ours.tokens_per_s / m.tokens_per_s:.2f}x" if m.output_tokens else "n/a (no tokens)"

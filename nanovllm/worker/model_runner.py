@@ -13,18 +13,18 @@ import torch
 from nanovllm.attention.backends import get_backend
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.config import EngineConfig
+from nanovllm.worker.cuda_graph import CudaGraphRunner
 from nanovllm.core.model_input import ModelInput
 from nanovllm.core.model_output import ModelOutput
 from nanovllm.core.utils import cdiv
+from nanovllm.worker.step_inputs import StepInputs
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.cpu_linear import pack_linear_weights
 from nanovllm.layers.fused_sampler import mix_seed
-from nanovllm.layers.parallel import tp_rank
+from nanovllm.layers.parallel import tp_rank, tp_size
 from nanovllm.layers.sampler import Sampler, SamplingMetadata
 from nanovllm.loader.model_loader import init_dummy_weights, iter_safetensors, load_weights
 from nanovllm.models.registry import get_model_class
-from nanovllm.worker.cuda_graph import CudaGraphRunner
-from nanovllm.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 _SEED_MASK = (1 << 62) - 1
@@ -195,7 +195,7 @@ class ModelRunner:
         before = torch.cuda.memory_allocated()
         with torch.inference_mode():
             hidden, rows = self._forward(mi)
-            logits = self.model.compute_logits(hidden[rows])  # type: ignore[operator]
+            logits = self.model.compute_logits(hidden[rows])
             n = logits.shape[0]
             sampler = Sampler(torch.Generator(device=self.device).manual_seed(0))
             sampler(logits, SamplingMetadata([1.0] * n, [50] * n, [0.9] * n, [0.0] * n, [None] * n,
@@ -316,13 +316,13 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(hidden, mi)
         if not mi.sample_rows:
             return ModelOutput(None, prompt_lps)
-        logits = self.model.compute_logits(hidden[sample_rows])  # type: ignore[operator]
+        logits = self.model.compute_logits(hidden[sample_rows])
         if self.rank != 0:
             return ModelOutput(None, [])
         return ModelOutput(self.sampler(logits, self._sampling_metadata(mi)), prompt_lps)
 
     @torch.inference_mode()
-    def launch(self, mi: ModelInput) -> StepHandle:
+    def launch(self, mi: ModelInput) -> "StepHandle":
         """Queue a step on the device and return at once (async scheduling, one rank): the
         sampled tokens stay on the device for the next step's placeholder rows; the handle's
         ``result()`` waits for them."""
@@ -330,7 +330,7 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(hidden, mi)
         if not mi.sample_rows:
             return StepHandle(lambda: ModelOutput(None, prompt_lps))
-        logits = self.model.compute_logits(hidden[sample_rows])  # type: ignore[operator]
+        logits = self.model.compute_logits(hidden[sample_rows])
         pending = self.sampler.launch(logits, self._sampling_metadata(mi))
         self.prev_tokens = pending.tokens
         return StepHandle(lambda: ModelOutput(pending.result(), prompt_lps))
@@ -341,7 +341,7 @@ class ModelRunner:
             rows = []
             for s in range(0, len(targets), 512):  # bounded memory: 512 rows of vocab logits at a time
                 chunk = targets[s:s + 512]
-                logits = self.model.compute_logits(hidden[first_row + s:first_row + s + len(chunk)]).float()  # type: ignore[operator]
+                logits = self.model.compute_logits(hidden[first_row + s:first_row + s + len(chunk)]).float()
                 lp = torch.log_softmax(logits, dim=-1)
                 tgt = torch.tensor(chunk, device=lp.device).unsqueeze(1)
                 tgt_lp = lp.gather(1, tgt)
