@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_INDEX ?=
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup browser run test test-fast conformance bench lint clean
+.PHONY: setup browser run test test-fast conformance bench clean
 
 $(VENV)/.setup-done: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,10 +47,11 @@ bench: setup
 	$(VENV)/bin/nanovllm bench --peer hf --peer hf-cb --peer vllm --warm
 
 # ruff (lint, then the format check) and mypy, all configured in pyproject.toml
+.PHONY: lint
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) .tox .pytest_cache .hypothesis .mypy_cache .ruff_cache
+	rm -rf $(VENV) .tox .pytest_cache .hypothesis
