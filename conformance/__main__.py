@@ -57,7 +57,7 @@ def parse_junit(path: Path) -> list[dict]:
     rows = []
     for case in ET.parse(path).iter("testcase"):
         module = case.get("classname", "").split(".")[-1]
-        row = {"check": f"{module}::{case.get('name')}", "seconds": float(case.get("time", 0)),
+        row: dict = {"check": f"{module}::{case.get('name')}", "seconds": float(case.get("time", 0)),
                "result": "pass", "message": "", "figures": {}, "status": None}
         for prop in case.iter("property"):
             if prop.get("name") == STATUS:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
+from typing import NoReturn
 
 import pytest
 
@@ -22,7 +23,7 @@ DEFAULT_KNOBS = {"dtype": "float32", "seed": 0}
 BS = 16  # the block size the golden prompts are built around (the default where the engine allows it)
 
 
-def skip_lacking(engine_name: str, capability, detail: str = ""):
+def skip_lacking(engine_name: str, capability, detail: str = "") -> NoReturn:
     """Skip a check the engine cannot take, naming the capability (the plugin counts these)."""
     cap = Capability.parse(capability)
     pytest.skip(f"engine {engine_name} lacks capability {cap}" + (f" ({detail})" if detail else ""))

@@ -47,7 +47,7 @@ class HFReference:
             return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
             temperature=None, top_p=None, top_k=None)
         tokens = out.sequences[0, len(prompt):].tolist()
-        logprobs = torch.log_softmax(torch.stack([l[0] for l in out.logits]).float(), dim=-1)
+        logprobs = torch.log_softmax(torch.stack([step[0] for step in out.logits]).float(), dim=-1)
         return RefGreedy(tokens, logprobs)
 
     @torch.inference_mode()

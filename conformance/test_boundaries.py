@@ -21,8 +21,7 @@ import pytest
 
 import golden
 from conformance.adapters import Sampling
-from conformance.adapters.base import (GREEDY, LOGPROBS, MIN_TOKENS, PROMPT_LOGPROBS, STOP_STRINGS, STOP_TOKEN_IDS,
-                                       TEXT)
+from conformance.adapters.base import GREEDY, LOGPROBS, MIN_TOKENS, PROMPT_LOGPROBS, STOP_STRINGS, STOP_TOKEN_IDS, TEXT
 from conformance.compare import LOGPROB_TOL
 from conformance.harness import delta, generate, require
 from conformance.zoo import ZOO
@@ -83,7 +82,7 @@ def test_stop_token_banned_until_min_tokens(setup, case_id):
 
 def _texts(engine, prompt: list[int], n: int) -> list[str]:
     """text of the first k greedy tokens, k = 0..n (the detokenized text grows by prefixes)."""
-    texts = [""] + [generate(engine, [prompt], Sampling.greedy(k))[0].text for k in range(1, n + 1)]
+    texts: list = [""] + [generate(engine, [prompt], Sampling.greedy(k))[0].text for k in range(1, n + 1)]
     for k in range(n):
         assert texts[k + 1].startswith(texts[k]), f"text of {k + 1} tokens does not extend the text of {k}"
     return texts

@@ -11,8 +11,18 @@ import pytest
 
 import golden
 from conformance.adapters import Sampling
-from conformance.adapters.base import (EOS, GREEDY, LOGPROBS, MIN_TOKENS, PROMPT_LOGPROBS, SAMPLING, SEED,
-                                       STOP_STRINGS, STOP_TOKEN_IDS, TEXT)
+from conformance.adapters.base import (
+    EOS,
+    GREEDY,
+    LOGPROBS,
+    MIN_TOKENS,
+    PROMPT_LOGPROBS,
+    SAMPLING,
+    SEED,
+    STOP_STRINGS,
+    STOP_TOKEN_IDS,
+    TEXT,
+)
 from conformance.compare import LOGPROB_TOL
 from conformance.harness import delta, generate, require
 from conformance.zoo import EOS_ID

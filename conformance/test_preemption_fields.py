@@ -25,8 +25,16 @@ import pytest
 
 import golden
 from conformance.adapters import Sampling
-from conformance.adapters.base import (EOS, GREEDY, LOGPROBS, PREEMPTION_STATS, PROMPT_LOGPROBS, SAMPLING, SEED,
-                                       STOP_TOKEN_IDS)
+from conformance.adapters.base import (
+    EOS,
+    GREEDY,
+    LOGPROBS,
+    PREEMPTION_STATS,
+    PROMPT_LOGPROBS,
+    SAMPLING,
+    SEED,
+    STOP_TOKEN_IDS,
+)
 from conformance.compare import LOGPROB_TOL
 from conformance.harness import generate, require
 
@@ -34,7 +42,7 @@ MODEL = "llama-mha-hd64"
 CASES = ("len-bs+1", "len-2bs", "len-3bs", "len-5bs+3", "eos", "len-bs-1", "long")
 
 
-def _workload(cases: dict, caps: frozenset) -> tuple[list[list[int]], list[Sampling], list[str]]:
+def _workload(cases: dict, caps: frozenset) -> tuple[list[list[int]], list[Sampling], list]:
     lp = 3 if LOGPROBS in caps else None
     plp = 2 if PROMPT_LOGPROBS in caps else None
     left_out = sorted({LOGPROBS, PROMPT_LOGPROBS, SAMPLING, SEED, STOP_TOKEN_IDS, EOS} - caps)

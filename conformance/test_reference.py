@@ -17,8 +17,16 @@ import golden
 from conformance.adapters import Sampling
 from conformance.adapters.base import GREEDY, PROMPT_LOGPROBS
 from conformance.compare import compare_greedy
-from conformance.harness import (delta, generate, golden_step_logprobs, logprob_rtol, logprob_tol,
-                                 max_diverged_frac, require, tokens)
+from conformance.harness import (
+    delta,
+    generate,
+    golden_step_logprobs,
+    logprob_rtol,
+    logprob_tol,
+    max_diverged_frac,
+    require,
+    tokens,
+)
 
 NAMES = golden.NAMES
 ZOO_NAMES = sorted(golden.ZOO_FILES)

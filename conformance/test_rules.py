@@ -6,9 +6,8 @@ import pytest
 import torch
 
 import golden
-from conformance.adapters import Sampling
 from conformance.compare import DELTA, LOGPROB_TOL, MAX_DIVERGED_FRAC, assert_tokens_equal, compare_greedy
-from conformance.harness import generate, golden_step_logprobs, tokens
+from conformance.harness import golden_step_logprobs
 
 
 def _case(name="qwen3-gqa4-hd128", cid="len-bs+1"):

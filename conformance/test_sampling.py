@@ -139,7 +139,7 @@ def _filter_case(lp, which: str, temperature: float) -> dict:
         options = [{"min_p": float((ratios[j] * ratios[j + 1]).sqrt())} for j in range(2, 14)
                    if ratios[j] / ratios[j + 1] >= 1.15]
     for kw in options:
-        right = filtered_distribution(raw, temperature=temperature, **kw)
+        right = filtered_distribution(raw, temperature=temperature, **kw)  # type: ignore[arg-type]
         wrong = _filters_then_temperature(raw, temperature, **kw)
         if ((right > 0) != (wrong > 0)).any():
             return {"temperature": temperature, **kw}

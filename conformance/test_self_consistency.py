@@ -20,8 +20,8 @@ import golden
 from conformance.adapters import Sampling
 from conformance.adapters.base import GREEDY, PREEMPTION_STATS, PREFIX_CACHE_STATS, Capability
 from conformance.compare import assert_tokens_equal, compare_greedy
-from conformance.zoo import ZOO
 from conformance.harness import delta, generate, golden_step_logprobs, require, skip_lacking, tokens
+from conformance.zoo import ZOO
 
 MODEL = "qwen3-gqa4-hd128"
 BATCH_SIZES = [*range(1, 11), 15, 16, 17, 31, 32, 33]

@@ -136,7 +136,7 @@ def eos_token_ids(spec: ZooSpec) -> list[int]:
 
 def make_weights(spec: ZooSpec) -> dict[str, np.ndarray]:
     rng = np.random.Generator(np.random.PCG64(spec.seed))
-    H, hd, I, V = spec.hidden_size, spec.head_dim, spec.intermediate_size, spec.vocab_size
+    H, hd, I, V = spec.hidden_size, spec.head_dim, spec.intermediate_size, spec.vocab_size  # noqa: E741
     q_out, kv_out = spec.num_heads * hd, spec.num_kv_heads * hd
 
     def normal(shape, std):

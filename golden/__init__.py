@@ -44,7 +44,7 @@ def path_of(name: str, root: Path = GOLDEN_DIR) -> Path:
     return root / f"{name}.json"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load(name: str) -> dict:
     p = path_of(name)
     if not p.is_file():
@@ -55,7 +55,7 @@ def load(name: str) -> dict:
     return g
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

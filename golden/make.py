@@ -140,6 +140,7 @@ def make_sampling(ref, vocab: int) -> dict:
         score = -abs(top[0] - 0.3) - abs(top[3] - 0.06)  # a moderately spread head
         if best is None or score > best[0]:
             best = (score, prompt, lp)
+    assert best is not None
     _, prompt, lp = best
     p = lp.double().exp().numpy()
     order = np.argsort(-p)
@@ -179,7 +180,7 @@ def make(name: str) -> dict:
         eos_ids = None
     else:
         raise KeyError(f"unknown golden file {name!r}; known: {NAMES}")
-    out = {"format": FORMAT, "model": model, "dtype": "float32",
+    out: dict = {"format": FORMAT, "model": model, "dtype": "float32",
            "reference": {"name": "transformers", "version": transformers.__version__,
                          "torch": torch.__version__},
            "block_size": BS, "top_k": TOP_K, "max_tokens": MAX_TOKENS,

@@ -23,13 +23,17 @@ _EXPORTS = {
 }
 __all__ = list(_EXPORTS)
 
-if TYPE_CHECKING:
-    from nanovllm.config import EngineConfig
-    from nanovllm.engine.async_llm import AsyncLLM
-    from nanovllm.engine.engine import LLMEngine
-    from nanovllm.llm import LLM
-    from nanovllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-    from nanovllm.sampling_params import RequestOutputKind, SamplingParams
+if TYPE_CHECKING:  # re-exports (the `X as X` form says so to ruff and mypy)
+    from nanovllm.config import EngineConfig as EngineConfig
+    from nanovllm.engine.async_llm import AsyncLLM as AsyncLLM
+    from nanovllm.engine.engine import LLMEngine as LLMEngine
+    from nanovllm.llm import LLM as LLM
+    from nanovllm.outputs import CompletionOutput as CompletionOutput
+    from nanovllm.outputs import Logprob as Logprob
+    from nanovllm.outputs import RequestMetrics as RequestMetrics
+    from nanovllm.outputs import RequestOutput as RequestOutput
+    from nanovllm.sampling_params import RequestOutputKind as RequestOutputKind
+    from nanovllm.sampling_params import SamplingParams as SamplingParams
 
 
 def __getattr__(name: str):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
@@ -95,11 +96,11 @@ class EngineConfig:
     """Schedule and launch step N+1 before step N's tokens reach the host (None: on for one GPU; with
     tensor parallelism on GPUs pass True: that path is checked on CPUs (gloo) but not yet on GPUs)."""
     # resolved in resolve(): the loaded model's HF config and the model directory
-    hf_config: object = field(default=None, repr=False)
+    hf_config: Any = field(default=None, repr=False)
     model_dir: str | None = field(default=None, repr=False)
 
     @classmethod
-    def from_kwargs(cls, model: str | None = None, **kwargs) -> "EngineConfig":
+    def from_kwargs(cls, model: str | None = None, **kwargs) -> EngineConfig:
         names = {f.name for f in dataclasses.fields(cls) if f.name not in ("hf_config", "model_dir")}
         unknown = sorted(set(kwargs) - names)
         if unknown:

@@ -5,7 +5,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from collections.abc import Sequence as SequenceOf
 
 from tqdm.auto import tqdm
@@ -68,7 +68,7 @@ class LLM:
         return results  # type: ignore[return-value]
 
     def generate_iter(self, prompts, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
-                      use_tqdm: bool = True) -> Iterator[tuple[int, RequestOutput]]:
+                      use_tqdm: bool = True) -> Generator[tuple[int, RequestOutput], None, None]:
         """Like generate(), but yields ``(input index, RequestOutput)`` as each request finishes.
 
         Every request is validated and queued before this returns (a bad one raises here and
@@ -108,7 +108,7 @@ class LLM:
                 engine.add_sequence(seq)
         return self._run(order, use_tqdm)
 
-    def _run(self, order: dict[str, int], use_tqdm: bool) -> Iterator[tuple[int, RequestOutput]]:
+    def _run(self, order: dict[str, int], use_tqdm: bool) -> Generator[tuple[int, RequestOutput], None, None]:
         engine = self.llm_engine
         left = set(order)
         bar = tqdm(total=len(order), desc="Generating", unit="req", dynamic_ncols=True, disable=not use_tqdm)

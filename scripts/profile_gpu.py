@@ -15,8 +15,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.sampling_params import RequestOutputKind
 from nanovllm.bench.workloads import gpu_workload, shape_config_dir
+from nanovllm.sampling_params import RequestOutputKind
 
 
 def main() -> None:

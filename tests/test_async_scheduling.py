@@ -12,9 +12,9 @@ import random
 
 import pytest
 
+import nanovllm.engine.engine as engine_module
 from conformance.zoo import ZOO, zoo_model
 from nanovllm import LLM, SamplingParams
-import nanovllm.engine.engine as engine_module
 from tests.conftest import engine_args
 
 MODEL = "qwen3-gqa2-hd64-tied"

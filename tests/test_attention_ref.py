@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from nanovllm.attention import torch_ref
 from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.core.utils import cdiv
 
 
 def _dense(q, k, v, scale):
@@ -24,7 +25,7 @@ def _dense(q, k, v, scale):
 def _build(seq_specs, num_heads, num_kv_heads, head_dim, block_size, seed=0):
     """seq_specs: [(context_len, query_len)]. Writes every sequence's K/V into shuffled blocks."""
     g = torch.Generator().manual_seed(seed)
-    total_blocks = sum(-(-c // block_size) for c, _ in seq_specs) + 3
+    total_blocks = sum(cdiv(c, block_size) for c, _ in seq_specs) + 3
     k_cache = torch.full((total_blocks, block_size, num_kv_heads, head_dim), float("nan"))
     v_cache = torch.full_like(k_cache, float("nan"))
     perm = torch.randperm(total_blocks, generator=g).tolist()
@@ -59,7 +60,7 @@ def test_paged_attention_equals_dense(block_size, heads, kv_heads, head_dim):
     scale = head_dim ** -0.5
     out = torch_ref.paged_attention(q, k_cache, v_cache, meta, scale)
     assert not out.isnan().any(), "read an unwritten (NaN) slot"
-    for i, (ctx, n_q) in enumerate(specs):
+    for i in range(len(specs)):
         s, e = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         torch.testing.assert_close(out[s:e], _dense(q[s:e], ks[i], vs[i], scale), atol=1e-5, rtol=1e-5)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+
 import pytest
 
 from tests.conftest import engine_args, zoo_model

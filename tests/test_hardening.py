@@ -9,7 +9,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from conformance.compare import DELTA
 from conformance.zoo import ZooSpec, build, zoo_model

@@ -182,7 +182,7 @@ def test_request_metrics(llm):
     prompts = prompts_for(ZOO[MODEL].vocab_size, (30, 4), seed=11)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, output_kind=CUM)
     outs = run(engine, {"m0": (prompts[0], params), "m1": (prompts[1], params)})
-    for rid, seq in outs.items():
+    for seq in outs.values():
         first, last = seq[0].metrics, seq[-1].metrics
         assert first.num_generation_tokens == 1 and last.num_generation_tokens == 5
         assert last.arrival_time <= last.first_scheduled_time <= last.first_token_time

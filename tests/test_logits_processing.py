@@ -18,7 +18,7 @@ import torch
 from transformers import PrefixConstrainedLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 from conformance.stats import chi_square
-from nanovllm.core.bad_words import banned_by_bad_words, bad_words_token_ids
+from nanovllm.core.bad_words import bad_words_token_ids, banned_by_bad_words
 from nanovllm.core.model_input import RowLogitsProcessing
 from nanovllm.layers.logits_processing import apply_logits_processing
 from nanovllm.layers.sampler import Sampler, SamplingMetadata, general_path_rows

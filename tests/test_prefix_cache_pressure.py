@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from conformance.zoo import ZOO, zoo_model
 from nanovllm.core.block_manager import hash_block_tokens
+from nanovllm.core.utils import cdiv
 from tests.conftest import prompts_for
 from tests.properties.harness import EngineHarness
 from tests.properties.policy_check import Req, run_against_model
@@ -140,7 +141,7 @@ def pressure_case(draw):
     together (same-step twins), in a cache only a little larger than one request."""
     bs = draw(st.integers(1, 4))
     max_model_len = 20
-    one = -(-(max_model_len - 1) // bs)
+    one = cdiv(max_model_len - 1, bs)
     cfg = {"block_size": bs, "num_blocks": draw(st.integers(one, one + 4)),
            "max_num_seqs": draw(st.sampled_from([1, 1, 2, 3])),
            "max_num_batched_tokens": draw(st.sampled_from([3, 7, 64])), "max_model_len": max_model_len,

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
 from nanovllm.layers.sampler import Sampler, SamplingMetadata, apply_min_p, apply_top_k_top_p
@@ -29,7 +28,7 @@ def test_greedy_is_argmax():
 def test_top_k_top_p_keep_exactly_the_expected_sets():
     probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
     logits = probs.log()
-    kept = lambda l: torch.isfinite(l[0]).nonzero().flatten().tolist()  # noqa: E731
+    kept = lambda row: torch.isfinite(row[0]).nonzero().flatten().tolist()  # noqa: E731
     assert kept(apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([1.0]))) == [0, 1]
     # top_p 0.7: 0.4 + 0.3 reaches 0.7 -> {0, 1}; 0.71 needs token 2 too
     assert kept(apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.7]))) == [0, 1]

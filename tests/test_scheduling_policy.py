@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conformance.zoo import zoo_model
+from nanovllm.core.utils import cdiv
 from tests.engine_scenario import ENGINE_ARGS, MODEL, greedy, run_scenario, scenario
 from tests.properties.fake_runner import INF_BUDGET
 from tests.properties.policy_check import Req, StepView, check_fcfs, fake_views, run_against_model
@@ -41,7 +42,7 @@ def config_st(draw) -> dict:
     """Tight caches: one request of max_model_len always fits, a few together often do not."""
     bs = draw(st.integers(1, 4))
     max_model_len = draw(st.sampled_from([10, 16, 24]))
-    one = -(-(max_model_len - 1) // bs)
+    one = cdiv(max_model_len - 1, bs)
     return {"block_size": bs, "num_blocks": draw(st.integers(one, 2 * one + 2)),
             "max_num_seqs": draw(st.integers(1, 4)),
             "max_num_batched_tokens": draw(st.sampled_from([1, 2, 3, 5, 8, 16, INF_BUDGET])),

@@ -16,10 +16,10 @@ httpx = pytest.importorskip("httpx", reason="the serve extra (httpx) is not inst
 openai = pytest.importorskip("openai", reason="the serve extra (openai) is not installed")
 pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
 
-from conformance.zoo import ZOO, zoo_model
-from nanovllm import SamplingParams
-from nanovllm.bench.server_process import nanovllm_serve_command, server
-from tests.conftest import cached_llm, prompts_for
+from conformance.zoo import ZOO, zoo_model  # noqa: E402
+from nanovllm import SamplingParams  # noqa: E402
+from nanovllm.bench.server_process import nanovllm_serve_command, server  # noqa: E402
+from tests.conftest import cached_llm, prompts_for  # noqa: E402
 
 MODEL = "qwen3-gqa2-hd64-tied"
 MAX_MODEL_LEN = 256

@@ -20,8 +20,16 @@ from __future__ import annotations
 import importlib
 from importlib.metadata import entry_points
 
-from conformance.adapters.base import (Capability, EngineAdapter, Logprob, Result, Sampling,  # noqa: F401
-                                       Unsupported, check_knobs, check_params)
+from conformance.adapters.base import (  # noqa: F401
+    Capability,
+    EngineAdapter,
+    Logprob,
+    Result,
+    Sampling,
+    Unsupported,
+    check_knobs,
+    check_params,
+)
 
 ENTRY_POINT_GROUP = "nanovllm.conformance.adapters"
 

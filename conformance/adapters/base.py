@@ -81,7 +81,7 @@ class Capability(str, enum.Enum):
         return self.value
 
     @classmethod
-    def parse(cls, value) -> "Capability":
+    def parse(cls, value) -> Capability:
         """A member from a member or its value; ValueError naming the value and the known ones."""
         try:
             return cls(value)
@@ -89,7 +89,7 @@ class Capability(str, enum.Enum):
             raise ValueError(f"unknown capability {value!r}; known: {', '.join(c.value for c in cls)}") from None
 
     @classmethod
-    def set_of(cls, values: Iterable) -> frozenset["Capability"]:
+    def set_of(cls, values: Iterable) -> frozenset[Capability]:
         return frozenset(cls.parse(v) for v in values)
 
 
@@ -141,10 +141,10 @@ class Sampling:
     prompt_logprobs: int | None = None
 
     @staticmethod
-    def greedy(max_tokens: int, ignore_eos: bool = True, **kw) -> "Sampling":
+    def greedy(max_tokens: int, ignore_eos: bool = True, **kw) -> Sampling:
         return Sampling(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos, **kw)
 
-    def with_(self, **kw) -> "Sampling":
+    def with_(self, **kw) -> Sampling:
         return replace(self, **kw)
 
     def needs(self) -> set[Capability]:

@@ -37,7 +37,7 @@ def _lp_dicts(entries):
 class VLLMBackend:
     def __init__(self):
         import vllm
-        self.version = "vllm %s" % vllm.__version__
+        self.version = f"vllm {vllm.__version__}"
         self.llm = None
 
     def load(self, model, knobs):
@@ -78,7 +78,7 @@ class VLLMBackend:
             self.llm = LLM(**args)
         except ValueError as e:
             if "block size" in str(e).lower():
-                raise Unsupported("block_size", str(e))
+                raise Unsupported("block_size", str(e)) from e
             raise
 
     def generate(self, prompts, params):
@@ -117,7 +117,6 @@ class VLLMBackend:
 
 
 def main():
-    kind = sys.argv[1]
     reply_fd = int(os.environ["CONFORMANCE_REPLY_FD"])
     reply = os.fdopen(reply_fd, "w", buffering=1)
     os.dup2(2, 1)  # library output goes to stderr
@@ -146,7 +145,7 @@ def main():
             elif op == "version":
                 send({"ok": True, "version": backend.version})
             else:
-                send({"ok": False, "type": "ValueError", "error": "unknown op %r" % op})
+                send({"ok": False, "type": "ValueError", "error": f"unknown op {op!r}"})
         except Unsupported as e:
             send({"ok": False, "type": "Unsupported", "error": str(e), "unsupported": e.capability})
         except Exception as e:  # noqa: BLE001 - reported to the adapter

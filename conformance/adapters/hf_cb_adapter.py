@@ -37,7 +37,7 @@ def _count_offloads() -> None:
             ok = orig(self)
             _offloaded[0] += max(0, before - len(self.scheduler.active_requests))
             return ok
-        om.OffloadingManager.offload_requests = offload_requests
+        om.OffloadingManager.offload_requests = offload_requests  # type: ignore[method-assign]
         _patched[0] = True
 
 
@@ -130,7 +130,7 @@ class HFContinuousBatchingAdapter(EngineAdapter):
                 stop_lists.append(stops)
                 ids.append(m.add_request(list(prompt), request_id=f"r{i}", max_new_tokens=p.max_tokens,
                                          eos_token_id=stops or -1))
-            done = {}
+            done: dict = {}
             while len(done) < len(ids):
                 r = m.get_result(timeout=1)
                 if r is not None and r.is_finished():

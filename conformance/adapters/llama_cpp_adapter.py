@@ -26,8 +26,7 @@ import random
 
 import numpy as np
 
-from conformance.adapters.base import (C, EngineAdapter, Logprob, Result, Sampling, Unsupported,
-                                       cut_at_stop_string)
+from conformance.adapters.base import C, EngineAdapter, Logprob, Result, Sampling, Unsupported, cut_at_stop_string
 from conformance.gguf_export import f32_gguf
 from conformance.models import gguf_source
 
@@ -167,7 +166,7 @@ class LlamaCppAdapter(EngineAdapter):
                 if p.stop:
                     cut, hit = cut_at_stop_string(self._text(toks), p.stop, p.include_stop_str_in_output)
                     if hit is not None:
-                        finish, stop_reason, text = "stop", hit, cut
+                        finish, stop_reason, text = "stop", hit, cut  # type: ignore[assignment]
                         break
                 if len(toks) >= p.max_tokens:
                     break
@@ -188,7 +187,7 @@ class LlamaCppAdapter(EngineAdapter):
 
     def _text(self, toks: list[int]) -> str:
         if self.tokenizer is not None:  # an exported zoo model: its own tokenizer has the text
-            return self.tokenizer.decode(toks, skip_special_tokens=True)
+            return self.tokenizer.decode(toks, skip_special_tokens=True)  # type: ignore[return-value]
         # the stop token itself (EOS and other special tokens) is not text, as in vLLM
         special = self.eos_ids
         return self.llm.detokenize([t for t in toks if t not in special]).decode("utf-8", errors="replace")

@@ -13,7 +13,7 @@ _KNOBS = {"block_size": "block_size", "kv_blocks": "num_kvcache_blocks", "kv_cac
           "dtype": "dtype", "device": "device", "async_scheduling": "async_scheduling"}
 
 
-def _logprob_dicts(entries) -> list:
+def _logprob_dicts(entries) -> list | None:
     if entries is None:
         return None
     return [None if d is None else {t: Logprob(lp.logprob, lp.rank) for t, lp in d.items()} for d in entries]

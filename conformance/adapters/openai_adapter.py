@@ -281,7 +281,7 @@ def _logprob_entries(lp: dict, ids: list[int], k: int) -> list[dict[int, Logprob
 def _prompt_logprobs(entries) -> list | None:
     if entries is None:
         return None
-    out = []
+    out: list = []
     for d in entries:
         if d is None:
             out.append(None)

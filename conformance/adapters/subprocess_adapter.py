@@ -32,7 +32,10 @@ class SubprocessAdapter(EngineAdapter):
     kind = ""
     max_live = 2  # engines (processes) alive at once
     python_env = ""
-    default_python = None
+    pythonpath_env = ""
+    default_python: str | None = None
+    probe = ""           # python -c code: exit 0 when the engine is installed
+    version_probe = ""   # python -c code: print the engine's version
 
     def __init__(self):
         self.proc = None
@@ -73,7 +76,9 @@ class SubprocessAdapter(EngineAdapter):
         env = dict(os.environ, PYTHONPATH=os.environ.get(self.pythonpath_env, ""),
                    CONFORMANCE_REPLY_FD=str(write_fd), VLLM_ENABLE_V1_MULTIPROCESSING="0",
                    TOKENIZERS_PARALLELISM="false")
-        self.proc = subprocess.Popen([self.python(), str(WORKER), self.kind], stdin=subprocess.PIPE,
+        python = self.python()
+        assert python is not None, f"{self.name}: no python (unavailable() says why)"
+        self.proc = subprocess.Popen([python, str(WORKER), self.kind], stdin=subprocess.PIPE,
                                      stdout=self._log, stderr=self._log, env=env, text=True,
                                      pass_fds=(write_fd,))
         os.close(write_fd)

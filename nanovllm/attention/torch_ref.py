@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.core.utils import cdiv
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -25,7 +26,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first ``seq_len`` positions of one sequence: [seq_len, num_kv_heads, head_dim]."""
     block_size = cache.shape[1]
-    num_blocks = -(-seq_len // block_size)
+    num_blocks = cdiv(seq_len, block_size)
     blocks = cache.index_select(0, block_table[:num_blocks].long())
     return blocks.flatten(0, 1)[:seq_len]
 
@@ -78,7 +79,7 @@ def paged_decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     num_seqs, num_heads, d = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    nb = -(-meta.max_seq_len // block_size)
+    nb = cdiv(meta.max_seq_len, block_size)
     n = num_seqs * nb
     table = meta.block_tables[:, :nb].reshape(-1).long()
     k = k_cache.permute(0, 2, 1, 3).index_select(0, table).float()    # [n, kvh, bs, d]

@@ -35,7 +35,7 @@ class TritonBackend:
 
     def _workspace(self, rows: int, head_dim: int, device: torch.device):
         have = 0 if self._lse is None else self._lse.numel()
-        if have < rows or self._partials.numel() < rows * head_dim or self._lse.device != device:
+        if have < rows or self._partials.numel() < rows * head_dim or self._lse.device != device:  # type: ignore[union-attr]
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"decode workspace must grow to {rows} rows during CUDA-graph "
                                    f"capture (have {have}): call reserve() before capturing")

@@ -107,7 +107,7 @@ def load_hf(model_dir: str, device: str, dtype: torch.dtype, random_weights: boo
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, **kwargs)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs).to(device)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs).to(device)  # type: ignore[arg-type]
     return model.eval()
 
 
@@ -121,7 +121,7 @@ def run_hf_generate(w: Workload, model_dir: str, device: str, dtype: torch.dtype
     width = max(map(len, w.prompts))
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in w.prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in w.prompts], device=device)
-    kw = dict(do_sample=w.temperature > 0, pad_token_id=pad, eos_token_id=None)
+    kw: dict = dict(do_sample=w.temperature > 0, pad_token_id=pad, eos_token_id=None)
     if w.temperature > 0:
         kw.update(temperature=w.temperature, top_k=0, top_p=1.0)
     else:
@@ -159,7 +159,7 @@ def run_hf_continuous_batching(w: Workload, model_dir: str, device: str, dtype: 
         with model.continuous_batching_context_manager(generation_config=gen, block=True, timeout=600,
                                                        **cb_kwargs) as manager:
             ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts, max_tokens)]
-            results = {}
+            results: dict = {}
             while len(results) < len(ids):
                 r = manager.get_result(timeout=1)
                 if r is not None and r.is_finished():
@@ -195,7 +195,7 @@ def run_vllm(w: Workload, model_dir: str, python: str, warm_repeat: bool = True,
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH="")
     proc = subprocess.run([python, str(Path(__file__).with_name("vllm_peer.py"))], input=json.dumps(payload),
                           capture_output=True, text=True, env=env, timeout=3600)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{\"results\"")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{\"results\"")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"vLLM peer failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
     out = json.loads(lines[-1])

@@ -27,7 +27,7 @@ class Roofline:
 
 def roofline(w: Workload, shape: dict, dtype_bytes: int = 2, flops: float = H200_BF16_FLOPS,
              bandwidth: float = H200_HBM_BYTES_PER_S, tp: int = 1) -> Roofline:
-    H, L, I, V = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"], shape["vocab_size"]
+    H, L, I, V = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"], shape["vocab_size"]  # noqa: E741
     q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
     layer_params = H * (q + 2 * kv) + q * H + 3 * H * I
     body = L * layer_params

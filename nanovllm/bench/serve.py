@@ -191,7 +191,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                                      *flags)
         with server(cmd, ready_timeout=900) as url:
             rows.append(_measured("nanovllm serve", url, "bench", w, args))
-    for peer in args.peer:
+    for _peer in args.peer:  # "vllm", the one choice
         from nanovllm.bench.peers import find_vllm_python, python_version_of
         python = find_vllm_python(args.vllm_python)
         if python is None:

@@ -17,9 +17,9 @@ def main() -> None:
     llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     import vllm
     results = []
-    labels = ["vLLM %s (cold prefix cache)" % vllm.__version__]
+    labels = [f"vLLM {vllm.__version__} (cold prefix cache)"]
     if job.get("warm_repeat"):
-        labels.append("vLLM %s (prefix cache warm)" % vllm.__version__)
+        labels.append(f"vLLM {vllm.__version__} (prefix cache warm)")
     for label in labels:
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)

@@ -31,11 +31,13 @@ from __future__ import annotations
 import itertools
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence as Seq
+from collections.abc import Callable, Iterable
+from collections.abc import Sequence as Seq
 
 import xxhash
 
 from nanovllm.core.sequence import Sequence
+from nanovllm.core.utils import cdiv
 
 HashFn = Callable[[int | None, Seq[int]], int]
 
@@ -88,7 +90,7 @@ class BlockManager:
         return 1.0 - len(self.free_blocks) / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def update_block_hashes(self, seq: Sequence) -> None:
         """Extend seq.block_hashes to cover every full block of its known tokens."""
@@ -164,7 +166,7 @@ class BlockManager:
         seq.block_table.append(block.block_id)
 
     def _evict(self, block: Block) -> None:
-        del self.cached[block.block_hash]
+        del self.cached[block.block_hash]  # type: ignore[arg-type]  # a cached block has its hash
         block.block_hash = None
         block.token_ids = None
         block.serial = block.parent_serial = None

@@ -100,7 +100,7 @@ def build_model_input(out: SchedulerOutput, block_size: int,
         if num_new == 1:  # the decode fast path: one token, one slot
             if start >= known:
                 mi.pending_rows.append(first_row)
-                mi.pending_src.append(seq.pending_row)
+                mi.pending_src.append(seq.pending_row)  # type: ignore[arg-type]  # set while its token is pending
                 input_ids.append(0)
             else:
                 input_ids.append(seq.token_ids[start])

@@ -68,7 +68,7 @@ class Sequence:
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.output_text = ""
         # the ids that end this request: its stop_token_ids, and the model's EOS ids unless ignore_eos
-        self.stop_token_ids: frozenset[int] = frozenset(params.stop_token_ids).union(
+        self.stop_token_ids: frozenset[int] = frozenset(params.stop_token_ids).union(  # type: ignore[arg-type]
             () if params.ignore_eos else eos_token_ids)
         self.num_placeholders = 0
         self.pending_row: int | None = None

@@ -46,14 +46,14 @@ def check_stop(seq: Sequence, tokenizer, max_model_len: int) -> None:
     n_out = seq.num_output_tokens
     if n_out >= params.min_tokens and token in seq.stop_token_ids:
         seq.finish_reason = "stop"
-        seq.stop_reason = token if token in params.stop_token_ids else None
+        seq.stop_reason = token if token in params.stop_token_ids else None  # type: ignore[operator]
         return
     if params.stop:
         text = decode(tokenizer, seq.output_token_ids, params.skip_special_tokens)
         new_chars = max(len(text) - len(seq.output_text), 0)
         seq.output_text = text
         # only text that this token added can complete a stop string, and none before min_tokens
-        hit = find_stop_string(text, new_chars, params.stop) if n_out > params.min_tokens else None
+        hit = find_stop_string(text, new_chars, params.stop) if n_out > params.min_tokens else None  # type: ignore[arg-type]
         if hit is not None:
             idx, stop = hit
             end = idx + len(stop) if params.include_stop_str_in_output else idx

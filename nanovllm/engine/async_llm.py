@@ -48,7 +48,7 @@ class AsyncLLM:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def from_engine_args(cls, model: str | None = None, **engine_args) -> "AsyncLLM":
+    def from_engine_args(cls, model: str | None = None, **engine_args) -> AsyncLLM:
         return cls(LLMEngine.from_engine_args(model, **engine_args))
 
     # ------------------------------------------------------------ front end
@@ -94,7 +94,7 @@ class AsyncLLM:
         self._queues[request_id] = outputs
         finished = False
         try:
-            added = self._loop.create_future()
+            added = self._loop.create_future()  # type: ignore[union-attr]  # set by the first call
             self._commands.put(("add", request_id, self.encode_prompt(prompt), sampling_params, added))
             await added
             while True:
@@ -118,7 +118,7 @@ class AsyncLLM:
     async def call(self, fn: Callable[[LLMEngine], object]):
         """Run ``fn(engine)`` on the engine thread between steps; return its result."""
         self._start()
-        done = self._loop.create_future()
+        done = self._loop.create_future()  # type: ignore[union-attr]  # set by the first call
         self._commands.put(("call", fn, done))
         return await done
 
@@ -161,7 +161,7 @@ class AsyncLLM:
 
     def _to_loop(self, fn, *args) -> None:
         try:
-            self._loop.call_soon_threadsafe(fn, *args)
+            self._loop.call_soon_threadsafe(fn, *args)  # type: ignore[union-attr]  # set by the first call
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
 

@@ -131,7 +131,7 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineConfig | str | None = None, *, load_format: str = "auto",
-                         trace: bool | Callable = False, **kwargs) -> "LLMEngine":
+                         trace: bool | Callable = False, **kwargs) -> LLMEngine:
         """Load a model and build its engine: ``from_engine_args("path/to/model", dtype="float32")``
         or ``from_engine_args(EngineConfig(...))`` (vLLM's spelling). ``None`` = the default model."""
         if isinstance(engine_args, EngineConfig):

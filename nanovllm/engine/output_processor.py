@@ -115,7 +115,7 @@ class StreamState:
         text = self.detokenizer.output_text
         params = seq.params
         if params.stop and not params.include_stop_str_in_output:
-            hold = stop_prefix_len(text, params.stop)
+            hold = stop_prefix_len(text, params.stop)  # type: ignore[arg-type]  # a list after __post_init__
             if hold:
                 text = text[:-hold]
         return text
@@ -140,6 +140,7 @@ def make_stream_output(seq: Sequence, tokenizer, state: StreamState) -> RequestO
     state.text_sent = text if len(text) >= len(sent) else sent
 
     if state.logprobs is not None:
+        assert seq.output_logprobs is not None  # a request with logprobs records them
         state.logprobs += [_logprob_dict(tokenizer, tok, entry)
                            for tok, entry in seq.output_logprobs[len(state.logprobs):]]
     logprobs = None

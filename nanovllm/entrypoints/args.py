@@ -133,7 +133,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
             continue
         kw = flag_kwargs(hints[f.name], f.name)
         flag = SAMPLING_FLAG_NAMES.get(f.name, f.name.replace("_", "-"))
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
         group.add_argument("--" + flag, dest=f"sampling_{f.name}", default=default,
                            help=_help(docs.get(f.name, ""), default, kw.get("action") in ("append", "extend")),
                            **kw)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nanovllm.core.utils import cdiv
 from nanovllm.experiments.report import Report, ratio
 from nanovllm.experiments.workload import engine_variant, random_prompts, run_workload, warm_up
 
@@ -39,7 +40,7 @@ def engine_args(shape: Shape) -> dict:
 
 def full_need(shape: Shape) -> int:
     """Blocks for every request at its full length at once."""
-    return shape.num_requests * -(-(shape.input_len + shape.max_tokens) // shape.block_size)
+    return shape.num_requests * cdiv(shape.input_len + shape.max_tokens, shape.block_size)
 
 
 def run(llm, shape: Shape, report: Report) -> list[dict]:

@@ -42,7 +42,7 @@ def run(llm, shape: Shape, report: Report) -> list[dict]:
     run = run_workload(llm, prompts, list(shape.max_tokens))
     finish_order = sorted(run.requests, key=lambda r: r.latency_s)
     rank = {r.request_id: k + 1 for k, r in enumerate(finish_order)}
-    rows = []
+    rows: list[dict] = []
     for k, r in enumerate(run.requests):
         s = r.summary
         rows.append({"request": r.request_id, "submitted": k + 1, "prompt_tokens": r.num_prompt_tokens,
@@ -50,7 +50,7 @@ def run(llm, shape: Shape, report: Report) -> list[dict]:
                      "ttft_s": r.ttft_s, "latency_s": r.latency_s, "finish_rank": rank[r.request_id],
                      "prefill_steps": s.num_prefill_chunks, "preemptions": s.num_preemptions,
                      "first_step": s.first_step, "finish_step": s.finish_step})
-    steps = [{"step": e.step, "kind": e.kind, "seqs": len(e.seqs), "tokens": e.num_tokens,
+    steps: list[dict] = [{"step": e.step, "kind": e.kind, "seqs": len(e.seqs), "tokens": e.num_tokens,
               "prefill_tokens": sum(s.num_new_tokens for s in e.seqs if s.phase == "prefill"),
               "decode_tokens": sum(s.num_new_tokens for s in e.seqs if s.phase == "decode"),
               "t_start_s": e.t_start - run.t0, "step_s": e.duration} for e in run.events]

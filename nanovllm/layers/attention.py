@@ -5,6 +5,8 @@ the ModelRunner after it sizes the cache; the metadata comes with each call.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -20,7 +22,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.k_cache = torch.tensor([])
         self.v_cache = torch.tensor([])
-        self.backend = None
+        self.backend: Any = None   # the runner sets it
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

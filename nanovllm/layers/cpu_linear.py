@@ -47,9 +47,3 @@ def pack_linear_weights(model: nn.Module) -> int:
                                                                           PACK_BATCH_HINT)
             count += 1
     return count
-
-
-def unpack_linear_weights(model: nn.Module) -> None:
-    for module in model.modules():
-        if hasattr(module, "packed_weight"):
-            module.packed_weight = None

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.core.utils import cdiv
 from nanovllm.layers import cpu_linear
 from nanovllm.layers.parallel import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
@@ -14,11 +15,11 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
         self.vocab_size = vocab_size
-        self.rows_per_rank = -(-vocab_size // tp_size())
+        self.rows_per_rank = cdiv(vocab_size, tp_size())
         self.vocab_start = tp_rank() * self.rows_per_rank
         self.vocab_end = min(self.vocab_start + self.rows_per_rank, vocab_size)
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
         expected = (self.vocab_size, param.shape[1])

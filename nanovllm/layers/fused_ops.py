@@ -12,8 +12,6 @@ one bf16 ulp). The layers call these only for CUDA tensors (``enabled(x)``).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from nanovllm.layers.triton_switch import triton_path

@@ -28,11 +28,11 @@ class LinearBase(nn.Module):
         self.output_size = output_size
         self.tp_dim = tp_dim
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.packed_weight: torch.Tensor | None = None  # oneDNN copy on CPU (cpu_linear.py)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
 
@@ -51,11 +51,6 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_linear.linear(x, self.weight, self.bias, self.packed_weight)
-
-
-class ReplicatedLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, output_size, bias, tp_dim=None)
 
 
 class ColumnParallelLinear(LinearBase):

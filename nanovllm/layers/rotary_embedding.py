@@ -9,7 +9,6 @@ from torch import nn
 
 from nanovllm.layers import fused_ops
 
-
 # the RoPE scaling types we implement, with the fields each needs (transformers' names and formulas)
 ROPE_TYPES = {
     "default": (),
@@ -29,7 +28,7 @@ def check_rope_scaling(rope_scaling: dict | None) -> None:
     kind = rope_type(rope_scaling)
     if kind not in ROPE_TYPES:
         raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
-    missing = [k for k in ROPE_TYPES[kind] if k not in rope_scaling]
+    missing = [k for k in ROPE_TYPES[kind] if k not in rope_scaling]  # type: ignore[operator]
     if missing:
         raise ValueError(f"rope_scaling of type {kind!r} lacks {', '.join(missing)} (got {rope_scaling})")
     partial = (rope_scaling or {}).get("partial_rotary_factor", 1.0)
@@ -54,11 +53,11 @@ def _inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Te
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = rope_type(rope_scaling)
     if kind == "linear":
-        return inv_freq / rope_scaling["factor"]
+        return inv_freq / rope_scaling["factor"]  # type: ignore[index]
     if kind == "llama3":
-        factor = rope_scaling["factor"]
-        low, high = rope_scaling["low_freq_factor"], rope_scaling["high_freq_factor"]
-        old_len = rope_scaling["original_max_position_embeddings"]
+        factor = rope_scaling["factor"]  # type: ignore[index]
+        low, high = rope_scaling["low_freq_factor"], rope_scaling["high_freq_factor"]  # type: ignore[index]
+        old_len = rope_scaling["original_max_position_embeddings"]  # type: ignore[index]
         low_wavelen, high_wavelen = old_len / low, old_len / high
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
@@ -70,6 +69,9 @@ def _inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
+    cos: torch.Tensor   # buffers
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None):
         super().__init__()
         self.head_dim = head_dim

@@ -88,6 +88,7 @@ class Sampler:
         if meta.row_seeds is not None and fused_sampler.enabled(logits):
             return self._fused(logits, meta)
         if meta.row_seeds is not None:  # fused kernel off: the seeded rows draw from their row seeds
+            assert meta.seeded is not None  # set with row_seeds
             meta.generators = [torch.Generator(device=logits.device).manual_seed(s) if seeded else None
                                for s, seeded in zip(meta.row_seeds, meta.seeded)]
         logits = logits.float()
@@ -100,7 +101,7 @@ class Sampler:
 
         def finish() -> SamplerOutput:
             nonfinite = (~finite).nonzero().flatten().tolist() if not bool(finite.all()) else []
-            logprobs = _logprobs(raw_logprobs, tokens, meta.num_logprobs) if want_logprobs else [None] * n
+            logprobs = _logprobs(raw_logprobs, tokens, meta.num_logprobs) if want_logprobs else [None] * n  # type: ignore[arg-type]
             return SamplerOutput(tokens.tolist(), nonfinite, logprobs)
         return PendingSample(tokens, finish)
 
@@ -108,6 +109,7 @@ class Sampler:
         """One kernel for the plain rows; the PyTorch path for rows with filters or bans."""
         n = logits.shape[0]
         device = logits.device
+        assert meta.row_seeds is not None and meta.seeded is not None  # launch() takes this path with row seeds
         inv_temp = [0.0 if g else 1.0 / t for g, t in zip(meta.greedy, meta.temperatures)]
         tokens, nonfinite = fused_sampler.sample(logits, _to_device(inv_temp, torch.float32, device),
                                                  _to_device(meta.row_seeds, torch.int64, device))
@@ -220,7 +222,7 @@ def _logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, num_logprobs: li
     ti = top_ids.tolist() if top_ids is not None else None
     for row, k in enumerate(num_logprobs):
         if k is not None:
-            out[row] = (slp[row], srank[row], list(zip(ti[row][:k], tv[row][:k])) if k else [])
+            out[row] = (slp[row], srank[row], list(zip(ti[row][:k], tv[row][:k])) if k else [])  # type: ignore[index]
     return out
 
 

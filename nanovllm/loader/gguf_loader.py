@@ -98,7 +98,7 @@ def read_config(reader) -> dict:
     return config
 
 
-def read_tensors(reader, config: dict) -> dict[str, "np.ndarray"]:
+def read_tensors(reader, config: dict) -> dict[str, np.ndarray]:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 

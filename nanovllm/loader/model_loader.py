@@ -80,11 +80,11 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
                 param_name = name.replace(ckpt_part, param_part)
                 if param_name in params:
                     param = params[param_name]
-                    param.weight_loader(param, tensor, name, shard_id)
+                    param.weight_loader(param, tensor, name, shard_id)  # type: ignore[attr-defined]
                     loaded.add(f"{param_name}:{shard_id}")
                     break
         else:
-            param = params.get(name)
+            param = params.get(name)  # type: ignore[assignment]
             if param is None:
                 unexpected.append(name)
                 continue

@@ -54,7 +54,7 @@ def cmd_trace(args: argparse.Namespace, engine_args: dict, params) -> int:
     llm = LLM(args.model, trace=_print_event if args.print_steps else True, **engine_args)
     try:
         if demo:
-            prompts = e04.prompts(shape, llm.llm_engine.vocab_size)
+            prompts = e04.prompts(shape, llm.llm_engine.vocab_size)  # type: ignore[assignment]
             params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in shape.max_tokens]
             outs = llm.generate(prompts, params, use_tqdm=False)
         elif args.chat:

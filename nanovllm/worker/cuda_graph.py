@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -41,7 +42,7 @@ class CudaGraphRunner:
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.out = torch.empty(max_num_seqs, hidden_size, dtype=dtype, device=device)
-        self.pool = None
+        self.pool: Any = None
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -66,7 +66,8 @@ class TensorParallelExecutor:
         ctx = mp.get_context("spawn")
         self._store = dist.TCPStore(_HOST, 0, self.world_size, is_master=True,
                                     timeout=_RENDEZVOUS_TIMEOUT, wait_for_workers=False)
-        self.processes, self._conns = [], []
+        self.processes: list = []
+        self._conns: list = []
         self._finalizer = weakref.finalize(self, _shutdown, self.processes, self._conns, self._store)
         try:
             for rank in range(self.world_size):

@@ -170,7 +170,7 @@ class ModelRunner:
         before the measurement and freed after it; they also compile the kernels.
         """
         cfg = self.config
-        lens, left = [], cfg.max_num_batched_tokens
+        lens, left = [], cfg.max_num_batched_tokens  # type: ignore[var-annotated]
         while left > 0 and len(lens) < cfg.max_num_seqs:
             lens.append(min(left, cfg.max_model_len))
             left -= lens[-1]
@@ -253,7 +253,7 @@ class ModelRunner:
             return self._philox_sampling_metadata(mi)
         for seq_id in mi.finished_seq_ids:
             self.generators.pop(seq_id, None)
-        gens = []
+        gens = []  # type: ignore[var-annotated]
         for seq_id, seed in zip(mi.sample_seq_ids, mi.seeds):
             if seed is None:
                 gens.append(None)

@@ -25,10 +25,11 @@ import torch
 
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.core.model_input import ModelInput
+from nanovllm.core.utils import cdiv
 
 
 def _align(n: int) -> int:
-    return -(-n // 8) * 8
+    return cdiv(n, 8) * 8
 
 
 def _layout(t: int, s: int, w: int) -> dict[str, tuple[int, int, type]]:
@@ -40,7 +41,7 @@ def _layout(t: int, s: int, w: int) -> dict[str, tuple[int, int, type]]:
         out[name] = (off, count, dtype)
         off = _align(off + count * np.dtype(dtype).itemsize)
     out["sample_rows"] = (off, 0, np.int64)
-    return out
+    return out  # type: ignore[return-value]
 
 
 @dataclass
@@ -64,7 +65,7 @@ class StepInputs:
         self.dev = torch.zeros(self.capacity, dtype=torch.uint8, device=device)
         self.copied = torch.cuda.Event() if cuda else None
         if cuda:
-            self.copied.record()
+            self.copied.record()  # type: ignore[union-attr]  # an Event on CUDA
 
     def _host(self, lay, name: str, count: int | None = None) -> np.ndarray:
         off, n, dtype = lay[name]

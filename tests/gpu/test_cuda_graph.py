@@ -151,8 +151,8 @@ def test_async_scheduling_equals_sync_with_graphs(stops):
     """Step N+1 launched before step N's tokens are read back (its inputs filled on the device
     from step N's sampled tokens) gives the tokens of synchronous scheduling: greedy rows, and
     seeded random rows drawn by the fused sampler (their draws depend on seed and index only)."""
-    from nanovllm import LLM, SamplingParams
     import nanovllm.engine.engine as engine_module
+    from nanovllm import LLM, SamplingParams
 
     rng = random.Random(11)
     prompts = [[rng.randrange(5, 1000) for _ in range(rng.randint(1, 200))] for _ in range(MAX_SEQS)]

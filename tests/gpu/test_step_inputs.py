@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanovllm.worker.cuda_graph import graph_batch_sizes
 from nanovllm.core.model_input import ModelInput
+from nanovllm.worker.cuda_graph import graph_batch_sizes
 from nanovllm.worker.step_inputs import StepInputs
 
 BS, MAX_BLOCKS = 16, 8

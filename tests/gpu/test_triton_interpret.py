@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 
-
 def _cuda() -> bool:
     import torch
     return torch.cuda.is_available()

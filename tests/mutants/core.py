@@ -19,7 +19,7 @@ import inspect
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
-from typing import ContextManager
+from contextlib import AbstractContextManager as ContextManager
 
 from nanovllm.core import block_manager as bm_mod
 from nanovllm.core import model_input as mi_mod

@@ -6,7 +6,7 @@ expected to catch each one, is in ``tests/mutants/runner.py``.
 from __future__ import annotations
 
 import dataclasses
-from typing import ContextManager
+from contextlib import AbstractContextManager as ContextManager
 
 from tests.mutants.core import _edit, _edited, _patched  # noqa: F401  (_patched re-exported for mutants.py)
 

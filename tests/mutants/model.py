@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import ContextManager
+from contextlib import AbstractContextManager as ContextManager
 
 from tests.mutants.core import _patched
 

@@ -27,9 +27,9 @@ import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ContextManager
 
 from tests.mutants import engine as engine_mutants
 from tests.mutants.engine import (_patched, admission_check_skipped, allowed_token_ids_last_dropped,

@@ -249,7 +249,7 @@ class PolicyModel:
             phases.append("decode" if decode else "prefill")
             if not decode:
                 self.counters["prompt_tokens_computed"] += n
-        for req, start, n in scheduled:
+        for req, _start, n in scheduled:
             req.computed += n
             self._publish(req)
         finished: list[tuple[str, str]] = []

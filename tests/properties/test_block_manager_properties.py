@@ -28,15 +28,24 @@ from pathlib import Path
 import pytest
 from hypothesis import Phase, assume, given, note, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple,
-                                 precondition, rule, run_state_machine_as_test)
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
-from tests.properties.fake_runner import KV_ROOT, kv_chain, kv_value
-from tests.properties.harness import EngineHarness
-from tests.mutants.core import MUTANTS
 from nanovllm.core.block_manager import BlockManager, hash_block_tokens
 from nanovllm.core.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
+from tests.mutants.core import MUTANTS
+from tests.properties.fake_runner import KV_ROOT, kv_chain, kv_value
+from tests.properties.harness import EngineHarness
 
 REPO = Path(__file__).resolve().parents[2]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=64)
@@ -285,7 +294,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             f"free count {bm.num_free_blocks} != {bm.num_blocks} - {len(used)} used"
         for b in bm.blocks:
             assert b.ref_count == used.get(b.block_id, 0), f"{b} ref_count != {used.get(b.block_id, 0)}"
-        for h, b in bm.cached.items():  # published = full and computed: its K/V are written
+        for b in bm.cached.values():  # published = full and computed: its K/V are written
             assert b.token_ids is not None and len(b.token_ids) == self.bs
             assert all(self.kv[b.block_id * self.bs + off] is not None for off in range(self.bs)), \
                 f"{b} is published but its K/V were never written"

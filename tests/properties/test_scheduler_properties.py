@@ -23,8 +23,17 @@ from __future__ import annotations
 import pytest
 from hypothesis import Phase, event, given, note, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple,
-                                 precondition, rule, run_state_machine_as_test)
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from nanovllm.core.sequence import Sequence
 from tests.mutants.core import MUTANTS

@@ -72,7 +72,7 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
             for task in (streamer, listener):
                 task.cancel()
             await asyncio.gather(streamer, listener, return_exceptions=True)
-            await self.body_iterator.aclose()
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]  # our body is an async generator
         if streamer.done() and not streamer.cancelled() and streamer.exception() is not None:
             if not isinstance(streamer.exception(), OSError):   # OSError: the client went away
                 raise streamer.exception()

@@ -98,7 +98,7 @@ class ServerMetrics:
                 self.ttft.labels(name).observe(m.first_token_latency)
                 # a request seen first when several tokens are out (FINAL_ONLY): their mean gap
                 if n > 1 and m.last_token_time is not None:
-                    gap = (m.last_token_time - m.first_token_time) / (n - 1)
+                    gap = (m.last_token_time - m.first_token_time) / (n - 1)  # type: ignore[operator]
                     for _ in range(n - 1):
                         self.itl.labels(name).observe(gap)
             elif last_time is not None and m.last_token_time is not None:

@@ -6,7 +6,7 @@ Responses are built as plain dicts in the serving modules (their shapes are Open
 """
 from __future__ import annotations
 
-from typing import Annotated, Union
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -67,7 +67,7 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, NonEmptyIds, list[str], list[NonEmptyIds]]
+    prompt: str | NonEmptyIds | list[str] | list[NonEmptyIds]
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None

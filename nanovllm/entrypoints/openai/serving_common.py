@@ -73,7 +73,7 @@ def sampling_params(req: SamplingFields, *, prompt_len: int, max_model_len: int,
         raise OpenAIError(400, f"max_tokens={max_tokens} is too large: this model's maximum context length is "
                                f"{max_model_len} tokens and your request has {prompt_len} input tokens "
                                f"({prompt_len + max_tokens} > {max_model_len})", "max_tokens")
-    kwargs = dict(max_tokens=max_tokens, logprobs=logprobs, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
+    kwargs: dict = dict(max_tokens=max_tokens, logprobs=logprobs, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
                   stop=req.stop, stop_token_ids=req.stop_token_ids, seed=req.seed,
                   include_stop_str_in_output=req.include_stop_str_in_output,
                   skip_special_tokens=req.skip_special_tokens, prompt_logprobs=req.prompt_logprobs,
@@ -141,7 +141,7 @@ async def start(engine: AsyncLLM, prompts: list, params: list[SamplingParams], r
         if isinstance(e, EngineDeadError):
             raise OpenAIError(503, str(e)) from None
         raise e
-    return list(zip(gens, firsts))
+    return list(zip(gens, firsts))  # type: ignore[arg-type]  # the errors were raised above
 
 
 def merged(started) -> contextlib.aclosing:

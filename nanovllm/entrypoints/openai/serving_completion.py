@@ -118,7 +118,7 @@ async def _stream(req: CompletionRequest, started, request_id: str, model: str, 
                 offsets[i] += len(text)
                 if not text and not c.token_ids and c.finish_reason is None:
                     continue
-                chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                chunk: dict = {"id": request_id, "object": "text_completion", "created": created, "model": model,
                          "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
                                       "stop_reason": c.stop_reason}]}
                 if out.prompt_logprobs is not None:
