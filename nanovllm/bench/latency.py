@@ -35,7 +35,7 @@ class LatencyResult:
     output_tokens: int = 0
 
     def summary(self) -> dict:
-        out = {"batch_size": self.batch_size, "requests": len(self.ttft), "batches": len(self.batch_seconds),
+        out: dict[str, object] = {"batch_size": self.batch_size, "requests": len(self.ttft), "batches": len(self.batch_seconds),
                "output_tokens_per_s": self.output_tokens / sum(self.batch_seconds)}
         for name, xs in (("ttft_ms", self.ttft), ("tpot_ms", self.tpot), ("batch_ms", self.batch_seconds)):
             out[name] = {f"p{p}": percentile(xs, p) * 1e3 if xs else None for p in (50, 90)}

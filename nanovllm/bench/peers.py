@@ -88,7 +88,7 @@ def run_nanovllm(w: Workload, model: str | None, engine_args: dict, load_format:
             outs = llm.generate(w.prompts, params, use_tqdm=False)
             _sync(device)
             elapsed = time.perf_counter() - start
-            if llm.llm_engine.step_profiler is not None:
+            if prof is not None and llm.llm_engine.step_profiler is not None:
                 print(prof.report(elapsed), file=sys.stderr)
             n = sum(len(o.outputs[0].token_ids) for o in outs)
             results.append(Measurement(label, n, elapsed, f"steps={llm.stats()['steps']}"))

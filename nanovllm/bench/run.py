@@ -14,6 +14,7 @@ import logging
 import platform
 import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -68,12 +69,14 @@ def _vocab_size(model_dir: str) -> int | None:
 
 
 def _tokenizer(model_dir: str):
-    def tokenize(text: str) -> list[int]:
-        from transformers import AutoTokenizer
+    loaded: list = []   # the tokenizer, loaded on first use
 
-        if not hasattr(tokenize, "tok"):
-            tokenize.tok = AutoTokenizer.from_pretrained(model_dir)
-        return tokenize.tok(text)["input_ids"]
+    def tokenize(text: str) -> list[int]:
+        if not loaded:
+            from transformers import AutoTokenizer
+
+            loaded.append(AutoTokenizer.from_pretrained(model_dir))
+        return loaded[0](text)["input_ids"]
     return tokenize
 
 
@@ -167,7 +170,7 @@ def report(target: Target, ours: list[peers.Measurement], outcomes: list[PeerRes
 
 
 def print_table(results: list[peers.Measurement], ours: peers.Measurement, limit: Roofline | None,
-                missing: list[PeerResult] = ()) -> None:
+                missing: Sequence[PeerResult] = ()) -> None:
     print("\n| engine | output tok/s | seconds | nanovllm / engine |")
     print("| --- | ---: | ---: | ---: |")
     for m in results:

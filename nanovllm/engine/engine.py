@@ -27,7 +27,7 @@ from nanovllm.engine.executor import Executor, StepHandle
 from nanovllm.engine.output_processor import (StreamState, make_request_output, make_stream_output, record_logprobs,
                                               record_prompt_logprobs)
 from nanovllm.engine.parallel_sampling import ParentRequest
-from nanovllm.engine.step_timing import OFF, PhaseTimer
+from nanovllm.engine.step_timing import OFF, PhaseTimer, _Off
 from nanovllm.engine.trace import SeqStep, StepEvent, Tracer
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
@@ -42,7 +42,7 @@ class _Launched:
     handle: StepHandle            # .result() -> ModelOutput
     event: StepEvent | None
     counted: bool = False         # update_after_step done already (async scheduling)
-    timer: PhaseTimer = OFF       # phase times for step_profiler (engine/step_timing.py)
+    timer: PhaseTimer | _Off = OFF   # phase times for step_profiler (engine/step_timing.py)
 
 
 def eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:

@@ -36,6 +36,6 @@ def make_executor(config, load_format: str = "auto") -> Executor:
     """The executor for a resolved EngineConfig (imports torch)."""
     if config.tensor_parallel_size > 1:
         from nanovllm.worker.distributed import TensorParallelExecutor
-        return TensorParallelExecutor(config, load_format)  # type: ignore[return-value]
+        return TensorParallelExecutor(config, load_format)
     from nanovllm.worker.local_executor import LocalExecutor
     return LocalExecutor(config, load_format)
