@@ -33,9 +33,12 @@ class CharTokenizer:
                 parts.append(chr(ord("a") + t % 26))
         return "".join(parts)
 
-    def encode(self, text, add_special_tokens=False):
-        assert add_special_tokens is False
-        return [27 if c == " " else ord(c) - ord("a") for c in text]
+    BOS = 200
+
+    def encode(self, text, add_special_tokens=True):
+        """Like a Hugging Face tokenizer, adds BOS unless add_special_tokens=False."""
+        ids = [27 if c == " " else ord(c) - ord("a") for c in text]
+        return ([self.BOS] + ids) if add_special_tokens else ids
 
 
 def bm_check(bm: BlockManager, *seqs: Sequence) -> None:

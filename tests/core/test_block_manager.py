@@ -101,6 +101,33 @@ def test_allocation_is_all_or_nothing():
     bm.check_invariants([seq])
 
 
+def test_hits_only_on_admission():
+    bm = BlockManager(4, BS)
+    admit(bm, make_seq(range(5)))
+    seq = make_seq(range(6))
+    hits = bm.get_computed_blocks(seq)
+    seq.block_table = [3]
+    with pytest.raises(AssertionError, match="^cache hits only on admission$"):
+        bm.allocate_slots(seq, 1, hits)
+
+
+def test_hits_alone_take_no_new_block():
+    bm = BlockManager(4, BS)
+    admit(bm, make_seq(range(9)))
+    seq = make_seq(range(9))
+    hits = bm.get_computed_blocks(seq)
+    assert bm.allocate_slots(seq, 0, hits)
+    assert seq.block_table == [0, 1] and bm.num_free_blocks == 1
+    assert [b.ref_count for b in bm.blocks] == [2, 2, 1, 0]
+
+
+def test_nothing_to_publish_before_any_block():
+    bm = BlockManager(4, BS)
+    seq = make_seq(range(3))
+    bm.cache_full_blocks(seq)                  # no blocks, nothing computed: nothing happens
+    assert bm.cached == {} and seq.block_hashes == []
+
+
 def test_decode_fills_the_last_block_before_taking_another():
     bm = BlockManager(3, BS)
     seq = make_seq(range(3))
@@ -374,8 +401,10 @@ def _state():
 
 
 @pytest.mark.parametrize("corrupt,message", [
-    (lambda bm, s: bm.free_blocks.pop(3), "free \\+ used != total"),
-    (lambda bm, s: setattr(bm.blocks[3], "ref_count", 1), "free \\+ used != total|in free queue"),
+    (lambda bm, s: bm.free_blocks.pop(3), "^free \\+ used != total"),
+    (lambda bm, s: setattr(bm.blocks[3], "ref_count", 1), "^free \\+ used != total"),
+    (lambda bm, s: (setattr(bm.blocks[3], "ref_count", 1), setattr(bm.blocks[2], "ref_count", 0)),
+     r"Block\(3, ref=1, hash=None\) in free queue"),
     (lambda bm, s: bm.free_blocks.__setitem__(3, bm.blocks[2]), "in free queue"),
     (lambda bm, s: setattr(bm.blocks[0], "ref_count", 2), "ref_count != 1 live tables"),
     (lambda bm, s: s.block_table.append(s.block_table[0]), "repeats a block"),
@@ -392,6 +421,13 @@ def test_check_invariants_catches(corrupt, message):
     bm, seq = _state()
     corrupt(bm, seq)
     with pytest.raises(AssertionError, match=message):
+        bm.check_invariants([seq])
+
+
+def test_check_invariants_messages_are_whole():
+    bm, seq = _state()
+    bm.free_blocks.pop(3)
+    with pytest.raises(AssertionError, match=r"^free \+ used != total$"):
         bm.check_invariants([seq])
 
 

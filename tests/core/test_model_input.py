@@ -142,6 +142,19 @@ def test_logits_processing_rows():
     assert plan.needs_token_history
 
 
+def test_allowed_tokens_alone_make_a_row():
+    only = seq_at([1, 2], 0, [0], allowed_token_ids=[3])
+    mi, plan = build([(only, 2)])
+    assert mi.logits_processing == {0: RowLogitsProcessing([3])} and not plan.needs_token_history
+
+
+def test_token_history_need_is_kept_over_later_rows():
+    pen = seq_at([1, 2], 0, [0], presence_penalty=0.5)
+    bias = seq_at([1, 2], 0, [1], logit_bias={4: 1.0})
+    _, plan = build([(pen, 2), (bias, 2)])
+    assert plan.needs_token_history
+
+
 def test_logits_processing_row_records_the_tokens_so_far():
     pen = seq_at([1, 2], 2, [0], frequency_penalty=1.0)
     pen.token_ids.extend([3])

@@ -67,11 +67,13 @@ def test_budget_exhausted_stops_admission():
 
 
 def test_budget_exhausted_by_running_sequences():
-    s = sched(budget=2)
+    """A running sequence left without budget is not scheduled (not even with 0 tokens)."""
+    s = sched(budget=3)
     s.add(make_seq(range(1), "a"))
-    s.add(make_seq(range(1), "b"))
-    s.add(make_seq(range(1), "c"))
+    s.add(make_seq(range(10, 11), "b"))
+    s.add(make_seq(range(20, 21), "c"))
     step(s)
+    s.max_num_batched_tokens = 2
     got, _ = step(s)
     assert got == [("a", 1), ("b", 1)]
 
@@ -119,6 +121,26 @@ def test_without_chunked_prefill_a_long_recompute_resumes_in_chunks():
     assert got == [("a", 8)]
     got, _ = step(s)
     assert got == [("a", 3)]
+
+
+def test_without_chunked_prefill_a_recompute_of_exactly_the_budget_waits_for_all_of_it():
+    s = sched(budget=8, chunked=False, caching=False)
+    a = make_seq(range(1), "a", max_tokens=20)
+    b = make_seq(range(10, 16), "b", max_tokens=20)
+    s.add(a)
+    s.add(b)
+    step(s)
+    step(s)
+    assert b.num_tokens == 8
+    s._preempt(s._preemption_victim())
+    got, _ = step(s)                       # 7 tokens of budget left: b (8) could go whole later
+    assert got == [("a", 1)]
+
+
+def test_chunked_prefill_is_the_default():
+    s = Scheduler(BlockManager(16, BS), 4, 4, 64)
+    s.add(make_seq(range(6), "a"))
+    assert s.schedule().num_new_tokens == [4]
 
 
 def test_preemption_takes_the_most_recently_admitted_and_requeues_it_first():
@@ -187,6 +209,10 @@ def test_num_cached_tokens_is_kept_from_the_first_admission():
     got, _ = step(s)
     assert got == [("a", 2)]               # 8 of its 10 tokens hit its own freed blocks
     assert a.num_cached_tokens == 0 and s.num_cache_hit_tokens == 8
+    s._preempt(s._preemption_victim())
+    got, _ = step(s)
+    assert got == [("a", 3)]
+    assert s.num_cache_hit_tokens == 16 and (a.num_preemptions, s.num_preemptions) == (2, 2)
 
 
 def test_update_after_step_skips_finished_sequences():
@@ -288,11 +314,11 @@ def test_check_invariants_catches():
     s.add(a)
     step(s)
     s.waiting.append(a)
-    with pytest.raises(AssertionError, match="both waiting and running"):
+    with pytest.raises(AssertionError, match="^a request both waiting and running$"):
         s.check_invariants()
     s.waiting.clear()
     s.running.append(make_seq(range(1)))
-    with pytest.raises(AssertionError, match="running > max_num_seqs"):
+    with pytest.raises(AssertionError, match="^running > max_num_seqs$"):
         s.check_invariants()
     s.running.pop()
     b = make_seq(range(3))

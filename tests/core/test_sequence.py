@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 
 from nanovllm.core.model_output import ModelOutput, ReadyOutput, SamplerOutput
-from nanovllm.core.sequence import SequenceStatus
+from nanovllm.core.sequence import Sequence, SequenceStatus
 from nanovllm.core.utils import cdiv
+from nanovllm.sampling_params import SamplingParams
 
 from .conftest import make_seq
 
@@ -78,6 +79,12 @@ def test_repr_and_metrics():
     assert repr(seq) == "Sequence('req-7', tokens=2, computed=0, blocks=[], waiting)"
     assert seq.metrics.arrival_time > 0
     assert seq.parent is None and seq.arrival == 0 and seq.prompt is None
+
+
+def test_constructor_arguments_are_kept():
+    parent = object()
+    seq = Sequence(41, "req", [1], SamplingParams(), prompt="hi", arrival=3, parent=parent)
+    assert (seq.seq_id, seq.request_id, seq.prompt, seq.arrival, seq.parent) == (41, "req", "hi", 3, parent)
 
 
 def test_cdiv():

@@ -102,6 +102,15 @@ def test_stop_string_needs_more_than_min_tokens():
     assert seq.output_text == "bc"
 
 
+def test_text_that_did_not_grow_is_not_searched_again():
+    """A token that adds no text (a skipped special token) cannot complete a stop string that
+    was already in the text before min_tokens were out."""
+    seq = make_seq([A], stop=["b"], min_tokens=1)
+    assert step(seq, B) == (None, None)
+    assert step(seq, 150) == (None, None)
+    assert seq.output_text == "b"
+
+
 def test_stop_string_respects_skip_special_tokens():
     seq = make_seq([A], stop=["<150>"], skip_special_tokens=False)
     assert step(seq, 150) == ("stop", "<150>")
@@ -135,6 +144,8 @@ def test_find_stop_string():
     assert find_stop_string("xx", 9, ["xxx"]) is None
     assert find_stop_string("abab", 2, ["ab", "ba"]) == (1, "ba")
     assert find_stop_string("", 0, ["a"]) is None
+    assert find_stop_string("ab", 2, ["a", "ab"]) == (0, "a")    # a tie: the first listed wins
+    assert find_stop_string("ab", 2, ["ab", "a"]) == (0, "ab")
 
 
 def test_reaches_length_limit():
