@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_INDEX ?=
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup browser run test test-fast conformance bench clean
+.PHONY: setup browser run test test-fast conformance bench mutation clean
 
 $(VENV)/.setup-done: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,16 @@ test-fast: setup
 conformance: setup
 	$(VENV)/bin/tox -e conformance
 
+# mutation testing of the torch-free core with mutmut (not part of `make test`: minutes of CPU):
+# every mutant of nanovllm/core/ and sampling_params.py against the fast tests of tests/core/, from
+# a clean mutants/ copy; then the summary, failing below a 90 % kill rate of non-equivalent mutants
+# (docs/conformance/mutation.md, the triage in docs/conformance/mutation_equivalent.txt)
+MUTATION_JOBS ?= 2
+mutation: setup
+	rm -rf mutants
+	HYPOTHESIS_PROFILE=mutation $(VENV)/bin/mutmut run --max-children $(MUTATION_JOBS)
+	$(PY) scripts/mutation_report.py --check
+
 bench: setup
 	$(VENV)/bin/nanovllm bench --peer hf --peer hf-cb --peer vllm --warm
 
@@ -54,4 +64,4 @@ lint: setup
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) .tox .pytest_cache .hypothesis
+	rm -rf $(VENV) .tox .pytest_cache .hypothesis mutants

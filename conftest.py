@@ -75,6 +75,11 @@ try:
                               suppress_health_check=[HealthCheck.too_slow])
     settings.register_profile("conformance", max_examples=300, stateful_step_count=80, deadline=None,
                               suppress_health_check=[HealthCheck.too_slow])
+    # mutation runs (make mutation): few examples, the same ones for every mutant, no example
+    # database (a mutant's failing example must not be replayed against the next mutant)
+    settings.register_profile("mutation", max_examples=10, stateful_step_count=20, deadline=None,
+                              derandomize=True, database=None,
+                              suppress_health_check=[HealthCheck.too_slow])
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "quick"))
 except ImportError:  # hypothesis is a test dependency
     pass
