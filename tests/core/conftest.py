@@ -36,7 +36,10 @@ class CharTokenizer:
     BOS = 200
 
     def encode(self, text, add_special_tokens=True):
-        """Like a Hugging Face tokenizer, adds BOS unless add_special_tokens=False."""
+        """Like a Hugging Face tokenizer: adds BOS unless add_special_tokens=False, and takes only
+        a bool there (the Rust ``tokenizers`` binding raises TypeError for None)."""
+        if not isinstance(add_special_tokens, bool):
+            raise TypeError(f"'{add_special_tokens!r}' is not an instance of 'bool'")
         ids = [27 if c == " " else ord(c) - ord("a") for c in text]
         return ([self.BOS] + ids) if add_special_tokens else ids
 

@@ -12,10 +12,11 @@ class MergingTokenizer(CharTokenizer):
     """Like CharTokenizer, but " x" is one token (100 + x) instead of two."""
 
     def encode(self, text, add_special_tokens=True):
-        ids = super().encode(text, add_special_tokens=False)
+        ids = super().encode(text, add_special_tokens=add_special_tokens)
+        bos, ids = (ids[:1], ids[1:]) if add_special_tokens else ([], ids)
         if ids and ids[0] == 27 and len(ids) > 1:
             ids = [100 + ids[1]] + ids[2:]
-        return ([self.BOS] + ids) if add_special_tokens else ids
+        return bos + ids
 
 
 def test_plain_and_spaced_variants():
