@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from nanovllm.core.bad_words import banned_by_bad_words, bad_words_token_ids
+from nanovllm.core.bad_words import bad_words_token_ids, banned_by_bad_words
 
 from .conftest import CharTokenizer
 

@@ -78,7 +78,7 @@ def test_stop_tokens_banned_before_min_tokens():
 def test_placeholder_decode_reads_the_previous_sample_row():
     a = seq_at([1, 2, 3], 3, [4])
     a.add_placeholder(5)
-    mi, plan = build([(a, 1)])
+    mi, _plan = build([(a, 1)])
     assert mi.input_ids == [0] and mi.pending_rows == [0] and mi.pending_src == [5]
     assert mi.positions == [3] and mi.slot_mapping == [19] and mi.sample_rows == [0]
     assert mi.output_indices == [1]

@@ -115,14 +115,14 @@ def test_n_needs_sampling():
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(temperature=0.0), dict(temperature=0), dict(top_k=-1), dict(top_k=0), dict(top_k=1),
-    dict(top_p=1.0), dict(top_p=1e-9), dict(min_p=0.0), dict(min_p=1.0), dict(min_p=1),
-    dict(seed=None), dict(seed=0), dict(seed=-5), dict(max_tokens=1), dict(max_tokens=None),
-    dict(min_tokens=0), dict(logprobs=0), dict(prompt_logprobs=0), dict(n=1),
-    dict(presence_penalty=2.0), dict(presence_penalty=-2.0), dict(frequency_penalty=2),
-    dict(frequency_penalty=-2), dict(repetition_penalty=1e-9), dict(repetition_penalty=1e9),
-    dict(logit_bias={0: 1e30}), dict(logit_bias={}), dict(stop_token_ids=[0]),
-    dict(allowed_token_ids=[0]), dict(allowed_token_ids=(3, 4)), dict(bad_words=[]),
+    {"temperature": 0.0}, {"temperature": 0}, {"top_k": -1}, {"top_k": 0}, {"top_k": 1},
+    {"top_p": 1.0}, {"top_p": 1e-9}, {"min_p": 0.0}, {"min_p": 1.0}, {"min_p": 1},
+    {"seed": None}, {"seed": 0}, {"seed": -5}, {"max_tokens": 1}, {"max_tokens": None},
+    {"min_tokens": 0}, {"logprobs": 0}, {"prompt_logprobs": 0}, {"n": 1},
+    {"presence_penalty": 2.0}, {"presence_penalty": -2.0}, {"frequency_penalty": 2},
+    {"frequency_penalty": -2}, {"repetition_penalty": 1e-9}, {"repetition_penalty": 1e9},
+    {"logit_bias": {0: 1e30}}, {"logit_bias": {}}, {"stop_token_ids": [0]},
+    {"allowed_token_ids": [0]}, {"allowed_token_ids": (3, 4)}, {"bad_words": []},
 ])
 def test_boundary_values_are_accepted(kwargs):
     params = SamplingParams(**kwargs)
@@ -158,16 +158,16 @@ def test_normalisation():
 
 
 @pytest.mark.parametrize("kwargs,penalties,processing", [
-    (dict(), False, False),
-    (dict(repetition_penalty=1.1), True, True),
-    (dict(presence_penalty=0.5), True, True),
-    (dict(presence_penalty=-0.5), True, True),
-    (dict(frequency_penalty=0.1), True, True),
-    (dict(logit_bias={1: 1.0}), False, True),
-    (dict(logit_bias={}), False, False),
-    (dict(allowed_token_ids=[1]), False, True),
-    (dict(bad_words=["x"]), False, True),
-    (dict(temperature=0.5, top_k=3, top_p=0.5, min_p=0.1, seed=1), False, False),
+    ({}, False, False),
+    ({"repetition_penalty": 1.1}, True, True),
+    ({"presence_penalty": 0.5}, True, True),
+    ({"presence_penalty": -0.5}, True, True),
+    ({"frequency_penalty": 0.1}, True, True),
+    ({"logit_bias": {1: 1.0}}, False, True),
+    ({"logit_bias": {}}, False, False),
+    ({"allowed_token_ids": [1]}, False, True),
+    ({"bad_words": ["x"]}, False, True),
+    ({"temperature": 0.5, "top_k": 3, "top_p": 0.5, "min_p": 0.1, "seed": 1}, False, False),
 ])
 def test_penalty_and_processing_flags(kwargs, penalties, processing):
     p = SamplingParams(**kwargs)

@@ -182,7 +182,7 @@ def test_victim_preempting_itself_ends_the_loop():
     # take a block away behind its back so that a cannot grow: it is its own victim
     s.block_manager.free_blocks.popitem()
     s.block_manager.blocks[1].ref_count = 1
-    got, out = s.schedule(), None
+    got = s.schedule()
     assert got.preempted == [a] and got.seqs == [] and list(s.waiting) == [a] and s.running == []
 
 
@@ -193,7 +193,7 @@ def test_cache_hit_statistics_and_num_cached_tokens():
     step(s)
     b = make_seq(list(range(8)) + [40, 41], "b")
     s.add(b)
-    got, out = step(s)
+    got, _out = step(s)
     assert got == [("a", 1), ("b", 2)]
     assert b.num_cached_tokens == 8 and a.num_cached_tokens == 0
     assert b.num_computed_tokens == 10

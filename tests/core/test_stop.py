@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from nanovllm.core.stop import check_stop, decode, find_stop_string, reaches_length_limit
+from nanovllm.core.stop import (
+    check_stop,
+    decode,
+    find_stop_string,
+    reaches_length_limit,
+)
 
 from .conftest import CharTokenizer, make_seq
 
