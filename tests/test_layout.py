@@ -20,6 +20,8 @@ CORE = ["nanovllm.core"] + [f"nanovllm.core.{m.name}" for m in pkgutil.iter_modu
 TORCH_FREE = CORE + ["nanovllm.engine.engine", "nanovllm.sampling_params", "nanovllm.config"]
 # the property tests' fake executor and harness run the real engine loop without torch, too
 TORCH_FREE_TESTS = ["tests.properties.fake_runner", "tests.properties.harness"]
+# the fast core tests (tests/core/, what mutmut runs per mutant) run without torch too
+TORCH_FREE_TESTS += [f"tests.core.{m.name}" for m in pkgutil.iter_modules([str(ROOT / "tests" / "core")])]
 
 
 def _import_check(module: str) -> str | None:
