@@ -85,10 +85,6 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
 
-    @property
-    def usage(self) -> float:
-        return 1.0 - len(self.free_blocks) / self.num_blocks
-
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 

@@ -38,11 +38,6 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.seqs
 
-    @property
-    def is_decode_only(self) -> bool:
-        return all(n == 1 and s.num_computed_tokens + 1 == s.num_tokens
-                   for s, n in zip(self.seqs, self.num_new_tokens))
-
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,

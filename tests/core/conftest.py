@@ -6,6 +6,11 @@ from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
+# an invariant's message, whole, as the first line of the AssertionError: pytest rewrites the
+# asserts of nanovllm's modules where nanovllm is installed (it ships a pytest plugin), and adds
+# the compared values on the lines below
+FIRST_LINE = r"^{}(\n|$)"
+
 _next_id = iter(range(10**9))
 
 
