@@ -329,3 +329,14 @@ def test_check_invariants_catches():
     a.block_table.append(a.block_table[0])
     with pytest.raises(AssertionError, match="repeats a block"):
         s.check_invariants()
+
+
+def test_admission_takes_the_last_token_of_the_budget():
+    """A decode takes 1 of a 2-token budget: the waiting request still gets a 1-token chunk."""
+    s = sched()
+    s.add(make_seq(range(3), "a"))
+    step(s)                               # a's prefill
+    s.max_num_batched_tokens = 2
+    s.add(make_seq(range(10, 13), "b"))
+    got, _ = step(s)
+    assert got == [("a", 1), ("b", 1)]
