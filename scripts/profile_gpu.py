@@ -1,5 +1,5 @@
 """Where a decode step's time goes on the GPU: torch.profiler over steady-state decode steps
-of the BENCH.md GPU workload (Qwen3-0.6B shape, random weights).
+of the standard GPU workload (Qwen3-0.6B shape, random weights).
 
     PYTHONPATH=. python3 scripts/profile_gpu.py [--steps 30] [--skip 200]
 

@@ -3,7 +3,7 @@
 #   1. tests/test_tp.py's and tests/test_tp_async.py's multi_gpu tests: TP=2 vs TP=1 over NCCL
 #      with CUDA graphs on (async scheduling, the CUDA default), and TP=2 async vs sync;
 #   2. the TP benchmark: Qwen3-8B shape, random weights (load_format="dummy"), the GPU
-#      workload of design/BENCH.md, TP=1, TP=2 (async scheduling, the default) and TP=2 with
+#      standard GPU workload, TP=1, TP=2 (async scheduling, the default) and TP=2 with
 #      --no-async-scheduling (each in a fresh process), a table last.
 # Run from the repository root:  bash scripts/tp_gpu_check.sh   (about 4-6 minutes)
 set -euo pipefail
@@ -23,7 +23,7 @@ python3 -m pytest -p no:xdist -m multi_gpu -q tests/test_tp.py tests/test_tp_asy
 echo "== multi_gpu conformance check (TP=2 vs TP=1 over NCCL) =="
 python3 -m pytest -p no:xdist -m multi_gpu -q conformance/test_tensor_parallel.py || echo "TP CONFORMANCE FAILED"
 
-echo "== TP benchmark: Qwen3-8B shape, random weights, BENCH.md GPU workload =="
+echo "== TP benchmark: Qwen3-8B shape, random weights, standard GPU workload =="
 for run in "1 tp1" "2 tp2" "2 tp2_sync --no-async-scheduling"; do
     set -- $run
     python3 -m nanovllm.entrypoints.cli bench --workload gpu --shape qwen3-8b --tensor-parallel-size "$1" --repeat 2 \

@@ -202,7 +202,7 @@ def test_named_workload_cut_by_num_prompts_and_output_len():
     full = cpu_workload()
     w = datasets.build_workload("cpu", 4, None, 7, vocab_size=None)
     assert w.prompts == full.prompts[:4] and w.max_tokens == [7] * 4
-    assert w.expected_prompt_tokens is None and "first 4" in w.name   # no longer BENCH.md's totals
+    assert w.expected_prompt_tokens is None and "first 4" in w.name   # no longer the standard totals
     assert datasets.build_workload("cpu", None, None, None, None).max_tokens == full.max_tokens
     with pytest.raises(ValueError, match=r"--num-prompts 33: --dataset 'cpu' has 32 requests"):
         datasets.build_workload("cpu", 33, None, None, None)

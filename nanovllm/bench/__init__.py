@@ -1,1 +1,1 @@
-"""Benchmarks: the workloads of shared/design/BENCH.md, peers run side by side, and the roofline."""
+"""Benchmarks: the standard workloads (workloads.py), peers run side by side, and the roofline."""

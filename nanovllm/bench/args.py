@@ -43,7 +43,7 @@ def add_length_args(p: argparse.ArgumentParser, input_default: str, output_defau
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", "--workload", dest="dataset", default="auto", metavar="NAME|FILE.jsonl",
-                   help=f"the requests: {', '.join(NAMED)} (BENCH.md's cpu and gpu workloads; random: "
+                   help=f"the requests: {', '.join(NAMED)} (the standard cpu and gpu workloads; random: "
                         "--num-prompts prompts of --input-len random ids; auto: random when --input-len is "
                         "given, else gpu with CUDA, else cpu), or a JSONL file of requests, one per line: "
                         '{"prompt": TEXT} or {"prompt_token_ids": [IDS]}, optional "max_tokens" (default: auto)')

@@ -1,14 +1,14 @@
 """The requests a benchmark runs, from `vllm bench`-style flags: ``--dataset`` (a workload by
 name, or a JSONL file), ``--num-prompts``, ``--input-len``, ``--output-len``.
 
-Named datasets: ``cpu`` and ``gpu`` (BENCH.md's workloads, reproduced exactly), ``random``
+Named datasets: ``cpu`` and ``gpu`` (the standard workloads of workloads.py), ``random``
 (``--num-prompts`` prompts of ``--input-len`` token ids drawn uniformly below the model's
 vocabulary size, seed 0; vLLM's ``random`` dataset) and ``auto`` (``random`` when
 ``--input-len`` is given, else ``gpu`` with CUDA, else ``cpu``). A JSONL file holds one request
 per line: ``{"prompt": "text"}`` (tokenized with the model's tokenizer) or
 ``{"prompt_token_ids": [...]}``, with an optional ``"max_tokens"``.
 
-``--num-prompts N`` keeps the first N requests (a named workload then no longer has BENCH.md's
+``--num-prompts N`` keeps the first N requests (a named workload then no longer has the standard
 totals); ``--output-len`` sets every request's output length (``ignore_eos``: exactly that many).
 Torch-free: imported by the CLI's argument code.
 """
@@ -119,7 +119,7 @@ def build_workload(name: str, num_prompts: int | None, input_len: int | None, ou
     if output_len is not None:
         w.max_tokens = [output_len] * len(w.prompts)
     if num_prompts is not None or output_len is not None:
-        w.expected_prompt_tokens = w.expected_output_tokens = None   # no longer BENCH.md's workload
+        w.expected_prompt_tokens = w.expected_output_tokens = None   # no longer the standard workload
         tags = [f"first {num_prompts}"] * (num_prompts is not None) + [f"output {output_len}"] * (output_len is not None)
         w.name = f"{w.name} ({', '.join(tags)})"
     return w

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from nanovllm.bench.workloads import Workload
 
-# measured on the H200 machine (shared/design/GPU.md): bf16 matmul on random data, device copy r+w
+# measured on the H200 machine: bf16 matmul on random data, device copy r+w
 H200_BF16_FLOPS = 790e12
 H200_HBM_BYTES_PER_S = 4.3e12
 

@@ -141,7 +141,7 @@ def measure(url: str, model: str, w: Workload, args) -> ServeMeasurement:
 
 
 def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", choices=("cpu", "gpu"), default="cpu", help="the dataset (BENCH.md workloads)")
+    p.add_argument("--workload", choices=("cpu", "gpu"), default="cpu", help="the dataset (the standard workloads)")
     p.add_argument("--shape", default="qwen3-0.6b", help="random-weight model shape for the gpu workload")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (Poisson); "
                                                                             "inf: all at once")

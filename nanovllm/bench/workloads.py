@@ -1,4 +1,4 @@
-"""The benchmark workloads, reproduced exactly (random.seed(0); the draws in BENCH.md's order)."""
+"""The benchmark workloads, reproduced exactly (random.seed(0); the draws in a fixed order)."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ class Workload:
     prompts: list[list[int]]
     max_tokens: list[int]
     temperature: float
-    expected_prompt_tokens: int | None = None   # BENCH.md's totals (None: a workload of no record)
+    expected_prompt_tokens: int | None = None   # the standard totals (None: a workload of no record)
     expected_output_tokens: int | None = None
     vocab_size: int | None = None   # the ids are below it (warm-up prompts stay below it too)
 
@@ -32,7 +32,7 @@ class Workload:
         got = (self.num_prompt_tokens, self.num_output_tokens)
         want = (self.expected_prompt_tokens, self.expected_output_tokens)
         if got != want:
-            raise RuntimeError(f"workload {self.name!r} totals {got} differ from BENCH.md's {want}: "
+            raise RuntimeError(f"workload {self.name!r} totals {got} differ from the standard {want}: "
                                f"the generator is not reproduced exactly")
 
 
