@@ -14,8 +14,8 @@ from transformers import PrefixConstrainedLogitsProcessor, RepetitionPenaltyLogi
 
 from conformance.zoo import ZOO, zoo_model
 from nanovllm import LLM, SamplingParams
-from tests.hf_processors import bad_words_reference, logit_bias_reference
 from tests.conftest import cached_llm, engine_args, hf_reference, prompts_for
+from tests.hf_processors import bad_words_reference, logit_bias_reference
 
 MODEL = "qwen3-gqa2-hd64-tied"   # its greedy output repeats tokens: penalties change it
 VOCAB = ZOO[MODEL].vocab_size

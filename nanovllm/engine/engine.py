@@ -24,8 +24,13 @@ from nanovllm.core.scheduler import Scheduler
 from nanovllm.core.sequence import Sequence, SequenceStatus
 from nanovllm.core.stop import check_stop, reaches_length_limit
 from nanovllm.engine.executor import Executor, StepHandle
-from nanovllm.engine.output_processor import (StreamState, make_request_output, make_stream_output, record_logprobs,
-                                              record_prompt_logprobs)
+from nanovllm.engine.output_processor import (
+    StreamState,
+    make_request_output,
+    make_stream_output,
+    record_logprobs,
+    record_prompt_logprobs,
+)
 from nanovllm.engine.parallel_sampling import ParentRequest
 from nanovllm.engine.step_timing import OFF, PhaseTimer, _Off
 from nanovllm.engine.trace import SeqStep, StepEvent, Tracer

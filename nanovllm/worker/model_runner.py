@@ -14,11 +14,9 @@ import torch.distributed as dist
 from nanovllm.attention.backends import get_backend
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.config import EngineConfig
-from nanovllm.worker.cuda_graph import CudaGraphRunner
 from nanovllm.core.model_input import ModelInput
 from nanovllm.core.model_output import ModelOutput
 from nanovllm.core.utils import cdiv
-from nanovllm.worker.step_inputs import StepInputs
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.cpu_linear import pack_linear_weights
 from nanovllm.layers.fused_sampler import mix_seed
@@ -26,6 +24,8 @@ from nanovllm.layers.parallel import tp_rank, tp_size
 from nanovllm.layers.sampler import Sampler, SamplingMetadata
 from nanovllm.loader.model_loader import init_dummy_weights, iter_safetensors, load_weights
 from nanovllm.models.registry import get_model_class
+from nanovllm.worker.cuda_graph import CudaGraphRunner
+from nanovllm.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 _SEED_MASK = (1 << 62) - 1
@@ -323,7 +323,7 @@ class ModelRunner:
         return ModelOutput(self.sampler(logits, self._sampling_metadata(mi)), prompt_lps)
 
     @torch.inference_mode()
-    def launch(self, mi: ModelInput) -> "StepHandle":
+    def launch(self, mi: ModelInput) -> StepHandle:
         """Queue a step on the device and return at once (async scheduling): the sampled tokens
         stay on the device for the next step's placeholder rows; the handle's ``result()``
         waits for them. With tensor parallelism rank 0 samples and every rank gets its tokens

@@ -32,18 +32,40 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.mutants import engine as engine_mutants
-from tests.mutants.engine import (_patched, admission_check_skipped, allowed_token_ids_last_dropped,
-                                  async_input_from_wrong_row, bad_words_prefix_ignored, cuda_graph_padding_writes_kv,
-                                  decode_drops_last_key, eos_ignored, frequency_penalty_counts_prompt,
-                                  fused_sampler_skips_processing, fused_sampler_temperature_ignored,
-                                  logit_bias_subtracted, logprobs_after_temperature, min_p_absolute,
-                                  min_tokens_ignored, n_children_share_seed, outputs_in_finish_order,
-                                  philox_seed_ignored, prefill_mask_top_left, presence_penalty_per_occurrence,
-                                  prompt_logprobs_shifted, repetition_penalty_ignores_prompt, seed_ignored,
-                                  slot_mapping_off_by_one, stop_string_kept, temperature_ignored,
-                                  top_k_one_too_many, top_p_one_too_few, tp_allreduce_skipped, tp_ranks_sample_apart,
-                                  tp_result_ignores_ticket,
-                                  triton_decode_drops_last_key)
+from tests.mutants.engine import (
+    _patched,
+    admission_check_skipped,
+    allowed_token_ids_last_dropped,
+    async_input_from_wrong_row,
+    bad_words_prefix_ignored,
+    cuda_graph_padding_writes_kv,
+    decode_drops_last_key,
+    eos_ignored,
+    frequency_penalty_counts_prompt,
+    fused_sampler_skips_processing,
+    fused_sampler_temperature_ignored,
+    logit_bias_subtracted,
+    logprobs_after_temperature,
+    min_p_absolute,
+    min_tokens_ignored,
+    n_children_share_seed,
+    outputs_in_finish_order,
+    philox_seed_ignored,
+    prefill_mask_top_left,
+    presence_penalty_per_occurrence,
+    prompt_logprobs_shifted,
+    repetition_penalty_ignores_prompt,
+    seed_ignored,
+    slot_mapping_off_by_one,
+    stop_string_kept,
+    temperature_ignored,
+    top_k_one_too_many,
+    top_p_one_too_few,
+    tp_allreduce_skipped,
+    tp_ranks_sample_apart,
+    tp_result_ignores_ticket,
+    triton_decode_drops_last_key,
+)
 
 ENV = "NANOVLLM_MUTANT"
 ROOT = Path(__file__).resolve().parent.parent.parent

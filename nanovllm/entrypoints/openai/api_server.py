@@ -23,8 +23,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.engine.async_llm import AsyncLLM
 from nanovllm.entrypoints.openai.metrics import ServerMetrics
-from nanovllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                  OpenAIError, TokenizeRequest)
+from nanovllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    OpenAIError,
+    TokenizeRequest,
+)
 from nanovllm.entrypoints.openai.serving_chat import apply_chat_template, create_chat_completion
 from nanovllm.entrypoints.openai.serving_common import check_model
 from nanovllm.entrypoints.openai.serving_completion import create_completion

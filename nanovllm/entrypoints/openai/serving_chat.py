@@ -8,9 +8,19 @@ from collections.abc import AsyncIterator
 
 from nanovllm.engine.async_llm import AsyncLLM
 from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
-from nanovllm.entrypoints.openai.serving_common import (check_model, choices, merged, now, prompt_logprobs_json,
-                                                        random_id, sampling_params, sse, start, stream_error,
-                                                        usage)
+from nanovllm.entrypoints.openai.serving_common import (
+    check_model,
+    choices,
+    merged,
+    now,
+    prompt_logprobs_json,
+    random_id,
+    sampling_params,
+    sse,
+    start,
+    stream_error,
+    usage,
+)
 from nanovllm.entrypoints.openai.serving_completion import LOGPROB_FLOOR, token_name
 from nanovllm.outputs import CompletionOutput
 

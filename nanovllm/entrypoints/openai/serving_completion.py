@@ -7,9 +7,20 @@ from collections.abc import AsyncIterator
 
 from nanovllm.engine.async_llm import AsyncLLM
 from nanovllm.entrypoints.openai.protocol import CompletionRequest, OpenAIError
-from nanovllm.entrypoints.openai.serving_common import (check_model, check_n, choices, merged, now,
-                                                        prompt_logprobs_json, random_id, sampling_params, sse,
-                                                        start, stream_error, usage)
+from nanovllm.entrypoints.openai.serving_common import (
+    check_model,
+    check_n,
+    choices,
+    merged,
+    now,
+    prompt_logprobs_json,
+    random_id,
+    sampling_params,
+    sse,
+    start,
+    stream_error,
+    usage,
+)
 from nanovllm.outputs import CompletionOutput
 
 LOGPROB_FLOOR = -9999.0   # -inf is not JSON: vLLM's floor
