@@ -55,11 +55,9 @@ def eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
         elif isinstance(value, (list, tuple)):
             ids.extend(v for v in value if isinstance(v, int))
 
-    try:
-        from transformers import GenerationConfig
-        add(GenerationConfig.from_pretrained(model_dir).eos_token_id)
-    except (OSError, ValueError):
-        pass
+    from nanovllm.loader.hf_config import read_generation_eos
+
+    add(read_generation_eos(model_dir))   # no transformers import (start-up time)
     add(getattr(hf_config, "eos_token_id", None))
     if not ids and tokenizer is not None:
         add(tokenizer.eos_token_id)
