@@ -67,11 +67,11 @@ def eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
 def load_tokenizer(config: EngineConfig):
     if config.skip_tokenizer_init:
         return None
-    from transformers import AutoTokenizer
+    from nanovllm.tokenizer import load_tokenizer as load   # transformers only where needed
 
     source = config.tokenizer or config.model_dir
     try:
-        return AutoTokenizer.from_pretrained(source)
+        return load(source)
     except (OSError, ValueError, TypeError) as e:
         if config.tokenizer is not None:
             raise ValueError(f"cannot load tokenizer {config.tokenizer!r}: {e}") from None

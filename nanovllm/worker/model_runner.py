@@ -21,7 +21,7 @@ from nanovllm.core.utils import cdiv
 from nanovllm.worker.step_inputs import StepInputs
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.cpu_linear import pack_linear_weights
-from nanovllm.layers.fused_sampler import mix_seed
+from nanovllm.layers.seeds import mix_seed
 from nanovllm.layers.parallel import tp_rank, tp_size
 from nanovllm.layers.sampler import Sampler, SamplingMetadata
 from nanovllm.loader.model_loader import init_dummy_weights, iter_safetensors, load_weights
