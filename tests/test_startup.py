@@ -41,8 +41,8 @@ def test_the_check_sees_an_import():
 def test_threads_flag_and_default(monkeypatch):
     from nanovllm.config import EngineConfig
     from nanovllm.cpu_threads import default_threads, physical_cores
-    from nanovllm.entrypoints.cli import build_parser
     from nanovllm.entrypoints.args import engine_kwargs
+    from nanovllm.entrypoints.cli import build_parser
 
     args = build_parser().parse_args(["generate", "--threads", "3", "hi"])
     assert engine_kwargs(args)["threads"] == 3
