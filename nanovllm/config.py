@@ -95,6 +95,9 @@ class EngineConfig:
     async_scheduling: bool | None = None
     """Schedule and launch step N+1 before step N's tokens reach the host (None: on for one GPU; with
     tensor parallelism on GPUs pass True: that path is checked on CPUs (gloo) but not yet on GPUs)."""
+    threads: int | None = None
+    """CPU threads of torch on the CPU device, shared by tensor-parallel ranks (None: $OMP_NUM_THREADS
+    if set, else one per physical core this process may run on)."""
     # resolved in resolve(): the loaded model's HF config and the model directory
     hf_config: Any = field(default=None, repr=False)
     model_dir: str | None = field(default=None, repr=False)
@@ -127,6 +130,7 @@ class EngineConfig:
         _int_field("max_model_len", self.max_model_len, 2, allow_none=True)
         _int_field("tensor_parallel_size", self.tensor_parallel_size, 1)
         _int_field("seed", self.seed, 0)
+        _int_field("threads", self.threads, 1, allow_none=True)
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager",
                      "skip_tokenizer_init"):
             _bool_field(name, getattr(self, name))
@@ -185,6 +189,10 @@ class EngineConfig:
                                            else max(default, self.max_model_len))
         if self.async_scheduling is None:
             self.async_scheduling = self.device == "cuda" and self.tensor_parallel_size == 1
+        if self.threads is None:
+            from nanovllm.cpu_threads import default_threads
+
+            self.threads = default_threads()
         if self.enforce_eager is False and self.device == "cpu":
             self.enforce_eager = True  # CUDA graphs only exist on GPUs
         vocab = getattr(hf_config, "vocab_size", None)

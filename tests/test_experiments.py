@@ -140,4 +140,4 @@ def test_cli_experiment_list_and_errors(tmp_path, capsys):
     assert main(["experiment", "kv-pressure", "--num-kvcache-blocks", "4", "--out", str(tmp_path)]) == 2
     assert "sweeps num_kvcache_blocks itself" in capsys.readouterr().err
     assert main(["experiment", "01", "--threads", "0", "--out", str(tmp_path)]) == 2
-    assert "--threads must be >= 1, got 0" in capsys.readouterr().err
+    assert "threads must be >= 1, got 0" in capsys.readouterr().err   # EngineConfig.threads

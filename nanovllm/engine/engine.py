@@ -60,11 +60,9 @@ def eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
         elif isinstance(value, (list, tuple)):
             ids.extend(v for v in value if isinstance(v, int))
 
-    try:
-        from transformers import GenerationConfig
-        add(GenerationConfig.from_pretrained(model_dir).eos_token_id)
-    except (OSError, ValueError):
-        pass
+    from nanovllm.loader.hf_config import read_generation_eos
+
+    add(read_generation_eos(model_dir))   # no transformers import (start-up time)
     add(getattr(hf_config, "eos_token_id", None))
     if not ids and tokenizer is not None:
         add(tokenizer.eos_token_id)
@@ -74,11 +72,11 @@ def eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
 def load_tokenizer(config: EngineConfig):
     if config.skip_tokenizer_init:
         return None
-    from transformers import AutoTokenizer
+    from nanovllm.tokenizer import load_tokenizer as load   # transformers only where needed
 
     source = config.tokenizer or config.model_dir
     try:
-        return AutoTokenizer.from_pretrained(source)
+        return load(source)
     except (OSError, ValueError, TypeError) as e:
         if config.tokenizer is not None:
             raise ValueError(f"cannot load tokenizer {config.tokenizer!r}: {e}") from None

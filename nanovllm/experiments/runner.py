@@ -80,16 +80,9 @@ def add_experiment_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=DEFAULT_OUT, help="output folder (one subfolder per experiment)")
     parser.add_argument("--shape", choices=("auto", "cpu", "gpu"), default="auto",
                         help="workload size: auto = gpu on CUDA, else cpu")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (on a busy machine 1 can be much faster than the default)")
 
 
 def cmd_experiment(args: argparse.Namespace, engine_args: dict) -> int:
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        import torch
-        torch.set_num_threads(args.threads)
     if args.experiment == "list":
         for number in MODULES:
             exp = load(number)

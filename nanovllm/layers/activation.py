@@ -2,7 +2,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers import fused_ops
+from nanovllm.layers.triton_switch import LazyKernels
+
+fused_ops = LazyKernels("nanovllm.layers.fused_ops", "NANOVLLM_FUSED_OPS")   # Triton only when used
 
 
 class SiluAndMul(nn.Module):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from nanovllm.layers.seeds import mix_seed  # noqa: F401 - its home before seeds.py
 from nanovllm.layers.triton_switch import triton_path
 
 try:
@@ -86,15 +87,3 @@ def sample(logits: torch.Tensor, inv_temp: torch.Tensor, seeds: torch.Tensor,
         _sample_kernel[(n,)](logits, logits.stride(0), inv_temp, seeds, out[0], out[1], VOCAB=vocab,
                              BLOCK=block, num_warps=8 if block >= 2048 else 4)
     return out[0], out[1]
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def mix_seed(a: int, b: int) -> int:
-    """A 62-bit seed from two integers (splitmix64 finaliser): distinct (a, b) give
-    unrelated Philox streams."""
-    z = (a * 0x9E3779B97F4A7C15 + b + 0x632BE59BD9B4E019) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) >> 2

@@ -1,7 +1,9 @@
 import torch
 from torch import nn
 
-from nanovllm.layers import fused_ops
+from nanovllm.layers.triton_switch import LazyKernels
+
+fused_ops = LazyKernels("nanovllm.layers.fused_ops", "NANOVLLM_FUSED_OPS")   # Triton only when used
 
 
 class RMSNorm(nn.Module):

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from nanovllm.layers import fused_ops
+from nanovllm.layers.triton_switch import LazyKernels
 
 # the RoPE scaling types we implement, with the fields each needs (transformers' names and formulas)
 ROPE_TYPES = {
@@ -15,6 +15,8 @@ ROPE_TYPES = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
+
+fused_ops = LazyKernels("nanovllm.layers.fused_ops", "NANOVLLM_FUSED_OPS")   # Triton only when used
 
 
 def rope_type(rope_scaling: dict | None) -> str:

@@ -21,8 +21,10 @@ import torch
 
 from nanovllm.core.model_input import RowLogitsProcessing
 from nanovllm.core.model_output import SamplerOutput
-from nanovllm.layers import fused_sampler
 from nanovllm.layers.logits_processing import apply_logits_processing
+from nanovllm.layers.triton_switch import LazyKernels
+
+fused_sampler = LazyKernels("nanovllm.layers.fused_sampler", "NANOVLLM_FUSED_SAMPLER")   # Triton only when used
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""When a Triton kernel path applies to a tensor.
+"""When a Triton kernel path applies to a tensor, and the kernel modules imported only then.
 
 Triton must be importable; a CUDA tensor takes the kernels unless the kernel family's
 environment switch is "0" (``NANOVLLM_FUSED_OPS``, ``NANOVLLM_FUSED_SAMPLER``: for A/B
@@ -7,6 +7,7 @@ measurements); a CPU tensor takes them only in the kernel tests under Triton's i
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 
@@ -21,3 +22,22 @@ def triton_path(x: torch.Tensor, switch: str) -> bool:
     if x.is_cuda:
         return os.environ.get(switch, "1") == "1"
     return os.environ.get("NANOVLLM_TRITON_INTERPRET") == "1"
+
+
+class LazyKernels:
+    """A Triton kernel module (``fused_ops``, ``fused_sampler``) imported on its first use: a run
+    whose tensors never take the kernel path (the CPU) never imports it, nor Triton (start-up
+    time). ``enabled(x)`` answers without importing where ``triton_path`` says no; any other
+    attribute is the module's."""
+
+    def __init__(self, module: str, switch: str):
+        self._name, self._switch = module, switch
+
+    def _module(self):
+        return importlib.import_module(self._name)
+
+    def enabled(self, x: torch.Tensor) -> bool:
+        return triton_path(x, self._switch) and self._module().enabled(x)
+
+    def __getattr__(self, name: str):
+        return getattr(self._module(), name)

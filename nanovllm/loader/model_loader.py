@@ -7,7 +7,6 @@ parameter carries a ``weight_loader`` that knows how to take its shard.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,12 +42,11 @@ def resolve_model_dir(model: str | None) -> str:
 
 
 def load_hf_config(model_dir: str):
-    from transformers import AutoConfig
+    """The model's config.json as an HFConfig (loader/hf_config.py: AutoConfig's values, without
+    importing transformers)."""
+    from nanovllm.loader.hf_config import read_hf_config
 
-    try:
-        return AutoConfig.from_pretrained(model_dir)
-    except (ValueError, KeyError, OSError) as e:
-        raise ValueError(f"cannot read {os.path.join(model_dir, 'config.json')}: {e}") from None
+    return read_hf_config(model_dir)
 
 
 def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:

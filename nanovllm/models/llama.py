@@ -29,21 +29,30 @@ class Biases:
     mlp: bool = False
 
 
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def make_rotary_embedding(config, max_position: int) -> RotaryEmbedding:
+    theta, scaling = rope_parameters(config)
+    return RotaryEmbedding(_head_dim(config), max_position, theta, scaling)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config, biases: Biases, qk_norm: bool, max_position: int):
+    def __init__(self, config, biases: Biases, qk_norm: bool, max_position: int,
+                 rotary_emb: RotaryEmbedding | None = None):
         super().__init__()
         hidden = config.hidden_size
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
+        self.head_dim = _head_dim(config)
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv_heads, bias=biases.qkv)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=biases.o)
-        theta, scaling = rope_parameters(config)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, max_position, theta, scaling)
+        self.rotary_emb = rotary_emb or make_rotary_embedding(config, max_position)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
         self.qk_norm = qk_norm
         if qk_norm:
@@ -79,9 +88,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, biases: Biases, qk_norm: bool, max_position: int):
+    def __init__(self, config, biases: Biases, qk_norm: bool, max_position: int,
+                 rotary_emb: RotaryEmbedding | None = None):
         super().__init__()
-        self.self_attn = LlamaAttention(config, biases, qk_norm, max_position)
+        self.self_attn = LlamaAttention(config, biases, qk_norm, max_position, rotary_emb)
         self.mlp = LlamaMLP(config, biases.mlp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -101,8 +111,9 @@ class LlamaModel(nn.Module):
     def __init__(self, config, biases: Biases, qk_norm: bool, max_position: int):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        rotary_emb = make_rotary_embedding(config, max_position)   # one table for all layers (start-up)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, biases, qk_norm, max_position)
+            LlamaDecoderLayer(config, biases, qk_norm, max_position, rotary_emb)
             for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

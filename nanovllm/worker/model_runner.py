@@ -19,7 +19,7 @@ from nanovllm.core.model_output import ModelOutput
 from nanovllm.core.utils import cdiv
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.cpu_linear import pack_linear_weights
-from nanovllm.layers.fused_sampler import mix_seed
+from nanovllm.layers.seeds import mix_seed
 from nanovllm.layers.parallel import tp_rank, tp_size
 from nanovllm.layers.sampler import Sampler, SamplingMetadata
 from nanovllm.loader.model_loader import init_dummy_weights, iter_safetensors, load_weights
@@ -54,6 +54,8 @@ class ModelRunner:
         hf = config.hf_config
         # what this engine holds on the GPU is counted from here (weights, buffers, graphs)
         self._reserved_at_start = self._check_gpu_memory() if self.device.type == "cuda" else 0
+        if self.device.type == "cpu" and config.threads is not None:   # ranks share the threads
+            torch.set_num_threads(max(1, config.threads // config.tensor_parallel_size))
         torch.manual_seed(config.seed)
         model_cls = get_model_class(hf)
         default_dtype = torch.get_default_dtype()

@@ -1,0 +1,67 @@
+"""Start-up imports only what the path needs (timings are measured in BENCHMARKS.md, not here):
+the CLI's help imports no torch; a CPU engine imports neither transformers nor Triton."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conformance.zoo import zoo_model
+
+CHECK = "import sys, json; print(json.dumps({m: m in sys.modules for m in ('torch', 'transformers', 'triton')}))"
+
+
+def _modules_after(code: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", f"{code}\n{CHECK}"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["serve", "--help"], ["bench", "--help"]])
+def test_help_imports_no_torch(argv):
+    code = ("import contextlib, io\nfrom nanovllm.entrypoints.cli import main\n"
+            f"with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit): main({argv!r})")
+    assert _modules_after(code)["torch"] is False
+
+
+def test_cpu_engine_imports_neither_transformers_nor_triton():
+    model = zoo_model("qwen3-gqa2-hd64-tied")
+    code = (f"from nanovllm import LLM, SamplingParams\nllm = LLM({model!r}, device='cpu', threads=1)\n"
+            "llm.chat([{'role': 'user', 'content': 'w5 w6'}], SamplingParams(max_tokens=2), use_tqdm=False)")
+    assert _modules_after(code) == {"torch": True, "transformers": False, "triton": False}
+
+
+def test_the_check_sees_an_import():
+    """Negative control: the same check reports a module that was imported."""
+    assert _modules_after("import transformers")["transformers"] is True
+
+
+def test_threads_flag_and_default(monkeypatch):
+    from nanovllm.config import EngineConfig
+    from nanovllm.cpu_threads import default_threads, physical_cores
+    from nanovllm.entrypoints.args import engine_kwargs
+    from nanovllm.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--threads", "3", "hi"])
+    assert engine_kwargs(args)["threads"] == 3
+    with pytest.raises(ValueError, match="threads must be >= 1, got 0"):
+        EngineConfig(threads=0)
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert default_threads() == 5
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert default_threads() == physical_cores() >= 1
+
+
+def test_physical_cores_counts_cores_not_hyperthreads(tmp_path):
+    for cpu, core in ((0, 0), (1, 1), (2, 0), (3, 1)):   # two cores, two hardware threads each
+        topo = tmp_path / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "core_id").write_text(f"{core}\n")
+        (topo / "physical_package_id").write_text("0\n")
+    from nanovllm.cpu_threads import physical_cores
+
+    assert physical_cores({0, 1, 2, 3}, sysfs=tmp_path) == 2
+    assert physical_cores({0, 2}, sysfs=tmp_path) == 1
+    assert physical_cores({0, 1, 2, 3}, sysfs=tmp_path / "absent") == 4   # no topology: the CPU count
