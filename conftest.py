@@ -1,4 +1,5 @@
 """Shared pytest setup: devices and GPU sharing, threads per worker, hypothesis profiles, skips."""
+
 from __future__ import annotations
 
 import os
@@ -71,15 +72,27 @@ if _workers > 1 and "OMP_NUM_THREADS" not in os.environ:
 try:
     from hypothesis import HealthCheck, settings
 
-    settings.register_profile("quick", max_examples=30, stateful_step_count=30, deadline=None,
-                              suppress_health_check=[HealthCheck.too_slow])
-    settings.register_profile("conformance", max_examples=300, stateful_step_count=80, deadline=None,
-                              suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile(
+        "quick", max_examples=30, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    )
+    settings.register_profile(
+        "conformance",
+        max_examples=300,
+        stateful_step_count=80,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
     # mutation runs (make mutation): few examples, the same ones for every mutant, no example
     # database (a mutant's failing example must not be replayed against the next mutant)
-    settings.register_profile("mutation", max_examples=10, stateful_step_count=20, deadline=None,
-                              derandomize=True, database=None,
-                              suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile(
+        "mutation",
+        max_examples=10,
+        stateful_step_count=20,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "quick"))
 except ImportError:  # hypothesis is a test dependency
     pass
@@ -91,7 +104,7 @@ def pytest_configure(config):
         config.option.dist = "loadgroup"
 
 
-@pytest.hookimpl(tryfirst=True)   # before pytest-xdist reads the groups
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     import torch
 
@@ -101,8 +114,11 @@ def pytest_collection_modifyitems(config, items):
 
     # slow checks (regenerating golden files, the whole mutant table) take many minutes: they run
     # when asked for (-m slow, or NANOVLLM_SLOW=1), not in every pytest run
-    if "slow" not in (config.option.markexpr or "") and os.environ.get("NANOVLLM_SLOW") != "1" \
-            and os.environ.get("CONFORMANCE_SLOW") != "1":
+    if (
+        "slow" not in (config.option.markexpr or "")
+        and os.environ.get("NANOVLLM_SLOW") != "1"
+        and os.environ.get("CONFORMANCE_SLOW") != "1"
+    ):
         later = pytest.mark.skip(reason="slow check: run with -m slow or NANOVLLM_SLOW=1")
         for item in items:
             if item.get_closest_marker("slow"):

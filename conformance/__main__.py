@@ -10,6 +10,7 @@ Exit status: 0 when every check that ran passed and the engine could take at lea
 them; 1 when a check failed, the engine is unavailable here, or more than half of the checks
 were skipped for missing capabilities (--allow-skips accepts that); pytest's own codes otherwise.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,14 @@ def parse_junit(path: Path) -> list[dict]:
     rows = []
     for case in ET.parse(path).iter("testcase"):
         module = case.get("classname", "").split(".")[-1]
-        row: dict = {"check": f"{module}::{case.get('name')}", "seconds": float(case.get("time", 0)),
-               "result": "pass", "message": "", "figures": {}, "status": None}
+        row: dict = {
+            "check": f"{module}::{case.get('name')}",
+            "seconds": float(case.get("time", 0)),
+            "result": "pass",
+            "message": "",
+            "figures": {},
+            "status": None,
+        }
         for prop in case.iter("property"):
             if prop.get("name") == STATUS:
                 row["status"] = prop.get("value")
@@ -81,13 +88,13 @@ def _one_line(text: str, limit: int = 300) -> str:
 
 def tally(rows: list[dict]) -> dict:
     """checked / failed / unchecked by capability / skipped for reasons that are not the engine's."""
-    unchecked = Counter(r["status"].split(":", 1)[1] for r in rows
-                        if (r["status"] or "").startswith("unchecked:"))
-    return {"passed": sum(r["result"] == "pass" for r in rows),
-            "failed": sum(r["result"] in ("FAIL", "ERROR") for r in rows),
-            "unchecked": unchecked,
-            "other_skips": sum(r["result"] == "skip" and not (r["status"] or "").startswith("unchecked:")
-                               for r in rows)}
+    unchecked = Counter(r["status"].split(":", 1)[1] for r in rows if (r["status"] or "").startswith("unchecked:"))
+    return {
+        "passed": sum(r["result"] == "pass" for r in rows),
+        "failed": sum(r["result"] in ("FAIL", "ERROR") for r in rows),
+        "unchecked": unchecked,
+        "other_skips": sum(r["result"] == "skip" and not (r["status"] or "").startswith("unchecked:") for r in rows),
+    }
 
 
 def command_line(argv: list[str]) -> str:
@@ -95,21 +102,27 @@ def command_line(argv: list[str]) -> str:
     return os.environ.get("CONFORMANCE_COMMAND") or shlex.join(["python", "-m", "conformance", *argv])
 
 
-def write_report(rows: list[dict], engine: str, out: Path, argv: list[str], wall: float, notes: str,
-                 exit_status: int) -> None:
+def write_report(
+    rows: list[dict], engine: str, out: Path, argv: list[str], wall: float, notes: str, exit_status: int
+) -> None:
     t = tally(rows)
     n_un = sum(t["unchecked"].values())
     by_cap = ", ".join(f"`{cap}` x{n}" for cap, n in sorted(t["unchecked"].items(), key=lambda kv: -kv[1]))
-    lines = [f"# Conformance report: `{engine}`", "",
-             f"- engine: {engine_version(engine)}",
-             f"- date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, "
-             f"{os.cpu_count()} CPUs, {platform.system()}; python {platform.python_version()}",
-             f"- command: `{command_line(argv)}`",
-             f"- result: {t['passed']} checked and passed, {t['failed']} failed, {n_un} unchecked "
-             f"(skipped for a missing capability{': ' + by_cap if by_cap else ''}), "
-             f"{t['other_skips']} skipped for reasons that are not the engine's (slow, GPU); "
-             f"exit status {exit_status}; wall time {wall:.0f} s", "",
-             "| check | result | key figure | seconds |", "| --- | --- | --- | --- |"]
+    lines = [
+        f"# Conformance report: `{engine}`",
+        "",
+        f"- engine: {engine_version(engine)}",
+        f"- date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, "
+        f"{os.cpu_count()} CPUs, {platform.system()}; python {platform.python_version()}",
+        f"- command: `{command_line(argv)}`",
+        f"- result: {t['passed']} checked and passed, {t['failed']} failed, {n_un} unchecked "
+        f"(skipped for a missing capability{': ' + by_cap if by_cap else ''}), "
+        f"{t['other_skips']} skipped for reasons that are not the engine's (slow, GPU); "
+        f"exit status {exit_status}; wall time {wall:.0f} s",
+        "",
+        "| check | result | key figure | seconds |",
+        "| --- | --- | --- | --- |",
+    ]
     for r in rows:
         figs = "; ".join(f"{k}: {v}" for k, v in r["figures"].items())
         if r["result"] == "skip":
@@ -126,17 +139,27 @@ def write_report(rows: list[dict], engine: str, out: Path, argv: list[str], wall
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m conformance", description=__doc__,
-                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engine", default=os.environ.get("CONFORMANCE_ENGINE", "nanovllm"),
-                    help="engine to check (see --list-engines; default nanovllm, env CONFORMANCE_ENGINE)")
-    ap.add_argument("--adapter", metavar="MODULE:CLASS",
-                    help="an EngineAdapter subclass to check instead of a named engine")
+    ap = argparse.ArgumentParser(
+        prog="python -m conformance",
+        description=__doc__,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--engine",
+        default=os.environ.get("CONFORMANCE_ENGINE", "nanovllm"),
+        help="engine to check (see --list-engines; default nanovllm, env CONFORMANCE_ENGINE)",
+    )
+    ap.add_argument(
+        "--adapter", metavar="MODULE:CLASS", help="an EngineAdapter subclass to check instead of a named engine"
+    )
     ap.add_argument("--report", type=Path, help="write the Markdown report here")
     ap.add_argument("--notes", type=Path, help="Markdown appended to the report (the judgement)")
-    ap.add_argument("--allow-skips", action="store_true",
-                    help="exit 0 even when the engine is unavailable or most checks were skipped "
-                         "for missing capabilities")
+    ap.add_argument(
+        "--allow-skips",
+        action="store_true",
+        help="exit 0 even when the engine is unavailable or most checks were skipped for missing capabilities",
+    )
     ap.add_argument("--list-engines", action="store_true", help="list the known engines and exit")
     return ap
 
@@ -155,10 +178,25 @@ def main(argv=None) -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="conformance-report-") as tmp:
         xml = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "--pyargs", "conformance", "-p", "conformance.plugin",
-               "--adapter" if args.adapter else "--engine", spec,
-               f"--junitxml={xml}", "-o", "junit_family=xunit1", "-p", "no:cacheprovider", "-q",
-               *(["--allow-skips"] if args.allow_skips else []), *pytest_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--pyargs",
+            "conformance",
+            "-p",
+            "conformance.plugin",
+            "--adapter" if args.adapter else "--engine",
+            spec,
+            f"--junitxml={xml}",
+            "-o",
+            "junit_family=xunit1",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            *(["--allow-skips"] if args.allow_skips else []),
+            *pytest_args,
+        ]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_PARENT), env.get("PYTHONPATH")) if p)
         start = time.perf_counter()

@@ -7,6 +7,7 @@ result appears under its final name by one atomic rename, so no reader sees half
 The suite keeps its own copy of this small routine so that it imports nothing from the engine
 it checks.
 """
+
 from __future__ import annotations
 
 import fcntl

@@ -10,6 +10,7 @@ comparison would no longer be checking anything.
 
 Each rule has a negative control in the tests: it must fail on a known-bad input.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -67,8 +68,10 @@ class GreedyReport:
         return not self.failed and not self.too_many_divergences
 
     def summary(self) -> str:
-        s = (f"{self.num_exact}/{self.num_seqs} exact, {len(self.allowed)} allowed near-tie divergence(s), "
-             f"{len(self.failed)} failure(s)")
+        s = (
+            f"{self.num_exact}/{self.num_seqs} exact, {len(self.allowed)} allowed near-tie divergence(s), "
+            f"{len(self.failed)} failure(s)"
+        )
         if self.failed:
             s += ": " + "; ".join(self.failed[:5])
         if self.too_many_divergences:
@@ -76,8 +79,13 @@ class GreedyReport:
         return s
 
 
-def compare_greedy(ref_tokens: Sequence[Sequence[int]], ref_logprobs, got_tokens: Sequence[Sequence[int]],
-                   delta: float, max_diverged_frac: float = 0.5) -> GreedyReport:
+def compare_greedy(
+    ref_tokens: Sequence[Sequence[int]],
+    ref_logprobs,
+    got_tokens: Sequence[Sequence[int]],
+    delta: float,
+    max_diverged_frac: float = 0.5,
+) -> GreedyReport:
     """ref_logprobs[i][t] gives the reference's log-probabilities at step t of
     sequence i (anything indexable by token id: a tensor row, a dict of top-k)."""
     if len(ref_tokens) != len(got_tokens):
@@ -90,8 +98,9 @@ def compare_greedy(ref_tokens: Sequence[Sequence[int]], ref_logprobs, got_tokens
             if len(ref) == len(got):
                 report.num_exact += 1
             else:
-                report.failed.append(f"seq {i}: lengths differ ({len(got)} vs reference {len(ref)}) "
-                                     f"with no token divergence")
+                report.failed.append(
+                    f"seq {i}: lengths differ ({len(got)} vs reference {len(ref)}) with no token divergence"
+                )
             continue
         margin = _margin(ref_logprobs[i][step], ref[step], got[step])
         div = Divergence(i, step, ref[step], got[step], margin)
@@ -109,8 +118,9 @@ def _margin(step_logprobs, ref_token: int, got_token: int) -> float | None:
         return None  # the engine's token is outside the reference's recorded top-k: not a near-tie
 
 
-def assert_greedy_match(ref_tokens, ref_logprobs, got_tokens, dtype: str = "float32",
-                        max_diverged_frac: float = 0.5) -> GreedyReport:
+def assert_greedy_match(
+    ref_tokens, ref_logprobs, got_tokens, dtype: str = "float32", max_diverged_frac: float = 0.5
+) -> GreedyReport:
     report = compare_greedy(ref_tokens, ref_logprobs, got_tokens, DELTA[dtype], max_diverged_frac)
     assert report.ok, report.summary()
     return report
@@ -124,5 +134,7 @@ def assert_tokens_equal(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]], 
         i = bad[0]
         x, y = list(a[i]), list(b[i])
         step = next((t for t, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
-        raise AssertionError(f"{what}: {len(bad)}/{len(a)} sequences differ; first: seq {i} at step {step}: "
-                             f"{x[step:step + 4]} vs {y[step:step + 4]}")
+        raise AssertionError(
+            f"{what}: {len(bad)}/{len(a)} sequences differ; first: seq {i} at step {step}: "
+            f"{x[step : step + 4]} vs {y[step : step + 4]}"
+        )

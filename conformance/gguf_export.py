@@ -8,6 +8,7 @@ the NeoX layout and keep theirs), and a stand-in vocabulary (the tokenizer's tok
 engines given such a file should decode text with the directory's own tokenizer. Built once per
 model directory into the suite's cache.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,10 +21,17 @@ import numpy as np
 from conformance.cache import build_once, cache_root
 
 LAYER_NAMES = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
 TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 ARCHS = {"llama", "qwen2", "qwen3"}
@@ -111,10 +119,14 @@ def export(model_dir: Path, dest: Path) -> None:
     w.add_tokenizer_model("llama")
     w.add_token_list([vocab.get(i, f"<unused{i}>") for i in range(cfg["vocab_size"])])
     w.add_token_scores([0.0] * cfg["vocab_size"])
-    w.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
-                       for i in range(cfg["vocab_size"])])
-    for key, value in (("bos", cfg.get("bos_token_id")), ("eos", cfg.get("eos_token_id")),
-                       ("pad", cfg.get("pad_token_id"))):
+    w.add_token_types(
+        [gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in range(cfg["vocab_size"])]
+    )
+    for key, value in (
+        ("bos", cfg.get("bos_token_id")),
+        ("eos", cfg.get("eos_token_id")),
+        ("pad", cfg.get("pad_token_id")),
+    ):
         if isinstance(value, int):
             getattr(w, f"add_{key}_token_id")(value)
     w.add_add_bos_token(False)

@@ -6,6 +6,7 @@ engine cannot take ends the check with a skip that says "engine X lacks capabili
 (or "engine X is not available here: why"); nothing passes silently, and the plugin counts
 these skips, by those words, against the run (more than half of the checks unchecked fails it).
 """
+
 from __future__ import annotations
 
 import os
@@ -48,6 +49,7 @@ def call_with_timeout(fn, timeout: float, what: str):
             box["value"] = fn()
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             box["error"] = e
+
     t = threading.Thread(target=target, daemon=True, name="conformance-call")
     t.start()
     t.join(timeout)
@@ -66,8 +68,7 @@ class EnginePool:
     (vLLM) are capped at ``max_live`` at a time, least recently used closed first.
     """
 
-    def __init__(self, name: str, max_live: int | None = None, block_size: int | None = None,
-                 device: str = "cpu"):
+    def __init__(self, name: str, max_live: int | None = None, block_size: int | None = None, device: str = "cpu"):
         self.device = device
         self.cls = adapter_class(name)
         self.name = self.cls.name if ":" in name else name
@@ -158,8 +159,7 @@ def generate(engine, prompts: list[list[int]], params, timeout: float | None = N
     try:
         if timeout is None:
             return engine.generate(prompts, list(params))
-        return call_with_timeout(lambda: engine.generate(prompts, list(params)), timeout,
-                                 f"{engine.name}.generate")
+        return call_with_timeout(lambda: engine.generate(prompts, list(params)), timeout, f"{engine.name}.generate")
     except Unsupported as e:
         skip_lacking(engine.name, e.capability, e.detail)
 
@@ -181,8 +181,10 @@ def arithmetic(dtype: str, engine=None) -> str:
 def _measured(table: dict, dtype: str, engine) -> float:
     key = arithmetic(dtype, engine)
     if key not in table:
-        raise KeyError(f"no delta or tolerance measured for arithmetic {key!r} (known: {', '.join(table)}); "
-                       f"measure it with scripts/quantized_margins.py and add it to conformance/compare.py")
+        raise KeyError(
+            f"no delta or tolerance measured for arithmetic {key!r} (known: {', '.join(table)}); "
+            f"measure it with scripts/quantized_margins.py and add it to conformance/compare.py"
+        )
     return table[key]
 
 

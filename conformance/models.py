@@ -5,6 +5,7 @@ A check names an HF directory (a zoo model, or the default model converted from 
 The converted directory records the GGUF it came from in ``nanovllm_source.json``
 (``{"gguf": PATH}``); a directory may also hold the GGUF itself.
 """
+
 from __future__ import annotations
 
 import json

@@ -19,6 +19,7 @@ names what went unchecked; ``--allow-skips`` accepts such a run. Skips that are 
 Fixtures: ``engines`` (an EnginePool of the chosen engine), ``engine_name``, ``figure``
 (records a key figure of a check: the report shows it).
 """
+
 from __future__ import annotations
 
 import os
@@ -30,34 +31,57 @@ from pathlib import Path
 import pytest
 
 SUITE_DIR = Path(__file__).resolve().parent
-STATUS = "conformance_status"   # the user property that carries a check's outcome to the report
+STATUS = "conformance_status"  # the user property that carries a check's outcome to the report
 UNCHECKED_RE = re.compile(r"engine \S+ (?:lacks capability '?(\w+)'?|is not available here)")
 _state: dict = {"status": {}, "verdict": None}  # this process's outcomes (the controller's under xdist)
 
 
 def pytest_addoption(parser):
     group = parser.getgroup("conformance", "conformance suite (checks an engine through its adapter)")
-    group.addoption("--engine", default=os.environ.get("CONFORMANCE_ENGINE", "nanovllm"),
-                    help="engine to check: a built-in name (nanovllm, hf, hf-cb, vllm, openai, llama-cpp) "
-                         "or one an installed package registers; see --list-engines (default: nanovllm, "
-                         "env CONFORMANCE_ENGINE)")
-    group.addoption("--adapter", default=None, metavar="MODULE:CLASS",
-                    help="check the engine of this adapter class (a subclass of "
-                         "conformance.adapters.base.EngineAdapter); overrides --engine")
-    group.addoption("--list-engines", action="store_true",
-                    help="list the engines this installation knows, whether each can run here, and exit")
-    group.addoption("--allow-skips", action="store_true",
-                    help="accept a run in which the engine was unavailable or more than half of the checks "
-                         "were skipped for missing capabilities (the default fails it)")
-    group.addoption("--block-size", type=int, default=None,
-                    help="KV block size of every engine (default 16, or the engine's smallest)")
-    group.addoption("--device", default=os.environ.get("CONFORMANCE_DEVICE", "all"),
-                    choices=("all", "cpu", "cuda"),
-                    help="device the engine runs on: cpu, cuda, or all (cpu, plus cuda where torch sees a GPU: "
-                         "each check runs on every one)")
-    group.addoption("--check-timeout", type=float,
-                    default=float(os.environ.get("CONFORMANCE_CHECK_TIMEOUT", "900")),
-                    help="seconds after which a running check fails (hang protection)")
+    group.addoption(
+        "--engine",
+        default=os.environ.get("CONFORMANCE_ENGINE", "nanovllm"),
+        help="engine to check: a built-in name (nanovllm, hf, hf-cb, vllm, openai, llama-cpp) "
+        "or one an installed package registers; see --list-engines (default: nanovllm, "
+        "env CONFORMANCE_ENGINE)",
+    )
+    group.addoption(
+        "--adapter",
+        default=None,
+        metavar="MODULE:CLASS",
+        help="check the engine of this adapter class (a subclass of "
+        "conformance.adapters.base.EngineAdapter); overrides --engine",
+    )
+    group.addoption(
+        "--list-engines",
+        action="store_true",
+        help="list the engines this installation knows, whether each can run here, and exit",
+    )
+    group.addoption(
+        "--allow-skips",
+        action="store_true",
+        help="accept a run in which the engine was unavailable or more than half of the checks "
+        "were skipped for missing capabilities (the default fails it)",
+    )
+    group.addoption(
+        "--block-size",
+        type=int,
+        default=None,
+        help="KV block size of every engine (default 16, or the engine's smallest)",
+    )
+    group.addoption(
+        "--device",
+        default=os.environ.get("CONFORMANCE_DEVICE", "all"),
+        choices=("all", "cpu", "cuda"),
+        help="device the engine runs on: cpu, cuda, or all (cpu, plus cuda where torch sees a GPU: "
+        "each check runs on every one)",
+    )
+    group.addoption(
+        "--check-timeout",
+        type=float,
+        default=float(os.environ.get("CONFORMANCE_CHECK_TIMEOUT", "900")),
+        help="seconds after which a running check fails (hang protection)",
+    )
 
 
 def engine_spec(config) -> str:
@@ -72,6 +96,7 @@ def list_engines() -> str:
     for name, spec in sorted(registered().items()):
         try:
             from conformance.adapters import load_spec
+
             why = load_spec(spec).unavailable()
             state = "available" if why is None else f"unavailable: {why}"
         except Exception as e:  # noqa: BLE001 - a broken adapter is listed, not fatal
@@ -107,17 +132,20 @@ def _share_cores_between_workers() -> None:
         import torch
 
         threads = os.environ.get("OMP_NUM_THREADS", "")
-        torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
-                              else max(1, usable_cores() // workers))
+        torch.set_num_threads(
+            int(threads) if threads.isdigit() and int(threads) > 0 else max(1, usable_cores() // workers)
+        )
 
 
 def pytest_configure(config):
     _share_cores_between_workers()
-    for line in ("gpu: needs one CUDA GPU (skipped with the reason where there is none)",
-                 "multi_gpu: needs two or more CUDA GPUs",
-                 "slow: long-running; deselect with -m 'not slow'",
-                 "xdist_group(name): checks that must share one pytest-xdist worker",
-                 "pinned_device: the check chooses its devices itself (run once)"):
+    for line in (
+        "gpu: needs one CUDA GPU (skipped with the reason where there is none)",
+        "multi_gpu: needs two or more CUDA GPUs",
+        "slow: long-running; deselect with -m 'not slow'",
+        "xdist_group(name): checks that must share one pytest-xdist worker",
+        "pinned_device: the check chooses its devices itself (run once)",
+    ):
         config.addinivalue_line("markers", line)
     _state.update(status={}, verdict=None)
 
@@ -208,9 +236,11 @@ def verdict(statuses: dict[str, str], allow_skips: bool) -> tuple[bool, str]:
     checked = sum(v == "checked" for v in counted.values())
     failed = sum(v == "failed" for v in counted.values())
     by_cap = ", ".join(f"{cap} x{n}" for cap, n in unchecked.most_common())
-    summary = (f"{checked} checked, {failed} failed, {n_un} unchecked"
-               + (f" (by capability: {by_cap})" if by_cap else "")
-               + f", of {len(counted)} checks that could run here")
+    summary = (
+        f"{checked} checked, {failed} failed, {n_un} unchecked"
+        + (f" (by capability: {by_cap})" if by_cap else "")
+        + f", of {len(counted)} checks that could run here"
+    )
     unavailable = unchecked.get("engine unavailable", 0) > 0
     too_many = n_un * 2 > len(counted)
     if (unavailable or too_many) and not allow_skips:
@@ -234,8 +264,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     v = _state["verdict"]
     if v:
         ok, summary = v
-        terminalreporter.section(f"conformance: engine {engine_spec(config)}", bold=True, red=not ok,
-                                 green=ok)
+        terminalreporter.section(f"conformance: engine {engine_spec(config)}", bold=True, red=not ok, green=ok)
         terminalreporter.line(summary)
 
 
@@ -286,8 +315,10 @@ def _close_owned_engines(request):
 @pytest.fixture
 def figure(record_property):
     """figure(name, value): a key figure of this check, shown in the report."""
+
     def record(name: str, value) -> None:
         record_property(name, value if isinstance(value, (int, str)) else f"{value:.3g}")
+
     return record
 
 
@@ -305,6 +336,7 @@ def _check_timeout(request):
 
     def on_alarm(signum, frame):
         raise CheckTimeout(f"check exceeded --check-timeout={seconds} s")
+
     try:
         previous = signal.signal(signal.SIGALRM, on_alarm)
     except ValueError:  # not the main thread

@@ -4,6 +4,7 @@ greedy() generates with ``model.generate`` and keeps every step's raw
 log-probabilities; score() teacher-forces a token sequence and returns the
 log-probabilities at each position (for prompt-logprob checks).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,11 +43,20 @@ class HFReference:
         """Exactly max_new_tokens greedy tokens (EOS ignored)."""
         ids = torch.tensor([prompt])
         out = self.model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
-            return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
-            temperature=None, top_p=None, top_k=None)
-        tokens = out.sequences[0, len(prompt):].tolist()
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+            eos_token_id=None,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
+        tokens = out.sequences[0, len(prompt) :].tolist()
         logprobs = torch.log_softmax(torch.stack([step[0] for step in out.logits]).float(), dim=-1)
         return RefGreedy(tokens, logprobs)
 

@@ -15,6 +15,7 @@ and CONFORMANCE_OPENAI_MODEL_PATH, runs ``python -m conformance --engine openai 
 the whole process group (SIGTERM, then SIGKILL) however the run ends. The server's output goes
 to ``--log`` (a temporary file by default; its tail is printed when the server fails to start).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,13 +87,18 @@ def resolve_model(spec: str) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m conformance.server", description=__doc__.split("\n\n")[0],
-                                 epilog="Arguments after -- go to python -m conformance.")
+    ap = argparse.ArgumentParser(
+        prog="python -m conformance.server",
+        description=__doc__.split("\n\n")[0],
+        epilog="Arguments after -- go to python -m conformance.",
+    )
     ap.add_argument("--serve", required=True, help="the command that starts the server (one string)")
     ap.add_argument("--port", type=int, required=True, help="the port the command binds on 127.0.0.1")
-    ap.add_argument("--model-path", required=True,
-                    help="the local model the server runs: a path (HF directory or .gguf), golden:NAME or "
-                         "golden-source:NAME")
+    ap.add_argument(
+        "--model-path",
+        required=True,
+        help="the local model the server runs: a path (HF directory or .gguf), golden:NAME or golden-source:NAME",
+    )
     ap.add_argument("--model", help="the served model name (default: the first one /v1/models lists)")
     ap.add_argument("--server-kind", help="vllm | nanovllm | llama-cpp | generic (default: probed)")
     ap.add_argument("--ready-timeout", type=float, default=600)
@@ -104,9 +110,13 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     model = resolve_model(args.model_path)
     command = args.serve.format(model=model, port=args.port, python=sys.executable)
-    env = dict(os.environ, CONFORMANCE_OPENAI_BASE_URL=base_url, CONFORMANCE_OPENAI_MODEL_PATH=model,
-               # the report's command line: this one, which starts the server too
-               CONFORMANCE_COMMAND=shlex.join(["python", "-m", "conformance.server", *argv]))
+    env = dict(
+        os.environ,
+        CONFORMANCE_OPENAI_BASE_URL=base_url,
+        CONFORMANCE_OPENAI_MODEL_PATH=model,
+        # the report's command line: this one, which starts the server too
+        CONFORMANCE_COMMAND=shlex.join(["python", "-m", "conformance.server", *argv]),
+    )
     if args.model:
         env["CONFORMANCE_OPENAI_MODEL"] = args.model
     if args.server_kind:

@@ -3,6 +3,7 @@
 The chi-square survival function is the regularised upper incomplete gamma
 function, ``Q(df / 2, x / 2)`` (``torch.special.gammaincc``).
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -11,8 +12,9 @@ from dataclasses import dataclass
 import torch
 
 
-def filtered_distribution(logprobs, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                          min_p: float = 0.0) -> torch.Tensor:
+def filtered_distribution(
+    logprobs, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> torch.Tensor:
     """vLLM's meaning: divide by the temperature, keep tokens with p >= min_p * p_max, keep the
     top_k most likely, keep the smallest most-likely set whose probability reaches top_p."""
     logits = torch.as_tensor(logprobs, dtype=torch.float64) / temperature
@@ -40,8 +42,11 @@ def chi2_sf(stat: float, df: int) -> float:
     """P(X >= stat) for X ~ chi-square(df)."""
     if df <= 0:
         return 1.0
-    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
-                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(df / 2.0, dtype=torch.float64), torch.tensor(stat / 2.0, dtype=torch.float64)
+        )
+    )
 
 
 @dataclass
@@ -53,8 +58,10 @@ class ChiSquare:
     outside: int  # samples of tokens whose expected probability is 0
 
     def summary(self) -> str:
-        return (f"chi2={self.stat:.1f} df={self.df} p={self.p_value:.2g} over {self.n} samples; "
-                f"{self.outside} outside the allowed set")
+        return (
+            f"chi2={self.stat:.1f} df={self.df} p={self.p_value:.2g} over {self.n} samples; "
+            f"{self.outside} outside the allowed set"
+        )
 
 
 def chi_square(samples, probs: torch.Tensor, min_expected: float = 5.0) -> ChiSquare:

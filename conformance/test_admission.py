@@ -1,6 +1,7 @@
 """Admission control. A request that can never run ends with a clear error
 (an exception naming the limit, or a result with an error finish reason) within a time limit,
 never a hang; afterwards the engine still serves a normal request correctly."""
+
 from __future__ import annotations
 
 import re
@@ -25,8 +26,9 @@ def _expect_refusal(engines, engine, prompt, params, numbers: tuple[int, ...]):
     except Exception as e:  # noqa: BLE001 - any error is fine if it is clear
         return _clear(e, numbers)
     out = outs[0]
-    assert out.finish_reason not in ("stop", "length", None), \
+    assert out.finish_reason not in ("stop", "length", None), (
         f"an infeasible request finished normally ({out.finish_reason}) with {len(out.token_ids)} tokens"
+    )
     return out.finish_reason
 
 
@@ -35,8 +37,9 @@ def _clear(e: Exception, numbers: tuple[int, ...]) -> str:
     and the limit), so an IndexError deep inside a model does not count."""
     msg = str(e)
     named = {n for n in numbers if re.search(rf"\b{n}\b", msg)}
-    assert len(named) >= 2, \
+    assert len(named) >= 2, (
         f"the error does not name the size and the limit (any two of {numbers}): {type(e).__name__}: {msg!r}"
+    )
     return f"{type(e).__name__}: {msg}"
 
 
@@ -68,8 +71,9 @@ def test_request_larger_than_the_whole_kv_cache(engines, figure):
         # (vLLM does: no max_model_len its KV cache cannot hold); it must name that length and
         # what fits instead (an engine may keep blocks aside, so the figure may be below 128)
         msg = str(e)
-        assert re.search(r"\b256\b", msg) and len(set(re.findall(r"\b\d+\b", msg)) - {"256"}) >= 1, \
+        assert re.search(r"\b256\b", msg) and len(set(re.findall(r"\b\d+\b", msg)) - {"256"}) >= 1, (
             f"the configuration was refused without naming max_model_len=256 and the capacity: {msg!r}"
+        )
         figure("refusal", "at load: " + msg[:60])
         return
     require(engine, GREEDY)

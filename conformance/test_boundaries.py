@@ -14,6 +14,7 @@
 Expectations come from the golden greedy run (tokens and top-5 per step) or from the engine's
 own unconstrained run of the same prompt (texts), never from the run under test.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -51,10 +52,12 @@ def test_stop_token_at_exactly_min_tokens(setup, case_id):
     greedy = cases[case_id]["greedy"]
     m = _first_new(greedy, 3)
     target = greedy[m]
-    out = generate(engine, [cases[case_id]["prompt"]], Sampling.greedy(m + 12, min_tokens=m,
-                                                                        stop_token_ids=(target,)))[0]
-    assert out.token_ids == greedy[:m + 1], \
+    out = generate(engine, [cases[case_id]["prompt"]], Sampling.greedy(m + 12, min_tokens=m, stop_token_ids=(target,)))[
+        0
+    ]
+    assert out.token_ids == greedy[: m + 1], (
         f"min_tokens={m}, stop token {target} = greedy token {m}: must stop right there, got {out.token_ids}"
+    )
     assert out.finish_reason == "stop" and out.stop_reason == target, (out.finish_reason, out.stop_reason)
 
 
@@ -65,16 +68,17 @@ def test_stop_token_banned_until_min_tokens(setup, case_id):
     c = cases[case_id]
     greedy = c["greedy"]
     m = _first_new(greedy, 3) + 1
-    target = greedy[m - 1]           # the greedy token at index m - 1: banned there
+    target = greedy[m - 1]  # the greedy token at index m - 1: banned there
     out = generate(engine, [c["prompt"]], Sampling.greedy(m + 12, min_tokens=m, stop_token_ids=(target,)))[0]
-    assert out.token_ids[:m - 1] == greedy[:m - 1], "tokens before the banned position changed"
+    assert out.token_ids[: m - 1] == greedy[: m - 1], "tokens before the banned position changed"
     ids, lps = c["top_ids"][m - 1], c["top_lps"][m - 1]
     assert ids[0] == target
     # the next best token; a near-tie with the third may swap them
     allowed = {ids[j] for j in range(1, len(ids)) if lps[1] - lps[j] < delta(g["dtype"])}
-    assert out.token_ids[m - 1] in allowed, \
-        f"min_tokens={m}: at index {m - 1} the stop token {target} is banned, so the next best {sorted(allowed)} " \
+    assert out.token_ids[m - 1] in allowed, (
+        f"min_tokens={m}: at index {m - 1} the stop token {target} is banned, so the next best {sorted(allowed)} "
         f"comes; got {out.token_ids[m - 1]}"
+    )
     assert target not in out.token_ids[:m], "the stop token came before min_tokens"
     if out.finish_reason == "stop":
         assert out.token_ids[-1] == target and len(out.token_ids) > m
@@ -98,7 +102,7 @@ def test_stop_string_spanning_a_token_boundary(setup):
     picked = None
     for i in range(4, 14):
         cut = len(texts[i + 1])
-        stop = full[cut - 2:cut + 2]
+        stop = full[cut - 2 : cut + 2]
         if len(texts[i + 1]) - len(texts[i]) >= 2 and len(texts[i + 2]) - cut >= 2 and full.find(stop) == cut - 2:
             picked = (i, cut, stop)
             break
@@ -107,11 +111,12 @@ def test_stop_string_spanning_a_token_boundary(setup):
     assert stop not in texts[i + 1]
     out = generate(engine, [c["prompt"]], Sampling.greedy(16, stop=(stop,)))[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop, (out.finish_reason, out.stop_reason)
-    assert out.token_ids == c["greedy"][:i + 2], \
+    assert out.token_ids == c["greedy"][: i + 2], (
         f"stop string {stop!r} spans tokens {i} and {i + 1}: {len(out.token_ids)} tokens, expected {i + 2}"
-    assert out.text == full[:cut - 2], f"text {out.text!r}, expected {full[:cut - 2]!r}"
+    )
+    assert out.text == full[: cut - 2], f"text {out.text!r}, expected {full[: cut - 2]!r}"
     inc = generate(engine, [c["prompt"]], Sampling.greedy(16, stop=(stop,), include_stop_str_in_output=True))[0]
-    assert inc.text == full[:cut + 2], f"text {inc.text!r}, expected {full[:cut + 2]!r}"
+    assert inc.text == full[: cut + 2], f"text {inc.text!r}, expected {full[: cut + 2]!r}"
 
 
 def test_stop_string_counts_only_past_min_tokens(setup):
@@ -121,20 +126,27 @@ def test_stop_string_counts_only_past_min_tokens(setup):
     n = 20
     texts = _texts(engine, c["prompt"], n)
     full = texts[-1]
+
     def word(k: int) -> str:  # the text the k-th token (index k - 1) adds, without the separator
-        return texts[k][len(texts[k - 1]):].strip()
+        return texts[k][len(texts[k - 1]) :].strip()
+
     # the m-th token's word occurs nowhere else; the next token's word first where it is added
-    m = next(k for k in range(3, n - 1) if word(k) and full.count(word(k)) == 1
-             and full.find(word(k + 1)) == full.index(word(k + 1), len(texts[k])))
+    m = next(
+        k
+        for k in range(3, n - 1)
+        if word(k) and full.count(word(k)) == 1 and full.find(word(k + 1)) == full.index(word(k + 1), len(texts[k]))
+    )
     word_m, word_next = word(m), word(m + 1)
     early = generate(engine, [c["prompt"]], Sampling.greedy(n, min_tokens=m, stop=(word_m,)))[0]
-    assert early.token_ids == c["greedy"][:n] and early.finish_reason == "length", \
-        f"stop string {word_m!r} is completed by the {m}-th token = min_tokens: not a stop (got " \
+    assert early.token_ids == c["greedy"][:n] and early.finish_reason == "length", (
+        f"stop string {word_m!r} is completed by the {m}-th token = min_tokens: not a stop (got "
         f"{len(early.token_ids)} tokens, {early.finish_reason})"
+    )
     late = generate(engine, [c["prompt"]], Sampling.greedy(n, min_tokens=m, stop=(word_next,)))[0]
-    assert late.token_ids == c["greedy"][:m + 1] and late.finish_reason == "stop", \
+    assert late.token_ids == c["greedy"][: m + 1] and late.finish_reason == "stop", (
         f"stop string {word_next!r} is completed by token index {m} > min_tokens: a stop"
-    assert late.text == full[:full.index(word_next)]
+    )
+    assert late.text == full[: full.index(word_next)]
 
 
 def test_prompt_logprobs_of_a_long_prompt(engines, figure):
@@ -149,15 +161,27 @@ def test_prompt_logprobs_of_a_long_prompt(engines, figure):
     stepped = engines.get(model, max_batched_tokens=128, **engines.optional(max_model_len=2048))
     a, b = generate(whole, [prompt], params)[0], generate(stepped, [prompt], params)[0]
     for name, r in (("whole", a), ("in 128-token steps", b)):
-        assert r.prompt_logprobs is not None and len(r.prompt_logprobs) == len(prompt), \
+        assert r.prompt_logprobs is not None and len(r.prompt_logprobs) == len(prompt), (
             f"{name}: {0 if r.prompt_logprobs is None else len(r.prompt_logprobs)} entries for {len(prompt)} tokens"
+        )
         assert r.prompt_logprobs[0] is None
     tol = 2 * LOGPROB_TOL[g["dtype"]]
-    bad = [p for p in range(1, len(prompt))
-           if prompt[p] not in a.prompt_logprobs[p] or prompt[p] not in b.prompt_logprobs[p]
-           or abs(a.prompt_logprobs[p][prompt[p]].logprob - b.prompt_logprobs[p][prompt[p]].logprob) > tol]
-    worst = max(abs(a.prompt_logprobs[p][prompt[p]].logprob - b.prompt_logprobs[p][prompt[p]].logprob)
-                for p in range(1, len(prompt)) if p not in bad) if len(bad) < len(prompt) - 1 else float("nan")
+    bad = [
+        p
+        for p in range(1, len(prompt))
+        if prompt[p] not in a.prompt_logprobs[p]
+        or prompt[p] not in b.prompt_logprobs[p]
+        or abs(a.prompt_logprobs[p][prompt[p]].logprob - b.prompt_logprobs[p][prompt[p]].logprob) > tol
+    ]
+    worst = (
+        max(
+            abs(a.prompt_logprobs[p][prompt[p]].logprob - b.prompt_logprobs[p][prompt[p]].logprob)
+            for p in range(1, len(prompt))
+            if p not in bad
+        )
+        if len(bad) < len(prompt) - 1
+        else float("nan")
+    )
     figure("max logprob diff", worst)
     assert not bad, f"{len(bad)} positions differ, first {bad[:5]}"
 

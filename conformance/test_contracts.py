@@ -5,6 +5,7 @@
 - logprobs=k gives k or k+1 entries per token, rank 1 = the argmax, values equal the reference's
   log_softmax (greedy), and for a sampled request the raw distribution's (re-scored by a prefill).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -57,7 +58,7 @@ def test_stop_token_ids(setup):
     target = toks[5]
     first = toks.index(target)
     out = _one(engine, cases["len-bs"]["prompt"], max_tokens=30, stop_token_ids=(target,), ignore_eos=True)
-    assert out.token_ids == toks[:first + 1], "generation must stop at (and include) the stop token"
+    assert out.token_ids == toks[: first + 1], "generation must stop at (and include) the stop token"
     assert out.finish_reason == "stop" and out.stop_reason == target, (out.finish_reason, out.stop_reason)
 
 
@@ -81,7 +82,7 @@ def test_eos_stops_unless_ignored(setup):
     c = cases["eos"]
     at = c["greedy"].index(EOS_ID)
     out = _one(engine, c["prompt"], max_tokens=40)
-    assert out.token_ids == c["greedy"][:at + 1], "generation must stop at (and include) EOS"
+    assert out.token_ids == c["greedy"][: at + 1], "generation must stop at (and include) EOS"
     assert out.finish_reason == "stop" and out.stop_reason is None, (out.finish_reason, out.stop_reason)
     ignored = _one(engine, c["prompt"], max_tokens=40, ignore_eos=True)
     assert ignored.token_ids == c["greedy"][:40] and ignored.finish_reason == "length"
@@ -98,14 +99,13 @@ def test_stop_strings_trimmed_or_included(setup):
     cut = full.text.index(word)
     # generation stops at the first token whose text completes the stop string
     words = full.text.split()
-    n_tokens = next(i + 1 for i in range(len(words)) if word in " ".join(words[:i + 1]))
+    n_tokens = next(i + 1 for i in range(len(words)) if word in " ".join(words[: i + 1]))
     out = _one(engine, c["prompt"], max_tokens=30, stop=(word,), ignore_eos=True)
     assert out.finish_reason == "stop" and out.stop_reason == word, (out.finish_reason, out.stop_reason)
     assert out.text == full.text[:cut], f"text {out.text!r}, expected {full.text[:cut]!r}"
     assert out.token_ids == full.token_ids[:n_tokens]
-    inc = _one(engine, c["prompt"], max_tokens=30, stop=(word,), include_stop_str_in_output=True,
-               ignore_eos=True)
-    assert inc.text == full.text[:cut + len(word)], f"text {inc.text!r}"
+    inc = _one(engine, c["prompt"], max_tokens=30, stop=(word,), include_stop_str_in_output=True, ignore_eos=True)
+    assert inc.text == full.text[: cut + len(word)], f"text {inc.text!r}"
 
 
 def _check_entries(entries, generated, k, what):
@@ -142,8 +142,9 @@ def test_logprobs_greedy_match_reference(setup, figure):
             ref_vals = sorted(want.values(), reverse=True)
             for tok, lp in entry.items():
                 if lp.rank <= k and tok not in want:
-                    assert ref_vals[k - 1] - lp.logprob < delta(g["dtype"]) + LOGPROB_TOL[g["dtype"]], \
+                    assert ref_vals[k - 1] - lp.logprob < delta(g["dtype"]) + LOGPROB_TOL[g["dtype"]], (
                         f"{c['id']} step {t}: token {tok} (rank {lp.rank}) is not in the reference's top-{k}"
+                    )
     figure("max logprob diff", worst)
     assert worst < LOGPROB_TOL[g["dtype"]] * 2, f"logprobs differ from the reference by up to {worst:.3g}"
 
@@ -155,8 +156,9 @@ def test_logprobs_sampled_are_raw_distribution(setup, figure):
     require(engine, SAMPLING, SEED, LOGPROBS, PROMPT_LOGPROBS)
     k = 3
     c = cases["len-2bs"]
-    out = generate(engine, [c["prompt"]], Sampling(temperature=0.7, seed=3, max_tokens=16, logprobs=k,
-                                                   ignore_eos=True))[0]
+    out = generate(
+        engine, [c["prompt"]], Sampling(temperature=0.7, seed=3, max_tokens=16, logprobs=k, ignore_eos=True)
+    )[0]
     _check_entries(out.logprobs, out.token_ids, k, "sampled")
     rescored = generate(engine, [c["prompt"] + out.token_ids], Sampling.greedy(1, prompt_logprobs=k))[0]
     n = len(c["prompt"])

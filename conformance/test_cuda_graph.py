@@ -1,5 +1,6 @@
 """CUDA graphs. Decode through captured graphs gives the eager tokens at batch
 sizes around the capture buckets {1, 3, 7, 9, 17, 25, 45} (padding rows must not disturb real ones)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -29,8 +30,7 @@ def test_cuda_graph_equals_eager(engines, dtype, figure):
     rng = np.random.default_rng(5)
     checked = 0
     for n in (45, 25, 17, 9, 7, 3, 1):
-        prompts = [rng.integers(5, ZOO[MODEL].vocab_size, size=int(rng.integers(1, 70))).tolist()
-                   for _ in range(n)]
+        prompts = [rng.integers(5, ZOO[MODEL].vocab_size, size=int(rng.integers(1, 70))).tolist() for _ in range(n)]
         # staggered lengths: sequences finish at different steps, so the batch shrinks through
         # several graph sizes (each padded) while the others are still decoding
         params = [Sampling.greedy(31 - (i * 5) % 24) for i in range(n)]  # the first one lasts longest

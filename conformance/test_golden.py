@@ -1,5 +1,6 @@
 """The golden files: well formed, small, made from the models available here, and (slow)
 reproducible: regenerating them gives identical tokens and logprobs to 1e-5."""
+
 from __future__ import annotations
 
 import json

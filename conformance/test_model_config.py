@@ -9,6 +9,7 @@ contracts need more than one forward pass, and live here:
 - the model's context (``max_position_embeddings``, the default max_model_len) is a limit: a prompt
   longer than it is refused with an error naming both lengths, and the engine stays usable.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -36,8 +37,7 @@ def test_models_vary_the_configuration():
     assert MULTI_EOS, "no golden model has several EOS ids"
     assert SHORT_CONTEXT, "no golden model has a short max_position_embeddings"
     assert any(ZOO[n].rms_norm_eps != 1e-6 for n in golden.ZOO_FILES)
-    assert {ZOO[n].rope_scaling["rope_type"] for n in golden.ZOO_FILES if ZOO[n].rope_scaling} >= \
-        {"linear", "llama3"}
+    assert {ZOO[n].rope_scaling["rope_type"] for n in golden.ZOO_FILES if ZOO[n].rope_scaling} >= {"linear", "llama3"}
 
 
 @pytest.mark.parametrize("name", MULTI_EOS)
@@ -50,17 +50,19 @@ def test_every_eos_id_stops(engines, name, figure):
     eos_ids = g["eos_token_ids"]
     cases = [c for c in g["cases"] if c["id"] == "eos" or c["id"].startswith("eos-")]
     reached = {next(t for t in c["greedy"] if t in eos_ids): c for c in cases}
-    assert set(eos_ids[1:]) <= set(reached), \
+    assert set(eos_ids[1:]) <= set(reached), (
         f"the golden file has cases for EOS ids {sorted(reached)} of {eos_ids}: regenerate it (python -m golden.make)"
+    )
     figure("EOS ids checked", len(reached))
     for eos, c in reached.items():
         at = c["greedy"].index(eos)
         out = generate(engine, [c["prompt"]], Sampling.greedy(at + 10, ignore_eos=False))[0]
-        assert out.token_ids == c["greedy"][:at + 1], \
+        assert out.token_ids == c["greedy"][: at + 1], (
             f"case {c['id']}: generation must stop at (and include) EOS id {eos} at step {at}, got {out.token_ids}"
+        )
         assert out.finish_reason == "stop" and out.stop_reason is None, (c["id"], out.finish_reason, out.stop_reason)
         ignored = generate(engine, [c["prompt"]], Sampling.greedy(at + 10))[0]
-        assert ignored.token_ids == c["greedy"][:at + 10] and ignored.finish_reason == "length", c["id"]
+        assert ignored.token_ids == c["greedy"][: at + 10] and ignored.finish_reason == "length", c["id"]
 
 
 @pytest.mark.parametrize("name", SHORT_CONTEXT)
@@ -73,7 +75,7 @@ def test_prompt_longer_than_the_model_context(engines, name, figure):
     limit = ZOO[name].max_position_embeddings
     longest = max(len(c["prompt"]) + len(c["greedy"]) for c in g["cases"])
     assert longest == limit, f"the golden cases should reach exactly the context ({longest} vs {limit})"
-    prompt = [t for c in g["cases"] for t in c["prompt"]][:limit + 8]
+    prompt = [t for c in g["cases"] for t in c["prompt"]][: limit + 8]
     assert len(prompt) == limit + 8
     what = _expect_refusal(engines, engine, prompt, Sampling.greedy(4), (limit + 8, limit))
     figure("refusal", what[:60])

@@ -19,6 +19,7 @@ explicitly (a ``zip`` of two lists of different lengths hides the difference):
 The workload mixes greedy and seeded sampling rows, stop tokens, EOS, logprobs and prompt
 logprobs; what an engine lacks is left out of the requests (and named in the figures).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -60,8 +61,12 @@ def _workload(cases: dict, caps: frozenset) -> tuple[list[list[int]], list[Sampl
         reqs[2] = ("len-3bs", reqs[2][1].with_(stop_token_ids=(stop,)))
     if {SAMPLING, SEED} <= caps:
         reqs.append(("len-bs-1", Sampling(temperature=0.8, seed=11, max_tokens=64, ignore_eos=True, logprobs=lp)))
-        reqs.append(("len-2bs", Sampling(temperature=1.1, top_p=0.9, seed=5, max_tokens=48, ignore_eos=True,
-                                         prompt_logprobs=plp)))
+        reqs.append(
+            (
+                "len-2bs",
+                Sampling(temperature=1.1, top_p=0.9, seed=5, max_tokens=48, ignore_eos=True, prompt_logprobs=plp),
+            )
+        )
     return [cases[c]["prompt"] for c, _ in reqs], [p for _, p in reqs], left_out
 
 
@@ -94,8 +99,9 @@ def _compare_entries(what: str, want, got, targets: list[int | None], tol: float
     if want is None or got is None:
         return [] if want is None and got is None else [f"{what}: present in one run only"]
     if len(want) != len(got) or len(want) != len(targets):
-        return [f"{what}: {len(got)} entries in the starved run, {len(want)} in the ample one, "
-                f"for {len(targets)} tokens"]
+        return [
+            f"{what}: {len(got)} entries in the starved run, {len(want)} in the ample one, for {len(targets)} tokens"
+        ]
     bad = []
     for t, (a, b, target) in enumerate(zip(want, got, targets)):
         if target is None:
@@ -140,8 +146,9 @@ def test_every_request_field_survives_preemption(engines, figure):
             if getattr(r, field) != getattr(w, field):
                 bad.append(f"{name}: {field} {getattr(r, field)!r} (starved) vs {getattr(w, field)!r} (ample)")
         bad += _compare_entries(f"{name} logprobs", w.logprobs, r.logprobs, list(r.token_ids), tol)
-        bad += _compare_entries(f"{name} prompt_logprobs", w.prompt_logprobs, r.prompt_logprobs,
-                                [None] + list(p[1:]), tol)
+        bad += _compare_entries(
+            f"{name} prompt_logprobs", w.prompt_logprobs, r.prompt_logprobs, [None] + list(p[1:]), tol
+        )
         if prm.prompt_logprobs is not None and r.prompt_logprobs is None:
             bad.append(f"{name}: asked for prompt logprobs, got none")
         if prm.logprobs is not None and r.logprobs is None:
@@ -158,5 +165,6 @@ def test_every_request_field_survives_preemption(engines, figure):
         assert all(w.num_preemptions == 0 for w in want), "the ample run reports preemptions"
         assert sum(per_request) == total, f"per-request preemptions {per_request} do not add up to {total}"
         if PROMPT_LOGPROBS in ample.capabilities:
-            assert any(n and prm.prompt_logprobs is not None for n, prm in zip(per_request, params)), \
+            assert any(n and prm.prompt_logprobs is not None for n, prm in zip(per_request, params)), (
                 "no request with prompt logprobs was preempted: weak check"
+            )

@@ -9,6 +9,7 @@ so its last token is computed (``expected_cached``). Probes extend each request'
 tokens (prompt and output but the last token), so they reach past the shared blocks into each
 request's own ones, including blocks of generated tokens.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -32,7 +33,7 @@ def test_same_step_shared_prefix_stays_hittable(engines, figure):
     on = engines.fresh(golden.model_dir(g), prefix_cache=True)
     require(on, GREEDY, PREFIX_CACHE_STATS)
     a, b, other = cases["prefix-2bs-a"]["prompt"], cases["prefix-2bs-b"]["prompt"], cases["len-bs"]["prompt"]
-    assert a[:2 * bs] == b[:2 * bs] and a[2 * bs] != b[2 * bs], "the golden prefix cases must share 2 blocks"
+    assert a[: 2 * bs] == b[: 2 * bs] and a[2 * bs] != b[2 * bs], "the golden prefix cases must share 2 blocks"
     params = Sampling.greedy(3 * bs)
     # a, b and a again in one call: with room for all, they are prefilled together
     wave = generate(on, [a, b, a], params)
@@ -40,8 +41,8 @@ def test_same_step_shared_prefix_stays_hittable(engines, figure):
     history = [p + r.token_ids[:-1] for p, r in zip([a, b, a], wave)]
     got, want = [], []
     for i, base in enumerate(history[:2]):
-        for cut in (len(base), 3 * bs + 2):   # all computed tokens; one block past the shared ones
-            probe = base[:cut] + other[:3 + i]
+        for cut in (len(base), 3 * bs + 2):  # all computed tokens; one block past the shared ones
+            probe = base[:cut] + other[: 3 + i]
             out = generate(on, [probe], Sampling.greedy(2))[0]
             want.append(expected_cached(history, probe, bs))
             got.append(out.num_cached_tokens)

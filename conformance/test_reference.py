@@ -8,6 +8,7 @@
 Engines in quantized arithmetic are judged with the delta and tolerance measured for it
 (conformance/compare.py).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -53,8 +54,13 @@ def greedy_run(engines, name: str):
 
 def greedy_report(g, got, engine):
     cases = g["cases"]
-    return compare_greedy([c["greedy"] for c in cases], [golden_step_logprobs(c) for c in cases], got,
-                          delta(g["dtype"], engine), max_diverged_frac(g["dtype"], engine))
+    return compare_greedy(
+        [c["greedy"] for c in cases],
+        [golden_step_logprobs(c) for c in cases],
+        got,
+        delta(g["dtype"], engine),
+        max_diverged_frac(g["dtype"], engine),
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -68,8 +74,9 @@ def test_prompt_logprobs_match_reference(engines, name, figure):
     for case, out in zip(cases, outs):
         prompt = case["prompt"]
         plp = out.prompt_logprobs
-        assert plp is not None and len(plp) == len(prompt), \
+        assert plp is not None and len(plp) == len(prompt), (
             f"case {case['id']}: {0 if plp is None else len(plp)} prompt logprob entries for {len(prompt)} tokens"
+        )
         assert plp[0] is None, f"case {case['id']}: the first prompt token has no logprob (got {plp[0]})"
         for p in range(1, len(prompt)):
             assert prompt[p] in plp[p], f"case {case['id']}: position {p} lacks the prompt token {prompt[p]}"
@@ -77,9 +84,13 @@ def test_prompt_logprobs_match_reference(engines, name, figure):
         want = torch.tensor(case["prompt_lps"], dtype=torch.float64)
         if len(want):
             worst = max(worst, float((got - want).abs().max()))
-            torch.testing.assert_close(got, want, atol=logprob_tol(g["dtype"], engine),
-                                       rtol=logprob_rtol(g["dtype"], engine),
-                                       msg=lambda m, c=case: f"case {c['id']} (len {len(c['prompt'])}): {m}")
+            torch.testing.assert_close(
+                got,
+                want,
+                atol=logprob_tol(g["dtype"], engine),
+                rtol=logprob_rtol(g["dtype"], engine),
+                msg=lambda m, c=case: f"case {c['id']} (len {len(c['prompt'])}): {m}",
+            )
     figure("max logprob diff", worst)
 
 
@@ -110,8 +121,9 @@ def test_prefill_decode_consistency(engines, name, figure):
     require(engine, GREEDY, PROMPT_LOGPROBS)
     cases = [c for c in g["cases"] if c["id"] in ("len-bs+1", "len-5bs+3", "prefix-2bs-b", "long")]
     got = tokens(generate(engine, [c["prompt"] for c in cases], Sampling.greedy(32)))
-    rescored = generate(engine, [c["prompt"] + out for c, out in zip(cases, got)],
-                        Sampling.greedy(1, prompt_logprobs=2))
+    rescored = generate(
+        engine, [c["prompt"] + out for c, out in zip(cases, got)], Sampling.greedy(1, prompt_logprobs=2)
+    )
     bad, worst, compared = [], 0.0, 0
     for case, out, res in zip(cases, got, rescored):
         n = len(case["prompt"])
@@ -123,8 +135,9 @@ def test_prefill_decode_consistency(engines, name, figure):
                 margin = entry[top_tok].logprob - entry[tok].logprob
                 worst = max(worst, margin)
                 if margin >= delta(g["dtype"], engine):
-                    bad.append(f"case {case['id']} step {t}: decode chose {tok}, prefill ranks {top_tok} "
-                               f"first by {margin:.3g}")
+                    bad.append(
+                        f"case {case['id']} step {t}: decode chose {tok}, prefill ranks {top_tok} first by {margin:.3g}"
+                    )
     figure("tokens compared", compared)
     figure("max margin at a mismatch", worst)
     assert not bad, f"{len(bad)} decode/prefill disagreements: " + "; ".join(bad[:5])

@@ -1,5 +1,6 @@
 """Negative controls of every comparison rule: each must fail on a known-bad input. (nanovllm's
 mutant table, which shows the checks catch injected bugs, lives in tests/mutants/.)"""
+
 from __future__ import annotations
 
 import pytest

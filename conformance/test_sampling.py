@@ -6,6 +6,7 @@
   temperatures other than 1 (temperature first, then the filters), and rows with different
   settings mixed in one batch; seed 0 is a seed.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -136,8 +137,11 @@ def _filter_case(lp, which: str, temperature: float) -> dict:
         options = [{"top_k": k, "top_p": tp} for tp in _top_p_between(top, 2, k - 1)]
     else:  # min_p: geometric midpoints between the probability ratios (to the top token) at the temperature
         ratios = torch.sort(p_t / p_t.max(), descending=True).values
-        options = [{"min_p": float((ratios[j] * ratios[j + 1]).sqrt())} for j in range(2, 14)
-                   if ratios[j] / ratios[j + 1] >= 1.15]
+        options = [
+            {"min_p": float((ratios[j] * ratios[j + 1]).sqrt())}
+            for j in range(2, 14)
+            if ratios[j] / ratios[j + 1] >= 1.15
+        ]
     for kw in options:
         right = filtered_distribution(raw, temperature=temperature, **kw)  # type: ignore[arg-type]
         wrong = _filters_then_temperature(raw, temperature, **kw)
@@ -174,8 +178,11 @@ def test_mixed_rows_in_one_batch(engines, figure):
     require(engine, GREEDY, SAMPLING, TOP_K, TOP_P)
     cold = {"temperature": 0.6, "top_k": s["top_k"] + 2}
     hot = _filter_case(s["logprobs"], "top_p", 1.6)
-    groups = [Sampling.greedy(1), Sampling(max_tokens=1, ignore_eos=True, **cold),
-              Sampling(max_tokens=1, ignore_eos=True, **hot)]
+    groups = [
+        Sampling.greedy(1),
+        Sampling(max_tokens=1, ignore_eos=True, **cold),
+        Sampling(max_tokens=1, ignore_eos=True, **hot),
+    ]
     n = N_FILTER_SAMPLES // 2
     outs = generate(engine, [s["prompt"]] * (3 * n), groups * n)
     argmax = int(torch.as_tensor(s["logprobs"]).argmax())

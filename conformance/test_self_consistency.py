@@ -11,6 +11,7 @@
   tokens of synchronous scheduling: greedy and seeded rows, length finishes, stop tokens met
   while the next step is in flight, preemption.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -41,7 +42,7 @@ def _fillers(vocab: int, n: int, seed: int) -> list[list[int]]:
 
 def _assert_golden_prefix(g, cases: list[dict], got: list[list[int]], what: str) -> None:
     """The first len(got[i]) greedy tokens must match the golden ones (tie-aware)."""
-    refs = [c["greedy"][:len(t)] for c, t in zip(cases, got)]
+    refs = [c["greedy"][: len(t)] for c, t in zip(cases, got)]
     report = compare_greedy(refs, [golden_step_logprobs(c) for c in cases], got, delta(g["dtype"]))
     assert report.ok, f"{what} vs reference: {report.summary()}"
 
@@ -100,12 +101,12 @@ def test_prefix_cache_on_off(engines, figure):
     on = engines.fresh(model, prefix_cache=True)
     params = Sampling.greedy(16)
     a, b, partial = cases["prefix-2bs-a"], cases["prefix-2bs-b"], cases["prefix-partial"]
-    exact = a["prompt"][:2 * bs]           # a fully cached prompt, a multiple of bs long
-    prompts = [b["prompt"], partial["prompt"], a["prompt"], exact, exact[:bs + 3]]
+    exact = a["prompt"][: 2 * bs]  # a fully cached prompt, a multiple of bs long
+    prompts = [b["prompt"], partial["prompt"], a["prompt"], exact, exact[: bs + 3]]
     want = tokens(generate(off, [a["prompt"]] + prompts + [exact], params))
-    cold = tokens(generate(on, [a["prompt"]], params))           # computes and caches 2 full blocks
-    hot = tokens(generate(on, prompts, params))                   # every one hits the cache
-    again = tokens(generate(on, [exact], params))                 # the exact prompt, now fully cached
+    cold = tokens(generate(on, [a["prompt"]], params))  # computes and caches 2 full blocks
+    hot = tokens(generate(on, prompts, params))  # every one hits the cache
+    again = tokens(generate(on, [exact], params))  # the exact prompt, now fully cached
     assert_tokens_equal(want, cold + hot + again, "prefix cache on (cold, hot, fully cached) vs off")
     _assert_golden_prefix(g, [a, b, partial, a], (cold + hot)[:4], "prefix cache on")
     figure("requests", len(want))
@@ -119,7 +120,7 @@ def test_prefix_cache_counter(engines, figure):
     require(on, PREFIX_CACHE_STATS)
     params = Sampling.greedy(4)
     a, b, partial = cases["prefix-2bs-a"], cases["prefix-2bs-b"], cases["prefix-partial"]
-    exact = a["prompt"][:2 * bs]
+    exact = a["prompt"][: 2 * bs]
     first = generate(on, [a["prompt"]], params)[0]
     assert first.num_cached_tokens == 0, f"cold run reports {first.num_cached_tokens} cached tokens"
     # with bs 16: b shares 2 blocks; partial shares 2 blocks + 5 tokens (a partial block is never
@@ -127,7 +128,7 @@ def test_prefix_cache_counter(engines, figure):
     # is computed (so one block is served); exact[:bs+3]: one block
     history = [a["prompt"] + first.token_ids[:-1]]
     got, want = [], []
-    for p in [b["prompt"], partial["prompt"], a["prompt"], exact, exact[:bs + 3]]:
+    for p in [b["prompt"], partial["prompt"], a["prompt"], exact, exact[: bs + 3]]:
         out = generate(on, [p], params)[0]
         want.append(expected_cached(history, p, bs))
         got.append(out.num_cached_tokens)
@@ -176,14 +177,18 @@ def test_async_scheduling_equivalence(engines, figure):
     model = golden.model_dir(g)
     if Capability.ASYNC_SCHEDULING not in engines.capabilities:
         skip_lacking(engines.name, Capability.ASYNC_SCHEDULING, "no such engine knob")
-    picked = [cases[c] for c in ("len1", "len-bs", "len-bs+1", "len-3bs", "prefix-2bs-a", "prefix-2bs-b",
-                                 "len-5bs+3", "long")]
+    picked = [
+        cases[c] for c in ("len1", "len-bs", "len-bs+1", "len-3bs", "prefix-2bs-a", "prefix-2bs-b", "len-5bs+3", "long")
+    ]
     params = []
     for i, c in enumerate(picked):
         # stop ids taken from the golden greedy tokens, so greedy rows stop mid-run for sure
         stop = [c["greedy"][5 + i]] if i % 2 == 0 else []
-        base = Sampling.greedy(40 + 9 * i) if i % 3 else Sampling(temperature=0.9, seed=100 + i,
-                                                                       max_tokens=40 + 9 * i, ignore_eos=True)
+        base = (
+            Sampling.greedy(40 + 9 * i)
+            if i % 3
+            else Sampling(temperature=0.9, seed=100 + i, max_tokens=40 + 9 * i, ignore_eos=True)
+        )
         params.append(base.with_(stop_token_ids=tuple(stop)) if stop else base)
     prompts = [c["prompt"] for c in picked]
     pipelined = 0

@@ -4,6 +4,7 @@ a model with 2 KV heads and 8 query heads, so each KV head is replicated on 2 ra
 where a wrong rank -> KV head formula shows: TP=2 has only whole heads per rank or one head
 everywhere); and a TP size the heads do not split into is refused at load, naming both.
 On CPU the ranks talk over gloo; with two GPUs over NCCL (marker multi_gpu)."""
+
 from __future__ import annotations
 
 import re
@@ -31,8 +32,9 @@ def _check(engines, device, figure, model=MODEL, tp=2):
     tpn = engines.get(golden.model_dir(g), **knobs) if tp == 2 else engines.fresh(golden.model_dir(g), **knobs)
     require(tpn, GREEDY)
     got = tokens(generate(tpn, [c["prompt"] for c in picked], Sampling.greedy(32)))
-    report = compare_greedy([c["greedy"][:32] for c in picked], [golden_step_logprobs(c) for c in picked],
-                            got, delta(g["dtype"]))
+    report = compare_greedy(
+        [c["greedy"][:32] for c in picked], [golden_step_logprobs(c) for c in picked], got, delta(g["dtype"])
+    )
     figure("exact", f"{report.num_exact}/{report.num_seqs}")
     assert report.num_exact == report.num_seqs, f"TP={tp} vs reference: {report.summary()}"
     tp1 = engines.get(golden.model_dir(g), device=device, **engines.optional(max_model_len=512))
@@ -41,8 +43,9 @@ def _check(engines, device, figure, model=MODEL, tp=2):
     outs = generate(tpn, [c["prompt"] for c in picked], Sampling.greedy(1, prompt_logprobs=1))
     worst = 0.0
     for c, out in zip(picked, outs):
-        gotl = torch.tensor([out.prompt_logprobs[p][c["prompt"][p]].logprob for p in range(1, len(c["prompt"]))],
-                            dtype=torch.float64)
+        gotl = torch.tensor(
+            [out.prompt_logprobs[p][c["prompt"][p]].logprob for p in range(1, len(c["prompt"]))], dtype=torch.float64
+        )
         want = torch.tensor(c["prompt_lps"], dtype=torch.float64)
         if len(want):
             worst = max(worst, float((gotl - want).abs().max()))
@@ -68,8 +71,9 @@ def test_tp_size_that_does_not_split_the_heads_is_refused(engines, figure):
         engines.fresh(golden.model_dir(g), tp=3, device="cpu")
     except Exception as e:  # noqa: BLE001 - any error is fine if it is clear
         msg = str(e)
-        assert re.search(r"\b3\b", msg) and re.search(rf"\b({heads}|{kv_heads})\b", msg), \
+        assert re.search(r"\b3\b", msg) and re.search(rf"\b({heads}|{kv_heads})\b", msg), (
             f"the refusal does not name tensor_parallel_size=3 and the head count {heads}: {msg!r}"
+        )
         figure("refusal", msg[:60])
         return
     pytest.fail(f"tensor_parallel_size=3 was accepted for a model with {heads} query and {kv_heads} KV heads")

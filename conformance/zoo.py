@@ -12,6 +12,7 @@ something) and attention is sharp (outputs depend on the context).
     from conformance.zoo import zoo_model
     path = zoo_model("qwen3-gqa4-hd128")   # built once, cached
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,12 +30,13 @@ PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
 BIAS_STD = 0.5  # large enough that a dropped bias changes greedy tokens
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ '<|' + m['role'] + '|> ' + m['content'] + ' ' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|> ' }}{% endif %}")
+    "{% if add_generation_prompt %}{{ '<|assistant|> ' }}{% endif %}"
+)
 
 
 @dataclass(frozen=True)
 class ZooSpec:
-    arch: str            # "llama" | "qwen2" | "qwen3"
+    arch: str  # "llama" | "qwen2" | "qwen3"
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -48,10 +50,10 @@ class ZooSpec:
     rope_theta: float = 10000.0
     # configuration axes (see AXES): at their defaults they change nothing, not even spec_key
     rms_norm_eps: float = 1e-6
-    rope_scaling: dict | None = None      # config.json's rope_scaling (transformers: rope_parameters)
-    attention_bias: bool = False          # llama / qwen3: bias on q, k, v and o
-    mlp_bias: bool = False                # llama: bias on gate, up and down
-    extra_eos_ids: tuple[int, ...] = ()   # generation_config.json EOS ids after EOS_ID (special tokens)
+    rope_scaling: dict | None = None  # config.json's rope_scaling (transformers: rope_parameters)
+    attention_bias: bool = False  # llama / qwen3: bias on q, k, v and o
+    mlp_bias: bool = False  # llama: bias on gate, up and down
+    extra_eos_ids: tuple[int, ...] = ()  # generation_config.json EOS ids after EOS_ID (special tokens)
 
     def __post_init__(self):
         if self.attention_bias and self.arch not in ("llama", "qwen3"):
@@ -59,14 +61,18 @@ class ZooSpec:
         if self.mlp_bias and self.arch != "llama":
             raise ValueError(f"mlp_bias is a llama option, not {self.arch!r}'s")
         if any(not len(SPECIAL_TOKENS) <= i < self.vocab_size for i in self.extra_eos_ids):
-            raise ValueError(f"extra_eos_ids {self.extra_eos_ids} must be word ids "
-                             f"({len(SPECIAL_TOKENS)}..{self.vocab_size - 1})")
+            raise ValueError(
+                f"extra_eos_ids {self.extra_eos_ids} must be word ids ({len(SPECIAL_TOKENS)}..{self.vocab_size - 1})"
+            )
 
 
 # Fields added after zoo version 2, whose defaults keep the older models as they were: a field at its
 # default is left out of spec_key, so adding an axis renames no existing model (nor its golden file).
-AXES = {f.name: f.default for f in fields(ZooSpec)
-        if f.name in ("rms_norm_eps", "rope_scaling", "attention_bias", "mlp_bias", "extra_eos_ids")}
+AXES = {
+    f.name: f.default
+    for f in fields(ZooSpec)
+    if f.name in ("rms_norm_eps", "rope_scaling", "attention_bias", "mlp_bias", "extra_eos_ids")
+}
 
 
 ZOO: dict[str, ZooSpec] = {
@@ -83,18 +89,47 @@ ZOO: dict[str, ZooSpec] = {
     # llama3 RoPE scaling with all three frequency bands well populated (theta 500, original length
     # 128: 5 high, 11 medium, 16 low of 32), bias on q/k/v/o and on the MLP, max_position_embeddings
     # = the longest golden sequence (160 + 64)
-    "llama-rope3-bias": ZooSpec("llama", 128, 2, 4, 2, 64, 256, 512, False, seed=6,
-                                max_position_embeddings=224, rope_theta=500.0,
-                                rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
-                                              "high_freq_factor": 8.0,
-                                              "original_max_position_embeddings": 128},
-                                attention_bias=True, mlp_bias=True),
+    "llama-rope3-bias": ZooSpec(
+        "llama",
+        128,
+        2,
+        4,
+        2,
+        64,
+        256,
+        512,
+        False,
+        seed=6,
+        max_position_embeddings=224,
+        rope_theta=500.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 8.0,
+            "original_max_position_embeddings": 128,
+        },
+        attention_bias=True,
+        mlp_bias=True,
+    ),
     # linear RoPE scaling; rms_norm_eps 0.5, large enough that a norm built without it (layer norms or
     # q/k norms) changes greedy tokens; three EOS ids in generation_config.json (config.json and the
     # tokenizer name only the first), the other two chosen among tokens greedy output often reaches
-    "qwen3-eps-rope-linear": ZooSpec("qwen3", 128, 2, 4, 2, 64, 256, 512, False, seed=7,
-                                     rms_norm_eps=0.5, rope_scaling={"rope_type": "linear", "factor": 4.0},
-                                     extra_eos_ids=(294, 403)),
+    "qwen3-eps-rope-linear": ZooSpec(
+        "qwen3",
+        128,
+        2,
+        4,
+        2,
+        64,
+        256,
+        512,
+        False,
+        seed=7,
+        rms_norm_eps=0.5,
+        rope_scaling={"rope_type": "linear", "factor": 4.0},
+        extra_eos_ids=(294, 403),
+    ),
 }
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -156,7 +191,7 @@ def make_weights(spec: ZooSpec) -> dict[str, np.ndarray]:
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = norm_weight(H)
         w[p + "post_attention_layernorm.weight"] = norm_weight(H)
-        w[p + "self_attn.q_proj.weight"] = linear(q_out, H, gain=2.0)   # sharp attention
+        w[p + "self_attn.q_proj.weight"] = linear(q_out, H, gain=2.0)  # sharp attention
         w[p + "self_attn.k_proj.weight"] = linear(kv_out, H, gain=2.0)
         w[p + "self_attn.v_proj.weight"] = linear(kv_out, H)
         w[p + "self_attn.o_proj.weight"] = linear(H, q_out, gain=out_gain)
@@ -202,8 +237,9 @@ def save_tokenizer(spec: ZooSpec, dest: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
     extra = SPECIAL_TOKENS[3:] + [eos_token_name(i) for i in spec.extra_eos_ids]
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                   bos_token="<bos>", additional_special_tokens=extra)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", additional_special_tokens=extra
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(dest))
 
@@ -218,10 +254,14 @@ def build(spec: ZooSpec, dest: Path) -> None:
     model_type = cfg.pop("model_type")
     AutoConfig.for_model(model_type, **cfg).save_pretrained(str(dest))
     eos = eos_token_ids(spec)
-    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=eos if len(eos) > 1 else EOS_ID,
-                     pad_token_id=PAD_ID).save_pretrained(str(dest))
-    save_file({k: torch.from_numpy(v) for k, v in make_weights(spec).items()},
-              str(dest / "model.safetensors"), metadata={"format": "pt"})
+    GenerationConfig(
+        bos_token_id=BOS_ID, eos_token_id=eos if len(eos) > 1 else EOS_ID, pad_token_id=PAD_ID
+    ).save_pretrained(str(dest))
+    save_file(
+        {k: torch.from_numpy(v) for k, v in make_weights(spec).items()},
+        str(dest / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     save_tokenizer(spec, dest)
     (dest / "zoo_spec.json").write_text(json.dumps({"zoo_version": ZOO_VERSION, **spec_fields(spec)}, indent=1))
 

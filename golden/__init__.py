@@ -24,6 +24,7 @@ File layout (``format`` 1)::
     sampling    (some files) {"prompt", "logprobs": [full vocabulary log-softmax at the next position],
                  "temperature", "top_k", "top_p", "min_p": parameters chosen far from ties}
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,8 +35,15 @@ from pathlib import Path
 
 GOLDEN_DIR = Path(__file__).resolve().parent
 FORMAT = 1
-ZOO_FILES = {"llama-mha-hd64", "qwen2-gqa2-hd64", "qwen3-gqa4-hd128", "llama-1kv-hd128", "qwen3-gqa2-hd64-tied",
-             "llama-rope3-bias", "qwen3-eps-rope-linear"}
+ZOO_FILES = {
+    "llama-mha-hd64",
+    "qwen2-gqa2-hd64",
+    "qwen3-gqa4-hd128",
+    "llama-1kv-hd128",
+    "qwen3-gqa2-hd64-tied",
+    "llama-rope3-bias",
+    "qwen3-eps-rope-linear",
+}
 SMOLLM = "smollm2-135m"
 NAMES = sorted(ZOO_FILES) + [SMOLLM]
 
@@ -81,8 +89,9 @@ def require(g: dict) -> None:
             pytest.fail(f"{e} (CONFORMANCE_REQUIRE_ASSETS=1 promises it)")
         pytest.skip(str(e))
     if problem:
-        pytest.fail(f"golden file for {g['model'].get('name', g['model'].get('file'))} does not match the "
-                    f"model here: {problem}")
+        pytest.fail(
+            f"golden file for {g['model'].get('name', g['model'].get('file'))} does not match the model here: {problem}"
+        )
 
 
 def _default_model_path() -> str:
@@ -104,9 +113,11 @@ def check_model(g: dict) -> str | None:
         if m["name"] not in ZOO:
             return f"zoo model {m['name']!r} no longer exists"
         if m["zoo_version"] != ZOO_VERSION or m["spec_key"] != spec_key(ZOO[m["name"]]):
-            return (f"golden file for {m['name']} was made from zoo version {m['zoo_version']} "
-                    f"(spec {m['spec_key']}); the zoo is now version {ZOO_VERSION} "
-                    f"(spec {spec_key(ZOO[m['name']])}): run python -m golden.make")
+            return (
+                f"golden file for {m['name']} was made from zoo version {m['zoo_version']} "
+                f"(spec {m['spec_key']}); the zoo is now version {ZOO_VERSION} "
+                f"(spec {spec_key(ZOO[m['name']])}): run python -m golden.make"
+            )
         return None
     gguf = _default_model_path()
     if _sha256(gguf) != m["sha256"]:
@@ -119,6 +130,7 @@ def source_path(g: dict) -> str:
     m = g["model"]
     if m["kind"] == "zoo":
         from conformance.zoo import zoo_model
+
         return zoo_model(m["name"])
     return _default_model_path()
 
@@ -129,4 +141,5 @@ def model_dir(g: dict) -> str:
     if m["kind"] == "zoo":
         return source_path(g)
     from nanovllm.loader.model_loader import resolve_model_dir
+
     return resolve_model_dir(source_path(g))

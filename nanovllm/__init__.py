@@ -3,6 +3,7 @@
 The public names are imported on first use, so ``import nanovllm.core.scheduler`` (or the
 CLI's ``--help``) does not load torch.
 """
+
 from __future__ import annotations
 
 import importlib

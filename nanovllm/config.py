@@ -1,4 +1,5 @@
 """EngineConfig: every engine knob in one place, validated once with errors that name the field."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,15 +33,16 @@ def _check_tensor_parallel(tp: int, hf_config) -> None:
     import torch.distributed as dist
 
     if not dist.is_available():
-        raise ValueError(f"tensor_parallel_size={tp} needs torch.distributed, "
-                         f"which this torch build lacks")
+        raise ValueError(f"tensor_parallel_size={tp} needs torch.distributed, which this torch build lacks")
     heads = getattr(hf_config, "num_attention_heads", None)
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     if isinstance(heads, int) and heads % tp:
         raise ValueError(f"tensor_parallel_size={tp} does not divide num_attention_heads={heads}")
     if isinstance(kv_heads, int) and (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
-        raise ValueError(f"num_key_value_heads={kv_heads} can be neither split nor replicated evenly "
-                         f"over tensor_parallel_size={tp} (one must be a multiple of the other)")
+        raise ValueError(
+            f"num_key_value_heads={kv_heads} can be neither split nor replicated evenly "
+            f"over tensor_parallel_size={tp} (one must be a multiple of the other)"
+        )
     inter = getattr(hf_config, "intermediate_size", None)
     if isinstance(inter, int) and inter % tp:
         raise ValueError(f"tensor_parallel_size={tp} does not divide intermediate_size={inter}")
@@ -109,7 +111,8 @@ class EngineConfig:
         if unknown:
             raise TypeError(
                 f"unknown engine argument(s) {', '.join(map(repr, unknown))}; "
-                f"valid ones: {', '.join(sorted(names - {'model'}))}")
+                f"valid ones: {', '.join(sorted(names - {'model'}))}"
+            )
         return cls(model=model, **kwargs)
 
     def __post_init__(self) -> None:
@@ -131,8 +134,7 @@ class EngineConfig:
         _int_field("tensor_parallel_size", self.tensor_parallel_size, 1)
         _int_field("seed", self.seed, 0)
         _int_field("threads", self.threads, 1, allow_none=True)
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager",
-                     "skip_tokenizer_init"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "skip_tokenizer_init"):
             _bool_field(name, getattr(self, name))
         if self.async_scheduling is not None:
             _bool_field("async_scheduling", self.async_scheduling)
@@ -143,8 +145,7 @@ class EngineConfig:
         if kv is not None and (isinstance(kv, bool) or not isinstance(kv, (int, float)) or kv <= 0):
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {kv!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', "
-                             f"got {self.attention_backend!r}")
+            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
 
     # ------------------------------------------------------------ resolution
     def resolve(self, hf_config, model_dir: str) -> None:
@@ -164,10 +165,15 @@ class EngineConfig:
                 self.device = "cuda" if torch.cuda.is_available() else "cpu"
             if self.device == "cuda" and not torch.cuda.is_available():
                 raise ValueError("device='cuda' but torch sees no CUDA GPU (torch.cuda.is_available() is False)")
-            if self.tensor_parallel_size > 1 and self.device == "cuda" \
-                    and self.tensor_parallel_size > torch.cuda.device_count():
-                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} but only "
-                                 f"{torch.cuda.device_count()} CUDA device(s) are visible")
+            if (
+                self.tensor_parallel_size > 1
+                and self.device == "cuda"
+                and self.tensor_parallel_size > torch.cuda.device_count()
+            ):
+                raise ValueError(
+                    f"tensor_parallel_size={self.tensor_parallel_size} but only "
+                    f"{torch.cuda.device_count()} CUDA device(s) are visible"
+                )
         _check_tensor_parallel(self.tensor_parallel_size, hf_config)
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device == "cuda" else "float32"
@@ -181,12 +187,12 @@ class EngineConfig:
         if self.max_model_len is None:
             self.max_model_len = min(model_max, 8192)
         elif self.max_model_len > model_max:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
-                             f"max_position_embeddings={model_max}")
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={model_max}"
+            )
         if self.max_num_batched_tokens is None:
             default = 8192 if self.device == "cuda" else 4096
-            self.max_num_batched_tokens = (default if self.enable_chunked_prefill
-                                           else max(default, self.max_model_len))
+            self.max_num_batched_tokens = default if self.enable_chunked_prefill else max(default, self.max_model_len)
         if self.async_scheduling is None:
             self.async_scheduling = self.device == "cuda" and self.tensor_parallel_size == 1
         if self.threads is None:
@@ -202,4 +208,5 @@ class EngineConfig:
     @property
     def torch_dtype(self):
         import torch
+
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]

@@ -5,6 +5,7 @@ threads gains nothing and makes OpenMP wait on the slower one; the CPU affinity 
 taskset's share, not the host's count) says which cores are ours. ``$OMP_NUM_THREADS``, when set,
 wins (the test suite sets it to share the cores between pytest-xdist workers).
 """
+
 from __future__ import annotations
 
 import os
@@ -16,7 +17,7 @@ _SYSFS = Path("/sys/devices/system/cpu")
 def usable_cpus() -> set[int]:
     try:
         return set(os.sched_getaffinity(0))
-    except AttributeError:   # no sched_getaffinity (macOS, Windows)
+    except AttributeError:  # no sched_getaffinity (macOS, Windows)
         return set(range(os.cpu_count() or 1))
 
 
@@ -28,8 +29,9 @@ def physical_cores(cpus: set[int] | None = None, sysfs: Path = _SYSFS) -> int:
     for cpu in cpus:
         topology = sysfs / f"cpu{cpu}" / "topology"
         try:
-            cores.add(((topology / "physical_package_id").read_text().strip(),
-                       (topology / "core_id").read_text().strip()))
+            cores.add(
+                ((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip())
+            )
         except OSError:
             return max(1, len(cpus))
     return max(1, len(cores))

@@ -1,4 +1,5 @@
 """LLM: the offline batch API (vLLM's names): generate(), chat(), stats()."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,8 +41,9 @@ class LLM:
             if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
                 return [list(prompts)]  # one prompt given as token ids
             return list(prompts)
-        raise TypeError(f"prompts must be a str, a list of token ids, a dict or a list of those, "
-                        f"got {type(prompts).__name__}")
+        raise TypeError(
+            f"prompts must be a str, a list of token ids, a dict or a list of those, got {type(prompts).__name__}"
+        )
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -54,8 +56,9 @@ class LLM:
         return self.llm_engine.reset_prefix_cache()
 
     # --------------------------------------------------------------- generate
-    def generate(self, prompts, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self, prompts, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
         """Generate for every prompt; the outputs come back in input order.
 
         Only final outputs are wanted here, so every request runs with ``output_kind``
@@ -67,8 +70,9 @@ class LLM:
             results[i] = out
         return results  # type: ignore[return-value]
 
-    def generate_iter(self, prompts, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
-                      use_tqdm: bool = True) -> Generator[tuple[int, RequestOutput], None, None]:
+    def generate_iter(
+        self, prompts, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None, use_tqdm: bool = True
+    ) -> Generator[tuple[int, RequestOutput], None, None]:
         """Like generate(), but yields ``(input index, RequestOutput)`` as each request finishes.
 
         Every request is validated and queued before this returns (a bad one raises here and
@@ -84,8 +88,7 @@ class LLM:
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
-                raise ValueError(f"sampling_params has {len(params_list)} entries but there are "
-                                 f"{len(prompts)} prompts")
+                raise ValueError(f"sampling_params has {len(params_list)} entries but there are {len(prompts)} prompts")
         final_only: dict[int, SamplingParams] = {}
         for i, params in enumerate(params_list):
             if isinstance(params, SamplingParams) and params.output_kind is not RequestOutputKind.FINAL_ONLY:
@@ -121,10 +124,9 @@ class LLM:
                         bar.update(1)
                         yield order[out.request_id], out
                 elapsed = time.perf_counter() - start
-                bar.set_postfix_str(f"out {engine.num_generation_tokens / max(elapsed, 1e-9):.1f} tok/s",
-                                    refresh=False)
+                bar.set_postfix_str(f"out {engine.num_generation_tokens / max(elapsed, 1e-9):.1f} tok/s", refresh=False)
             engine.drain()  # async scheduling: no step left in flight between calls
-        except BaseException:   # an error, Ctrl-C, or the caller closing the iterator
+        except BaseException:  # an error, Ctrl-C, or the caller closing the iterator
             for request_id in left:  # leave the engine clean for the next call
                 engine.abort_request(request_id)
             try:
@@ -135,38 +137,47 @@ class LLM:
         finally:
             bar.close()
 
-    def chat_prompts(self, messages, add_generation_prompt: bool = True,
-                     chat_template_kwargs: dict | None = None) -> list[dict]:
+    def chat_prompts(
+        self, messages, add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None
+    ) -> list[dict]:
         """The prompts chat() generates from: the tokenizer's chat template applied to one
         conversation (a list of {"role", "content"} dicts) or to each of a list of them."""
         tok = self.get_tokenizer()
         if tok is None or getattr(tok, "chat_template", None) is None:
             raise ValueError("chat() needs a tokenizer with a chat template; this model has none")
         if not isinstance(messages, (list, tuple)) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts "
-                             "or a list of such lists")
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts or a list of such lists")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conv in conversations:
             for m in conv:
                 if not isinstance(m, dict) or "role" not in m or "content" not in m:
                     raise ValueError(f"each message must be a dict with 'role' and 'content', got {m!r}")
-            ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                          return_dict=False,
-                                          **(chat_template_kwargs or {}))
+            ids = tok.apply_chat_template(
+                conv,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+                **(chat_template_kwargs or {}),
+            )
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids),
-                            "prompt": tok.decode(ids, skip_special_tokens=False)})
+            prompts.append({"prompt_token_ids": list(ids), "prompt": tok.decode(ids, skip_special_tokens=False)})
         return prompts
 
-    def chat(self, messages, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation (a list of
         {"role", "content"} dicts) or a list of conversations, then generate."""
-        return self.generate(self.chat_prompts(messages, add_generation_prompt, chat_template_kwargs),
-                             sampling_params, use_tqdm=use_tqdm)
+        return self.generate(
+            self.chat_prompts(messages, add_generation_prompt, chat_template_kwargs), sampling_params, use_tqdm=use_tqdm
+        )
 
     # -------------------------------------------------------------- lifetime
     def close(self) -> None:

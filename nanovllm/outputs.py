@@ -1,5 +1,6 @@
 """What generate() and LLMEngine.step() return: vLLM's RequestOutput / CompletionOutput / Logprob,
 and RequestMetrics (a request's timestamps)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ class RequestMetrics:
     the host. Derived: ``time_in_queue`` (arrival -> first scheduled) and ``first_token_latency``
     (arrival -> first token, TTFT).
     """
+
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

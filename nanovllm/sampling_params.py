@@ -1,4 +1,5 @@
 """SamplingParams: vLLM's field names and meanings, validated once at construction."""
+
 from __future__ import annotations
 
 import enum
@@ -12,6 +13,7 @@ class RequestOutputKind(enum.Enum):
     logprobs); DELTA: each report holds only what is new since the last one; FINAL_ONLY: one
     report, when the request finishes (what ``LLM.generate`` uses).
     """
+
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
@@ -134,8 +136,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
-                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens}, "
-                f"max_tokens={self.max_tokens}")
+                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens}, max_tokens={self.max_tokens}"
+            )
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
@@ -193,17 +195,16 @@ class SamplingParams:
             if not isinstance(w, str) or not w.strip():
                 raise ValueError(f"bad_words must hold non-empty strings, got {w!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
-            raise TypeError(f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), "
-                            f"got {self.output_kind!r}")
+            raise TypeError(
+                f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), got {self.output_kind!r}"
+            )
 
     @property
     def has_penalties(self) -> bool:
         """Whether a penalty reads the request's tokens (so each step needs its history)."""
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def has_logits_processing(self) -> bool:
         """Whether any logits processing beyond temperature and the filters applies."""
-        return (self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
-                or bool(self.bad_words))
+        return self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)

@@ -13,6 +13,7 @@ documents, batches, ``return_dict=True`` and the like -- goes to transformers' t
 same directory, loaded on first use. tests/test_tokenizer.py checks ids, text and chat-template
 output against AutoTokenizer.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,15 +27,25 @@ FAST_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # apply_chat_template arguments transformers gives a meaning (not template variables): any of them
 # set to a non-default value takes transformers' path
-_HF_CHAT_ARGS = {"tools": None, "documents": None, "chat_template": None, "continue_final_message": False,
-                 "sanitize_control_tokens": False, "padding": False, "truncation": False, "max_length": None,
-                 "return_tensors": None, "tokenizer_kwargs": None, "return_assistant_tokens_mask": False}
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")   # transformers aliases these
-_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")   # transformers' own jinja extension
+_HF_CHAT_ARGS = {
+    "tools": None,
+    "documents": None,
+    "chat_template": None,
+    "continue_final_message": False,
+    "sanitize_control_tokens": False,
+    "padding": False,
+    "truncation": False,
+    "max_length": None,
+    "return_tensors": None,
+    "tokenizer_kwargs": None,
+    "return_assistant_tokens_mask": False,
+}
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers aliases these
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' own jinja extension
 
 
 def _token_text(value) -> str | None:
-    if isinstance(value, dict):   # an AddedToken as serialized ({"content": ..., ...})
+    if isinstance(value, dict):  # an AddedToken as serialized ({"content": ..., ...})
         value = value.get("content")
     return value if isinstance(value, str) else None
 
@@ -53,10 +64,14 @@ def load_tokenizer(path: str | os.PathLike):
         config = json.loads((p / "tokenizer_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         config = None
-    if (isinstance(config, dict) and (p / "tokenizer.json").is_file()
-            and config.get("tokenizer_class") in FAST_CLASSES and not config.get("clean_up_tokenization_spaces")
-            and isinstance(_chat_template(p, config), (str, type(None)))
-            and not any(config.get(k) is not None for k in ("add_bos_token", "add_eos_token"))):
+    if (
+        isinstance(config, dict)
+        and (p / "tokenizer.json").is_file()
+        and config.get("tokenizer_class") in FAST_CLASSES
+        and not config.get("clean_up_tokenization_spaces")
+        and isinstance(_chat_template(p, config), (str, type(None)))
+        and not any(config.get(k) is not None for k in ("add_bos_token", "add_eos_token"))
+    ):
         return FastTokenizer(p, config)
     from transformers import AutoTokenizer
 
@@ -72,11 +87,12 @@ class FastTokenizer:
         self.name_or_path = str(path)
         self._config = config
         self._tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-        self._tok.no_truncation()   # transformers turns both off unless a call asks for them
+        self._tok.no_truncation()  # transformers turns both off unless a call asks for them
         self._tok.no_padding()
         self.chat_template = _chat_template(path, config)
-        self.special_tokens_map = {name: text for name in SPECIAL_TOKEN_NAMES
-                                   if (text := _token_text(config.get(name))) is not None}
+        self.special_tokens_map = {
+            name: text for name in SPECIAL_TOKEN_NAMES if (text := _token_text(config.get(name))) is not None
+        }
         for name in SPECIAL_TOKEN_NAMES:
             setattr(self, name, self.special_tokens_map.get(name))
             token = self.special_tokens_map.get(name)
@@ -90,7 +106,7 @@ class FastTokenizer:
 
         return AutoTokenizer.from_pretrained(self.name_or_path)
 
-    def __getattr__(self, name: str):   # anything not implemented here: transformers' tokenizer
+    def __getattr__(self, name: str):  # anything not implemented here: transformers' tokenizer
         if name.startswith("_") or name == "hf":
             raise AttributeError(name)
         return getattr(self.hf, name)
@@ -125,22 +141,42 @@ class FastTokenizer:
             self._template = compile_chat_template(self.chat_template)
         return self._template
 
-    def apply_chat_template(self, conversation, add_generation_prompt: bool = False, tokenize: bool = True,
-                            return_dict: bool = True, **kwargs):
+    def apply_chat_template(
+        self,
+        conversation,
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
+        return_dict: bool = True,
+        **kwargs,
+    ):
         hf_args = {k: kwargs.pop(k) for k in list(kwargs) if k in _HF_CHAT_ARGS}
-        simple = (self.chat_template is not None and not _GENERATION_TAG.search(self.chat_template)
-                  and isinstance(conversation, (list, tuple)) and conversation
-                  and all(isinstance(m, dict) for m in conversation)
-                  and not any(m.get(f) is not None for m in conversation for f in _REASONING_FIELDS)
-                  and all(v == _HF_CHAT_ARGS[k] for k, v in hf_args.items())
-                  and (not tokenize or return_dict is False))
+        simple = (
+            self.chat_template is not None
+            and not _GENERATION_TAG.search(self.chat_template)
+            and isinstance(conversation, (list, tuple))
+            and conversation
+            and all(isinstance(m, dict) for m in conversation)
+            and not any(m.get(f) is not None for m in conversation for f in _REASONING_FIELDS)
+            and all(v == _HF_CHAT_ARGS[k] for k, v in hf_args.items())
+            and (not tokenize or return_dict is False)
+        )
         if not simple:
-            return self.hf.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                               tokenize=tokenize, return_dict=return_dict, **hf_args, **kwargs)
+            return self.hf.apply_chat_template(
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=tokenize,
+                return_dict=return_dict,
+                **hf_args,
+                **kwargs,
+            )
         messages = [{k: v for k, v in m.items() if v is not None} for m in conversation]
-        text = self._compiled_template().render(messages=messages, tools=None, documents=None,
-                                                add_generation_prompt=add_generation_prompt,
-                                                **{**self.special_tokens_map, **kwargs})
+        text = self._compiled_template().render(
+            messages=messages,
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **{**self.special_tokens_map, **kwargs},
+        )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 

@@ -8,6 +8,7 @@ Timing: triton.testing.do_bench (CUDA events, L2 flushed, median) after warm-up.
 
     PYTHONPATH=. python3 scripts/bench_kernels.py [--engine] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,8 @@ from triton.testing import do_bench
 
 from nanovllm.attention import triton_ops as ops
 
-HBM = 4.3e12          # bytes/s, measured device copy on the H200 machine
-PEAK_FLOPS = 790e12   # bf16 dense matmul, measured
+HBM = 4.3e12  # bytes/s, measured device copy on the H200 machine
+PEAK_FLOPS = 790e12  # bf16 dense matmul, measured
 H, KVH, D = 16, 8, 128
 ROWS: list[tuple[str, str, str]] = []
 
@@ -42,7 +43,7 @@ def paged_cache(seq_lens: list[int], block_size: int, gen: torch.Generator):
         nb = -(-n // block_size)
         tables.append(list(range(nxt, nxt + nb)))
         nxt += nb
-    perm = torch.randperm(nxt, generator=gen).tolist()      # scatter blocks over the cache
+    perm = torch.randperm(nxt, generator=gen).tolist()  # scatter blocks over the cache
     tables = [[perm[b] for b in t] for t in tables]
     width = max(len(t) for t in tables)
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device="cuda")
@@ -59,8 +60,7 @@ def bench_decode(batch: int, ctx: int, block_size: int, splits: int, cfg: ops.Ke
     rows = batch * H * splits
     ws = (torch.empty(rows * D, device="cuda"), torch.empty(rows, device="cuda"))
     out = torch.empty_like(q)
-    fn = lambda: ops.paged_decode(q, k, v, bt, sl, D ** -0.5, num_splits=splits, workspace=ws, out=out,
-                                  config=cfg)
+    fn = lambda: ops.paged_decode(q, k, v, bt, sl, D**-0.5, num_splits=splits, workspace=ws, out=out, config=cfg)
     fn()
     ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
     kv_bytes = ops.decode_kv_bytes([ctx] * batch, KVH, D, 2)
@@ -74,11 +74,12 @@ def bench_prefill(lens: list[tuple[int, int]], block_size: int, cfg: ops.KernelC
     k, v, bt = paged_cache(seq_lens, block_size, gen)
     t = sum(n for _, n in lens)
     q = torch.randn(t, H, D, device="cuda", dtype=torch.bfloat16)
-    qsl = torch.tensor([0] + [sum(n for _, n in lens[:i + 1]) for i in range(len(lens))],
-                       dtype=torch.int32, device="cuda")
+    qsl = torch.tensor(
+        [0] + [sum(n for _, n in lens[: i + 1]) for i in range(len(lens))], dtype=torch.int32, device="cuda"
+    )
     sl = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
-    fn = lambda: ops.paged_prefill(q, k, v, qsl, sl, bt, D ** -0.5, out=out, config=cfg)
+    fn = lambda: ops.paged_prefill(q, k, v, qsl, sl, bt, D**-0.5, out=out, config=cfg)
     fn()
     ms = do_bench(fn, warmup=10, rep=100, return_mode="median")
     # causal FLOPs actually needed: 4 * d * heads * sum over rows of visible keys
@@ -110,8 +111,10 @@ def kernels() -> None:
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     print("## decode, batch 256, ctx 1024 (K/V bytes 1.07 GB; byte ceiling at 4.3 TB/s = 250 us)")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    decode_cases = [(256, None, 1)] + [(256, ops.KernelConfig(16, n, w, st), 1) for n, w, st in
-                                       ((32, 4, 2), (64, 4, 2), (128, 4, 2), (64, 8, 3), (128, 8, 3))]
+    decode_cases = [(256, None, 1)] + [
+        (256, ops.KernelConfig(16, n, w, st), 1)
+        for n, w, st in ((32, 4, 2), (64, 4, 2), (128, 4, 2), (64, 8, 3), (128, 8, 3))
+    ]
     decode_cases += [(16, None, 1), (256, None, 2)]
     for block_size, cfg, splits in decode_cases:
         name = "default" if cfg is None else f"N{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
@@ -121,8 +124,14 @@ def kernels() -> None:
             continue
         row(name, f"{r[0] * 1e3:.0f} us", f"{r[1] / 1e12:.2f} TB/s = {r[1] / HBM:.0%} of 4.3")
         if (block_size, cfg, splits) == (256, None, 1):
-            ROWS.insert(0, ("decode headline (b256 c1024 bs256)", f"{r[1] / HBM:.0%} of HBM",
-                            f"{r[0] * 1e3:.0f} us, {r[1] / 1e12:.2f} TB/s; target >= 70%"))
+            ROWS.insert(
+                0,
+                (
+                    "decode headline (b256 c1024 bs256)",
+                    f"{r[1] / HBM:.0%} of HBM",
+                    f"{r[0] * 1e3:.0f} us, {r[1] / 1e12:.2f} TB/s; target >= 70%",
+                ),
+            )
     for batch in (1, 16):
         for splits in sorted({1, ops.num_decode_splits(batch, KVH, sms)}):
             name = f"decode b{batch} c4096 splits={splits}"
@@ -130,10 +139,17 @@ def kernels() -> None:
             if r is not None:
                 row(name, f"{r[0] * 1e3:.0f} us", f"{r[1] / HBM:.0%} of 4.3 TB/s")
     print("## prefill (causal FLOPs; matmul peak 790 TFLOP/s)")
-    for case, lens in (("8 x 1024 fresh", [(0, 1024)] * 8), ("2 x 4096 fresh", [(0, 4096)] * 2),
-                       ("4 chunks of 2048 after 2048 cached", [(2048, 2048)] * 4)):
-        for cfg in (None, ops.KernelConfig(64, 64, 4, 2), ops.KernelConfig(128, 64, 4, 3),
-                    ops.KernelConfig(128, 128, 8, 2)):
+    for case, lens in (
+        ("8 x 1024 fresh", [(0, 1024)] * 8),
+        ("2 x 4096 fresh", [(0, 4096)] * 2),
+        ("4 chunks of 2048 after 2048 cached", [(2048, 2048)] * 4),
+    ):
+        for cfg in (
+            None,
+            ops.KernelConfig(64, 64, 4, 2),
+            ops.KernelConfig(128, 64, 4, 3),
+            ops.KernelConfig(128, 128, 8, 2),
+        ):
             tag = "default" if cfg is None else f"M{cfg.block_m} N{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
             name = f"prefill {case} {tag}"
             r = measure(name, lambda: bench_prefill(lens, 256, cfg))
@@ -163,36 +179,65 @@ def engine() -> None:
     from nanovllm import LLM, SamplingParams
     from nanovllm.sampling_params import RequestOutputKind
 
-    cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "max_position_embeddings": 40960,
-           "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "hidden_act": "silu", "hidden_size": 1024,
-           "num_hidden_layers": 28, "num_attention_heads": H, "num_key_value_heads": KVH, "head_dim": D,
-           "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True,
-           "eos_token_id": 151645, "torch_dtype": "bfloat16"}
+    cfg = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "hidden_act": "silu",
+        "hidden_size": 1024,
+        "num_hidden_layers": 28,
+        "num_attention_heads": H,
+        "num_key_value_heads": KVH,
+        "head_dim": D,
+        "intermediate_size": 3072,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+    }
     d = tempfile.mkdtemp(prefix="nanovllm-qwen3-0.6b-")
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(cfg, f)
-    num_blocks = None   # the graph engine profiles memory; the eager one reuses its block count
+    num_blocks = None  # the graph engine profiles memory; the eager one reuses its block count
     for eager in (False, True):
         t0 = time.perf_counter()
-        llm = LLM(d, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, enforce_eager=eager,
-                  num_kvcache_blocks=num_blocks)
+        llm = LLM(
+            d,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            max_model_len=4096,
+            enforce_eager=eager,
+            num_kvcache_blocks=num_blocks,
+        )
         eng = llm.llm_engine
         num_blocks = eng.block_manager.num_blocks
-        row(f"engine start ({'eager' if eager else 'graphs, memory profile'})",
-            f"{time.perf_counter() - t0:.1f} s", f"{num_blocks} KV blocks of {eng.config.block_size}; "
+        row(
+            f"engine start ({'eager' if eager else 'graphs, memory profile'})",
+            f"{time.perf_counter() - t0:.1f} s",
+            f"{num_blocks} KV blocks of {eng.config.block_size}; "
             f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved of "
-            f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f}")
+            f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f}",
+        )
         for i in range(256):
-            eng.add_request(str(i), [(i * 7 + j) % 150000 for j in range(1024)],
-                            SamplingParams(temperature=0.6, max_tokens=64, ignore_eos=True,
-                                           output_kind=RequestOutputKind.FINAL_ONLY))
+            eng.add_request(
+                str(i),
+                [(i * 7 + j) % 150000 for j in range(1024)],
+                SamplingParams(
+                    temperature=0.6, max_tokens=64, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+                ),
+            )
         times = []
         while eng.has_unfinished_requests():
             running = eng.scheduler.running
-            full_decode = len(running) == 256 and not eng.scheduler.waiting and all(
-                s.num_computed_tokens + 1 == s.num_tokens for s in running)
+            full_decode = (
+                len(running) == 256
+                and not eng.scheduler.waiting
+                and all(s.num_computed_tokens + 1 == s.num_tokens for s in running)
+            )
             t = time.perf_counter()
-            eng.step()   # ends with the sampler's device->host copy: a synchronised step
+            eng.step()  # ends with the sampler's device->host copy: a synchronised step
             if full_decode:
                 times.append(time.perf_counter() - t)
         runner = eng.executor.runner

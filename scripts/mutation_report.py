@@ -16,6 +16,7 @@ for the reason given. They leave the denominator:
 checked (a partial run), or when the triage file is stale (it names a mutant that does not exist
 or that the tests now kill: the list must say only what is true of this run).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,7 +46,7 @@ class ModuleCounts:
     no_tests: int = 0
     other: int = 0
     not_checked: int = 0
-    survivors: list[str] = field(default_factory=list)   # survived and not triaged as equivalent
+    survivors: list[str] = field(default_factory=list)  # survived and not triaged as equivalent
 
     @property
     def considered(self) -> int:
@@ -85,8 +86,9 @@ def read_results(mutants: Path) -> dict[str, dict[str, int | None]]:
     return results
 
 
-def summarise(results: dict[str, dict[str, int | None]], equivalent: dict[str, str]) \
-        -> tuple[list[ModuleCounts], list[str]]:
+def summarise(
+    results: dict[str, dict[str, int | None]], equivalent: dict[str, str]
+) -> tuple[list[ModuleCounts], list[str]]:
     """Per-module counts, and the stale triage entries (unknown mutants, or ones that do not survive)."""
     counts = []
     seen = {}
@@ -131,13 +133,24 @@ def total_of(counts: list[ModuleCounts]) -> ModuleCounts:
 
 
 def table(counts: list[ModuleCounts], markdown: bool) -> str:
-    head = ["module", "mutants", "killed", "timeout", "survived", "equivalent", "no tests", "other",
-            "not checked", "kill rate"]
+    head = [
+        "module",
+        "mutants",
+        "killed",
+        "timeout",
+        "survived",
+        "equivalent",
+        "no tests",
+        "other",
+        "not checked",
+        "kill rate",
+    ]
     rows = []
     for c in counts + [total_of(counts)]:
         rate = "n/a" if c.kill_rate is None else f"{100 * c.kill_rate:.1f} %"
-        rows.append([c.module, c.total, c.killed, c.timeout, c.survived, c.equivalent, c.no_tests, c.other,
-                     c.not_checked, rate])
+        rows.append(
+            [c.module, c.total, c.killed, c.timeout, c.survived, c.equivalent, c.no_tests, c.other, c.not_checked, rate]
+        )
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
         lines += ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
@@ -152,8 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--equivalent", default=DEFAULT_EQUIVALENT, help="the triage file of equivalent mutants")
     ap.add_argument("--min-kill-rate", type=float, default=0.90)
     ap.add_argument("--markdown", action="store_true", help="print the table as Markdown")
-    ap.add_argument("--check", action="store_true",
-                    help="exit 1 below --min-kill-rate, on unchecked mutants, or on a stale triage file")
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 below --min-kill-rate, on unchecked mutants, or on a stale triage file",
+    )
     args = ap.parse_args(argv)
 
     mutants = Path(args.mutants)
@@ -165,15 +181,19 @@ def main(argv: list[str] | None = None) -> int:
     total = total_of(counts)
     print(table(counts, args.markdown))
     if total.survivors:
-        print(f"\n{len(total.survivors)} survivors not triaged (add a test that kills each, or list it "
-              f"in {args.equivalent} with the reason it is equivalent):")
+        print(
+            f"\n{len(total.survivors)} survivors not triaged (add a test that kills each, or list it "
+            f"in {args.equivalent} with the reason it is equivalent):"
+        )
         for name in total.survivors:
             print(f"  {name}")
     for line in stale:
         print(f"stale triage entry: {line}")
     rate = total.kill_rate
-    print(f"\nkill rate of non-equivalent mutants: "
-          f"{'n/a' if rate is None else f'{100 * rate:.1f} %'} (minimum {100 * args.min_kill_rate:.0f} %)")
+    print(
+        f"\nkill rate of non-equivalent mutants: "
+        f"{'n/a' if rate is None else f'{100 * rate:.1f} %'} (minimum {100 * args.min_kill_rate:.0f} %)"
+    )
     if not args.check:
         return 0
     failures = []

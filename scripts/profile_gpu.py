@@ -6,6 +6,7 @@ of the standard GPU workload (Qwen3-0.6B shape, random weights).
 Prints the kernels by total device time, the device-busy time per step and the
 wall time per step (their difference is host time the GPU waited for).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,13 @@ def main() -> None:
     llm = LLM(shape_config_dir(args.shape), load_format="dummy", max_model_len=4096)
     engine = llm.llm_engine
     for i, (prompt, n) in enumerate(zip(w.prompts, w.max_tokens)):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=w.temperature, max_tokens=n, ignore_eos=True,
-                                                         output_kind=RequestOutputKind.FINAL_ONLY))
+        engine.add_request(
+            str(i),
+            prompt,
+            SamplingParams(
+                temperature=w.temperature, max_tokens=n, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+            ),
+        )
     for _ in range(args.skip):
         engine.step()
     torch.cuda.synchronize()
@@ -52,8 +58,10 @@ def main() -> None:
         engine.step()
     torch.cuda.synchronize()
     plain = (time.perf_counter() - t) / args.steps
-    print(f"batch {batch}, mean context {ctx:.0f}: device busy {device_us / 1e3:.2f} ms/step, "
-          f"wall {wall * 1e3:.2f} ms/step under the profiler, {plain * 1e3:.2f} ms/step without")
+    print(
+        f"batch {batch}, mean context {ctx:.0f}: device busy {device_us / 1e3:.2f} ms/step, "
+        f"wall {wall * 1e3:.2f} ms/step under the profiler, {plain * 1e3:.2f} ms/step without"
+    )
 
 
 if __name__ == "__main__":

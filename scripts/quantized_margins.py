@@ -12,6 +12,7 @@ same engine with a wrong RoPE base (half the model's) is judged by the greedy ru
 it must fail. These are the data behind conformance.compare's delta and tolerance for
 quantized arithmetic (docs/conformance/llama-cpp.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--golden", default=golden.SMOLLM)
     ap.add_argument("--delta", type=float, default=None, help="candidate delta for the wrong-engine control")
-    ap.add_argument("--max-diverged-frac", type=float, default=0.5, help="candidate share of sequences that may diverge")
+    ap.add_argument(
+        "--max-diverged-frac", type=float, default=0.5, help="candidate share of sequences that may diverge"
+    )
     ap.add_argument("--logprob-tol", type=float, default=None, help="candidate prompt-logprob tolerance")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -56,19 +59,31 @@ def main(argv=None) -> int:
             lps = golden_step_logprobs(c)[step]
             margin = lps[ref[step]] - lps[out[step]] if out[step] in lps else None
         diffs = [abs(plp[p][c["prompt"][p]].logprob - c["prompt_lps"][p - 1]) for p in range(1, len(c["prompt"]))]
-        rows.append({"case": c["id"], "first_divergence": step, "ref_margin": margin,
-                     "max_prompt_logprob_diff": max(diffs, default=0.0)})
-        print(f"{c['id']:16s} diverges at {step!s:>4s}  ref margin "
-              f"{'-' if margin is None else f'{margin:.4f}':>8s}  max prompt-logprob diff {max(diffs, default=0.0):.4f}")
+        rows.append(
+            {
+                "case": c["id"],
+                "first_divergence": step,
+                "ref_margin": margin,
+                "max_prompt_logprob_diff": max(diffs, default=0.0),
+            }
+        )
+        print(
+            f"{c['id']:16s} diverges at {step!s:>4s}  ref margin "
+            f"{'-' if margin is None else f'{margin:.4f}':>8s}  max prompt-logprob diff {max(diffs, default=0.0):.4f}"
+        )
     gaps = sorted(c["top_lps"][t][0] - c["top_lps"][t][1] for c in cases for t in range(len(c["greedy"])))
     above = {d: sum(x > d for x in gaps) / len(gaps) for d in (1e-4, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0)}
-    print(f"golden steps: {len(gaps)}; share with a top1-top2 margin above delta: "
-          + ", ".join(f"{d:g}: {v:.1%}" for d, v in above.items()))
+    print(
+        f"golden steps: {len(gaps)}; share with a top1-top2 margin above delta: "
+        + ", ".join(f"{d:g}: {v:.1%}" for d, v in above.items())
+    )
     margins = [r["ref_margin"] for r in rows if r["ref_margin"] is not None]
-    print(f"divergences: {sum(r['first_divergence'] is not None for r in rows)}/{len(rows)}; largest margin at "
-          f"one: {max(margins, default=float('nan')):.4f}; outside the top-5: "
-          f"{sum(r['first_divergence'] is not None and r['ref_margin'] is None for r in rows)}; largest "
-          f"prompt-logprob diff {max(r['max_prompt_logprob_diff'] for r in rows):.4f}")
+    print(
+        f"divergences: {sum(r['first_divergence'] is not None for r in rows)}/{len(rows)}; largest margin at "
+        f"one: {max(margins, default=float('nan')):.4f}; outside the top-5: "
+        f"{sum(r['first_divergence'] is not None and r['ref_margin'] is None for r in rows)}; largest "
+        f"prompt-logprob diff {max(r['max_prompt_logprob_diff'] for r in rows):.4f}"
+    )
     result = {"engine": desc, "golden": args.golden, "cases": rows, "share_above": above}
     if args.delta is not None:
         refs, ref_lps = [c["greedy"] for c in cases], [golden_step_logprobs(c) for c in cases]
@@ -80,16 +95,31 @@ def main(argv=None) -> int:
         bad = compare_greedy(refs, ref_lps, wrong, args.delta, args.max_diverged_frac)
         if args.logprob_tol is not None:
             for what, lps in (("llama.cpp", plps), ("wrong engine", wrong_plps)):
-                diffs = [abs(lp[p][c["prompt"][p]].logprob - c["prompt_lps"][p - 1])
-                         for c, lp in zip(cases, lps) for p in range(1, len(c["prompt"]))]
-                print(f"prompt logprobs, {what}: largest |diff| {max(diffs):.4f}, mean {sum(diffs) / len(diffs):.4f} "
-                      f"({'within' if max(diffs) <= args.logprob_tol else 'OUTSIDE'} tolerance {args.logprob_tol})")
-                result.setdefault("prompt_logprob_diffs", {})[what] = {"max": max(diffs), "mean": sum(diffs) / len(diffs)}
-        print(f"delta {args.delta}: llama.cpp {'passes' if right.ok else 'FAILS'} ({right.summary()}); "
-              f"wrong engine (RoPE base {float(base) / 2:g} instead of {float(base):g}) "
-              f"{'passes: the rule is too loose' if bad.ok else 'is rejected'} ({bad.summary()})")
-        result["control"] = {"delta": args.delta, "right": right.summary(), "right_ok": right.ok,
-                             "wrong": bad.summary(), "wrong_ok": bad.ok}
+                diffs = [
+                    abs(lp[p][c["prompt"][p]].logprob - c["prompt_lps"][p - 1])
+                    for c, lp in zip(cases, lps)
+                    for p in range(1, len(c["prompt"]))
+                ]
+                print(
+                    f"prompt logprobs, {what}: largest |diff| {max(diffs):.4f}, mean {sum(diffs) / len(diffs):.4f} "
+                    f"({'within' if max(diffs) <= args.logprob_tol else 'OUTSIDE'} tolerance {args.logprob_tol})"
+                )
+                result.setdefault("prompt_logprob_diffs", {})[what] = {
+                    "max": max(diffs),
+                    "mean": sum(diffs) / len(diffs),
+                }
+        print(
+            f"delta {args.delta}: llama.cpp {'passes' if right.ok else 'FAILS'} ({right.summary()}); "
+            f"wrong engine (RoPE base {float(base) / 2:g} instead of {float(base):g}) "
+            f"{'passes: the rule is too loose' if bad.ok else 'is rejected'} ({bad.summary()})"
+        )
+        result["control"] = {
+            "delta": args.delta,
+            "right": right.summary(),
+            "right_ok": right.ok,
+            "wrong": bad.summary(),
+            "wrong_ok": bad.ok,
+        }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

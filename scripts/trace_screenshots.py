@@ -5,6 +5,7 @@
 The timeline and KV views are shown at the first preemption, the block tables at the first
 prefix-cache hit, the requests view with the last request selected.
 """
+
 from __future__ import annotations
 
 import sys

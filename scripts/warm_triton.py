@@ -7,6 +7,7 @@ for a prefill, a chunk and decode steps with graphs, filling the cache that the 
 
     python scripts/warm_triton.py [--jobs 4]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,15 @@ def warm(model: str, dtype: str) -> None:
     from conformance.zoo import zoo_model
     from nanovllm import LLM, SamplingParams
 
-    with LLM(zoo_model(model), device="cuda", dtype=dtype, block_size=16, max_num_seqs=64,
-             kv_cache_memory_gib=0.25, max_num_batched_tokens=64) as llm:
+    with LLM(
+        zoo_model(model),
+        device="cuda",
+        dtype=dtype,
+        block_size=16,
+        max_num_seqs=64,
+        kv_cache_memory_gib=0.25,
+        max_num_batched_tokens=64,
+    ) as llm:
         params = SamplingParams(temperature=0.8, seed=1, max_tokens=6, ignore_eos=True, top_p=0.9)
         llm.generate([[5] * 90, [7] * 3, [9] * 17], params, use_tqdm=False)
         llm.generate([[5] * 90], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
@@ -46,8 +54,10 @@ def main() -> int:
             running.append(subprocess.Popen([sys.executable, __file__, "--one", model, dtype]))
         running[0].wait()
         failed += running.pop(0).returncode != 0
-    print(f"warmed the Triton cache over {len(ZOO) * 2} model/dtype pairs in "
-          f"{time.perf_counter() - start:.0f} s ({failed} failed)")
+    print(
+        f"warmed the Triton cache over {len(ZOO) * 2} model/dtype pairs in "
+        f"{time.perf_counter() - start:.0f} s ({failed} failed)"
+    )
     return 1 if failed else 0
 
 

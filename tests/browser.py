@@ -5,6 +5,7 @@ package driven by Playwright from PyPI (never Playwright's own browser download)
 missing and how to install it (``make browser`` installs Debian's package where apt-get
 and root are available; the test extra installs Playwright).
 """
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,16 @@ from contextlib import contextmanager
 import pytest
 
 CHROMIUM = os.environ.get("NANOVLLM_CHROMIUM", "/usr/bin/chromium")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--no-first-run", "--disable-sync", "--disable-quic"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--disable-sync",
+    "--disable-quic",
+]
 
 
 def chromium_path() -> str | None:
@@ -29,8 +38,10 @@ def chromium_or_skip() -> str:
         pytest.skip("the Python package playwright is not installed (pip install -e '.[test]')")
     path = chromium_path()
     if path is None:
-        pytest.skip(f"no Chromium at {CHROMIUM} or on PATH: Debian's package 'chromium' is not installed "
-                    f"(`make browser` installs it with apt-get, which needs root)")
+        pytest.skip(
+            f"no Chromium at {CHROMIUM} or on PATH: Debian's package 'chromium' is not installed "
+            f"(`make browser` installs it with apt-get, which needs root)"
+        )
     return path
 
 

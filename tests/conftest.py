@@ -6,6 +6,7 @@ fixture: "cpu", plus "cuda" on a CUDA host (test ids gain ``[cpu]`` / ``[cuda]``
 ``engine_args(device)`` adds what a test engine on that device needs (the GPU share of the
 root conftest's ``gpu_share``).
 """
+
 from __future__ import annotations
 
 import os

@@ -6,6 +6,7 @@ workload on the zoo model ``llama-mha-hd64`` (block size 8, 14 KV blocks, 24-tok
 sequences) that preempts several requests, recomputes some of them in chunks that start past
 their prompt, and shares prefixes between requests that run together and apart.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ ENGINE_ARGS = {"block_size": 8, "num_kvcache_blocks": 14, "max_num_seqs": 4, "ma
 
 @dataclass(frozen=True)
 class Arrival:
-    step: int                # added before this step runs (0: before the first)
+    step: int  # added before this step runs (0: before the first)
     request_id: str
     prompt: list[int]
     max_tokens: int
@@ -30,8 +31,18 @@ def scenario() -> list[Arrival]:
     vocab = ZOO[MODEL].vocab_size
     base = prompts_for(vocab, (40, 23, 17, 33, 5, 60, 16, 31), seed=1)
     shared = base[0]
-    prompts = [base[0], base[1], base[2], base[3], shared[:32] + base[4], shared[:20] + base[6], base[5],
-               base[7], shared[:24] + base[4], base[1][:16] + base[2][:3]]
+    prompts = [
+        base[0],
+        base[1],
+        base[2],
+        base[3],
+        shared[:32] + base[4],
+        shared[:20] + base[6],
+        base[5],
+        base[7],
+        shared[:24] + base[4],
+        base[1][:16] + base[2][:3],
+    ]
     max_tokens = [24, 30, 18, 40, 12, 20, 28, 16, 10, 14]
     arrivals = [0, 0, 0, 0, 0, 3, 3, 9, 30, 31]
     return [Arrival(a, f"r{i}", p, m) for i, (a, p, m) in enumerate(zip(arrivals, prompts, max_tokens))]

@@ -8,6 +8,7 @@
 - ``SequenceBiasLogitsProcessor`` refuses token id 0 in some versions ("positive integers"); a
   bias on a single token is an addition to that token's logit, so id 0 is added directly.
 """
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """The public API: LLM.generate/chat/stats, LLMEngine add_request/step/abort_request, the trace, the CLI."""
+
 from __future__ import annotations
 
 import json
@@ -36,7 +37,9 @@ def test_chat_applies_the_template(llm):
     conv = [{"role": "user", "content": "w10 w20"}]
     out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     tok = llm.get_tokenizer()
-    assert out.prompt_token_ids == tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert out.prompt_token_ids == tok.apply_chat_template(
+        conv, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     two = llm.chat([conv, conv], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in two] == [out.outputs[0].token_ids] * 2
     with pytest.raises(ValueError, match="role.*content"):
@@ -45,8 +48,11 @@ def test_chat_applies_the_template(llm):
 
 def test_stats_count_steps_and_tokens(llm):
     before = llm.stats()
-    llm.generate(prompts_for(ZOO[MODEL].vocab_size, (5, 9)), SamplingParams(temperature=0, max_tokens=3,
-                                                                          ignore_eos=True), use_tqdm=False)
+    llm.generate(
+        prompts_for(ZOO[MODEL].vocab_size, (5, 9)),
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+        use_tqdm=False,
+    )
     after = llm.stats()
     assert after["generation_tokens"] - before["generation_tokens"] == 6
     assert after["steps"] - before["steps"] == 3
@@ -87,16 +93,32 @@ def test_engine_step_api_and_abort():
 
 
 def _cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "nanovllm.entrypoints.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "nanovllm.entrypoints.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_cli_generate_json_and_trace():
     path = zoo_model(MODEL)
-    r = _cli("generate", "--model", path, "w10 w20 w30", "w5 w6", "--max-tokens", "4", "--temperature", "0",
-             "--ignore-eos", "--json", "--trace", "--no-progress", "--max-num-batched-tokens", "3")
+    r = _cli(
+        "generate",
+        "--model",
+        path,
+        "w10 w20 w30",
+        "w5 w6",
+        "--max-tokens",
+        "4",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--json",
+        "--trace",
+        "--no-progress",
+        "--max-num-batched-tokens",
+        "3",
+    )
     assert r.returncode == 0, r.stderr
-    rows = [json.loads(line) for line in r.stdout.splitlines()]   # JSON Lines: one request per line
+    rows = [json.loads(line) for line in r.stdout.splitlines()]  # JSON Lines: one request per line
     assert [len(o["outputs"][0]["token_ids"]) for o in rows] == [4, 4]
     assert "'steps': " in r.stderr
     assert "step    0 prefill" in r.stderr and "finished:" in r.stderr
@@ -127,7 +149,7 @@ def test_engine_from_engine_args_and_the_step_loop():
         outs = []
         while engine.has_unfinished_requests():
             outs += engine.step()
-        assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3]   # CUMULATIVE: one per step
+        assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3]  # CUMULATIVE: one per step
         assert [o.finished for o in outs] == [False, False, True] and outs[-1].request_id == "x"
         llm = cached_llm(zoo_model(MODEL), block_size=16, seed=0)
         assert outs[-1].outputs[0].token_ids == llm.generate("w10 w20", params, use_tqdm=False)[0].outputs[0].token_ids
@@ -138,8 +160,9 @@ def test_engine_from_engine_args_and_the_step_loop():
 def test_llmengine_constructor_points_to_from_engine_args():
     from nanovllm import LLMEngine
 
-    with pytest.raises(TypeError,
-                       match=r"takes an EngineConfig and an executor, got str.*LLMEngine.from_engine_args\(model"):
+    with pytest.raises(
+        TypeError, match=r"takes an EngineConfig and an executor, got str.*LLMEngine.from_engine_args\(model"
+    ):
         LLMEngine(zoo_model(MODEL))
     with pytest.raises(TypeError, match=r"got no executor.*from_engine_args"):
         LLMEngine(EngineConfig())
@@ -150,10 +173,13 @@ def test_llmengine_constructor_points_to_from_engine_args():
 def test_use_after_close_is_a_clear_error():
     llm = LLM(zoo_model(MODEL), block_size=16, seed=0)
     llm.close()
-    llm.close()   # closing twice is fine
+    llm.close()  # closing twice is fine
     engine = llm.llm_engine
-    for call in (lambda: llm.generate("w10", use_tqdm=False), lambda: engine.add_request("a", "w10"),
-                 lambda: engine.step()):
+    for call in (
+        lambda: llm.generate("w10", use_tqdm=False),
+        lambda: engine.add_request("a", "w10"),
+        lambda: engine.step(),
+    ):
         with pytest.raises(RuntimeError, match=r"this engine is closed \(close\(\) was called\)"):
             call()
 
@@ -183,7 +209,8 @@ def test_reset_prefix_cache():
             before = llm.stats()["prefix_cache_hit_tokens"]
             llm.generate([prompt], params, use_tqdm=False)
             return llm.stats()["prefix_cache_hit_tokens"] - before
-        assert hits() == 20            # control: 5 full blocks of the 21-token prompt are cached
+
+        assert hits() == 20  # control: 5 full blocks of the 21-token prompt are cached
         assert llm.reset_prefix_cache() is True and len(engine.block_manager.cached) == 0
         assert hits() == 0
         engine.check_invariants()

@@ -1,5 +1,6 @@
 """AsyncLLM: concurrent callers batched into the same steps, outputs equal to offline generate,
 a cancelled caller's request aborted and its blocks freed, errors raised to the caller."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,14 +30,18 @@ def _check_clean(engine: AsyncLLM) -> None:
         def inner(e):
             e.check_invariants()
             return e.block_manager.num_free_blocks, e.block_manager.num_blocks, sorted(e.requests)
+
         return await engine.call(inner)
+
     return check()
 
 
 def test_concurrent_callers_are_batched_and_match_offline(engine):
     prompts = prompts_for(ZOO[MODEL].vocab_size, (5, 17, 9, 30, 3, 12, 8, 21), seed=2)
-    expected = [o.outputs[0].token_ids for o in cached_llm(zoo_model(MODEL), block_size=16, seed=0)
-                .generate(prompts, GREEDY, use_tqdm=False)]
+    expected = [
+        o.outputs[0].token_ids
+        for o in cached_llm(zoo_model(MODEL), block_size=16, seed=0).generate(prompts, GREEDY, use_tqdm=False)
+    ]
 
     async def one(i, prompt, kind):
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_kind=kind)
@@ -54,7 +59,7 @@ def test_concurrent_callers_are_batched_and_match_offline(engine):
     results, steps, (free, total, live) = asyncio.run(main())
     assert [r[0] for r in results] == expected
     assert all(r[2].finished for r in results)
-    assert [r[1] for r in results][:3] == [12, 12, 1]      # one output per token; FINAL_ONLY once
+    assert [r[1] for r in results][:3] == [12, 12, 1]  # one output per token; FINAL_ONLY once
     assert steps < len(prompts) * 12, f"{steps} steps: the callers were not batched together"
     assert free == total and live == []
 
@@ -69,13 +74,14 @@ def test_cancelled_caller_aborts_its_request(engine):
         async def consume(rid, prompt):
             async for out in engine.generate(prompt, long, rid):
                 got.append(out)
+
         tasks = [asyncio.create_task(consume(f"c{i}", p)) for i, p in enumerate(prompts)]
         while len(got) < 4:
             await asyncio.sleep(0.01)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for _ in range(200):     # the abort command reaches the engine thread between steps
+        for _ in range(200):  # the abort command reaches the engine thread between steps
             free, total, live = await _check_clean(engine)
             if not live:
                 break
@@ -94,8 +100,12 @@ def test_cancelled_caller_aborts_its_request(engine):
 def test_bad_requests_raise_to_the_caller(engine):
     async def main():
         errors = []
-        for prompt, params, rid in [([], GREEDY, "empty"), ([10**9], GREEDY, "oov"),
-                                    ([5] * 300, GREEDY, "too-long"), ([5, 6], GREEDY, "")]:
+        for prompt, params, rid in [
+            ([], GREEDY, "empty"),
+            ([10**9], GREEDY, "oov"),
+            ([5] * 300, GREEDY, "too-long"),
+            ([5, 6], GREEDY, ""),
+        ]:
             try:
                 async for _ in engine.generate(prompt, params, rid):
                     pass
@@ -125,6 +135,7 @@ def test_a_failing_step_kills_the_engine_loudly(engine):
 
     def broken(mi):
         raise RuntimeError("device lost")
+
     engine.engine.executor.execute = broken
 
     async def main():
@@ -153,6 +164,7 @@ def test_server_answers_503_once_the_engine_is_dead(engine):
 
     def broken(mi):
         raise RuntimeError("device lost")
+
     engine.engine.executor.execute = broken
     app = build_app(engine, ["zoo"])
 

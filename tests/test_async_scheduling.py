@@ -6,6 +6,7 @@ placeholder tokens, device-side input filling, early length finishes, stops
 discovered while the next step is in flight, preemption, aborts, prefix caching.
 The GPU run of the same comparison (with CUDA graphs) is in tests/gpu.
 """
+
 from __future__ import annotations
 
 import random
@@ -25,24 +26,48 @@ def _workload(n=24, seed=0, stop_every=None):
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 40))] for _ in range(n)]
     stop = list(range(0, VOCAB, stop_every)) if stop_every else None
-    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8,
-                             seed=None if i % 4 == 1 else i,
-                             max_tokens=rng.randint(1, 30), stop_token_ids=stop,
-                             min_tokens=2 if i % 6 == 0 else 0,
-                             logprobs=2 if i % 5 == 0 else None) for i in range(n)]
+    params = [
+        SamplingParams(
+            temperature=0.0 if i % 2 else 0.8,
+            seed=None if i % 4 == 1 else i,
+            max_tokens=rng.randint(1, 30),
+            stop_token_ids=stop,
+            min_tokens=2 if i % 6 == 0 else 0,
+            logprobs=2 if i % 5 == 0 else None,
+        )
+        for i in range(n)
+    ]
     return prompts, params
 
 
 def _run(async_scheduling, prompts, params, device="cpu", **kw):
-    llm = LLM(zoo_model(MODEL), **engine_args(device, async_scheduling=async_scheduling, block_size=4, max_model_len=256,
-                                              max_num_batched_tokens=64, seed=0, **kw))
+    llm = LLM(
+        zoo_model(MODEL),
+        **engine_args(
+            device,
+            async_scheduling=async_scheduling,
+            block_size=4,
+            max_model_len=256,
+            max_num_batched_tokens=64,
+            seed=0,
+            **kw,
+        ),
+    )
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
         llm.llm_engine.check_invariants()
         stats = llm.stats()
         assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"], stats
-        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason,
-                 o.outputs[0].cumulative_logprob, o.outputs[0].logprobs) for o in outs], stats
+        return [
+            (
+                o.outputs[0].token_ids,
+                o.outputs[0].finish_reason,
+                o.outputs[0].stop_reason,
+                o.outputs[0].cumulative_logprob,
+                o.outputs[0].logprobs,
+            )
+            for o in outs
+        ], stats
     finally:
         llm.close()
 
@@ -76,13 +101,17 @@ def pipelined(monkeypatch):
         mi, plan = build(*args, **kwargs)
         counts["placeholder_rows"] += len(mi.pending_rows)
         return mi, plan
+
     monkeypatch.setattr(engine_module.LLMEngine, "_advance", counting_advance)
     monkeypatch.setattr(engine_module, "build_model_input", counting_build)
     return counts
 
 
-@pytest.mark.parametrize("blocks,stop_every", [(400, None), (400, 7), (40, None), (40, 7)],
-                         ids=["ample", "ample-stops", "starved", "starved-stops"])
+@pytest.mark.parametrize(
+    "blocks,stop_every",
+    [(400, None), (400, 7), (40, None), (40, 7)],
+    ids=["ample", "ample-stops", "starved", "starved-stops"],
+)
 def test_async_equals_sync(pipelined, blocks, stop_every, device):
     prompts, params = _workload(stop_every=stop_every)
     want, sync_stats = _run(False, prompts, params, device, num_kvcache_blocks=blocks)
@@ -150,6 +179,7 @@ def test_interrupt_mid_pipeline_leaves_the_engine_clean(monkeypatch, device):
                 assert self._inflight is not None, "no step in flight at the interrupt"
                 raise KeyboardInterrupt
             return complete(self, launched)
+
         monkeypatch.setattr(engine_module.LLMEngine, "_complete", interrupted)
         with pytest.raises(KeyboardInterrupt):
             llm.generate(prompts, params, use_tqdm=False)

@@ -1,4 +1,5 @@
 """attention/torch_ref.py: paged attention through block tables equals dense causal attention."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,8 +18,9 @@ def _dense(q, k, v, scale):
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     mask = torch.ones(n_q, n_k, dtype=torch.bool).tril(diagonal=n_k - n_q)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1).double(), k.transpose(0, 1).double(),
-                                         v.transpose(0, 1).double(), attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).double(), k.transpose(0, 1).double(), v.transpose(0, 1).double(), attn_mask=mask, scale=scale
+    )
     return out.transpose(0, 1).float()
 
 
@@ -44,11 +46,16 @@ def _build(seq_specs, num_heads, num_kv_heads, head_dim, block_size, seed=0):
         qsl.append(qsl[-1] + n_q)
     width = max(map(len, tables))
     meta = AttentionMetadata(
-        slot_mapping=torch.zeros(0, dtype=torch.long), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        slot_mapping=torch.zeros(0, dtype=torch.long),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
         seq_lens=torch.tensor([c for c, _ in seq_specs], dtype=torch.int32),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        max_query_len=max(n for _, n in seq_specs), max_seq_len=max(c for c, _ in seq_specs),
-        block_size=block_size, query_start_loc_cpu=qsl, seq_lens_cpu=[c for c, _ in seq_specs])
+        max_query_len=max(n for _, n in seq_specs),
+        max_seq_len=max(c for c, _ in seq_specs),
+        block_size=block_size,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=[c for c, _ in seq_specs],
+    )
     return torch.cat(qs), ks, vs, k_cache, v_cache, meta
 
 
@@ -57,7 +64,7 @@ def _build(seq_specs, num_heads, num_kv_heads, head_dim, block_size, seed=0):
 def test_paged_attention_equals_dense(block_size, heads, kv_heads, head_dim):
     specs = [(1, 1), (17, 17), (40, 5), (33, 1), (16, 16), (70, 23)]  # prefill, chunk after a prefix, decode
     q, ks, vs, k_cache, v_cache, meta = _build(specs, heads, kv_heads, head_dim, block_size)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = torch_ref.paged_attention(q, k_cache, v_cache, meta, scale)
     assert not out.isnan().any(), "read an unwritten (NaN) slot"
     for i in range(len(specs)):

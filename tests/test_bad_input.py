@@ -3,6 +3,7 @@ specific ValueError / TypeError / FileNotFoundError (the CLI: exit status 2) who
 the field or file and the value; after every case the same engine still generates exactly what
 it generated before, holds no request and passes its invariants. No ``assert`` validates input
 in nanovllm (``python -O`` would drop it): the errors are explicit raises."""
+
 from __future__ import annotations
 
 import json
@@ -33,7 +34,7 @@ class Ctx:
 class Case:
     id: str
     trigger: Callable[[Ctx], object]
-    exc: type | None           # None: a CLI case (exit status 2, message on stderr)
+    exc: type | None  # None: a CLI case (exit status 2, message on stderr)
     match: str
 
 
@@ -48,20 +49,22 @@ def _engine(**kw):
         if kw.get("device") == "cuda" and torch.cuda.is_available():
             pytest.skip("a GPU is present: device='cuda' is valid here")
         LLM(zoo_model(MODEL), **kw)
+
     return trigger
 
 
 def _prompt(prompt, **params):
-    return lambda ctx: ctx.llm.generate(prompt, SamplingParams(**params) if params else
-                                        SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    return lambda ctx: ctx.llm.generate(
+        prompt, SamplingParams(**params) if params else SamplingParams(temperature=0, max_tokens=5), use_tqdm=False
+    )
 
 
 def _cli(*argv):
     def trigger(ctx):
         from nanovllm.entrypoints.cli import main
 
-        return main(["generate", "--no-progress", *[a.format(model=zoo_model(MODEL), tmp=ctx.tmp_path)
-                                                    for a in argv]])
+        return main(["generate", "--no-progress", *[a.format(model=zoo_model(MODEL), tmp=ctx.tmp_path) for a in argv]])
+
     return trigger
 
 
@@ -89,8 +92,9 @@ SAMPLING_CASES = [
     Case("sampling-max_tokens-negative", _sampling(max_tokens=-3), ValueError, "max_tokens.*-3"),
     Case("sampling-max_tokens-str", _sampling(max_tokens="10"), TypeError, "max_tokens.*'10'"),
     Case("sampling-min_tokens-negative", _sampling(min_tokens=-1), ValueError, "min_tokens.*-1"),
-    Case("sampling-min_tokens-over-max", _sampling(min_tokens=5, max_tokens=2), ValueError,
-         "min_tokens.*5.*max_tokens=2"),
+    Case(
+        "sampling-min_tokens-over-max", _sampling(min_tokens=5, max_tokens=2), ValueError, "min_tokens.*5.*max_tokens=2"
+    ),
     Case("sampling-stop-empty-string", _sampling(stop=[""]), ValueError, "stop.*''"),
     Case("sampling-stop-int", _sampling(stop=[3]), ValueError, "stop.*3"),
     Case("sampling-stop_token_ids-negative", _sampling(stop_token_ids=[-1]), ValueError, "stop_token_ids.*-1"),
@@ -99,82 +103,182 @@ SAMPLING_CASES = [
     Case("sampling-seed-float", _sampling(seed=1.5), TypeError, "seed.*1.5"),
     Case("sampling-n-0", _sampling(n=0), ValueError, "n must be at least 1, got 0"),
     Case("sampling-n-float", _sampling(n=2.0), TypeError, "n must be an int, got 2.0"),
-    Case("sampling-n-greedy", _sampling(n=2, temperature=0), ValueError,
-         r"n must be 1 when using greedy sampling \(temperature 0\), got 2"),
-    Case("sampling-presence_penalty-2.5", _sampling(presence_penalty=2.5), ValueError,
-         r"presence_penalty must be in \[-2, 2\], got 2.5"),
-    Case("sampling-frequency_penalty--3", _sampling(frequency_penalty=-3), ValueError,
-         r"frequency_penalty must be in \[-2, 2\], got -3"),
-    Case("sampling-frequency_penalty-str", _sampling(frequency_penalty="high"), TypeError,
-         "frequency_penalty must be a number, got 'high'"),
-    Case("sampling-presence_penalty-nan", _sampling(presence_penalty=float("nan")), ValueError,
-         "presence_penalty must not be NaN"),
-    Case("sampling-repetition_penalty-0", _sampling(repetition_penalty=0), ValueError,
-         "repetition_penalty must be a finite number > 0, got 0"),
-    Case("sampling-repetition_penalty-inf", _sampling(repetition_penalty=float("inf")), ValueError,
-         "repetition_penalty must be a finite number > 0, got inf"),
-    Case("sampling-logit_bias-list", _sampling(logit_bias=[1, 2]), TypeError,
-         r"logit_bias must be a dict of token id -> bias, got \[1, 2\]"),
-    Case("sampling-logit_bias-str-key", _sampling(logit_bias={"5": 1.0}), TypeError,
-         "logit_bias key must be an int, got '5'"),
-    Case("sampling-logit_bias-negative-key", _sampling(logit_bias={-5: 1.0}), ValueError,
-         "logit_bias keys must be token ids >= 0, got -5"),
-    Case("sampling-logit_bias-nan", _sampling(logit_bias={5: float("nan")}), ValueError,
-         r"logit_bias\[5\] must not be NaN"),
-    Case("sampling-logit_bias-inf", _sampling(logit_bias={5: float("-inf")}), ValueError,
-         r"logit_bias\[5\] must be finite, got -inf"),
-    Case("sampling-allowed_token_ids-empty", _sampling(allowed_token_ids=[]), ValueError,
-         r"allowed_token_ids must not be empty .* got \[\]"),
-    Case("sampling-allowed_token_ids-negative", _sampling(allowed_token_ids=[3, -1]), ValueError,
-         "allowed_token_ids must hold token ids >= 0, got -1"),
-    Case("sampling-allowed_token_ids-str", _sampling(allowed_token_ids="5,6"), TypeError,
-         "allowed_token_ids must be a list of token ids, got '5,6'"),
-    Case("sampling-allowed_token_ids-float", _sampling(allowed_token_ids=[5, 6.0]), TypeError,
-         r"allowed_token_ids\[\] must be an int, got 6.0"),
-    Case("sampling-bad_words-str", _sampling(bad_words="hello"), TypeError,
-         "bad_words must be a list of strings, got the string 'hello'"),
-    Case("sampling-bad_words-empty-word", _sampling(bad_words=["ok", " "]), ValueError,
-         "bad_words must hold non-empty strings, got ' '"),
-    Case("sampling-bad_words-int", _sampling(bad_words=[7]), ValueError,
-         "bad_words must hold non-empty strings, got 7"),
+    Case(
+        "sampling-n-greedy",
+        _sampling(n=2, temperature=0),
+        ValueError,
+        r"n must be 1 when using greedy sampling \(temperature 0\), got 2",
+    ),
+    Case(
+        "sampling-presence_penalty-2.5",
+        _sampling(presence_penalty=2.5),
+        ValueError,
+        r"presence_penalty must be in \[-2, 2\], got 2.5",
+    ),
+    Case(
+        "sampling-frequency_penalty--3",
+        _sampling(frequency_penalty=-3),
+        ValueError,
+        r"frequency_penalty must be in \[-2, 2\], got -3",
+    ),
+    Case(
+        "sampling-frequency_penalty-str",
+        _sampling(frequency_penalty="high"),
+        TypeError,
+        "frequency_penalty must be a number, got 'high'",
+    ),
+    Case(
+        "sampling-presence_penalty-nan",
+        _sampling(presence_penalty=float("nan")),
+        ValueError,
+        "presence_penalty must not be NaN",
+    ),
+    Case(
+        "sampling-repetition_penalty-0",
+        _sampling(repetition_penalty=0),
+        ValueError,
+        "repetition_penalty must be a finite number > 0, got 0",
+    ),
+    Case(
+        "sampling-repetition_penalty-inf",
+        _sampling(repetition_penalty=float("inf")),
+        ValueError,
+        "repetition_penalty must be a finite number > 0, got inf",
+    ),
+    Case(
+        "sampling-logit_bias-list",
+        _sampling(logit_bias=[1, 2]),
+        TypeError,
+        r"logit_bias must be a dict of token id -> bias, got \[1, 2\]",
+    ),
+    Case(
+        "sampling-logit_bias-str-key",
+        _sampling(logit_bias={"5": 1.0}),
+        TypeError,
+        "logit_bias key must be an int, got '5'",
+    ),
+    Case(
+        "sampling-logit_bias-negative-key",
+        _sampling(logit_bias={-5: 1.0}),
+        ValueError,
+        "logit_bias keys must be token ids >= 0, got -5",
+    ),
+    Case(
+        "sampling-logit_bias-nan",
+        _sampling(logit_bias={5: float("nan")}),
+        ValueError,
+        r"logit_bias\[5\] must not be NaN",
+    ),
+    Case(
+        "sampling-logit_bias-inf",
+        _sampling(logit_bias={5: float("-inf")}),
+        ValueError,
+        r"logit_bias\[5\] must be finite, got -inf",
+    ),
+    Case(
+        "sampling-allowed_token_ids-empty",
+        _sampling(allowed_token_ids=[]),
+        ValueError,
+        r"allowed_token_ids must not be empty .* got \[\]",
+    ),
+    Case(
+        "sampling-allowed_token_ids-negative",
+        _sampling(allowed_token_ids=[3, -1]),
+        ValueError,
+        "allowed_token_ids must hold token ids >= 0, got -1",
+    ),
+    Case(
+        "sampling-allowed_token_ids-str",
+        _sampling(allowed_token_ids="5,6"),
+        TypeError,
+        "allowed_token_ids must be a list of token ids, got '5,6'",
+    ),
+    Case(
+        "sampling-allowed_token_ids-float",
+        _sampling(allowed_token_ids=[5, 6.0]),
+        TypeError,
+        r"allowed_token_ids\[\] must be an int, got 6.0",
+    ),
+    Case(
+        "sampling-bad_words-str",
+        _sampling(bad_words="hello"),
+        TypeError,
+        "bad_words must be a list of strings, got the string 'hello'",
+    ),
+    Case(
+        "sampling-bad_words-empty-word",
+        _sampling(bad_words=["ok", " "]),
+        ValueError,
+        "bad_words must hold non-empty strings, got ' '",
+    ),
+    Case(
+        "sampling-bad_words-int", _sampling(bad_words=[7]), ValueError, "bad_words must hold non-empty strings, got 7"
+    ),
 ]
 
 ENGINE_CASES = [
     Case("engine-block_size-0", _engine(block_size=0), ValueError, "block_size.*0"),
     Case("engine-block_size-str", _engine(block_size="16"), TypeError, "block_size.*'16'"),
     Case("engine-max_num_seqs-0", _engine(max_num_seqs=0), ValueError, "max_num_seqs.*0"),
-    Case("engine-max_num_batched_tokens-0", _engine(max_num_batched_tokens=0), ValueError,
-         "max_num_batched_tokens.*0"),
-    Case("engine-num_kvcache_blocks-negative", _engine(num_kvcache_blocks=-4), ValueError,
-         "num_kvcache_blocks.*-4"),
+    Case("engine-max_num_batched_tokens-0", _engine(max_num_batched_tokens=0), ValueError, "max_num_batched_tokens.*0"),
+    Case("engine-num_kvcache_blocks-negative", _engine(num_kvcache_blocks=-4), ValueError, "num_kvcache_blocks.*-4"),
     Case("engine-max_model_len-1", _engine(max_model_len=1), ValueError, "max_model_len.*1"),
-    Case("engine-max_model_len-huge", _engine(max_model_len=10**7), ValueError,
-         "max_model_len=10000000.*max_position_embeddings"),
+    Case(
+        "engine-max_model_len-huge",
+        _engine(max_model_len=10**7),
+        ValueError,
+        "max_model_len=10000000.*max_position_embeddings",
+    ),
     Case("engine-dtype-float64", _engine(dtype="float64"), ValueError, "dtype.*'float64'"),
     Case("engine-device-tpu", _engine(device="tpu"), ValueError, "device.*'tpu'"),
     Case("engine-device-cuda-without-gpu", _engine(device="cuda"), ValueError, "device='cuda'"),
-    Case("engine-gpu_memory_utilization-1.5", _engine(gpu_memory_utilization=1.5), ValueError,
-         "gpu_memory_utilization.*1.5"),
+    Case(
+        "engine-gpu_memory_utilization-1.5",
+        _engine(gpu_memory_utilization=1.5),
+        ValueError,
+        "gpu_memory_utilization.*1.5",
+    ),
     Case("engine-tensor_parallel_size-0", _engine(tensor_parallel_size=0), ValueError, "tensor_parallel_size.*0"),
-    Case("engine-enable_prefix_caching-str", _engine(enable_prefix_caching="yes"), TypeError,
-         "enable_prefix_caching.*'yes'"),
+    Case(
+        "engine-enable_prefix_caching-str",
+        _engine(enable_prefix_caching="yes"),
+        TypeError,
+        "enable_prefix_caching.*'yes'",
+    ),
     Case("engine-async_scheduling-str", _engine(async_scheduling="on"), TypeError, "async_scheduling.*'on'"),
     Case("engine-seed-negative", _engine(seed=-1), ValueError, "seed.*-1"),
     Case("engine-unknown-argument", _engine(no_such_arg=1), TypeError, "unknown engine argument.*'no_such_arg'"),
     Case("engine-kv_cache_memory_gib-0", _engine(kv_cache_memory_gib=0), ValueError, "kv_cache_memory_gib.*0"),
-    Case("engine-attention_backend-flash", _engine(attention_backend="flash"), ValueError,
-         "attention_backend.*'flash'"),
+    Case(
+        "engine-attention_backend-flash", _engine(attention_backend="flash"), ValueError, "attention_backend.*'flash'"
+    ),
     Case("engine-model-int", lambda ctx: LLM(123), TypeError, "model must be a path string or None, got 123"),
-    Case("engine-model-empty", lambda ctx: LLM(""), ValueError,
-         "model must be a model directory, a .gguf file or None, got ''"),
-    Case("engine-llmengine-from-a-path", lambda ctx: LLMEngine(zoo_model(MODEL)), TypeError,
-         r"takes an EngineConfig and an executor, got str; to load a model use LLMEngine.from_engine_args"),
-    Case("engine-from_engine_args-unknown-argument", lambda ctx: LLMEngine.from_engine_args(zoo_model(MODEL), blocks=4),
-         TypeError, "unknown engine argument.*'blocks'"),
-    Case("engine-bad_words-without-tokenizer", lambda ctx: LLM(
-        zoo_model(MODEL), skip_tokenizer_init=True, num_kvcache_blocks=6, max_model_len=128).generate(
-        GOOD, SamplingParams(bad_words=["w5"]), use_tqdm=False), ValueError,
-        r"bad_words=\['w5'\] needs a tokenizer, and this model has none"),
+    Case(
+        "engine-model-empty",
+        lambda ctx: LLM(""),
+        ValueError,
+        "model must be a model directory, a .gguf file or None, got ''",
+    ),
+    Case(
+        "engine-llmengine-from-a-path",
+        lambda ctx: LLMEngine(zoo_model(MODEL)),
+        TypeError,
+        r"takes an EngineConfig and an executor, got str; to load a model use LLMEngine.from_engine_args",
+    ),
+    Case(
+        "engine-from_engine_args-unknown-argument",
+        lambda ctx: LLMEngine.from_engine_args(zoo_model(MODEL), blocks=4),
+        TypeError,
+        "unknown engine argument.*'blocks'",
+    ),
+    Case(
+        "engine-bad_words-without-tokenizer",
+        lambda ctx: LLM(zoo_model(MODEL), skip_tokenizer_init=True, num_kvcache_blocks=6, max_model_len=128).generate(
+            GOOD, SamplingParams(bad_words=["w5"]), use_tqdm=False
+        ),
+        ValueError,
+        r"bad_words=\['w5'\] needs a tokenizer, and this model has none",
+    ),
     Case("engine-used-after-close", _closed, RuntimeError, r"this engine is closed \(close\(\) was called\)"),
 ]
 
@@ -182,59 +286,127 @@ PROMPT_CASES = [
     Case("prompt-empty-string", _prompt(""), ValueError, "prompt must not be empty"),
     Case("prompt-empty-ids", _prompt([[]]), ValueError, "prompt must not be empty"),
     Case("prompt-empty-dict", _prompt({"prompt_token_ids": []}), ValueError, "prompt must not be empty"),
-    Case("prompt-id-vocab", _prompt([5, VOCAB]), ValueError,
-         rf"prompt_token_ids\[1\]={VOCAB} is outside the vocabulary"),
+    Case(
+        "prompt-id-vocab", _prompt([5, VOCAB]), ValueError, rf"prompt_token_ids\[1\]={VOCAB} is outside the vocabulary"
+    ),
     Case("prompt-id-negative", _prompt([5, -1]), ValueError, r"prompt_token_ids\[1\]=-1"),
     Case("prompt-id-str", _prompt([[5, "a"]]), TypeError, r"prompt_token_ids\[1\] must be an int, got 'a'"),
     Case("prompt-id-float", _prompt([[5, 2.0]]), TypeError, r"prompt_token_ids\[1\] must be an int"),
     Case("prompt-at-max_model_len", _prompt(list(range(5, 5 + 128))), ValueError, "128 tokens.*max_model_len=128"),
-    Case("prompt-over-max_model_len", _prompt(list(range(5, 5 + 300))), ValueError,
-         "300 tokens.*max_model_len=128"),
+    Case("prompt-over-max_model_len", _prompt(list(range(5, 5 + 300))), ValueError, "300 tokens.*max_model_len=128"),
     Case("prompt-int", _prompt(123), TypeError, "prompts must be"),
     Case("prompt-dict-without-prompt", _prompt({"text": "w5"}), ValueError, "'prompt' or 'prompt_token_ids'"),
-    Case("prompt-more-blocks-than-the-cache", _prompt(prompts_for(VOCAB, (40,))[0], max_tokens=60), ValueError,
-         "needs up to 7 KV blocks.*num_kvcache_blocks=6"),   # 6 x 16 slots; 40 + 60 - 1 needs 7 blocks
-    Case("prompt-params-list-length", lambda ctx: ctx.llm.generate(prompts_for(VOCAB, (3, 4)), [SamplingParams()],
-                                                                   use_tqdm=False),
-         ValueError, "sampling_params has 1 entries but there are 2 prompts"),
-    Case("prompt-sampling_params-dict", lambda ctx: ctx.llm.generate(GOOD, {"temperature": 0}, use_tqdm=False),
-         TypeError, r"sampling_params must be a SamplingParams, got a dict .*write SamplingParams\(\*\*"),
-    Case("prompt-logit_bias-over-vocab", _prompt(prompts_for(VOCAB, (3,)), logit_bias={VOCAB: 1.0}), ValueError,
-         rf"logit_bias holds token id\(s\) \[{VOCAB}\] outside the vocabulary \[0, {VOCAB}\)"),
-    Case("prompt-allowed_token_ids-over-vocab", _prompt(prompts_for(VOCAB, (3,)), allowed_token_ids=[5, VOCAB + 3]),
-         ValueError, rf"allowed_token_ids holds token id\(s\) \[{VOCAB + 3}\] outside the vocabulary"),
-    Case("prompt-n-over-the-cache", _prompt(prompts_for(VOCAB, (40,))[0], max_tokens=60, n=3), ValueError,
-         "needs up to 7 KV blocks.*num_kvcache_blocks=6"),
-    Case("prompt-logprobs-over-vocab", _prompt(prompts_for(VOCAB, (3,)), logprobs=VOCAB + 1), ValueError,
-         f"logprobs={VOCAB + 1} exceeds the vocabulary size {VOCAB}"),
+    Case(
+        "prompt-more-blocks-than-the-cache",
+        _prompt(prompts_for(VOCAB, (40,))[0], max_tokens=60),
+        ValueError,
+        "needs up to 7 KV blocks.*num_kvcache_blocks=6",
+    ),  # 6 x 16 slots; 40 + 60 - 1 needs 7 blocks
+    Case(
+        "prompt-params-list-length",
+        lambda ctx: ctx.llm.generate(prompts_for(VOCAB, (3, 4)), [SamplingParams()], use_tqdm=False),
+        ValueError,
+        "sampling_params has 1 entries but there are 2 prompts",
+    ),
+    Case(
+        "prompt-sampling_params-dict",
+        lambda ctx: ctx.llm.generate(GOOD, {"temperature": 0}, use_tqdm=False),
+        TypeError,
+        r"sampling_params must be a SamplingParams, got a dict .*write SamplingParams\(\*\*",
+    ),
+    Case(
+        "prompt-logit_bias-over-vocab",
+        _prompt(prompts_for(VOCAB, (3,)), logit_bias={VOCAB: 1.0}),
+        ValueError,
+        rf"logit_bias holds token id\(s\) \[{VOCAB}\] outside the vocabulary \[0, {VOCAB}\)",
+    ),
+    Case(
+        "prompt-allowed_token_ids-over-vocab",
+        _prompt(prompts_for(VOCAB, (3,)), allowed_token_ids=[5, VOCAB + 3]),
+        ValueError,
+        rf"allowed_token_ids holds token id\(s\) \[{VOCAB + 3}\] outside the vocabulary",
+    ),
+    Case(
+        "prompt-n-over-the-cache",
+        _prompt(prompts_for(VOCAB, (40,))[0], max_tokens=60, n=3),
+        ValueError,
+        "needs up to 7 KV blocks.*num_kvcache_blocks=6",
+    ),
+    Case(
+        "prompt-logprobs-over-vocab",
+        _prompt(prompts_for(VOCAB, (3,)), logprobs=VOCAB + 1),
+        ValueError,
+        f"logprobs={VOCAB + 1} exceeds the vocabulary size {VOCAB}",
+    ),
 ]
 
 CLI_CASES = [
-    Case("cli-top-p-1.5", _cli("--model", "{model}", "w10", "--top-p", "1.5"), None,
-         r"top_p must be in \(0, 1\], got 1.5"),
+    Case(
+        "cli-top-p-1.5",
+        _cli("--model", "{model}", "w10", "--top-p", "1.5"),
+        None,
+        r"top_p must be in \(0, 1\], got 1.5",
+    ),
     Case("cli-no-prompt", _cli("--model", "{model}"), None, "give at least one prompt"),
-    Case("cli-missing-prompts-file", _cli("--model", "{model}", "--prompts-file", "{tmp}/missing.txt"), None,
-         "missing.txt"),
-    Case("cli-block-size-not-int", _cli("--model", "{model}", "w10", "--block-size", "abc"), None,
-         "--block-size.*'abc'"),
+    Case(
+        "cli-missing-prompts-file",
+        _cli("--model", "{model}", "--prompts-file", "{tmp}/missing.txt"),
+        None,
+        "missing.txt",
+    ),
+    Case(
+        "cli-block-size-not-int", _cli("--model", "{model}", "w10", "--block-size", "abc"), None, "--block-size.*'abc'"
+    ),
     Case("cli-missing-model", _cli("--model", "{tmp}/nope", "w10"), None, "nope.*does not exist"),
-    Case("cli-max-tokens-0", _cli("--model", "{model}", "w10", "--max-tokens", "0"), None,
-         "max_tokens must be >= 1, got 0"),
-    Case("cli-log-level-unknown", _cli("--model", "{model}", "w10", "--log-level", "loud"), None,
-         "argument --log-level: invalid log level 'loud'"),
-    Case("cli-logit-bias-not-json", _cli("--model", "{model}", "w10", "--logit-bias", "5:1"), None,
-         "argument --logit-bias: expected a JSON object of int -> float.*got '5:1'"),
-    Case("cli-allowed-token-ids-not-int", _cli("--model", "{model}", "w10", "--allowed-token-ids", "5,x"), None,
-         "argument --allowed-token-ids: expected comma-separated integers, got '5,x'"),
+    Case(
+        "cli-max-tokens-0",
+        _cli("--model", "{model}", "w10", "--max-tokens", "0"),
+        None,
+        "max_tokens must be >= 1, got 0",
+    ),
+    Case(
+        "cli-log-level-unknown",
+        _cli("--model", "{model}", "w10", "--log-level", "loud"),
+        None,
+        "argument --log-level: invalid log level 'loud'",
+    ),
+    Case(
+        "cli-logit-bias-not-json",
+        _cli("--model", "{model}", "w10", "--logit-bias", "5:1"),
+        None,
+        "argument --logit-bias: expected a JSON object of int -> float.*got '5:1'",
+    ),
+    Case(
+        "cli-allowed-token-ids-not-int",
+        _cli("--model", "{model}", "w10", "--allowed-token-ids", "5,x"),
+        None,
+        "argument --allowed-token-ids: expected comma-separated integers, got '5,x'",
+    ),
     Case("cli-n-0", _cli("--model", "{model}", "w10", "--n", "0"), None, "n must be at least 1, got 0"),
-    Case("cli-n-greedy", _cli("--model", "{model}", "w10", "--n", "2", "--temperature", "0"), None,
-         "n must be 1 when using greedy sampling"),
-    Case("cli-repetition-penalty-0", _cli("--model", "{model}", "w10", "--repetition-penalty", "0"), None,
-         "repetition_penalty must be a finite number > 0, got 0.0"),
-    Case("cli-presence-penalty-3", _cli("--model", "{model}", "w10", "--presence-penalty", "3"), None,
-         r"presence_penalty must be in \[-2, 2\], got 3.0"),
-    Case("cli-bad-words-empty", _cli("--model", "{model}", "w10", "--bad-words", ""), None,
-         "bad_words must hold non-empty strings, got ''"),
+    Case(
+        "cli-n-greedy",
+        _cli("--model", "{model}", "w10", "--n", "2", "--temperature", "0"),
+        None,
+        "n must be 1 when using greedy sampling",
+    ),
+    Case(
+        "cli-repetition-penalty-0",
+        _cli("--model", "{model}", "w10", "--repetition-penalty", "0"),
+        None,
+        "repetition_penalty must be a finite number > 0, got 0.0",
+    ),
+    Case(
+        "cli-presence-penalty-3",
+        _cli("--model", "{model}", "w10", "--presence-penalty", "3"),
+        None,
+        r"presence_penalty must be in \[-2, 2\], got 3.0",
+    ),
+    Case(
+        "cli-bad-words-empty",
+        _cli("--model", "{model}", "w10", "--bad-words", ""),
+        None,
+        "bad_words must hold non-empty strings, got ''",
+    ),
 ]
 
 
@@ -293,13 +465,20 @@ def _gguf(ctx, arch: str, bad_tensor: bool) -> Path:
     path = ctx.tmp_path / f"{arch}.gguf"
     w = GGUFWriter(str(path), arch)
     if bad_tensor:
-        for key, value in (("block_count", 1), ("context_length", 128), ("embedding_length", 64),
-                           ("feed_forward_length", 128), ("attention.head_count", 2), ("vocab_size", 64)):
+        for key, value in (
+            ("block_count", 1),
+            ("context_length", 128),
+            ("embedding_length", 64),
+            ("feed_forward_length", 128),
+            ("attention.head_count", 2),
+            ("vocab_size", 64),
+        ):
             w.add_uint32(f"{arch}.{key}", value)
         w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_1]
-        w.add_tensor("token_embd.weight", np.zeros((64, 64 // block * size), dtype=np.uint8),
-                     raw_dtype=GGMLQuantizationType.Q8_1)
+        w.add_tensor(
+            "token_embd.weight", np.zeros((64, 64 // block * size), dtype=np.uint8), raw_dtype=GGMLQuantizationType.Q8_1
+        )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -310,22 +489,48 @@ def _gguf(ctx, arch: str, bad_tensor: bool) -> Path:
 FILE_CASES = [
     Case("file-missing-model-path", _file(lambda ctx: ctx.tmp_path / "nope"), FileNotFoundError, "does not exist"),
     Case("file-missing-config-json", _file(_no_config), FileNotFoundError, "has no config.json"),
-    Case("file-unsupported-architecture", _file(lambda ctx: _edit_config(ctx, architectures=["GPT2LMHeadModel"])),
-         ValueError, r"unsupported architecture.*GPT2LMHeadModel.*supported: .*LlamaForCausalLM"),
-    Case("file-config-without-vocab_size", _file(lambda ctx: _edit_config(ctx, vocab_size=0)), ValueError,
-         "vocab_size.*0"),
-    Case("file-missing-weight-tensor", _file(lambda ctx: _rewrite_weights(
-        _copy_model(ctx.tmp_path), lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))),
-        ValueError, r"missing weight\(s\): model.layers.1.self_attn.k_proj.weight"),
-    Case("file-misshapen-weight-tensor", _file(lambda ctx: _rewrite_weights(_copy_model(ctx.tmp_path),
-                                                                            _shrink_down_proj)),
-         ValueError, r"model.layers.0.mlp.down_proj.weight.*shape \(256, 511\)"),
+    Case(
+        "file-unsupported-architecture",
+        _file(lambda ctx: _edit_config(ctx, architectures=["GPT2LMHeadModel"])),
+        ValueError,
+        r"unsupported architecture.*GPT2LMHeadModel.*supported: .*LlamaForCausalLM",
+    ),
+    Case(
+        "file-config-without-vocab_size",
+        _file(lambda ctx: _edit_config(ctx, vocab_size=0)),
+        ValueError,
+        "vocab_size.*0",
+    ),
+    Case(
+        "file-missing-weight-tensor",
+        _file(
+            lambda ctx: _rewrite_weights(
+                _copy_model(ctx.tmp_path), lambda t: t.pop("model.layers.1.self_attn.k_proj.weight")
+            )
+        ),
+        ValueError,
+        r"missing weight\(s\): model.layers.1.self_attn.k_proj.weight",
+    ),
+    Case(
+        "file-misshapen-weight-tensor",
+        _file(lambda ctx: _rewrite_weights(_copy_model(ctx.tmp_path), _shrink_down_proj)),
+        ValueError,
+        r"model.layers.0.mlp.down_proj.weight.*shape \(256, 511\)",
+    ),
     Case("file-truncated-safetensors", _file(_truncated), ValueError, "model.safetensors.*unreadable or truncated"),
     Case("file-no-weight-files", _file(_no_weights), FileNotFoundError, r"no \*.safetensors weight files"),
-    Case("file-gguf-unsupported-tensor-type", _file(lambda ctx: _gguf(ctx, "llama", bad_tensor=True)), ValueError,
-         "GGUF tensor 'token_embd.weight' has type Q8_1, which cannot be dequantized"),
-    Case("file-gguf-unsupported-architecture", _file(lambda ctx: _gguf(ctx, "mamba", bad_tensor=False)),
-         ValueError, "GGUF architecture 'mamba' is not supported"),
+    Case(
+        "file-gguf-unsupported-tensor-type",
+        _file(lambda ctx: _gguf(ctx, "llama", bad_tensor=True)),
+        ValueError,
+        "GGUF tensor 'token_embd.weight' has type Q8_1, which cannot be dequantized",
+    ),
+    Case(
+        "file-gguf-unsupported-architecture",
+        _file(lambda ctx: _gguf(ctx, "mamba", bad_tensor=False)),
+        ValueError,
+        "GGUF architecture 'mamba' is not supported",
+    ),
 ]
 
 BATTERY = SAMPLING_CASES + ENGINE_CASES + PROMPT_CASES + CLI_CASES + FILE_CASES
@@ -354,16 +559,17 @@ def test_battery_is_large_and_covers_every_kind():
 @pytest.mark.parametrize("case", BATTERY, ids=[c.id for c in BATTERY])
 def test_bad_input(case, llm, good_tokens, tmp_path, monkeypatch, capsys):
     ctx = Ctx(llm, tmp_path, monkeypatch, capsys)
-    if case.exc is None:   # the CLI: exit status 2, the message on stderr, no traceback
+    if case.exc is None:  # the CLI: exit status 2, the message on stderr, no traceback
         capsys.readouterr()
         try:
             status = case.trigger(ctx)
-        except SystemExit as e:   # argparse's own errors
+        except SystemExit as e:  # argparse's own errors
             status = e.code
         err = capsys.readouterr().err
         assert status == 2, f"exit status {status}, stderr: {err[-500:]}"
         assert "Traceback" not in err
         import re
+
         assert re.search(case.match, err), f"{case.match!r} not in stderr: {err[-500:]}"
     else:
         with pytest.raises(case.exc, match=case.match):
@@ -378,8 +584,11 @@ def test_bad_input(case, llm, good_tokens, tmp_path, monkeypatch, capsys):
 def test_one_impossible_request_in_a_batch_blocks_nothing(llm):
     """The batch with one impossible request is refused whole (nothing queued); without it, it completes."""
     batch = prompts_for(VOCAB, (5, 40, 7), seed=2)
-    params = [SamplingParams(temperature=0, max_tokens=4), SamplingParams(max_tokens=60),
-              SamplingParams(temperature=0, max_tokens=4)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=4),
+        SamplingParams(max_tokens=60),
+        SamplingParams(temperature=0, max_tokens=4),
+    ]
     with pytest.raises(ValueError, match="prompt 1: .*needs up to 7 KV blocks"):
         llm.generate(batch, params, use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()

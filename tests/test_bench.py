@@ -1,6 +1,7 @@
 """`nanovllm bench`: the bench package never imports the CLI module, the engine's step_profiler
 hook, a failing peer's own line, the vllm-style knobs (--dataset, --num-prompts, --input-len,
 --output-len) and their errors, and `bench latency`. Tiny zoo models: seconds, not minutes."""
+
 from __future__ import annotations
 
 import ast
@@ -23,7 +24,7 @@ from nanovllm.entrypoints import cli
 from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tests.conftest import cached_llm
 
-MODEL = "qwen3-gqa2-hd64-tied"   # vocabulary 1031
+MODEL = "qwen3-gqa2-hd64-tied"  # vocabulary 1031
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "nanovllm" / "bench"
 
@@ -55,9 +56,11 @@ def test_bench_package_never_imports_the_cli():
     offenders = {f.name: cli_imports(f.read_text()) for f in files}
     assert not any(offenders.values()), offenders
     # negative controls: the forms the check must catch
-    for bad in ("from nanovllm.entrypoints.cli import engine_kwargs",
-                "def f():\n    from nanovllm.entrypoints import cli\n",
-                "import nanovllm.entrypoints.cli as c"):
+    for bad in (
+        "from nanovllm.entrypoints.cli import engine_kwargs",
+        "def f():\n    from nanovllm.entrypoints import cli\n",
+        "import nanovllm.entrypoints.cli as c",
+    ):
         assert cli_imports(bad), bad
     assert not cli_imports("from nanovllm.entrypoints.args import engine_kwargs")
 
@@ -65,19 +68,36 @@ def test_bench_package_never_imports_the_cli():
 def test_bench_and_cli_import_in_either_order():
     torch_free = ["nanovllm.bench.args", "nanovllm.bench.datasets", "nanovllm.bench.serve"]
     for order in (torch_free + ["nanovllm.entrypoints.cli"], ["nanovllm.entrypoints.cli"] + torch_free):
-        code = "import importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in order) + \
-               "from nanovllm.entrypoints.cli import build_parser\nbuild_parser()\nprint('OK')\n"
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                           env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
+        code = (
+            "import importlib\n"
+            + "".join(f"importlib.import_module({m!r})\n" for m in order)
+            + "from nanovllm.entrypoints.cli import build_parser\nbuild_parser()\nprint('OK')\n"
+        )
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            cwd=ROOT,
+        )
         assert r.returncode == 0 and "OK" in r.stdout, (order, r.stderr[-2000:])
 
 
 def test_bench_latency_help_loads_no_torch():
-    code = ("import sys\nfrom nanovllm.entrypoints.cli import main\n"
-            "try:\n    main(['bench', 'latency', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
-            "print('LOADED', sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
+    code = (
+        "import sys\nfrom nanovllm.entrypoints.cli import main\n"
+        "try:\n    main(['bench', 'latency', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+        "print('LOADED', sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        cwd=ROOT,
+    )
     assert r.returncode == 0 and "LOADED []" in r.stdout, r.stderr[-2000:]
     assert "--batch-size" in r.stdout and "--num-iters" in r.stdout and "(default: 1 and 8)" in r.stdout
 
@@ -110,12 +130,26 @@ def test_step_profiler_is_called_once_per_step_with_its_phases(model, async_sche
 
 def test_bench_profile_steps_uses_the_hook(model, capsys):
     """--profile-steps prints the summed phases the hook delivered, one count per engine step."""
-    rc = cli.main(["bench", "--model", model, "--dataset", "random", "--num-prompts", "2", "--input-len", "6",
-                   "--output-len", "4", "--profile-steps"])
+    rc = cli.main(
+        [
+            "bench",
+            "--model",
+            model,
+            "--dataset",
+            "random",
+            "--num-prompts",
+            "2",
+            "--input-len",
+            "6",
+            "--output-len",
+            "4",
+            "--profile-steps",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 0, err
     m = re.search(r"step profile: (\d+) steps", err)
-    assert m and int(m.group(1)) >= 4, err   # 4 output tokens: at least 4 steps
+    assert m and int(m.group(1)) >= 4, err  # 4 output tokens: at least 4 steps
     for phase in ("schedule", "build_model_input", "execute", "postprocess"):
         assert re.search(rf"^\s+{phase}\s+[\d.]+ s\s+[\d.]+ ms/step$", err, re.MULTILINE), (phase, err)
 
@@ -125,13 +159,36 @@ def test_a_failing_peer_gets_its_own_line(model, capsys, tmp_path):
     """vllm made to fail (a python without vLLM): its line says failed and why, and no line
     repeats another engine's figures under its name or after it; hf, which works, has its own."""
     out = tmp_path / "bench.json"
-    rc = cli.main(["bench", "--model", model, "--dataset", "random", "--num-prompts", "2", "--input-len", "6",
-                   "--output-len", "4", "--peer", "vllm", "--peer", "hf", "--vllm-python", sys.executable,
-                   "--json-out", str(out)])
+    rc = cli.main(
+        [
+            "bench",
+            "--model",
+            model,
+            "--dataset",
+            "random",
+            "--num-prompts",
+            "2",
+            "--input-len",
+            "6",
+            "--output-len",
+            "4",
+            "--peer",
+            "vllm",
+            "--peer",
+            "hf",
+            "--vllm-python",
+            sys.executable,
+            "--json-out",
+            str(out),
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
-    progress = [line for line in captured.err.splitlines() if line.startswith("  ") and ": " in line
-                and not line.startswith("   ")]
+    progress = [
+        line
+        for line in captured.err.splitlines()
+        if line.startswith("  ") and ": " in line and not line.startswith("   ")
+    ]
     vllm = [line for line in progress if line.startswith("  vllm")]
     assert len(vllm) == 1 and vllm[0].startswith("  vllm: failed: RuntimeError: vLLM peer failed (exit 1)"), progress
     assert "No module named 'vllm'" in vllm[0] and "tok/s" not in vllm[0]
@@ -151,19 +208,24 @@ def test_peer_result_lines_never_borrow_figures():
     assert ok.lines() == ["  vLLM 0.1 (cold): 50.0 tok/s", "  vLLM 0.1 (warm): 100.0 tok/s"]
     assert PeerResult("hf", failed="OSError: x").lines() == ["  hf: failed: OSError: x"]
     assert PeerResult("vllm", skipped="no env").lines() == ["  vllm: skipped (no env)"]
-    assert one_line("RuntimeError: failed (exit 1): Traceback\n  File x\nImportError: y\n") == \
-        "RuntimeError: failed (exit 1): Traceback ... ImportError: y"
+    assert (
+        one_line("RuntimeError: failed (exit 1): Traceback\n  File x\nImportError: y\n")
+        == "RuntimeError: failed (exit 1): Traceback ... ImportError: y"
+    )
 
 
 # ------------------------------------------------------------------ knobs and their errors
-@pytest.mark.parametrize("argv, names", [
-    (["--num-prompts", "0"], ["--num-prompts", "'0'"]),
-    (["--input-len", "-3"], ["--input-len", "'-3'"]),
-    (["--output-len", "x"], ["--output-len", "'x'"]),
-    (["--repeat", "0"], ["--repeat", "'0'"]),
-    (["latency", "--batch-size", "0"], ["--batch-size", "'0'"]),
-    (["latency", "--num-iters-warmup", "-1"], ["--num-iters-warmup", "'-1'"]),
-])
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (["--num-prompts", "0"], ["--num-prompts", "'0'"]),
+        (["--input-len", "-3"], ["--input-len", "'-3'"]),
+        (["--output-len", "x"], ["--output-len", "'x'"]),
+        (["--repeat", "0"], ["--repeat", "'0'"]),
+        (["latency", "--batch-size", "0"], ["--batch-size", "'0'"]),
+        (["latency", "--num-iters-warmup", "-1"], ["--num-iters-warmup", "'-1'"]),
+    ],
+)
 def test_bad_numbers_are_refused_naming_flag_and_value(argv, names, capsys):
     with pytest.raises(SystemExit) as e:
         cli.build_parser().parse_args(["bench", *argv])
@@ -174,12 +236,13 @@ def test_bad_numbers_are_refused_naming_flag_and_value(argv, names, capsys):
 def test_bad_dataset_is_refused_naming_flag_and_value(model, capsys, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt_token_ids": [1, 2]}\n{"text": "no prompt"}\n')
-    cases = [(["--dataset", "sharegpt"], "--dataset 'sharegpt': not one of auto, cpu, gpu, random"),
-             (["--dataset", str(tmp_path / "none.jsonl")], "none.jsonl'"),
-             (["--dataset", str(bad)], "line 2: needs \"prompt\""),
-             (["--dataset", "cpu", "--input-len", "8"], "--input-len applies to --dataset random, not --dataset 'cpu'"),
-             (["--dataset", "cpu"], "--dataset cpu: its token ids reach"),   # zoo vocabulary 1031
-             ]
+    cases = [
+        (["--dataset", "sharegpt"], "--dataset 'sharegpt': not one of auto, cpu, gpu, random"),
+        (["--dataset", str(tmp_path / "none.jsonl")], "none.jsonl'"),
+        (["--dataset", str(bad)], 'line 2: needs "prompt"'),
+        (["--dataset", "cpu", "--input-len", "8"], "--input-len applies to --dataset random, not --dataset 'cpu'"),
+        (["--dataset", "cpu"], "--dataset cpu: its token ids reach"),  # zoo vocabulary 1031
+    ]
     for argv, message in cases:
         rc = cli.main(["bench", "--model", model, *argv])
         err = capsys.readouterr().err
@@ -190,7 +253,7 @@ def test_random_dataset():
     w = datasets.build_workload("random", 5, 7, 3, vocab_size=50)
     assert len(w.prompts) == 5 and {len(p) for p in w.prompts} == {7} and w.max_tokens == [3] * 5
     assert all(0 <= t < 50 for p in w.prompts for t in p) and len({tuple(p) for p in w.prompts}) == 5
-    assert w.prompts == datasets.build_workload("random", 5, 7, 3, vocab_size=50).prompts   # seeded
+    assert w.prompts == datasets.build_workload("random", 5, 7, 3, vocab_size=50).prompts  # seeded
     d = datasets.build_workload("random", None, None, None, vocab_size=50)
     assert (len(d.prompts), len(d.prompts[0]), d.max_tokens[0]) == (32, 128, 128)
     assert datasets.resolve_name("auto", 16, cuda=False) == "random"
@@ -202,7 +265,7 @@ def test_named_workload_cut_by_num_prompts_and_output_len():
     full = cpu_workload()
     w = datasets.build_workload("cpu", 4, None, 7, vocab_size=None)
     assert w.prompts == full.prompts[:4] and w.max_tokens == [7] * 4
-    assert w.expected_prompt_tokens is None and "first 4" in w.name   # no longer the standard totals
+    assert w.expected_prompt_tokens is None and "first 4" in w.name  # no longer the standard totals
     assert datasets.build_workload("cpu", None, None, None, None).max_tokens == full.max_tokens
     with pytest.raises(ValueError, match=r"--num-prompts 33: --dataset 'cpu' has 32 requests"):
         datasets.build_workload("cpu", 33, None, None, None)
@@ -210,8 +273,10 @@ def test_named_workload_cut_by_num_prompts_and_output_len():
 
 def test_jsonl_dataset(tmp_path):
     f = tmp_path / "reqs.jsonl"
-    f.write_text('{"prompt_token_ids": [3, 4, 5], "max_tokens": 2}\n\n{"prompt": "w1 w2", "max_tokens": 9}\n'
-                 '{"prompt_token_ids": [7]}\n')
+    f.write_text(
+        '{"prompt_token_ids": [3, 4, 5], "max_tokens": 2}\n\n{"prompt": "w1 w2", "max_tokens": 9}\n'
+        '{"prompt_token_ids": [7]}\n'
+    )
     w = datasets.build_workload(str(f), None, None, None, vocab_size=100, tokenize=lambda s: [len(s)])
     assert w.prompts == [[3, 4, 5], [5], [7]] and w.max_tokens == [2, 9, datasets.JSONL_DEFAULT_OUTPUT_LEN]
     w = datasets.build_workload(str(f), 2, None, 4, vocab_size=100, tokenize=lambda s: [len(s)])
@@ -221,7 +286,7 @@ def test_jsonl_dataset(tmp_path):
     f.write_text('{"prompt_token_ids": [1], "max_tokens": 0}\n')
     with pytest.raises(ValueError, match=r"line 1: max_tokens must be a positive integer, got 0"):
         datasets.build_workload(str(f), None, None, None, vocab_size=5)
-    f.write_text('[1, 2]\n')
+    f.write_text("[1, 2]\n")
     with pytest.raises(ValueError, match=r"line 1: expected an object, got list"):
         datasets.build_workload(str(f), None, None, None, vocab_size=5)
 
@@ -241,22 +306,47 @@ def test_jsonl_dataset_end_to_end(model, capsys, tmp_path):
 
 # ------------------------------------------------------------------ latency
 def _output(n_tokens: int, arrival: float, first: float, last: float) -> RequestOutput:
-    return RequestOutput("0", None, [1], [CompletionOutput(0, "", list(range(n_tokens)), None, None, "length")],
-                         True, metrics=RequestMetrics(arrival, arrival, first, last, last))
+    return RequestOutput(
+        "0",
+        None,
+        [1],
+        [CompletionOutput(0, "", list(range(n_tokens)), None, None, "length")],
+        True,
+        metrics=RequestMetrics(arrival, arrival, first, last, last),
+    )
 
 
 def test_request_latencies():
-    assert request_latencies(_output(5, 100.0, 100.25, 101.25)) == (0.25, 0.25)   # 4 gaps in 1 s
-    assert request_latencies(_output(1, 100.0, 100.5, 100.5)) == (0.5, None)      # one token: no TPOT
+    assert request_latencies(_output(5, 100.0, 100.25, 101.25)) == (0.25, 0.25)  # 4 gaps in 1 s
+    assert request_latencies(_output(1, 100.0, 100.5, 100.5)) == (0.5, None)  # one token: no TPOT
     with pytest.raises(RuntimeError, match="no token times"):
         request_latencies(_output(2, 100.0, None, None))
 
 
 def test_bench_latency(model, capsys, tmp_path):
     out = tmp_path / "latency.json"
-    rc = cli.main(["bench", "latency", "--model", model, "--batch-size", "1", "--batch-size", "3",
-                   "--input-len", "5", "--output-len", "4", "--num-iters", "2", "--num-iters-warmup", "0",
-                   "--json-out", str(out)])
+    rc = cli.main(
+        [
+            "bench",
+            "latency",
+            "--model",
+            model,
+            "--batch-size",
+            "1",
+            "--batch-size",
+            "3",
+            "--input-len",
+            "5",
+            "--output-len",
+            "4",
+            "--num-iters",
+            "2",
+            "--num-iters-warmup",
+            "0",
+            "--json-out",
+            str(out),
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     saved = json.loads(out.read_text())
@@ -268,6 +358,7 @@ def test_bench_latency(model, capsys, tmp_path):
             assert 0 < r[key]["p50"] <= r[key]["p90"], (key, r)
         # a request's first token and its 3 later ones all fit in its batch's wall time
         assert r["ttft_ms"]["p50"] + 3 * r["tpot_ms"]["p50"] <= r["batch_ms"]["p90"] * 1.05, r
-    assert re.search(r"^\| 1 \| [\d,.]+ \| [\d,.]+ \| [\d,.]+ \| [\d,.]+ \| [\d,.]+ \| [\d,.]+ \|$",
-                     captured.out, re.MULTILINE), captured.out
+    assert re.search(
+        r"^\| 1 \| [\d,.]+ \| [\d,.]+ \| [\d,.]+ \| [\d,.]+ \| [\d,.]+ \| [\d,.]+ \|$", captured.out, re.MULTILINE
+    ), captured.out
     assert re.search(r"^\| 3 \| ", captured.out, re.MULTILINE)

@@ -2,6 +2,7 @@
 --logprobs and --json output, prompts from stdin, trace lines apart from the progress bar,
 --help without torch, and Ctrl-C (finished results printed, the rest aborted, exit status 130,
 one line on stderr, the engine left clean)."""
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _run(*args, input=None, timeout=300):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-m", "nanovllm.entrypoints.cli", *args], capture_output=True,
-                          text=True, input=input, timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "nanovllm.entrypoints.cli", *args],
+        capture_output=True,
+        text=True,
+        input=input,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:
@@ -42,14 +50,22 @@ def _subparser(name: str) -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------ flags from the API
 def test_help_imports_no_torch():
-    code = ("import sys\nfrom nanovllm.entrypoints.cli import main\n"
-            "for argv in (['--help'], ['generate', '--help'], ['bench', '--help'], ['serve', '--help'],\n"
-            "             ['bench', 'serve', '--help']):\n"
-            "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, e.code\n"
-            "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'triton'))\n"
-            "print('LOADED', loaded)\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+    code = (
+        "import sys\nfrom nanovllm.entrypoints.cli import main\n"
+        "for argv in (['--help'], ['generate', '--help'], ['bench', '--help'], ['serve', '--help'],\n"
+        "             ['bench', 'serve', '--help']):\n"
+        "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, e.code\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'triton'))\n"
+        "print('LOADED', loaded)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "LOADED []" in r.stdout, r.stdout[-500:]
     assert "--repetition-penalty" in r.stdout and "--max-num-seqs" in r.stdout and "--workload" in r.stdout
@@ -92,20 +108,51 @@ def test_engine_flag_types_come_from_the_annotations():
         flag = "--" + f.name.replace("_", "-")
         argv = ["generate", "w1", flag] + ([text] if text is not None else [])
         assert engine_kwargs(cli.build_parser().parse_args(argv)) == {f.name: want}, f.name
-        if text is None:   # booleans: --no-x too
-            assert engine_kwargs(cli.build_parser().parse_args(["generate", "w1", "--no-" + flag[2:]])) == \
-                {f.name: False}
+        if text is None:  # booleans: --no-x too
+            assert engine_kwargs(cli.build_parser().parse_args(["generate", "w1", "--no-" + flag[2:]])) == {
+                f.name: False
+            }
     assert engine_kwargs(cli.build_parser().parse_args(["generate", "w1"])) == {}
 
 
 def test_sampling_flag_types_come_from_the_annotations():
-    argv = ["generate", "w1", "--n", "3", "--repetition-penalty", "1.5", "--logit-bias", '{"5": -2, "9": 1.5}',
-            "--allowed-token-ids", "4,5", "--allowed-token-ids", "6", "--bad-words", "w1", "--bad-words", "w2 w3",
-            "--stop", "a", "--stop-token-ids", "3,8", "--no-skip-special-tokens", "--sampling-seed", "11"]
+    argv = [
+        "generate",
+        "w1",
+        "--n",
+        "3",
+        "--repetition-penalty",
+        "1.5",
+        "--logit-bias",
+        '{"5": -2, "9": 1.5}',
+        "--allowed-token-ids",
+        "4,5",
+        "--allowed-token-ids",
+        "6",
+        "--bad-words",
+        "w1",
+        "--bad-words",
+        "w2 w3",
+        "--stop",
+        "a",
+        "--stop-token-ids",
+        "3,8",
+        "--no-skip-special-tokens",
+        "--sampling-seed",
+        "11",
+    ]
     p = sampling_params(cli.build_parser().parse_args(argv))
-    assert (p.n, p.repetition_penalty, p.logit_bias, p.allowed_token_ids, p.bad_words, p.stop, p.stop_token_ids,
-            p.skip_special_tokens, p.seed) == (3, 1.5, {5: -2.0, 9: 1.5}, [4, 5, 6], ["w1", "w2 w3"], ["a"], [3, 8],
-                                               False, 11)
+    assert (
+        p.n,
+        p.repetition_penalty,
+        p.logit_bias,
+        p.allowed_token_ids,
+        p.bad_words,
+        p.stop,
+        p.stop_token_ids,
+        p.skip_special_tokens,
+        p.seed,
+    ) == (3, 1.5, {5: -2.0, 9: 1.5}, [4, 5, 6], ["w1", "w2 w3"], ["a"], [3, 8], False, 11)
 
 
 def test_log_level_is_global_and_validated(capsys):
@@ -129,23 +176,44 @@ GREEDY = ["--max-tokens", "4", "--temperature", "0", "--ignore-eos", "--no-progr
 def test_json_lines_hold_every_request_output_field_and_equal_the_api(capsys):
     llm = cached_llm(zoo_model(MODEL), block_size=16, seed=0)
     prompts = ["w10 w20 w30", "w5 w6"]
-    status = cli.main(["generate", "--model", zoo_model(MODEL), *prompts, *GREEDY, "--json", "--logprobs", "2",
-                       "--block-size", "16", "--stop", "w999"])
+    status = cli.main(
+        [
+            "generate",
+            "--model",
+            zoo_model(MODEL),
+            *prompts,
+            *GREEDY,
+            "--json",
+            "--logprobs",
+            "2",
+            "--block-size",
+            "16",
+            "--stop",
+            "w999",
+        ]
+    )
     assert status == 0
     lines = capsys.readouterr().out.strip().splitlines()
     rows = [json.loads(line) for line in lines]
     assert len(rows) == 2
     assert all(set(r) == {f.name for f in dataclasses.fields(RequestOutput)} for r in rows)
-    api = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2,
-                                               stop=["w999"]), use_tqdm=False)
+    api = llm.generate(
+        prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2, stop=["w999"]), use_tqdm=False
+    )
     for row, out in zip(rows, api):
         c, want = row["outputs"][0], out.outputs[0]
-        assert (row["prompt"], c["token_ids"], c["text"], c["finish_reason"], c["stop_reason"]) == \
-            (out.prompt, want.token_ids, want.text, want.finish_reason, want.stop_reason)
+        assert (row["prompt"], c["token_ids"], c["text"], c["finish_reason"], c["stop_reason"]) == (
+            out.prompt,
+            want.token_ids,
+            want.text,
+            want.finish_reason,
+            want.stop_reason,
+        )
         assert len(c["logprobs"]) == 4 and "metrics" in row
         for pos, entry in enumerate(want.logprobs):
-            assert {int(k): v["logprob"] for k, v in c["logprobs"][pos].items()} == \
-                pytest.approx({k: v.logprob for k, v in entry.items()}, abs=1e-4)
+            assert {int(k): v["logprob"] for k, v in c["logprobs"][pos].items()} == pytest.approx(
+                {k: v.logprob for k, v in entry.items()}, abs=1e-4
+            )
 
 
 def test_logprobs_are_printed(capsys):
@@ -159,8 +227,21 @@ def test_logprobs_are_printed(capsys):
 
 
 def test_n_completions_are_printed(capsys):
-    status = cli.main(["generate", "--model", zoo_model(MODEL), "w10 w20", "--max-tokens", "3", "--n", "3",
-                       "--sampling-seed", "1", "--no-progress"])
+    status = cli.main(
+        [
+            "generate",
+            "--model",
+            zoo_model(MODEL),
+            "w10 w20",
+            "--max-tokens",
+            "3",
+            "--n",
+            "3",
+            "--sampling-seed",
+            "1",
+            "--no-progress",
+        ]
+    )
     assert status == 0
     out = capsys.readouterr().out
     assert [f"completion {i}," in out for i in range(3)] == [True] * 3
@@ -175,12 +256,25 @@ def test_prompts_from_stdin_in_order():
 
 
 def test_trace_lines_never_share_a_line_with_the_progress_bar():
-    r = _run("generate", "--model", zoo_model(MODEL), "w10 w20 w30", "w5 w6", "--max-tokens", "4",
-             "--temperature", "0", "--ignore-eos", "--trace", "--max-num-batched-tokens", "3")
+    r = _run(
+        "generate",
+        "--model",
+        zoo_model(MODEL),
+        "w10 w20 w30",
+        "w5 w6",
+        "--max-tokens",
+        "4",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--trace",
+        "--max-num-batched-tokens",
+        "3",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     steps = 0
     for line in r.stderr.split("\n"):
-        visible = line.rsplit("\r", 1)[-1]     # what a terminal shows after carriage returns
+        visible = line.rsplit("\r", 1)[-1]  # what a terminal shows after carriage returns
         if "prefill tokens=" in line or "decode  tokens=" in line or "mixed   tokens=" in line:
             steps += 1
             assert visible.startswith("step "), f"a trace line glued to other output: {line!r}"
@@ -194,11 +288,32 @@ def test_sigint_prints_the_finished_results_and_exits_130():
     stderr, no traceback."""
     prompts = "".join(f"w{10 + i} w{20 + i} w{30 + i}\n" for i in range(30))
     env = dict(os.environ, PYTHONPATH=ROOT)
-    p = subprocess.Popen([sys.executable, "-m", "nanovllm.entrypoints.cli", "generate", "-",
-                          "--model", zoo_model(MODEL),
-                          "--max-tokens", "300", "--ignore-eos", "--temperature", "0", "--no-progress", "--json",
-                          "--max-num-seqs", "2"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "nanovllm.entrypoints.cli",
+            "generate",
+            "-",
+            "--model",
+            zoo_model(MODEL),
+            "--max-tokens",
+            "300",
+            "--ignore-eos",
+            "--temperature",
+            "0",
+            "--no-progress",
+            "--json",
+            "--max-num-seqs",
+            "2",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     watchdog = threading.Timer(600, p.kill)
     watchdog.start()
     try:
@@ -238,6 +353,7 @@ class _Interrupt:
             if calls["n"] > after:
                 raise KeyboardInterrupt
             return orig(*args, **kwargs)
+
         monkeypatch.setattr(*target, interrupted)
         close = LLM.close
 
@@ -245,9 +361,13 @@ class _Interrupt:
             engine = llm.llm_engine
             engine.check_invariants()
             bm = engine.block_manager
-            self.seen = dict(unfinished=engine.has_unfinished_requests(), requests=len(engine.requests),
-                             used_blocks=bm.num_blocks - bm.num_free_blocks)
+            self.seen = dict(
+                unfinished=engine.has_unfinished_requests(),
+                requests=len(engine.requests),
+                used_blocks=bm.num_blocks - bm.num_free_blocks,
+            )
             close(llm)
+
         monkeypatch.setattr(LLM, "close", inspect_then_close)
 
 
@@ -256,8 +376,25 @@ def test_ctrl_c_leaves_the_engine_clean(monkeypatch, capsys, where, after):
     probe = _Interrupt(monkeypatch, where, after)
     handler = signal.getsignal(signal.SIGINT)
     prompts = [f"w{10 + i} w{20 + i}" for i in range(12)]
-    status = cli.main(["generate", "--model", zoo_model(MODEL), *prompts, "--max-tokens", "20", "--temperature", "0",
-                       "--ignore-eos", "--no-progress", "--json", "--max-num-seqs", "3", "--block-size", "16"])
+    status = cli.main(
+        [
+            "generate",
+            "--model",
+            zoo_model(MODEL),
+            *prompts,
+            "--max-tokens",
+            "20",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--no-progress",
+            "--json",
+            "--max-num-seqs",
+            "3",
+            "--block-size",
+            "16",
+        ]
+    )
     captured = capsys.readouterr()
     rows = [json.loads(line) for line in captured.out.splitlines()]
     assert status == 130
@@ -266,8 +403,9 @@ def test_ctrl_c_leaves_the_engine_clean(monkeypatch, capsys, where, after):
     assert 1 <= len(rows) < len(prompts) and all(len(r["outputs"][0]["token_ids"]) == 20 for r in rows)
     assert captured.err.strip().splitlines() == [
         f"nanovllm: interrupted: {len(rows)} of {len(prompts)} requests finished and printed, "
-        f"the other {len(prompts) - len(rows)} aborted"]
+        f"the other {len(prompts) - len(rows)} aborted"
+    ]
 
 
 def test_vocab_of_the_test_model_is_large_enough():
-    assert ZOO[MODEL].vocab_size > 40   # the prompts above use words w5..w41
+    assert ZOO[MODEL].vocab_size > 40  # the prompts above use words w5..w41

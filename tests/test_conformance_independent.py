@@ -1,5 +1,6 @@
 """The conformance suite is engine-agnostic: outside its nanovllm adapter, no module of
 ``conformance/`` imports nanovllm (statically, or through importlib / __import__ with a literal)."""
+
 from __future__ import annotations
 
 import ast
@@ -31,9 +32,11 @@ def nanovllm_imports(source: str, filename: str = "<source>") -> list[str]:
 
 def test_scanner_finds_every_form_of_import():
     """Negative control: each way of importing nanovllm is caught; look-alike names are not."""
-    bad = ("import nanovllm\nimport os, nanovllm.engine as e\nfrom nanovllm.loader.cache import x\n"
-           "def f():\n    import importlib\n    importlib.import_module('nanovllm.worker')\n"
-           "    __import__('nanovllm')\n")
+    bad = (
+        "import nanovllm\nimport os, nanovllm.engine as e\nfrom nanovllm.loader.cache import x\n"
+        "def f():\n    import importlib\n    importlib.import_module('nanovllm.worker')\n"
+        "    __import__('nanovllm')\n"
+    )
     assert len(nanovllm_imports(bad)) == 5, nanovllm_imports(bad)
     fine = "import nanovllm_extras\nfrom conformance.adapters import base\nx = 'import nanovllm'\n"
     assert nanovllm_imports(fine) == []
@@ -42,8 +45,7 @@ def test_scanner_finds_every_form_of_import():
 def test_conformance_imports_no_nanovllm_outside_its_adapter():
     files = sorted(p for p in SUITE.rglob("*.py") if p not in ALLOWED)
     assert len(files) > 10, f"only {len(files)} modules found under {SUITE}: wrong directory?"
-    offenders = {str(p.relative_to(SUITE)): hits for p in files
-                 if (hits := nanovllm_imports(p.read_text(), str(p)))}
+    offenders = {str(p.relative_to(SUITE)): hits for p in files if (hits := nanovllm_imports(p.read_text(), str(p)))}
     assert not offenders, f"conformance/ modules importing nanovllm: {offenders}"
     # the allowed adapter really is the one that imports it (else ALLOWED is stale)
     assert all(nanovllm_imports(p.read_text()) for p in ALLOWED)

@@ -1,4 +1,5 @@
 """The starved-vs-ample logprob entry rule (conformance/test_preemption_fields.py): near-ties."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace as LP

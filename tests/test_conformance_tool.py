@@ -1,5 +1,6 @@
 """The conformance suite as a tool for other engines: adapters found by entry point and by
 ``--adapter module:Class``, ``--list-engines``, ``--help``, the honest exit and the report."""
+
 from __future__ import annotations
 
 import os
@@ -19,17 +20,23 @@ EXAMPLE_DIR = ROOT / "docs" / "conformance"
 
 
 def run_conformance(*args: str, pythonpath: list[Path] = (), timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), *map(str, pythonpath)]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), *map(str, pythonpath)]))
     env.pop("PYTEST_XDIST_WORKER", None)
-    return subprocess.run([sys.executable, "-m", "conformance", *args, "-p", "no:xdist"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "conformance", *args, "-p", "no:xdist"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture
 def plugin_dir(tmp_path, monkeypatch):
     """A directory holding an installed-looking distribution that registers an adapter 'toy'."""
-    (tmp_path / "toy_engine.py").write_text(textwrap.dedent('''
+    (tmp_path / "toy_engine.py").write_text(
+        textwrap.dedent("""
         from conformance.adapters.base import C, EngineAdapter
 
         class Toy(EngineAdapter):
@@ -42,7 +49,8 @@ def plugin_dir(tmp_path, monkeypatch):
             @classmethod
             def unavailable(cls):
                 return "toy engine not installed here"
-    '''))
+    """)
+    )
     info = tmp_path / "toy_engine-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-engine\nVersion: 0.1\n")
@@ -72,9 +80,11 @@ def test_capabilities_are_the_enum():
     class Strings(EngineAdapter):
         name = "strings"
         capabilities = {"greedy", "logprobs"}
+
     assert Strings.capabilities == {Capability.GREEDY, Capability.LOGPROBS}
     assert all(isinstance(c, Capability) for c in Strings.capabilities)
     with pytest.raises(ValueError, match="unknown capability 'greedyy'"):
+
         class Typo(EngineAdapter):
             name = "typo"
             capabilities = {"greedyy"}
@@ -104,15 +114,17 @@ def test_list_engines_and_help(plugin_dir):
 
 def test_unavailable_engine_fails_the_run_and_says_so(plugin_dir, tmp_path):
     report = tmp_path / "missing.md"
-    out = run_conformance("--adapter", "toy_engine:Missing", "--report", str(report), "-k", "contracts",
-                          pythonpath=[plugin_dir])
+    out = run_conformance(
+        "--adapter", "toy_engine:Missing", "--report", str(report), "-k", "contracts", pythonpath=[plugin_dir]
+    )
     assert out.returncode == 1, out.stdout[-2000:]
     assert "the engine is unavailable here" in out.stdout and "toy engine not installed here" in out.stdout
     text = report.read_text()
     assert "0 checked and passed" in text and "`engine unavailable` x" in text and "exit status 1" in text
     assert "--adapter toy_engine:Missing" in text  # the command line to paste back
-    accepted = run_conformance("--adapter", "toy_engine:Missing", "-k", "contracts", "--allow-skips",
-                               pythonpath=[plugin_dir])
+    accepted = run_conformance(
+        "--adapter", "toy_engine:Missing", "-k", "contracts", "--allow-skips", pythonpath=[plugin_dir]
+    )
     assert accepted.returncode == 0, accepted.stdout[-2000:]
 
 
@@ -121,11 +133,21 @@ def test_example_adapter_passes_its_checks_and_a_wrong_engine_fails(tmp_path):
     tokens shifted by one (a wrong engine) must fail the same checks."""
     report = tmp_path / "naive.md"
     # one device: the counts below are per device (a CUDA host would run each check twice)
-    out = run_conformance("--adapter", "example_adapter:NaiveAdapter", "--report", str(report), "--device", "cpu",
-                          "-k", "llama-mha-hd64 and (greedy or prompt_logprobs)", pythonpath=[EXAMPLE_DIR])
+    out = run_conformance(
+        "--adapter",
+        "example_adapter:NaiveAdapter",
+        "--report",
+        str(report),
+        "--device",
+        "cpu",
+        "-k",
+        "llama-mha-hd64 and (greedy or prompt_logprobs)",
+        pythonpath=[EXAMPLE_DIR],
+    )
     assert out.returncode == 0, out.stdout[-3000:]
     assert "3 checked and passed, 0 failed, 0 unchecked" in report.read_text()
-    (tmp_path / "wrong_engine.py").write_text(textwrap.dedent('''
+    (tmp_path / "wrong_engine.py").write_text(
+        textwrap.dedent("""
         from example_adapter import NaiveAdapter
 
         class Wrong(NaiveAdapter):
@@ -135,7 +157,15 @@ def test_example_adapter_passes_its_checks_and_a_wrong_engine_fails(tmp_path):
                 r = super()._one(prompt, p)
                 r.token_ids = [t + 1 for t in r.token_ids]
                 return r
-    '''))
-    bad = run_conformance("--adapter", "wrong_engine:Wrong", "--device", "cpu", "-k", "llama-mha-hd64 and greedy",
-                          pythonpath=[EXAMPLE_DIR, tmp_path])
+    """)
+    )
+    bad = run_conformance(
+        "--adapter",
+        "wrong_engine:Wrong",
+        "--device",
+        "cpu",
+        "-k",
+        "llama-mha-hd64 and greedy",
+        pythonpath=[EXAMPLE_DIR, tmp_path],
+    )
     assert bad.returncode == 1 and "2 failed" in bad.stdout, bad.stdout[-3000:]

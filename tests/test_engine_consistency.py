@@ -1,4 +1,5 @@
 """Self-consistency end to end: the engine's mechanisms must not change its tokens (float32, bitwise)."""
+
 from __future__ import annotations
 
 import pytest
@@ -53,15 +54,22 @@ def test_chunked_prefill_budgets_match(path, baseline, budget, device):
     events = llm.llm_engine.tracer.events
     assert all(e.num_tokens <= budget for e in events)
     if budget < 40:
-        assert any(s.phase == "prefill" and s.num_new_tokens < s.num_tokens - s.num_computed_before
-                   for e in events for s in e.seqs), "no prompt was actually chunked"
+        assert any(
+            s.phase == "prefill" and s.num_new_tokens < s.num_tokens - s.num_computed_before
+            for e in events
+            for s in e.seqs
+        ), "no prompt was actually chunked"
 
 
 def test_unchunked_prefill_matches(path, baseline, device):
     prompts = prompts_for(ZOO[MODEL].vocab_size, (3, 40, 17), seed=4)
     want = token_ids(baseline.generate(prompts, _greedy(8), use_tqdm=False))
-    llm = LLM(path, **engine_args(device, block_size=BS, seed=0, enable_chunked_prefill=False, max_num_batched_tokens=64,
-              max_model_len=64))
+    llm = LLM(
+        path,
+        **engine_args(
+            device, block_size=BS, seed=0, enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=64
+        ),
+    )
     assert_tokens_equal(want, token_ids(llm.generate(prompts, _greedy(8), use_tqdm=False)), "unchunked")
 
 

@@ -1,4 +1,5 @@
 """End to end against the reference (transformers, float32, CPU): greedy tokens and logprobs."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,10 +28,22 @@ def test_greedy_equals_hf_on_zoo(zoo_name, device):
 
 
 SMOL_TEXTS = [
-    "The capital of France is", "def fibonacci(n):", "Once upon a time", "The quick brown fox",
-    "In 1492, Columbus", "Water boils at", "My favourite food is", "import numpy as np\n",
-    "The best way to learn", "Photosynthesis is", "A haiku about the sea:", "SELECT * FROM",
-    "The meaning of life", "Dear Sir or Madam,", "1, 2, 3, 4,", "<html>",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "The quick brown fox",
+    "In 1492, Columbus",
+    "Water boils at",
+    "My favourite food is",
+    "import numpy as np\n",
+    "The best way to learn",
+    "Photosynthesis is",
+    "A haiku about the sea:",
+    "SELECT * FROM",
+    "The meaning of life",
+    "Dear Sir or Madam,",
+    "1, 2, 3, 4,",
+    "<html>",
 ]
 
 
@@ -66,16 +79,17 @@ def test_tie_aware_rule_negative_controls():
     w = runner.model.model.layers[0].mlp.down_proj.weight
     saved = w.detach().clone()
     from nanovllm.layers.cpu_linear import pack_linear_weights
+
     try:
         w.data.mul_(1.5)
         pack_linear_weights(runner.model)  # the CPU path multiplies by a packed copy of the weights
-        bad = token_ids(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                                     use_tqdm=False))
+        bad = token_ids(
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        )
     finally:
         w.data.copy_(saved)
         pack_linear_weights(runner.model)
-    assert not compare_greedy([r.tokens for r in refs], [r.logprobs for r in refs], bad,
-                              DELTA["float32"]).ok
+    assert not compare_greedy([r.tokens for r in refs], [r.logprobs for r in refs], bad, DELTA["float32"]).ok
 
 
 @pytest.mark.parametrize("name", ["qwen2-gqa2-hd64", "llama-1kv-hd128"])
@@ -85,8 +99,7 @@ def test_prompt_logprobs_equal_hf(name, device):
     ref = hf_reference(path)
     for n in (1, 15, 16, 17, 83):
         prompt = prompts_for(ZOO[name].vocab_size, (n,), seed=n)[0]
-        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3),
-                           use_tqdm=False)[0]
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3), use_tqdm=False)[0]
         assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == n
         expect = ref.score(prompt)
         got = torch.tensor([out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, n)])
@@ -101,8 +114,9 @@ def test_logprobs_contract_and_values(device):
     ref = hf_reference(path)
     prompt = prompts_for(ZOO["llama-mha-hd64"].vocab_size, (20,), seed=3)[0]
     k = 4
-    out = llm.generate([prompt], SamplingParams(temperature=1.0, seed=7, max_tokens=12, logprobs=k,
-                                                ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=1.0, seed=7, max_tokens=12, logprobs=k, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     scores = ref.score(prompt + out.token_ids)
     cumulative = 0.0
     for t, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):

@@ -1,6 +1,7 @@
 """The experiments (nanovllm/experiments) on a tiny zoo model and tiny shapes: each writes its
 CSV and PNG files, and the numbers in them agree with the workload (token counts, sweep points,
 scheduler facts that follow from the settings). Timings are not checked."""
+
 from __future__ import annotations
 
 import csv
@@ -59,8 +60,9 @@ def check_rows(number: str, shape, rows: list[dict]) -> None:
         assert all(int(r["peak_used_blocks"]) <= int(r["num_blocks"]) for r in rows)
         assert all((int(r["preemptions"]) > 0) == (int(r["recomputed_tokens"]) > 0) for r in rows)
     elif number == "06":
-        assert [(int(r["max_num_seqs"]), int(r["max_num_batched_tokens"])) for r in rows] == \
-            [(s, b) for s in shape.max_num_seqs for b in shape.max_num_batched_tokens]
+        assert [(int(r["max_num_seqs"]), int(r["max_num_batched_tokens"])) for r in rows] == [
+            (s, b) for s in shape.max_num_seqs for b in shape.max_num_batched_tokens
+        ]
         assert all(int(r["output_tokens"]) == shape.num_requests * shape.max_tokens for r in rows)
     elif number == "07":
         assert [int(r["prompt_tokens"]) for r in rows] == list(shape.input_lens)
@@ -69,13 +71,28 @@ def check_rows(number: str, shape, rows: list[dict]) -> None:
     elif number == "04":
         assert [int(r["output_tokens"]) for r in rows] == list(shape.max_tokens)
         assert [int(r["prompt_tokens"]) for r in rows] == [
-            n + (shape.shared_prefix if i in (0, 2) else 0) for i, n in enumerate(shape.own_lens)]
+            n + (shape.shared_prefix if i in (0, 2) else 0) for i, n in enumerate(shape.own_lens)
+        ]
 
 
-CSV = {"01": "input_length.csv", "02": "output_length.csv", "03": "batch_scaling.csv", "04": "requests.csv",
-       "05": "kv_pressure.csv", "06": "config_sweep.csv", "07": "mixed_batch_requests.csv"}
-PNG = {"01": "input_length.png", "02": "output_length.png", "03": "batch_scaling.png", "04": "scheduler_watch.png",
-       "05": "kv_pressure.png", "06": "config_sweep.png", "07": "mixed_batch.png"}
+CSV = {
+    "01": "input_length.csv",
+    "02": "output_length.csv",
+    "03": "batch_scaling.csv",
+    "04": "requests.csv",
+    "05": "kv_pressure.csv",
+    "06": "config_sweep.csv",
+    "07": "mixed_batch_requests.csv",
+}
+PNG = {
+    "01": "input_length.png",
+    "02": "output_length.png",
+    "03": "batch_scaling.png",
+    "04": "scheduler_watch.png",
+    "05": "kv_pressure.png",
+    "06": "config_sweep.png",
+    "07": "mixed_batch.png",
+}
 
 
 @pytest.mark.parametrize("number", list(TINY))
@@ -84,8 +101,9 @@ def test_experiment_writes_consistent_csv_and_png(number, tmp_path, device):
     shape = TINY[number](mod)
     lines: list[str] = []
     args = {k: v for k, v in engine_args(device).items() if k not in mod.SWEPT}
-    report = run_experiment(number, model=zoo_model(MODEL), shape=shape, out_dir=tmp_path,
-                            engine_args=args, echo=lines.append)
+    report = run_experiment(
+        number, model=zoo_model(MODEL), shape=shape, out_dir=tmp_path, engine_args=args, echo=lines.append
+    )
     out = tmp_path / f"{mod.NUMBER}-{mod.NAME}"
     rows = _rows(out / CSV[number])
     check_rows(number, shape, rows)
@@ -121,7 +139,7 @@ def test_engine_variant_refuses_larger_buffers():
         engine_variant(llm, max_num_seqs=2, max_num_batched_tokens=16)
         assert llm.llm_engine.config.max_num_seqs == 2
         with pytest.raises(ValueError, match="max_num_seqs=8 exceeds the loaded engine's 4"):
-            engine_variant(llm, max_num_seqs=8)        # checked against the loaded engine, not the variant
+            engine_variant(llm, max_num_seqs=8)  # checked against the loaded engine, not the variant
         engine_variant(llm, max_num_seqs=4)
         with pytest.raises(ValueError, match="changes only"):
             engine_variant(llm, block_size=8)
@@ -140,4 +158,4 @@ def test_cli_experiment_list_and_errors(tmp_path, capsys):
     assert main(["experiment", "kv-pressure", "--num-kvcache-blocks", "4", "--out", str(tmp_path)]) == 2
     assert "sweeps num_kvcache_blocks itself" in capsys.readouterr().err
     assert main(["experiment", "01", "--threads", "0", "--out", str(tmp_path)]) == 2
-    assert "threads must be >= 1, got 0" in capsys.readouterr().err   # EngineConfig.threads
+    assert "threads must be >= 1, got 0" in capsys.readouterr().err  # EngineConfig.threads

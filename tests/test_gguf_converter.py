@@ -6,6 +6,7 @@ Compared: every config field transformers reads from the file, the tokenizer's s
 encoding, the EOS ids the engine stops on, and every tensor after dequantization (transformers'
 ``load_gguf_checkpoint``, with its own q/k un-permutation and names).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -52,17 +53,37 @@ def test_config_matches_transformers_gguf_reader(converted, theirs_config):
     ours = AutoConfig.from_pretrained(converted)
     a, b = ours.to_dict(), theirs_config.to_dict()
     keys = sorted((set(a) | set(b)) - set(NOT_COMPARED))
-    diffs = {k: (a.get(k, "<missing>"), b.get(k, "<missing>")) for k in keys if a.get(k, "<missing>") != b.get(k, "<missing>")}
+    diffs = {
+        k: (a.get(k, "<missing>"), b.get(k, "<missing>"))
+        for k in keys
+        if a.get(k, "<missing>") != b.get(k, "<missing>")
+    }
     assert not diffs, f"converted config differs from transformers' GGUF reading (ours, theirs): {diffs}"
     # the fields the engine reads are among them, with the values it will use
-    for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "rms_norm_eps", "vocab_size", "tie_word_embeddings",
-                  "max_position_embeddings", "eos_token_id", "bos_token_id", "hidden_act"):
+    for field in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "vocab_size",
+        "tie_word_embeddings",
+        "max_position_embeddings",
+        "eos_token_id",
+        "bos_token_id",
+        "hidden_act",
+    ):
         assert field in keys, f"{field} was not compared"
     from nanovllm.layers.rotary_embedding import rope_parameters
+
     assert rope_parameters(ours) == rope_parameters(theirs_config)
-    assert ours.architectures == [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                   "qwen3": "Qwen3ForCausalLM"}[theirs_config.model_type]]
+    assert ours.architectures == [
+        {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[
+            theirs_config.model_type
+        ]
+    ]
     assert len(keys) >= 20, f"only {len(keys)} fields compared"
 
 
@@ -96,8 +117,10 @@ def test_tensors_match_transformers_dequantization(converted, gguf_file, theirs_
     theirs = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=skeleton)["tensors"]
     with safe_open(str(Path(converted) / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
-        assert names == set(theirs), f"tensor names differ: ours only {sorted(names - set(theirs))[:5]}, " \
-                                     f"theirs only {sorted(set(theirs) - names)[:5]}"
+        assert names == set(theirs), (
+            f"tensor names differ: ours only {sorted(names - set(theirs))[:5]}, "
+            f"theirs only {sorted(set(theirs) - names)[:5]}"
+        )
         differ = [n for n in sorted(names) if not torch.equal(f.get_tensor(n), theirs[n].float())]
     assert not differ, f"{len(differ)} of {len(names)} tensors differ from transformers' dequantization: {differ[:6]}"
 
@@ -112,6 +135,7 @@ def test_cache_key_follows_the_converter(converted, gguf_file, monkeypatch):
     def convert(path, dest):  # a stand-in: what matters is whether a conversion happens
         calls.append(path)
         (dest / "model.safetensors").write_bytes(b"")
+
     monkeypatch.setattr(gguf_loader, "convert", convert)
     assert gguf_loader.gguf_to_hf_dir(gguf_file) == converted and calls == []
     assert gguf_loader.converter_version() in Path(converted).name

@@ -1,6 +1,7 @@
 """The suite's zoo -> float32 GGUF export (for engines that load GGUF only) read back by nanovllm's
 own GGUF loader (an independent reader that undoes llama.cpp's q/k layout) gives every tensor
 bit for bit, and the config; a skipped q/k permutation is caught."""
+
 from __future__ import annotations
 
 import gguf
@@ -28,9 +29,13 @@ def test_export_round_trips(name):
     differ = [k for k in want if not np.array_equal(want[k], tensors[k])]
     assert not differ, differ
     spec = ZOO[name]
-    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["vocab_size"],
-            cfg["tie_word_embeddings"]) == (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.vocab_size,
-                                            spec.tie_word_embeddings)
+    assert (
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+        cfg["vocab_size"],
+        cfg["tie_word_embeddings"],
+    ) == (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.vocab_size, spec.tie_word_embeddings)
 
 
 def test_export_without_the_qk_permutation_is_caught(tmp_path, monkeypatch):

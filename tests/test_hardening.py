@@ -1,4 +1,5 @@
 """Hardening: impossible requests, aborts in every state, non-finite logits, leaks, and a soak."""
+
 from __future__ import annotations
 
 import logging
@@ -72,8 +73,9 @@ def test_impossible_request_in_a_running_engine(baseline):
 
 def test_prompt_plus_max_tokens_past_max_model_len_stops_at_the_limit():
     llm = LLM(zoo_model(MODEL), block_size=16, seed=0, max_model_len=40)
-    out = llm.generate(prompts_for(VOCAB, (30,)), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        prompts_for(VOCAB, (30,)), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False
+    )[0]
     assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 40
     assert out.outputs[0].finish_reason == "length"
     assert_no_leaks(llm)
@@ -109,14 +111,20 @@ def _abort_when(llm, baseline, prompts, victim: str, condition, **params_kw):
 
 def test_abort_while_waiting(baseline):
     llm = LLM(zoo_model(MODEL), block_size=16, seed=0, max_num_seqs=1)
-    _abort_when(llm, baseline, prompts_for(VOCAB, (20, 25, 9), seed=2), "r1",
-                lambda s: s.status is SequenceStatus.WAITING)
+    _abort_when(
+        llm, baseline, prompts_for(VOCAB, (20, 25, 9), seed=2), "r1", lambda s: s.status is SequenceStatus.WAITING
+    )
 
 
 def test_abort_mid_chunk(baseline):
     llm = LLM(zoo_model(MODEL), block_size=16, seed=0, max_num_batched_tokens=8)
-    _abort_when(llm, baseline, prompts_for(VOCAB, (12, 60, 9), seed=3), "r1",
-                lambda s: 0 < s.num_computed_tokens < s.num_prompt_tokens)
+    _abort_when(
+        llm,
+        baseline,
+        prompts_for(VOCAB, (12, 60, 9), seed=3),
+        "r1",
+        lambda s: 0 < s.num_computed_tokens < s.num_prompt_tokens,
+    )
 
 
 def test_abort_mid_decode(baseline):
@@ -126,8 +134,14 @@ def test_abort_mid_decode(baseline):
 
 def test_abort_while_preempted(baseline):
     llm = LLM(zoo_model(MODEL), block_size=16, seed=0, num_kvcache_blocks=7)
-    _abort_when(llm, baseline, prompts_for(VOCAB, (40, 33, 30, 20), seed=5), "r3",
-                lambda s: s.status is SequenceStatus.WAITING and s.num_preemptions > 0, max_tokens=40)
+    _abort_when(
+        llm,
+        baseline,
+        prompts_for(VOCAB, (40, 33, 30, 20), seed=5),
+        "r3",
+        lambda s: s.status is SequenceStatus.WAITING and s.num_preemptions > 0,
+        max_tokens=40,
+    )
 
 
 def test_abort_everything_mid_generate_leaves_engine_clean(baseline):
@@ -141,6 +155,7 @@ def test_abort_everything_mid_generate_leaves_engine_clean(baseline):
         if len(calls) == 3:
             raise KeyboardInterrupt
         return real_step()
+
     engine.step = failing_step
     with pytest.raises(KeyboardInterrupt):
         llm.generate(prompts_for(VOCAB, (20, 30), seed=6), GREEDY, use_tqdm=False)
@@ -173,6 +188,7 @@ def test_non_finite_logits_are_reported_naming_the_request(baseline, caplog):
             if len(engine.requests["r1"].output_token_ids) >= 4:
                 logits[mi.sample_seq_ids.index(target), 7] = float("nan")
         return logits
+
     runner.execute, runner.model.compute_logits = execute, compute_logits
     with caplog.at_level(logging.ERROR):
         done = _drain(engine)
@@ -200,8 +216,13 @@ def soak_model(tmp_path_factory) -> str:
 def _margin_ok(reference: LLM, prompt, want, got) -> bool:
     """Tie-aware: the first divergence must be a near-tie of the reference (run alone)."""
     t = next(i for i, (a, b) in enumerate(zip(want, got)) if a != b)
-    lp = reference.generate([prompt + want[:t]], SamplingParams(temperature=0, max_tokens=1, logprobs=5),
-                            use_tqdm=False)[0].outputs[0].logprobs[0]
+    lp = (
+        reference.generate(
+            [prompt + want[:t]], SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .logprobs[0]
+    )
     return got[t] in lp and lp[want[t]].logprob - lp[got[t]].logprob < DELTA["float32"]
 
 
@@ -213,8 +234,16 @@ def test_soak(soak_model, async_scheduling):
     Run with synchronous steps and with async scheduling (aborts then land while a step is in flight)."""
     n_requests = int(os.environ.get("NANOVLLM_SOAK_REQUESTS", "3000"))
     rng = random.Random(1234)
-    llm = LLM(soak_model, block_size=4, num_kvcache_blocks=40, max_num_seqs=12, max_num_batched_tokens=48,
-              max_model_len=128, seed=0, async_scheduling=async_scheduling)
+    llm = LLM(
+        soak_model,
+        block_size=4,
+        num_kvcache_blocks=40,
+        max_num_seqs=12,
+        max_num_batched_tokens=48,
+        max_model_len=128,
+        seed=0,
+        async_scheduling=async_scheduling,
+    )
     engine = llm.llm_engine
     vocab = SOAK_SPEC.vocab_size
     stems = [[rng.randrange(3, vocab) for _ in range(rng.randint(4, 24))] for _ in range(12)]
@@ -223,7 +252,7 @@ def test_soak(soak_model, async_scheduling):
     start = time.perf_counter()
     next_id = 0
     while next_id < n_requests or engine.has_unfinished_requests():
-        for _ in range(rng.randint(0, 3)):   # arrivals
+        for _ in range(rng.randint(0, 3)):  # arrivals
             if next_id >= n_requests:
                 break
             stem = rng.choice(stems) if rng.random() < 0.5 else []
@@ -232,15 +261,20 @@ def test_soak(soak_model, async_scheduling):
             if kind < 0.6:
                 params = SamplingParams(temperature=0, max_tokens=rng.randint(1, 24), ignore_eos=rng.random() < 0.7)
             else:
-                params = SamplingParams(temperature=rng.choice([0.5, 1.0, 1.5]), top_k=rng.choice([0, 5, 50]),
-                                        top_p=rng.choice([1.0, 0.9, 0.5]), min_p=rng.choice([0.0, 0.05]),
-                                        seed=rng.choice([None, rng.randrange(1 << 30)]),
-                                        max_tokens=rng.randint(1, 24), logprobs=rng.choice([None, 2]))
+                params = SamplingParams(
+                    temperature=rng.choice([0.5, 1.0, 1.5]),
+                    top_k=rng.choice([0, 5, 50]),
+                    top_p=rng.choice([1.0, 0.9, 0.5]),
+                    min_p=rng.choice([0.0, 0.05]),
+                    seed=rng.choice([None, rng.randrange(1 << 30)]),
+                    max_tokens=rng.randint(1, 24),
+                    logprobs=rng.choice([None, 2]),
+                )
             rid = f"q{next_id}"
             engine.add_request(rid, prompt, params)
             requests[rid] = (prompt, params)
             next_id += 1
-        if engine.requests and rng.random() < 0.03:   # aborts, in whatever state the victim is
+        if engine.requests and rng.random() < 0.03:  # aborts, in whatever state the victim is
             rid = rng.choice(sorted(engine.requests))
             engine.abort_request(rid)
             aborted.add(rid)
@@ -269,9 +303,11 @@ def test_soak(soak_model, async_scheduling):
                 near_ties += 1
             else:
                 mismatches += 1
-    print(f"soak ({'async' if async_scheduling else 'sync'}): {n_requests} requests ({len(greedy)} greedy "
-          f"compared, {len(aborted)} aborted), {engine.num_steps} steps ({stats['pipelined_steps']} pipelined), "
-          f"{stats['preemptions']} preemptions, "
-          f"{stats['prefix_cache_hit_tokens']} cache-hit tokens, {elapsed:.1f} s; near-ties {near_ties}")
+    print(
+        f"soak ({'async' if async_scheduling else 'sync'}): {n_requests} requests ({len(greedy)} greedy "
+        f"compared, {len(aborted)} aborted), {engine.num_steps} steps ({stats['pipelined_steps']} pipelined), "
+        f"{stats['preemptions']} preemptions, "
+        f"{stats['prefix_cache_hit_tokens']} cache-hit tokens, {elapsed:.1f} s; near-ties {near_ties}"
+    )
     assert mismatches == 0, f"{mismatches} greedy requests differ from the same request run alone"
     assert near_ties <= len(greedy) // 100

@@ -1,6 +1,7 @@
 """Incremental outputs: LLMEngine.step() reports streaming requests every step (CUMULATIVE /
 DELTA), FINAL_ONLY once; the incremental detokenizer is right for multi-byte characters and
 merged tokens; text that may still become a stop string is held back; request metrics."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,8 +17,11 @@ from tests.conftest import cached_llm, prompts_for
 
 MODEL = "qwen3-gqa2-hd64-tied"
 CUM, DELTA, FINAL = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
-MULTI_BYTE = ["Héllo 世界 🎉🎉 naïve — “quotes” 日本語のテキスト", "👩‍👩‍👧 family, 한국어, Ελληνικά, emoji 🤣🤣",
-              "plain ascii, then 💑"]
+MULTI_BYTE = [
+    "Héllo 世界 🎉🎉 naïve — “quotes” 日本語のテキスト",
+    "👩‍👩‍👧 family, 한국어, Ελληνικά, emoji 🤣🤣",
+    "plain ascii, then 💑",
+]
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +29,7 @@ def smollm_tokenizer(smollm_path):
     from transformers import AutoTokenizer
 
     from nanovllm.loader.model_loader import resolve_model_dir
+
     return AutoTokenizer.from_pretrained(resolve_model_dir(smollm_path))
 
 
@@ -79,8 +84,8 @@ def test_stop_prefix_len():
     assert stop_prefix_len("hello wor", ["world"]) == 3
     assert stop_prefix_len("hello w", ["xyz", "wo"]) == 1
     assert stop_prefix_len("hello", ["world"]) == 0
-    assert stop_prefix_len("ab", ["abc", "b"]) == 2     # the longest wins
-    assert stop_prefix_len("abc", ["abc"]) == 0         # a whole stop string is the stop rule's business
+    assert stop_prefix_len("ab", ["abc", "b"]) == 2  # the longest wins
+    assert stop_prefix_len("abc", ["abc"]) == 0  # a whole stop string is the stop rule's business
 
 
 # --------------------------------------------------------- outputs per step
@@ -90,9 +95,14 @@ def test_step_reports_every_request_that_got_tokens(llm):
     engine = llm.llm_engine
     prompts = prompts_for(ZOO[MODEL].vocab_size, (9, 23, 5), seed=3)
     base = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=2)
-    outs = run(engine, {"cum": (prompts[0], dataclasses.replace(base, output_kind=CUM)),
-                        "delta": (prompts[1], dataclasses.replace(base, output_kind=DELTA)),
-                        "final": (prompts[2], dataclasses.replace(base, output_kind=FINAL))})
+    outs = run(
+        engine,
+        {
+            "cum": (prompts[0], dataclasses.replace(base, output_kind=CUM)),
+            "delta": (prompts[1], dataclasses.replace(base, output_kind=DELTA)),
+            "final": (prompts[2], dataclasses.replace(base, output_kind=FINAL)),
+        },
+    )
     assert len(outs["cum"]) == len(outs["delta"]) == 7 and len(outs["final"]) == 1
     for rid, seq in outs.items():
         assert [o.finished for o in seq] == [False] * (len(seq) - 1) + [True], rid
@@ -101,7 +111,7 @@ def test_step_reports_every_request_that_got_tokens(llm):
     assert [len(o.outputs[0].logprobs) for o in cum] == list(range(1, 8))
     for a, b in zip(cum, cum[1:]):
         assert b.outputs[0].text.startswith(a.outputs[0].text)
-        assert b.outputs[0].token_ids[:len(a.outputs[0].token_ids)] == a.outputs[0].token_ids
+        assert b.outputs[0].token_ids[: len(a.outputs[0].token_ids)] == a.outputs[0].token_ids
     delta = outs["delta"]
     assert all(len(o.outputs[0].token_ids) == 1 == len(o.outputs[0].logprobs) for o in delta)
     # each equals the FINAL_ONLY output of the same request run alone
@@ -109,21 +119,31 @@ def test_step_reports_every_request_that_got_tokens(llm):
         alone = llm.generate([prompt], base, use_tqdm=False)[0].outputs[0]
         seq = outs[rid]
         if rid == "cum":
-            got_text, got_ids, got_lps = seq[-1].outputs[0].text, seq[-1].outputs[0].token_ids, seq[-1].outputs[0].logprobs
+            got_text, got_ids, got_lps = (
+                seq[-1].outputs[0].text,
+                seq[-1].outputs[0].token_ids,
+                seq[-1].outputs[0].logprobs,
+            )
         else:
             got_text = "".join(o.outputs[0].text for o in seq)
             got_ids = [t for o in seq for t in o.outputs[0].token_ids]
             got_lps = [lp for o in seq for lp in o.outputs[0].logprobs]
         assert (got_text, got_ids) == (alone.text, alone.token_ids), rid
-        assert [{t: lp.logprob for t, lp in d.items()} for d in got_lps] == \
-               [{t: lp.logprob for t, lp in d.items()} for d in alone.logprobs], rid
+        assert [{t: lp.logprob for t, lp in d.items()} for d in got_lps] == [
+            {t: lp.logprob for t, lp in d.items()} for d in alone.logprobs
+        ], rid
 
 
 def test_prompt_logprobs_once_in_delta_mode(llm):
     prompt = prompts_for(ZOO[MODEL].vocab_size, (6,), seed=5)[0]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1)
-    outs = run(llm.llm_engine, {"d": (prompt, dataclasses.replace(params, output_kind=DELTA)),
-                                "c": (prompt, dataclasses.replace(params, output_kind=CUM))})
+    outs = run(
+        llm.llm_engine,
+        {
+            "d": (prompt, dataclasses.replace(params, output_kind=DELTA)),
+            "c": (prompt, dataclasses.replace(params, output_kind=CUM)),
+        },
+    )
     assert [o.prompt_logprobs is not None for o in outs["d"]] == [True, False, False]
     assert all(o.prompt_logprobs is not None and len(o.prompt_logprobs) == 6 for o in outs["c"])
 
@@ -132,8 +152,9 @@ def _stop_case(llm):
     """A greedy output, and a stop string whose start appears one token before it completes."""
     tok = llm.get_tokenizer()
     prompt = prompts_for(ZOO[MODEL].vocab_size, (12,), seed=7)[0]
-    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                         use_tqdm=False)[0].outputs[0]
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     words = plain.text.split(" ")
     # stop = " w_a w_b" (tokens 2 and 3): after token 2 the text ends in " w_a", a proper prefix of it
     stop = f" {words[1]} {words[2]}"
@@ -153,7 +174,7 @@ def test_stop_string_prefix_is_held_back(llm, monkeypatch):
 
     outs, texts = streamed(CUM)
     assert len(outs) >= 2 and texts[-1] == final.text
-    assert all(final.text.startswith(t) for t in texts), texts        # nothing shown is taken back
+    assert all(final.text.startswith(t) for t in texts), texts  # nothing shown is taken back
     _, pieces = streamed(DELTA)
     assert "".join(pieces) == final.text
     # negative control: without the hold-back, the start of the stop string is shown, then cut
@@ -199,14 +220,15 @@ def test_generate_uses_final_only_and_leaves_params_alone(llm, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     calls = []
     real = output_processor.IncrementalDetokenizer.update
-    monkeypatch.setattr(output_processor.IncrementalDetokenizer, "update",
-                        lambda self, ids: calls.append(ids) or real(self, ids))
+    monkeypatch.setattr(
+        output_processor.IncrementalDetokenizer, "update", lambda self, ids: calls.append(ids) or real(self, ids)
+    )
     outs = llm.generate(prompts_for(ZOO[MODEL].vocab_size, (5, 6)), params, use_tqdm=False)
     assert all(o.finished for o in outs) and params.output_kind is CUM
     assert calls == [], "LLM.generate detokenized per step"
     # the same requests streamed do detokenize per step (the probe above works)
     run(llm.llm_engine, {"p": (prompts_for(ZOO[MODEL].vocab_size, (5,))[0], params)})
-    assert len(calls) == 3   # every token but the last (the final text is one decode)
+    assert len(calls) == 3  # every token but the last (the final text is one decode)
 
 
 def test_output_kind_is_validated():

@@ -6,6 +6,7 @@ sys.modules`` (a module imported in this process would find torch loaded already
 Every module of ``nanovllm/core/`` is checked, found on disk, so a new one is covered too.
 Negative control: a worker module, which imports torch, is reported.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,7 @@ def _import_check(module: str) -> str | None:
     """None when importing ``module`` in a fresh interpreter loads no torch, else why it failed."""
     code = f"import {module}, sys; assert 'torch' not in sys.modules, 'torch imported'"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     if proc.returncode == 0:
         return None
     lines = proc.stderr.strip().splitlines()
@@ -46,8 +46,13 @@ def torch_importers(modules: list[str]) -> dict[str, str]:
 
 def test_core_modules_found():
     """The list is read from disk: it must hold the core's known modules (else the check is vacuous)."""
-    for module in ("nanovllm.core.scheduler", "nanovllm.core.block_manager", "nanovllm.core.sequence",
-                   "nanovllm.core.model_input", "nanovllm.core.stop"):
+    for module in (
+        "nanovllm.core.scheduler",
+        "nanovllm.core.block_manager",
+        "nanovllm.core.sequence",
+        "nanovllm.core.model_input",
+        "nanovllm.core.stop",
+    ):
         assert module in CORE, f"{module} not found under nanovllm/core/: {CORE}"
 
 

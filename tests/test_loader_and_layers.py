@@ -1,4 +1,5 @@
 """Loading (GGUF conversion, default model, registry) and layers that must match transformers."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -21,15 +22,18 @@ def test_unpermute_inverts_llamacpp_permute():
     assert not np.array_equal(_llamacpp_permute(w, 8), w)
 
 
-@pytest.mark.parametrize("gguf,hf", [
-    ("token_embd.weight", "model.embed_tokens.weight"),
-    ("output.weight", "lm_head.weight"),
-    ("output_norm.weight", "model.norm.weight"),
-    ("blk.7.attn_q.weight", "model.layers.7.self_attn.q_proj.weight"),
-    ("blk.0.attn_k.bias", "model.layers.0.self_attn.k_proj.bias"),
-    ("blk.3.ffn_down.weight", "model.layers.3.mlp.down_proj.weight"),
-    ("blk.2.attn_q_norm.weight", "model.layers.2.self_attn.q_norm.weight"),
-])
+@pytest.mark.parametrize(
+    "gguf,hf",
+    [
+        ("token_embd.weight", "model.embed_tokens.weight"),
+        ("output.weight", "lm_head.weight"),
+        ("output_norm.weight", "model.norm.weight"),
+        ("blk.7.attn_q.weight", "model.layers.7.self_attn.q_proj.weight"),
+        ("blk.0.attn_k.bias", "model.layers.0.self_attn.k_proj.bias"),
+        ("blk.3.ffn_down.weight", "model.layers.3.mlp.down_proj.weight"),
+        ("blk.2.attn_q_norm.weight", "model.layers.2.self_attn.q_norm.weight"),
+    ],
+)
 def test_gguf_tensor_names(gguf, hf):
     assert gguf_loader.hf_name(gguf) == hf
 
@@ -56,22 +60,38 @@ def test_gguf_conversion_equals_transformers_dequantization(smollm_path):
 
     ours = load_file(resolve_model_dir(smollm_path) + "/model.safetensors")
     theirs = hf_reference(smollm_path).model.state_dict()
-    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
-                 "model.layers.0.self_attn.k_proj.weight", "model.layers.29.mlp.down_proj.weight",
-                 "model.norm.weight"):
+    for name in (
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.29.mlp.down_proj.weight",
+        "model.norm.weight",
+    ):
         assert torch.equal(ours[name], theirs[name]), name
 
 
-@pytest.mark.parametrize("rope", [None, {"rope_type": "linear", "factor": 4.0},
-                                  {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        None,
+        {"rope_type": "linear", "factor": 4.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+)
 def test_rotary_matches_transformers(rope):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
     params = {"rope_theta": 500000.0, "rope_type": "default"} if rope is None else {"rope_theta": 500000.0, **rope}
-    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, max_position_embeddings=512,
-                      rope_parameters=params)
+    cfg = LlamaConfig(
+        hidden_size=256, num_attention_heads=4, head_dim=64, max_position_embeddings=512, rope_parameters=params
+    )
     ours = RotaryEmbedding(64, 512, 500000.0, rope)
     theirs = LlamaRotaryEmbedding(cfg)
     pos = torch.tensor([0, 1, 5, 63, 64, 300])
@@ -88,15 +108,29 @@ def test_unsupported_rope_type():
         RotaryEmbedding(64, 128, 10000.0, {"rope_type": "yarn", "factor": 4.0})
 
 
-@pytest.mark.parametrize("rope, message", [
-    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
-     r"rope_scaling type 'yarn' is not supported \(supported: default, linear, llama3\)"),
-    ({"rope_type": "dynamic", "factor": 2.0}, r"rope_scaling type 'dynamic' is not supported"),
-    ({"rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": [2.0] * 32,
-      "original_max_position_embeddings": 1024}, r"rope_scaling type 'longrope' is not supported"),
-    ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5},
-     r"partial_rotary_factor=0.5 is not supported"),
-])
+@pytest.mark.parametrize(
+    "rope, message",
+    [
+        (
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+            r"rope_scaling type 'yarn' is not supported \(supported: default, linear, llama3\)",
+        ),
+        ({"rope_type": "dynamic", "factor": 2.0}, r"rope_scaling type 'dynamic' is not supported"),
+        (
+            {
+                "rope_type": "longrope",
+                "short_factor": [1.0] * 32,
+                "long_factor": [2.0] * 32,
+                "original_max_position_embeddings": 1024,
+            },
+            r"rope_scaling type 'longrope' is not supported",
+        ),
+        (
+            {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5},
+            r"partial_rotary_factor=0.5 is not supported",
+        ),
+    ],
+)
 @pytest.mark.parametrize("tp", [1, 2])
 def test_unsupported_rope_scaling_refused_at_load(tmp_path, rope, message, tp):
     """A RoPE scaling the engine does not implement is a ValueError naming it when the model is
@@ -118,6 +152,8 @@ def test_unsupported_rope_scaling_refused_at_load(tmp_path, rope, message, tp):
 def test_registry_lists_supported_architectures():
     class Cfg:
         architectures = ["MambaForCausalLM"]
-    with pytest.raises(ValueError, match="MambaForCausalLM.*supported: LlamaForCausalLM, Qwen2ForCausalLM, "
-                                         "Qwen3ForCausalLM"):
+
+    with pytest.raises(
+        ValueError, match="MambaForCausalLM.*supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+    ):
         get_model_class(Cfg())

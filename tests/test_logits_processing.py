@@ -9,6 +9,7 @@ sampler is checked to apply the processing before greedy selection and temperatu
 chi-square test that rejects the processing applied after temperature). Negative controls:
 the mutants of tests/mutants/engine.py (one per option) fail these tests.
 """
+
 from __future__ import annotations
 
 import random
@@ -30,7 +31,7 @@ ALPHA = 1e-3
 
 def _logits(rows: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, VOCAB, generator=g) * 3   # positive and negative logits
+    return torch.randn(rows, VOCAB, generator=g) * 3  # positive and negative logits
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
@@ -49,8 +50,15 @@ def _processed(logits: torch.Tensor, rows: dict[int, RowLogitsProcessing]) -> to
 
 
 def _meta(n, **kw) -> SamplingMetadata:
-    base = dict(temperatures=[0.0] * n, top_ks=[0] * n, top_ps=[1.0] * n, min_ps=[0.0] * n,
-                generators=[None] * n, banned_token_ids=[[] for _ in range(n)], num_logprobs=[None] * n)
+    base = dict(
+        temperatures=[0.0] * n,
+        top_ks=[0] * n,
+        top_ps=[1.0] * n,
+        min_ps=[0.0] * n,
+        generators=[None] * n,
+        banned_token_ids=[[] for _ in range(n)],
+        num_logprobs=[None] * n,
+    )
     base.update(kw)
     return SamplingMetadata(**base)
 
@@ -61,11 +69,11 @@ def test_repetition_penalty_matches_transformers(penalty):
     rng = random.Random(int(penalty * 10))
     logits = _logits(6, seed=1)
     rows, want = {}, logits.clone()
-    for r in (0, 2, 3, 5):   # rows 1 and 4 have no processing: untouched
+    for r in (0, 2, 3, 5):  # rows 1 and 4 have no processing: untouched
         prompt, output = _ids(rng, rng.randint(1, 12)), _ids(rng, rng.randint(0, 8))
         rows[r] = _row(prompt, output, repetition_penalty=penalty)
         hf = RepetitionPenaltyLogitsProcessor(penalty)
-        want[r] = hf(torch.tensor([prompt + output]), logits[r:r + 1].clone())[0]
+        want[r] = hf(torch.tensor([prompt + output]), logits[r : r + 1].clone())[0]
     got = _processed(logits, rows)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert not torch.equal(got, logits), "the penalty changed nothing: the check would be vacuous"
@@ -86,7 +94,7 @@ def test_frequency_and_presence_penalties_follow_the_openai_definition(frequency
     rows, want = {}, logits.clone()
     for r in range(4):
         prompt = _ids(rng, 10)
-        output = _ids(rng, 12) + [prompt[0]] * 3     # repeats; a prompt token generated too
+        output = _ids(rng, 12) + [prompt[0]] * 3  # repeats; a prompt token generated too
         rows[r] = _row(prompt, output, frequency_penalty=frequency, presence_penalty=presence)
         want[r] = _openai_penalties(logits[r], output, frequency, presence)
         only_prompt = set(prompt) - set(output)
@@ -99,8 +107,9 @@ def test_logit_bias_matches_sequence_bias():
     logits = _logits(3, seed=3)
     bias = [{3: 5.0, 17: -2.5}, {0: 100.0}, {39: -100.0, 1: 0.25, 2: -0.5}]
     rows = {r: _row(logit_bias=b) for r, b in enumerate(bias)}
-    want = torch.stack([logit_bias_reference(b, torch.tensor([[5, 6]]), logits[r:r + 1].clone())[0]
-                        for r, b in enumerate(bias)])
+    want = torch.stack(
+        [logit_bias_reference(b, torch.tensor([[5, 6]]), logits[r : r + 1].clone())[0] for r, b in enumerate(bias)]
+    )
     torch.testing.assert_close(_processed(logits, rows), want, rtol=0, atol=1e-5)
 
 
@@ -111,7 +120,7 @@ def test_allowed_token_ids_match_prefix_constrained():
     want = logits.clone()
     for r, ids in allowed.items():
         hf = PrefixConstrainedLogitsProcessor(lambda batch_id, input_ids, ids=ids: ids, num_beams=1)
-        want[r] = hf(torch.tensor([[1, 2]]), logits[r:r + 1].clone())[0]
+        want[r] = hf(torch.tensor([[1, 2]]), logits[r : r + 1].clone())[0]
     got = _processed(logits, rows)
     assert torch.equal(got, want)
     assert torch.isfinite(got[1]).all(), "a row without allowed_token_ids lost tokens"
@@ -125,34 +134,41 @@ def test_bad_words_match_no_bad_words_processor():
     for case in range(300):
         words = [_ids(rng, rng.randint(1, 3)) for _ in range(rng.randint(1, 4))]
         output = _ids(rng, rng.randint(0, 6))
-        if rng.random() < 0.5 and words[0][:-1]:   # make a prefix match likely
+        if rng.random() < 0.5 and words[0][:-1]:  # make a prefix match likely
             output = output + words[0][:-1]
         got = sorted(set(banned_by_bad_words(words, output)))
         scores = torch.zeros(1, VOCAB)
         want = (bad_words_reference(words, output, scores) == float("-inf"))[0].nonzero().flatten().tolist()
         assert got == want, f"case {case}: words {words}, output {output}: {got} != {want}"
-        multi_token_bans += any(len(w) > 1 and w[-1] in got and w[-1] not in
-                                {x[-1] for x in words if len(x) == 1} for w in words)
+        multi_token_bans += any(
+            len(w) > 1 and w[-1] in got and w[-1] not in {x[-1] for x in words if len(x) == 1} for w in words
+        )
     assert multi_token_bans > 20, "too few multi-token bans: the comparison is weak"
 
 
 def test_bad_words_tokenize_as_vllm():
     """Each word as written (leading spaces stripped), and with a leading space when that
     tokenizes to another first token and as many tokens."""
+
     class Tok:  # " x" -> another token than "x"
         def encode(self, text, add_special_tokens=False):
-            return [100 + ord(c) if i == 0 and text.startswith(" ") else ord(c)
-                    for i, c in enumerate(text.lstrip(" ") if text.startswith(" ") else text)]
+            return [
+                100 + ord(c) if i == 0 and text.startswith(" ") else ord(c)
+                for i, c in enumerate(text.lstrip(" ") if text.startswith(" ") else text)
+            ]
+
     assert bad_words_token_ids(Tok(), ["ab", "  c"]) == [[97, 98], [197, 98], [99], [199]]
 
     class Same:
         def encode(self, text, add_special_tokens=False):
             return [ord(c) for c in text.strip()]
+
     assert bad_words_token_ids(Same(), ["ab"]) == [[97, 98]]
 
     class Empty:
         def encode(self, text, add_special_tokens=False):
             return []
+
     with pytest.raises(ValueError, match="bad_words entries must tokenize to at least one token, got 'zz'"):
         bad_words_token_ids(Empty(), ["zz"])
 
@@ -171,13 +187,21 @@ def test_everything_together_matches_transformers_in_vllms_order():
         rep, freq, pres = rng.uniform(0.5, 2.5), rng.uniform(-2, 2), rng.uniform(-2, 2)
         # bad words (vLLM) look at the output tokens only; the repetition penalty at the prompt too
         want = PrefixConstrainedLogitsProcessor(lambda b, i, allowed=allowed: allowed, num_beams=1)(
-            torch.tensor([output]), logits.clone())
+            torch.tensor([output]), logits.clone()
+        )
         want = bad_words_reference(words, output, want)
         want = logit_bias_reference(bias, torch.tensor([output]), want)
         want = RepetitionPenaltyLogitsProcessor(rep)(torch.tensor([prompt + output]), want)[0]
         want = _openai_penalties(want, output, freq, pres)
-        row = _row(prompt, output, allowed_token_ids=allowed, logit_bias=bias, repetition_penalty=rep,
-                   frequency_penalty=freq, presence_penalty=pres)
+        row = _row(
+            prompt,
+            output,
+            allowed_token_ids=allowed,
+            logit_bias=bias,
+            repetition_penalty=rep,
+            frequency_penalty=freq,
+            presence_penalty=pres,
+        )
         banned = banned_by_bad_words(words, output)
         x = logits.clone()
         x[0, banned] = float("-inf")
@@ -185,8 +209,9 @@ def test_everything_together_matches_transformers_in_vllms_order():
         finite = torch.isfinite(want)
         assert torch.equal(finite, torch.isfinite(got)), f"case {case}: other tokens masked"
         torch.testing.assert_close(got[finite], want[finite], rtol=0, atol=1e-4)
-        out = Sampler(torch.Generator())(logits, _meta(1, banned_token_ids=[banned], processing={0: row},
-                                                       num_logprobs=[1]))
+        out = Sampler(torch.Generator())(
+            logits, _meta(1, banned_token_ids=[banned], processing={0: row}, num_logprobs=[1])
+        )
         assert out.token_ids[0] == int(want.argmax())
         raw = torch.log_softmax(logits[0], -1)
         assert abs(out.logprobs[0][0] - float(raw[out.token_ids[0]])) < 1e-5, "logprobs must be the raw model's"
@@ -207,8 +232,9 @@ def test_processing_comes_before_temperature():
     n = 4000
     base = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0])
     logits = base.expand(n, -1).clone()
-    row = RowLogitsProcessing(logit_bias={4: 1.0}, presence_penalty=0.8, prompt_token_ids=[0],
-                              output_token_ids=[1, 1], repetition_penalty=1.0)
+    row = RowLogitsProcessing(
+        logit_bias={4: 1.0}, presence_penalty=0.8, prompt_token_ids=[0], output_token_ids=[1, 1], repetition_penalty=1.0
+    )
     meta = _meta(n, temperatures=[0.5] * n, processing={i: row for i in range(n)})
     samples = Sampler(torch.Generator().manual_seed(3))(logits, meta).token_ids
     right = base.clone()
@@ -226,6 +252,9 @@ def test_processing_comes_before_temperature():
 def test_rows_with_processing_take_the_general_path_of_the_fused_sampler():
     """The fused kernel applies temperature only: every row with logits processing must go to
     the PyTorch path, plain rows must not."""
-    meta = _meta(5, temperatures=[0.0, 1.0, 0.7, 1.0, 0.0],
-                 processing={1: _row(logit_bias={3: 1.0}), 4: _row([1], [2], repetition_penalty=1.2)})
+    meta = _meta(
+        5,
+        temperatures=[0.0, 1.0, 0.7, 1.0, 0.0],
+        processing={1: _row(logit_bias={3: 1.0}), 4: _row([1], [2], repetition_penalty=1.2)},
+    )
     assert general_path_rows(meta) == [1, 4]

@@ -1,5 +1,6 @@
 """scripts/mutation_report.py: counts from mutmut's .meta files, the triage of equivalent
 mutants, and --check failing below the kill rate, on a partial run, or on a stale triage list."""
+
 from __future__ import annotations
 
 import json
@@ -28,27 +29,38 @@ def codes(killed: int, survived: int, timeout: int = 0, extra: dict | None = Non
 
 
 def test_counts(tmp_path):
-    args = write_run(tmp_path, codes(6, 2, 1, {"pkg.mod.x_k__mutmut_1": 33, "pkg.mod.x_k__mutmut_2": 35}),
-                     "pkg.mod.x_g__mutmut_0 the mutated default is never used\n")
+    args = write_run(
+        tmp_path,
+        codes(6, 2, 1, {"pkg.mod.x_k__mutmut_1": 33, "pkg.mod.x_k__mutmut_2": 35}),
+        "pkg.mod.x_g__mutmut_0 the mutated default is never used\n",
+    )
     results = report["read_results"](tmp_path / "mutants")
     counts, stale = report["summarise"](results, report["read_equivalent"](tmp_path / "eq.txt"))
     (c,) = counts
-    assert (c.module, c.total, c.killed, c.timeout, c.survived, c.equivalent, c.no_tests, c.other) == \
-        ("pkg.mod", 11, 6, 1, 1, 1, 1, 1)
+    assert (c.module, c.total, c.killed, c.timeout, c.survived, c.equivalent, c.no_tests, c.other) == (
+        "pkg.mod",
+        11,
+        6,
+        1,
+        1,
+        1,
+        1,
+        1,
+    )
     assert c.survivors == ["pkg.mod.x_g__mutmut_1"] and stale == []
     assert c.kill_rate == pytest.approx(7 / 10)
-    assert report["main"](args) == 1          # 70 % < 90 %
+    assert report["main"](args) == 1  # 70 % < 90 %
 
 
 def test_check_passes_at_the_minimum_and_fails_below(tmp_path):
-    assert report["main"](write_run(tmp_path / "a", codes(9, 1))) == 0     # 90 %
+    assert report["main"](write_run(tmp_path / "a", codes(9, 1))) == 0  # 90 %
     assert report["main"](write_run(tmp_path / "b", codes(8, 1, 0, {"pkg.mod.x_n__mutmut_1": 5}))) == 1
 
 
 def test_equivalent_mutants_leave_the_denominator(tmp_path):
     eq = "".join(f"pkg.mod.x_g__mutmut_{i} reason {i}\n" for i in range(3))
-    assert report["main"](write_run(tmp_path / "a", codes(9, 4), eq)) == 0       # 9 / 10
-    assert report["main"](write_run(tmp_path / "b", codes(9, 4))) == 1           # 9 / 13
+    assert report["main"](write_run(tmp_path / "a", codes(9, 4), eq)) == 0  # 9 / 10
+    assert report["main"](write_run(tmp_path / "b", codes(9, 4))) == 1  # 9 / 13
 
 
 def test_stale_triage_and_partial_runs_fail(tmp_path):

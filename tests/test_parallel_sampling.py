@@ -11,6 +11,7 @@
 The distribution checks run on every device of the host (``device`` fixture; on a GPU the
 children's noise comes from per-row Philox seeds in the fused sampler).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,7 +27,7 @@ from nanovllm import SamplingParams
 from nanovllm.sampling_params import RequestOutputKind
 from tests.conftest import cached_llm, engine_args, hf_reference, prompts_for
 
-MODEL = "llama-mha-hd64"   # its golden file holds the full next-token distribution of one prompt
+MODEL = "llama-mha-hd64"  # its golden file holds the full next-token distribution of one prompt
 N = 1200
 ALPHA = 1e-3
 
@@ -71,8 +72,9 @@ def test_n_completions_follow_the_processed_distribution(llm, dist):
         logits = hf_reference(zoo_model(MODEL)).model(torch.tensor([prompt])).logits[0, -1:].float()
     top = logits[0].argsort(descending=True).tolist()
     bias = {top[0]: -1.5, top[3]: 1.0}
-    params = SamplingParams(n=N, temperature=1.0, seed=7, max_tokens=1, ignore_eos=True,
-                            repetition_penalty=0.4, logit_bias=bias)
+    params = SamplingParams(
+        n=N, temperature=1.0, seed=7, max_tokens=1, ignore_eos=True, repetition_penalty=0.4, logit_bias=bias
+    )
     samples = _first_tokens(llm, prompt, params)
     biased = SequenceBiasLogitsProcessor([[[t], v] for t, v in bias.items()])(torch.tensor([prompt]), logits.clone())
     processed = RepetitionPenaltyLogitsProcessor(0.4)(torch.tensor([prompt]), biased.clone())[0]
@@ -90,12 +92,19 @@ def test_seeded_n_is_reproducible_and_child_i_draws_with_seed_plus_i(llm):
     first = [c.token_ids for c in llm.generate([prompt], params, use_tqdm=False)[0].outputs]
     again = [c.token_ids for c in llm.generate([prompt], params, use_tqdm=False)[0].outputs]
     assert first == again
-    alone = [llm.generate([prompt], SamplingParams(temperature=1.0, seed=40 + i, max_tokens=8, ignore_eos=True),
-                          use_tqdm=False)[0].outputs[0].token_ids for i in range(4)]
+    alone = [
+        llm.generate(
+            [prompt], SamplingParams(temperature=1.0, seed=40 + i, max_tokens=8, ignore_eos=True), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .token_ids
+        for i in range(4)
+    ]
     assert first == alone, "child i must draw as the request with seed + i"
     assert len({tuple(t) for t in first}) > 1, "the 4 completions are identical: not independent"
-    other = [c.token_ids for c in llm.generate([prompt], dataclasses.replace(params, seed=41),
-                                               use_tqdm=False)[0].outputs]
+    other = [
+        c.token_ids for c in llm.generate([prompt], dataclasses.replace(params, seed=41), use_tqdm=False)[0].outputs
+    ]
     assert other[:3] == first[1:], "seed 41's children are seed 40's shifted by one"
 
 
@@ -115,8 +124,9 @@ def test_engine_api_n_outputs_and_abort_ends_every_child(kind):
     try:
         a = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=4, ignore_eos=True, output_kind=kind)
         engine.add_request("a", p[0], a)
-        engine.add_request("b", p[1], SamplingParams(n=2, temperature=0.8, max_tokens=40, ignore_eos=True,
-                                                     output_kind=kind))
+        engine.add_request(
+            "b", p[1], SamplingParams(n=2, temperature=0.8, max_tokens=40, ignore_eos=True, output_kind=kind)
+        )
         with pytest.raises(ValueError, match="request_id 'a' is already in use"):
             engine.add_request("a", p[0], SamplingParams())
         with pytest.raises(ValueError, match="request_id '1_b' is already in use"):
@@ -125,8 +135,10 @@ def test_engine_api_n_outputs_and_abort_ends_every_child(kind):
         done = []
         for _ in range(6):
             done += [o for o in engine.step() if o.request_id == "a"]
-        want = [c.token_ids for c in llm.generate([p[0]], dataclasses.replace(a, output_kind=FINAL),
-                                                  use_tqdm=False)[0].outputs]
+        want = [
+            c.token_ids
+            for c in llm.generate([p[0]], dataclasses.replace(a, output_kind=FINAL), use_tqdm=False)[0].outputs
+        ]
         if kind is FINAL:
             assert len(done) == 1 and done[0].finished
             assert [c.index for c in done[0].outputs] == [0, 1, 2]

@@ -13,6 +13,7 @@ finished: a preempted request keeps its first scheduling time).
 Workload: the issue-10 reproduction (zoo llama-mha-hd64, 9 KV blocks of 16, prompts of
 [40, 23, 17, 33, 5, 60, 16, 31] tokens), each request with other options.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +28,12 @@ TOL = 1e-4
 
 def _diff(a, b, path: str) -> list[str]:
     if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b):
-        return [d for f in dataclasses.fields(a) if f.name != "metrics"
-                for d in _diff(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")]
+        return [
+            d
+            for f in dataclasses.fields(a)
+            if f.name != "metrics"
+            for d in _diff(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")
+        ]
     if isinstance(a, list) and isinstance(b, list):
         if len(a) != len(b):
             return [f"{path}: {len(a)} entries (ample) vs {len(b)} (starved)"]
@@ -54,13 +59,14 @@ def _workload(llm):
         SamplingParams(temperature=0.8, seed=7, max_tokens=64, ignore_eos=True, logprobs=2),
         SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, prompt_logprobs=0, logprobs=0),
         SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=64, ignore_eos=True, prompt_logprobs=1),
-        SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, stop=[words[40]],
-                       include_stop_str_in_output=True),
+        SamplingParams(
+            temperature=0, max_tokens=64, ignore_eos=True, stop=[words[40]], include_stop_str_in_output=True
+        ),
         SamplingParams(temperature=0, max_tokens=64, min_tokens=20, logprobs=1),
         plain,
     ]
     texts = [tok.decode(p) for p in prompts]
-    prompts[1], prompts[5] = texts[1], texts[5]   # two text prompts (the prompt field is then set)
+    prompts[1], prompts[5] = texts[1], texts[5]  # two text prompts (the prompt field is then set)
     return prompts, params
 
 
@@ -71,8 +77,13 @@ def test_every_output_field_survives_preemption():
     want = ample.generate(prompts, params, use_tqdm=False)
     starved = LLM(path, block_size=16, seed=0, num_kvcache_blocks=9, trace=True)
     got = starved.generate(prompts, params, use_tqdm=False)
-    bad = [d for w, g in zip(want, got) for d in _diff(dataclasses.replace(w, request_id=""),
-                                                       dataclasses.replace(g, request_id=""), f"request {w.request_id}")]
+    bad = [
+        d
+        for w, g in zip(want, got)
+        for d in _diff(
+            dataclasses.replace(w, request_id=""), dataclasses.replace(g, request_id=""), f"request {w.request_id}"
+        )
+    ]
     assert not bad, f"{len(bad)} field(s) differ between an ample and a starved run: " + "; ".join(bad[:6])
     assert any(o.outputs[0].finish_reason == "stop" for o in want), "no stop string matched: weak check"
 
@@ -86,7 +97,9 @@ def test_every_output_field_survives_preemption():
         m = g.metrics
         times = [m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time, m.finished_time]
         assert None not in times and times == sorted(times), f"request {g.request_id}: times out of order {times}"
-    logprob_requests = {g.request_id for g, p in zip(got, params) if p.logprobs is not None or p.prompt_logprobs is not None}
+    logprob_requests = {
+        g.request_id for g, p in zip(got, params) if p.logprobs is not None or p.prompt_logprobs is not None
+    }
     assert logprob_requests & set(preempted), "no request with logprobs was preempted: weak check"
     starved.llm_engine.check_invariants()
     starved.close()

@@ -15,6 +15,7 @@ hittable (on the real engine, with the trace showing the two in one step); and w
 block hash (collisions everywhere) no hit ever serves K/V computed after other tokens, with
 requests admitted together (strict fake K/V reads).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -68,13 +69,14 @@ def test_unrelated_request_evicts_the_tail_of_the_least_recent_prefix(llm, need_
     _fresh(llm)
     a, _, b = _prompts(seed=need_b)
     assert _run(llm, a).num_cached_tokens == 0
-    b_out = _run(llm, b[:need_b * BS])      # need_b blocks for its need_b * BS prompt tokens
+    b_out = _run(llm, b[: need_b * BS])  # need_b blocks for its need_b * BS prompt tokens
     assert b_out.num_cached_tokens == 0
     evicted = max(0, need_b - (NUM_BLOCKS - 4))
     again = _run(llm, a)
-    assert again.num_cached_tokens == (4 - evicted) * BS, \
-        f"after B took {need_b} blocks ({evicted} evictions), A hits {again.num_cached_tokens} tokens, " \
+    assert again.num_cached_tokens == (4 - evicted) * BS, (
+        f"after B took {need_b} blocks ({evicted} evictions), A hits {again.num_cached_tokens} tokens, "
         f"expected its first {4 - evicted} blocks"
+    )
     assert llm.stats()["num_free_kv_blocks"] == NUM_BLOCKS
 
 
@@ -85,17 +87,17 @@ def test_a_hit_makes_blocks_recently_used(llm):
     A0 A1 stay, so A's prompt hits exactly 2 blocks and C's prompt exactly 2 (not 4)."""
     _fresh(llm)
     a, c_tail, b = _prompts(seed=100)
-    c = a[:2 * BS] + c_tail[:2 * BS + 1]
+    c = a[: 2 * BS] + c_tail[: 2 * BS + 1]
     _run(llm, a)
     assert _run(llm, c).num_cached_tokens == 2 * BS
     # cached now: A's 4 blocks and C's 2 own full ones; the other blocks are empty
     empty = NUM_BLOCKS - 4 - 2
-    _run(llm, b[:(empty + 4) * BS])        # needs `empty` + 4 blocks: evicts 4 cached ones
+    _run(llm, b[: (empty + 4) * BS])  # needs `empty` + 4 blocks: evicts 4 cached ones
     assert _run(llm, a).num_cached_tokens == 2 * BS, "A0 A1 (hit by C, recently used) must survive"
     _fresh(llm)
     _run(llm, a)
     _run(llm, c)
-    _run(llm, b[:(empty + 4) * BS])
+    _run(llm, b[: (empty + 4) * BS])
     assert _run(llm, c).num_cached_tokens == 2 * BS, "C2 C3 were released before A0 A1: evicted first"
 
 
@@ -109,22 +111,24 @@ def test_same_step_prefix_chain_continues():
     llm = LLM(zoo_model(MODEL), seed=0, block_size=BS, num_kvcache_blocks=4 * NUM_BLOCKS, trace=True)
     x, y, z = _prompts(seed=7)
     a = x
-    b = x[:2 * BS] + y[:2 * BS + 1]
+    b = x[: 2 * BS] + y[: 2 * BS + 1]
     from nanovllm import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     start = len(llm.llm_engine.tracer.events)
     outs = llm.generate([{"prompt_token_ids": p} for p in (a, b, a)], params, use_tqdm=False)
     first = llm.llm_engine.tracer.events[start]
-    assert [(s.num_computed_before, s.num_new_tokens) for s in first.seqs] == [(0, len(a)), (0, len(b)), (0, len(a))], \
+    assert [(s.num_computed_before, s.num_new_tokens) for s in first.seqs] == [(0, len(a)), (0, len(b)), (0, len(a))], (
         "A, B and A again must be prefilled together in the first step"
+    )
     assert [o.num_cached_tokens for o in outs] == [0, 0, 0]
     for prompt, out in ((a, outs[0]), (b, outs[1])):
-        computed = prompt + out.outputs[0].token_ids[:-1]   # the last token's K/V is never computed
+        computed = prompt + out.outputs[0].token_ids[:-1]  # the last token's K/V is never computed
         probe = computed + z[:3]
         got = _run(llm, probe).num_cached_tokens
-        assert got == len(computed) // BS * BS, \
+        assert got == len(computed) // BS * BS, (
             f"a request extending a same-step sequence's {len(computed)} computed tokens hits {got}"
+        )
     assert llm.stats()["num_free_kv_blocks"] == 4 * NUM_BLOCKS
     llm.close()
 
@@ -132,7 +136,8 @@ def test_same_step_prefix_chain_continues():
 # ------------------------------------------------------------- random workloads, the engine over the fake executor
 STEMS = [[0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1], [1, 1, 2, 1, 1, 2, 1, 1, 2, 1, 1, 2], [2, 0, 0, 2, 0, 0, 2, 0]]
 reuse_prompt_st = st.tuples(st.sampled_from(STEMS), st.integers(1, 14), st.lists(st.integers(0, 2), max_size=2)).map(
-    lambda t: tuple(t[0][:t[1]] + t[2]))
+    lambda t: tuple(t[0][: t[1]] + t[2])
+)
 
 
 @st.composite
@@ -142,12 +147,25 @@ def pressure_case(draw):
     bs = draw(st.integers(1, 4))
     max_model_len = 20
     one = cdiv(max_model_len - 1, bs)
-    cfg = {"block_size": bs, "num_blocks": draw(st.integers(one, one + 4)),
-           "max_num_seqs": draw(st.sampled_from([1, 1, 2, 3])),
-           "max_num_batched_tokens": draw(st.sampled_from([3, 7, 64])), "max_model_len": max_model_len,
-           "enable_prefix_caching": True, "enable_chunked_prefill": True}
-    batches = draw(st.lists(st.tuples(st.lists(st.builds(Req, reuse_prompt_st, st.integers(1, 6)), min_size=1,
-                                               max_size=3), st.sampled_from([0, 2, 100])), min_size=2, max_size=7))
+    cfg = {
+        "block_size": bs,
+        "num_blocks": draw(st.integers(one, one + 4)),
+        "max_num_seqs": draw(st.sampled_from([1, 1, 2, 3])),
+        "max_num_batched_tokens": draw(st.sampled_from([3, 7, 64])),
+        "max_model_len": max_model_len,
+        "enable_prefix_caching": True,
+        "enable_chunked_prefill": True,
+    }
+    batches = draw(
+        st.lists(
+            st.tuples(
+                st.lists(st.builds(Req, reuse_prompt_st, st.integers(1, 6)), min_size=1, max_size=3),
+                st.sampled_from([0, 2, 100]),
+            ),
+            min_size=2,
+            max_size=7,
+        )
+    )
     return cfg, batches
 
 
@@ -164,18 +182,26 @@ def weak_hash(parent_hash, token_ids) -> int:
 
 
 same_step_case = st.tuples(
-    st.integers(1, 3),                                                   # block size
-    st.lists(st.lists(st.lists(st.integers(0, 1), min_size=1, max_size=9), min_size=2, max_size=4),
-             min_size=1, max_size=4),                                    # batches of prompts sent together
-    st.integers(1, 6),                                                   # max_tokens
+    st.integers(1, 3),  # block size
+    st.lists(
+        st.lists(st.lists(st.integers(0, 1), min_size=1, max_size=9), min_size=2, max_size=4), min_size=1, max_size=4
+    ),  # batches of prompts sent together
+    st.integers(1, 6),  # max_tokens
 )
 
 
 def check_same_step_collision_safety(case) -> None:
     bs, batches, max_tokens = case
-    eng = EngineHarness(num_blocks=64, block_size=bs, max_num_seqs=4, max_num_batched_tokens=64, hash_fn=weak_hash,
-                        vocab_size=2, strict=True)
-    for batch in batches:   # each batch is admitted in one step: its sequences compute shared blocks together
+    eng = EngineHarness(
+        num_blocks=64,
+        block_size=bs,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        hash_fn=weak_hash,
+        vocab_size=2,
+        strict=True,
+    )
+    for batch in batches:  # each batch is admitted in one step: its sequences compute shared blocks together
         for prompt in batch:
             eng.add_request(prompt, max_tokens)
         eng.run()
@@ -194,8 +220,10 @@ def test_same_step_collision_regression():
     """Fixed case: blocks [0,0] and [1,1] collide as block 0 (forced hash). In one step X=[0,0,2,2,4]
     publishes [0,0] and [2,2]-after-[0,0]; Y=[1,1,2,2,4] finds its block 0 taken by other tokens,
     so it publishes nothing. Z=[1,1,2,2,3] must then hit nothing (strict fake K/V reads)."""
+
     def colliding(parent, tokens):
         return 0 if parent is None else hash_block_tokens(parent, tokens)
+
     eng = EngineHarness(num_blocks=32, block_size=2, max_num_seqs=4, hash_fn=colliding, vocab_size=5, strict=True)
     eng.add_request([0, 0, 2, 2, 4], 1)
     eng.add_request([1, 1, 2, 2, 4], 1)

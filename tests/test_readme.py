@@ -2,6 +2,7 @@
 Makefile targets); it points at nothing outside the repository; its Python blocks compile; every
 `nanovllm ...` command in it parses; the engine arguments and SamplingParams fields it lists are
 the dataclasses' fields; the default model's facts (Q4_1 GGUF, 517 MiB float32 cache) are stated."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,7 +26,7 @@ def test_title_paragraph_then_the_two_commands():
     lines = README.splitlines()
     assert lines[0] == "# nanovllm"
     first_block = README.index("```")
-    intro = README[len(lines[0]):first_block].strip()
+    intro = README[len(lines[0]) : first_block].strip()
     assert intro and "\n\n" not in intro, "one paragraph between the title and the commands"
     commands = [line.split("#")[0].strip() for line in _blocks("bash")[0].strip().splitlines()]
     assert commands == ["make run", "make test"]
@@ -57,17 +58,18 @@ def test_every_cli_command_parses():
             line = line.split("#")[0].strip()
             if "nanovllm " not in line:
                 continue
-            argv = shlex.split(line[line.index("nanovllm ") + len("nanovllm "):])
-            parser.parse_args(argv)   # SystemExit (a test error) on an unknown flag
+            argv = shlex.split(line[line.index("nanovllm ") + len("nanovllm ") :])
+            parser.parse_args(argv)  # SystemExit (a test error) on an unknown flag
             seen += 1
     assert seen >= 5
 
 
 def test_listed_arguments_are_the_dataclass_fields():
     def listed(after: str, until: str) -> set[str]:
-        text = README[README.index(after):]
-        text = text[:text.index(until)]
+        text = README[README.index(after) :]
+        text = text[: text.index(until)]
         return set(re.findall(r"`([a-z_]+)`", text))
+
     engine = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "hf_config", "model_dir"}
     assert engine <= listed("The engine arguments are the fields of `EngineConfig`", "`trace=True`")
     sampling = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -93,6 +95,11 @@ def test_no_file_points_to_design_notes_outside_the_repository():
     built from (they live outside it); docs say things in the project's own words."""
     this = Path(__file__).resolve()
     bad = ("shared/design", "../shared", "BENCH.md", "CONFORMANCE.md", "STYLE.md", "design/GPU.md")
-    found = [f"{path.relative_to(ROOT)}: {b}" for path in _repo_text_files() if path.resolve() != this
-             for b in bad if b in path.read_text(errors="replace")]
+    found = [
+        f"{path.relative_to(ROOT)}: {b}"
+        for path in _repo_text_files()
+        if path.resolve() != this
+        for b in bad
+        if b in path.read_text(errors="replace")
+    ]
     assert not found, "references outside the repository: " + "; ".join(found)

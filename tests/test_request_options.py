@@ -10,6 +10,7 @@
 * ``decoded_token`` of every logprob entry (top-k, sampled, prompt) is the tokenizer's decoding of
   that entry's token.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -43,8 +44,11 @@ def _greedy(**kw) -> SamplingParams:
 
 @pytest.mark.parametrize("add", [False, True])
 def test_chat_generation_prompt_option(llm, add):
-    conv = [{"role": "user", "content": "w10 w11"}, {"role": "assistant", "content": "w12"},
-            {"role": "user", "content": "w13"}]
+    conv = [
+        {"role": "user", "content": "w10 w11"},
+        {"role": "assistant", "content": "w12"},
+        {"role": "user", "content": "w13"},
+    ]
     user, assistant = SPECIAL_TOKENS.index("<|user|>"), SPECIAL_TOKENS.index("<|assistant|>")
     want = [user, 10, 11, assistant, 12, user, 13] + ([assistant] if add else [])
     out = llm.chat(conv, _greedy(max_tokens=3, ignore_eos=True), use_tqdm=False, add_generation_prompt=add)[0]
@@ -61,8 +65,9 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(llm, eos_case):
     n = at + 6
     texts = {}
     for skip in (True, False):
-        out = llm.generate([case["prompt"]], _greedy(max_tokens=n, ignore_eos=True, skip_special_tokens=skip),
-                           use_tqdm=False)[0].outputs[0]
+        out = llm.generate(
+            [case["prompt"]], _greedy(max_tokens=n, ignore_eos=True, skip_special_tokens=skip), use_tqdm=False
+        )[0].outputs[0]
         assert out.token_ids == case["greedy"][:n]
         assert out.text == tok.decode(out.token_ids, skip_special_tokens=skip), f"skip_special_tokens={skip}"
         texts[skip] = out.text
@@ -78,18 +83,24 @@ def test_stop_string_in_text_with_special_tokens(llm, eos_case):
     full = tok.decode(case["greedy"][:n], skip_special_tokens=False)
     word = tok.decode([case["greedy"][at + 3]])
     assert full.count(word) == 1 and full.index(word) > full.index(EOS_TEXT), "pick a word seen once, after EOS"
-    out = llm.generate([case["prompt"]], _greedy(max_tokens=n, ignore_eos=True, skip_special_tokens=False,
-                                                 stop=[word]), use_tqdm=False)[0].outputs[0]
-    assert out.finish_reason == "stop" and out.token_ids == case["greedy"][:at + 4]
-    assert out.text == full[:full.index(word)], f"text {out.text!r}, expected {full[:full.index(word)]!r}"
-    at_eos = llm.generate([case["prompt"]], _greedy(max_tokens=n, ignore_eos=True, skip_special_tokens=False,
-                                                    stop=[EOS_TEXT]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [case["prompt"]], _greedy(max_tokens=n, ignore_eos=True, skip_special_tokens=False, stop=[word]), use_tqdm=False
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids == case["greedy"][: at + 4]
+    assert out.text == full[: full.index(word)], f"text {out.text!r}, expected {full[: full.index(word)]!r}"
+    at_eos = llm.generate(
+        [case["prompt"]],
+        _greedy(max_tokens=n, ignore_eos=True, skip_special_tokens=False, stop=[EOS_TEXT]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert at_eos.finish_reason == "stop" and at_eos.stop_reason == EOS_TEXT
-    assert at_eos.token_ids == case["greedy"][:at + 1], "the stop string '<eos>' is completed by the EOS token"
-    skipped = llm.generate([case["prompt"]], _greedy(max_tokens=n, ignore_eos=True, stop=[EOS_TEXT]),
-                           use_tqdm=False)[0].outputs[0]
-    assert skipped.finish_reason == "length" and len(skipped.token_ids) == n, \
+    assert at_eos.token_ids == case["greedy"][: at + 1], "the stop string '<eos>' is completed by the EOS token"
+    skipped = llm.generate([case["prompt"]], _greedy(max_tokens=n, ignore_eos=True, stop=[EOS_TEXT]), use_tqdm=False)[
+        0
+    ].outputs[0]
+    assert skipped.finish_reason == "length" and len(skipped.token_ids) == n, (
         "with skip_special_tokens=True the text never holds '<eos>'"
+    )
 
 
 def test_decoded_token_of_every_logprob_entry(llm, eos_case):
@@ -101,7 +112,8 @@ def test_decoded_token_of_every_logprob_entry(llm, eos_case):
     checked = 0
     for d in entries:
         for token, lp in d.items():
-            assert lp.decoded_token == tok.decode([token]), \
+            assert lp.decoded_token == tok.decode([token]), (
                 f"token {token}: decoded_token {lp.decoded_token!r}, the tokenizer says {tok.decode([token])!r}"
+            )
             checked += 1
     assert checked > 2 * len(entries), "entries must hold more than the sampled/prompt token"

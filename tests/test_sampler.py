@@ -1,4 +1,5 @@
 """The sampler: greedy, filters, seeded generators, bans, logprobs, non-finite detection."""
+
 from __future__ import annotations
 
 import math
@@ -9,8 +10,15 @@ from nanovllm.layers.sampler import Sampler, SamplingMetadata, apply_min_p, appl
 
 
 def _meta(n, **kw):
-    base = dict(temperatures=[1.0] * n, top_ks=[0] * n, top_ps=[1.0] * n, min_ps=[0.0] * n,
-                generators=[None] * n, banned_token_ids=[[] for _ in range(n)], num_logprobs=[None] * n)
+    base = dict(
+        temperatures=[1.0] * n,
+        top_ks=[0] * n,
+        top_ps=[1.0] * n,
+        min_ps=[0.0] * n,
+        generators=[None] * n,
+        banned_token_ids=[[] for _ in range(n)],
+        num_logprobs=[None] * n,
+    )
     base.update(kw)
     return SamplingMetadata(**base)
 
@@ -53,8 +61,9 @@ def test_samples_follow_the_distribution_and_stay_in_the_allowed_set():
 
 def test_seeded_rows_do_not_depend_on_batch_mates():
     logits = torch.randn(1, 100)
-    alone = [_sampler(0)(logits, _meta(1, generators=[torch.Generator().manual_seed(7)])).token_ids[0]
-             for _ in range(1)]
+    alone = [
+        _sampler(0)(logits, _meta(1, generators=[torch.Generator().manual_seed(7)])).token_ids[0] for _ in range(1)
+    ]
     batch = torch.cat([torch.randn(3, 100), logits])
     gens = [None, None, None, torch.Generator().manual_seed(7)]
     mixed = _sampler(5)(batch, _meta(4, generators=gens)).token_ids[3]

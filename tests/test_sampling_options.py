@@ -6,6 +6,7 @@ vacuous); async scheduling gives the same tokens as synchronous steps. The check
 device of the host (``device`` fixture: the CPU, and CUDA on a GPU host, where async scheduling,
 CUDA graphs and the fused sampler's routing are on the path).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -17,11 +18,11 @@ from nanovllm import LLM, SamplingParams
 from tests.conftest import cached_llm, engine_args, hf_reference, prompts_for
 from tests.hf_processors import bad_words_reference, logit_bias_reference
 
-MODEL = "qwen3-gqa2-hd64-tied"   # its greedy output repeats tokens: penalties change it
+MODEL = "qwen3-gqa2-hd64-tied"  # its greedy output repeats tokens: penalties change it
 VOCAB = ZOO[MODEL].vocab_size
 PROMPTS = prompts_for(VOCAB, (6, 11), seed=3)
 MAX_TOKENS = 12
-TIE = 1e-3   # float32 logits of two implementations; a closer call is a tie
+TIE = 1e-3  # float32 logits of two implementations; a closer call is a tie
 
 
 @pytest.fixture(scope="module")
@@ -46,24 +47,31 @@ def _options(which: str, plain_out: list[int]) -> dict:
         "logit_bias": dict(logit_bias={a: -4.0, (a + 7) % VOCAB: 3.0}),
         "allowed_token_ids": dict(allowed_token_ids=sorted({(a + 13 * i) % VOCAB for i in range(1, 40)} - {a})),
         "bad_words": dict(bad_words=[f"w{a} w{b}", f"w{plain_out[2]}"]),
-        "all": dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5,
-                    logit_bias={(a + 7) % VOCAB: 1.0}, bad_words=[f"w{a} w{b}"],
-                    allowed_token_ids=sorted({(a + 3 * i) % VOCAB for i in range(200)})),
+        "all": dict(
+            repetition_penalty=1.3,
+            frequency_penalty=0.5,
+            presence_penalty=0.5,
+            logit_bias={(a + 7) % VOCAB: 1.0},
+            bad_words=[f"w{a} w{b}"],
+            allowed_token_ids=sorted({(a + 3 * i) % VOCAB for i in range(200)}),
+        ),
     }[which]
 
 
-def _hf_processed(logits: torch.Tensor, prompt: list[int], out: list[int], params: SamplingParams,
-                  tokenizer) -> torch.Tensor:
+def _hf_processed(
+    logits: torch.Tensor, prompt: list[int], out: list[int], params: SamplingParams, tokenizer
+) -> torch.Tensor:
     """transformers' processors in vLLM's order: allowed, bad words, bias, repetition penalty;
     then frequency and presence penalties (OpenAI's definition: transformers has none)."""
     x = logits.unsqueeze(0).clone()
     if params.allowed_token_ids is not None:
         x = PrefixConstrainedLogitsProcessor(lambda b, i: params.allowed_token_ids, num_beams=1)(
-            torch.tensor([prompt + out]), x)
+            torch.tensor([prompt + out]), x
+        )
     if params.bad_words and out:
         words = [tokenizer.encode(w, add_special_tokens=False) for w in params.bad_words]
         x = bad_words_reference(words, out, x)
-    elif params.bad_words:   # no output yet: only single-token words apply
+    elif params.bad_words:  # no output yet: only single-token words apply
         single = [w for w in params.bad_words if len(tokenizer.encode(w, add_special_tokens=False)) == 1]
         for w in single:
             x[0, tokenizer.encode(w, add_special_tokens=False)[0]] = float("-inf")
@@ -76,8 +84,17 @@ def _hf_processed(logits: torch.Tensor, prompt: list[int], out: list[int], param
     return x - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
 
 
-WHICH = ["repetition_penalty", "repetition_penalty_below_1", "frequency_penalty", "presence_penalty",
-         "negative_penalties", "logit_bias", "allowed_token_ids", "bad_words", "all"]
+WHICH = [
+    "repetition_penalty",
+    "repetition_penalty_below_1",
+    "frequency_penalty",
+    "presence_penalty",
+    "negative_penalties",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "all",
+]
 
 
 def check_against_transformers(llm, plain: list[list[int]], which: str) -> None:
@@ -97,8 +114,10 @@ def check_against_transformers(llm, plain: list[list[int]], which: str) -> None:
             x = _hf_processed(logits[len(prompt) + t - 1], prompt, out[:t], params, tok)
             assert torch.isfinite(x[token]), f"step {t}: generated token {token}, which {which} forbids"
             gap = float(x.max() - x[token])
-            assert gap <= TIE, (f"{which}, step {t}: generated {token} but transformers' processed argmax is "
-                                f"{int(x.argmax())} ({gap:.4f} higher)")
+            assert gap <= TIE, (
+                f"{which}, step {t}: generated {token} but transformers' processed argmax is "
+                f"{int(x.argmax())} ({gap:.4f} higher)"
+            )
     assert changed, f"{which} changed no output: the check is vacuous on these prompts"
 
 
@@ -118,14 +137,23 @@ def test_async_scheduling_gives_the_same_tokens_with_every_option(plain, device)
             options = _options(which, plain_out)
             history = SamplingParams(**options).has_penalties or "bad_words" in options
             prompts.append(prompt)
-            params.append(SamplingParams(temperature=0.0 if j == 0 else 0.9, seed=i, ignore_eos=True,
-                                         max_tokens=MAX_TOKENS if history else 3 * MAX_TOKENS, **options))
-    prompts += PROMPTS                            # plain rows in the same batches
+            params.append(
+                SamplingParams(
+                    temperature=0.0 if j == 0 else 0.9,
+                    seed=i,
+                    ignore_eos=True,
+                    max_tokens=MAX_TOKENS if history else 3 * MAX_TOKENS,
+                    **options,
+                )
+            )
+    prompts += PROMPTS  # plain rows in the same batches
     params += [SamplingParams(temperature=0.8, seed=99, max_tokens=3 * MAX_TOKENS, ignore_eos=True)] * len(PROMPTS)
     results = {}
     for mode in (False, True):
-        llm = LLM(zoo_model(MODEL), **engine_args(device, block_size=4, seed=0, async_scheduling=mode,
-                                                  max_num_batched_tokens=32))
+        llm = LLM(
+            zoo_model(MODEL),
+            **engine_args(device, block_size=4, seed=0, async_scheduling=mode, max_num_batched_tokens=32),
+        )
         try:
             results[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             llm.llm_engine.check_invariants()
@@ -145,8 +173,11 @@ def test_tensor_parallel_gives_the_same_tokens_with_every_option(plain, device):
     for i, which in enumerate(WHICH):
         for prompt, plain_out in zip(PROMPTS, plain):
             prompts.append(prompt)
-            params.append(SamplingParams(temperature=0.9, seed=i, max_tokens=MAX_TOKENS, ignore_eos=True, n=2,
-                                         **_options(which, plain_out)))
+            params.append(
+                SamplingParams(
+                    temperature=0.9, seed=i, max_tokens=MAX_TOKENS, ignore_eos=True, n=2, **_options(which, plain_out)
+                )
+            )
     results = []
     for tp in (1, 2):
         llm = LLM(zoo_model(MODEL), device="cpu", block_size=16, seed=0, tensor_parallel_size=tp, max_model_len=256)

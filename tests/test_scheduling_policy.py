@@ -13,6 +13,7 @@
 
 Greedy tokens do not depend on the batch, so none of this is visible in the tokens.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -28,13 +29,19 @@ from tests.properties.policy_model import ModelRequest, PolicyModel
 
 STEMS = [[0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2], [1, 1, 1, 1, 1, 1, 1, 1], [2, 0, 2, 0, 2, 0, 2, 0]]
 prompt_st = st.tuples(st.sampled_from(STEMS), st.integers(0, 12), st.lists(st.integers(0, 2), max_size=3)).map(
-    lambda t: tuple(t[0][:t[1]] + t[2]) or (0,))
+    lambda t: tuple(t[0][: t[1]] + t[2]) or (0,)
+)
 request_st = st.builds(
     lambda prompt, max_tokens, stop, min_frac: Req(prompt, max_tokens, stop, min(min_frac, max_tokens)),
-    prompt_st, st.integers(1, 10), st.sampled_from([(), (), (0,), (1, 2)]), st.integers(0, 3))
+    prompt_st,
+    st.integers(1, 10),
+    st.sampled_from([(), (), (0,), (1, 2)]),
+    st.integers(0, 3),
+)
 # requests added now, then steps run before the next batch arrives
-batches_st = st.lists(st.tuples(st.lists(request_st, min_size=1, max_size=4), st.integers(0, 6)),
-                      min_size=1, max_size=5)
+batches_st = st.lists(
+    st.tuples(st.lists(request_st, min_size=1, max_size=4), st.integers(0, 6)), min_size=1, max_size=5
+)
 
 
 @st.composite
@@ -43,11 +50,15 @@ def config_st(draw) -> dict:
     bs = draw(st.integers(1, 4))
     max_model_len = draw(st.sampled_from([10, 16, 24]))
     one = cdiv(max_model_len - 1, bs)
-    return {"block_size": bs, "num_blocks": draw(st.integers(one, 2 * one + 2)),
-            "max_num_seqs": draw(st.integers(1, 4)),
-            "max_num_batched_tokens": draw(st.sampled_from([1, 2, 3, 5, 8, 16, INF_BUDGET])),
-            "max_model_len": max_model_len, "enable_prefix_caching": draw(st.booleans() | st.just(True)),
-            "enable_chunked_prefill": draw(st.booleans() | st.just(True))}
+    return {
+        "block_size": bs,
+        "num_blocks": draw(st.integers(one, 2 * one + 2)),
+        "max_num_seqs": draw(st.integers(1, 4)),
+        "max_num_batched_tokens": draw(st.sampled_from([1, 2, 3, 5, 8, 16, INF_BUDGET])),
+        "max_model_len": max_model_len,
+        "enable_prefix_caching": draw(st.booleans() | st.just(True)),
+        "enable_chunked_prefill": draw(st.booleans() | st.just(True)),
+    }
 
 
 POLICY_SETTINGS = settings(max_examples=250, deadline=None)
@@ -71,16 +82,27 @@ def test_queue_order_is_fcfs_with_preempted_first(cfg, batches):
 def test_policy_checks_are_not_vacuous():
     """A fixed workload under which the checks above see preemptions, re-admissions that overtake
     nothing, prefix-cache hits and evictions (so a passing run means something)."""
-    cfg = {"block_size": 2, "num_blocks": 9, "max_num_seqs": 3, "max_num_batched_tokens": 5,
-           "max_model_len": 16, "enable_prefix_caching": True, "enable_chunked_prefill": True}
+    cfg = {
+        "block_size": 2,
+        "num_blocks": 9,
+        "max_num_seqs": 3,
+        "max_num_batched_tokens": 5,
+        "max_model_len": 16,
+        "enable_prefix_caching": True,
+        "enable_chunked_prefill": True,
+    }
     stem = tuple(STEMS[0])
-    batches = [([Req(stem[:7], 8), Req(stem[:5] + (2,), 8), Req((1, 1, 1), 8)], 4),
-               ([Req(stem[:9], 6), Req((2, 0, 2), 5)], 3), ([Req(stem[:8], 4)], 0)]
+    batches = [
+        ([Req(stem[:7], 8), Req(stem[:5] + (2,), 8), Req((1, 1, 1), 8)], 4),
+        ([Req(stem[:9], 6), Req((2, 0, 2), 5)], 3),
+        ([Req(stem[:8], 4)], 0),
+    ]
     eng, model, arrived_before = run_against_model(cfg, batches)
     check_fcfs(fake_views(eng), arrived_before)
     counters = model.counters
-    assert counters["preemptions"] > 0 and counters["prefix_cache_hit_tokens"] > 0 and counters["evictions"] > 0, \
+    assert counters["preemptions"] > 0 and counters["prefix_cache_hit_tokens"] > 0 and counters["evictions"] > 0, (
         counters
+    )
 
 
 # ------------------------------------------------------------------ real engine
@@ -91,9 +113,13 @@ def engine_run():
     path = zoo_model(MODEL)
     requests = scenario()
     ample = LLM(path, seed=0, block_size=ENGINE_ARGS["block_size"], enable_prefix_caching=False)
-    tokens = {a.request_id: o.outputs[0].token_ids
-              for a, o in zip(requests, ample.generate([a.prompt for a in requests],
-                                                       [greedy(a.max_tokens) for a in requests], use_tqdm=False))}
+    tokens = {
+        a.request_id: o.outputs[0].token_ids
+        for a, o in zip(
+            requests,
+            ample.generate([a.prompt for a in requests], [greedy(a.max_tokens) for a in requests], use_tqdm=False),
+        )
+    }
     ample.close()
     llm = LLM(path, seed=0, trace=True, **ENGINE_ARGS)
     outputs = run_scenario(llm, requests)
@@ -106,10 +132,14 @@ def _model_of(llm, requests, tokens) -> PolicyModel:
     on the batch), with the arrivals of the scenario."""
     cfg = llm.llm_engine.config
     prompts = {a.request_id: a.prompt for a in requests}
-    model = PolicyModel(num_blocks=cfg.num_kvcache_blocks, block_size=cfg.block_size,
-                        max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                        max_model_len=cfg.max_model_len,
-                        next_token=lambda rid, toks: tokens[rid][len(toks) - len(prompts[rid])])
+    model = PolicyModel(
+        num_blocks=cfg.num_kvcache_blocks,
+        block_size=cfg.block_size,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=cfg.max_model_len,
+        next_token=lambda rid, toks: tokens[rid][len(toks) - len(prompts[rid])],
+    )
     return model
 
 
@@ -136,7 +166,9 @@ def test_engine_trace_and_stats_follow_policy_model(engine_run):
         admitted = [(s.request_id, s.num_cached_tokens) for s in e.seqs if s.num_cached_tokens is not None]
         assert admitted == want.admitted, f"step {t}: admitted {admitted}, model {want.admitted}"
         assert e.finished == want.finished, f"step {t}: finished {e.finished}, model {want.finished}"
-        assert e.num_free_blocks == want.num_free_blocks, f"step {t}: free blocks {e.num_free_blocks}, model {want.num_free_blocks}"
+        assert e.num_free_blocks == want.num_free_blocks, (
+            f"step {t}: free blocks {e.num_free_blocks}, model {want.num_free_blocks}"
+        )
     stats = llm.stats()
     for name, value in model.counters.items():
         assert stats[name] == value, f"stats()[{name!r}] = {stats[name]}, the model expects {value}"
@@ -145,10 +177,12 @@ def test_engine_trace_and_stats_follow_policy_model(engine_run):
     for rid, out in outputs.items():
         req = model.requests[rid]
         assert out.outputs[0].token_ids == tokens[rid], f"{rid}: tokens differ from the ample run"
-        assert out.num_cached_tokens == req.num_cached_tokens, \
+        assert out.num_cached_tokens == req.num_cached_tokens, (
             f"{rid}: num_cached_tokens {out.num_cached_tokens}, model {req.num_cached_tokens} (first admission)"
-        assert out.metrics.num_preemptions == req.num_preemptions, \
+        )
+        assert out.metrics.num_preemptions == req.num_preemptions, (
             f"{rid}: num_preemptions {out.metrics.num_preemptions}, model {req.num_preemptions}"
+        )
         assert out.outputs[0].finish_reason == req.finish_reason
 
 
@@ -156,16 +190,27 @@ def test_engine_queue_order_is_fcfs(engine_run):
     """The real engine's trace: preempted requests are never overtaken by later arrivals."""
     llm, requests, _, _ = engine_run
     events = llm.llm_engine.tracer.events
-    views = [StepView([s.request_id for s in e.seqs], [s.request_id for s in e.seqs if s.num_cached_tokens is not None],
-                      list(e.preempted), [rid for rid, _ in e.finished]) for e in events]
+    views = [
+        StepView(
+            [s.request_id for s in e.seqs],
+            [s.request_id for s in e.seqs if s.num_cached_tokens is not None],
+            list(e.preempted),
+            [rid for rid, _ in e.finished],
+        )
+        for e in events
+    ]
     arrived_before = {a.request_id: a.step for a in sorted(requests, key=lambda a: a.step)}
     check_fcfs(views, arrived_before)
     # the check had something to see: a preempted request re-admitted while a later arrival waited
     preempted, admitted, witnessed = set(), set(), 0
     for t, v in enumerate(views):
         later_waiting = [r for r, s in arrived_before.items() if s <= t and r not in admitted]
-        witnessed += sum(1 for r in v.admitted if r in preempted and any(
-            list(arrived_before).index(w) > list(arrived_before).index(r) for w in later_waiting))
+        witnessed += sum(
+            1
+            for r in v.admitted
+            if r in preempted
+            and any(list(arrived_before).index(w) > list(arrived_before).index(r) for w in later_waiting)
+        )
         preempted.update(v.preempted)
         admitted.update(v.admitted)
     assert witnessed > 0, "no preempted request was re-admitted while a later arrival waited: weak check"

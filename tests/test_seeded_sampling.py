@@ -17,6 +17,7 @@ request's own earlier tokens:
 Needs transformers' model code (tests/, not conformance/: the conformance suite only reads
 golden files).
 """
+
 from __future__ import annotations
 
 import math
@@ -29,7 +30,7 @@ from tests.conftest import cached_llm, hf_reference
 
 N, L, TEMPERATURE, TOP_K = 600, 6, 1.3, 40
 ALPHA = 1e-3
-Z_MAX = 3.3   # two-sided p ~ 1e-3
+Z_MAX = 3.3  # two-sided p ~ 1e-3
 
 
 def _reference_probs(model_dir: str, prompt: list[int], seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,8 +39,8 @@ def _reference_probs(model_dir: str, prompt: list[int], seqs: list[list[int]]) -
     ref = hf_reference(model_dir)
     ids = torch.tensor([prompt + s for s in seqs])
     with torch.inference_mode():
-        logits = torch.cat([ref.model(ids[i:i + 200]).logits for i in range(0, len(seqs), 200)])
-    logits = logits[:, len(prompt) - 1:len(prompt) - 1 + L].double() / TEMPERATURE
+        logits = torch.cat([ref.model(ids[i : i + 200]).logits for i in range(0, len(seqs), 200)])
+    logits = logits[:, len(prompt) - 1 : len(prompt) - 1 + L].double() / TEMPERATURE
     kth = logits.topk(TOP_K, dim=-1).values[..., -1:]
     probs = torch.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
     return probs, logits >= kth - 1e-4
@@ -51,8 +52,9 @@ def test_seeded_later_tokens_follow_the_conditional_distribution():
     g = golden.load("llama-mha-hd64")
     prompt = g["sampling"]["prompt"]
     llm = cached_llm(golden.model_dir(g), block_size=16, seed=0, dtype="float32")
-    params = [SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, seed=i, max_tokens=L, ignore_eos=True)
-              for i in range(N)]
+    params = [
+        SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, seed=i, max_tokens=L, ignore_eos=True) for i in range(N)
+    ]
     seqs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": prompt}] * N, params, use_tqdm=False)]
     assert all(len(s) == L for s in seqs)
     probs, kept = _reference_probs(golden.model_dir(g), prompt, seqs)
@@ -63,7 +65,7 @@ def test_seeded_later_tokens_follow_the_conditional_distribution():
 
     p_tok = probs.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
     above = (probs * (probs > p_tok.unsqueeze(-1))).sum(-1)
-    u = (above + torch.rand(p_tok.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * p_tok)
+    u = above + torch.rand(p_tok.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * p_tok
     later = u[:, 1:].flatten()
     counts = torch.histc(later, bins=10, min=0, max=1)
     expected = later.numel() / 10
@@ -73,8 +75,8 @@ def test_seeded_later_tokens_follow_the_conditional_distribution():
     observed, mean, var = 0, 0.0, 0.0
     for j in range(1, L):
         earlier = torch.zeros(N, probs.shape[-1], dtype=torch.bool).scatter_(1, tok[:, :j], True)
-        q = (probs[:, j] * earlier).sum(-1)          # reference chance of repeating an earlier token
-        observed += int((tok[:, j:j + 1] == tok[:, :j]).any(1).sum())
+        q = (probs[:, j] * earlier).sum(-1)  # reference chance of repeating an earlier token
+        observed += int((tok[:, j : j + 1] == tok[:, :j]).any(1).sum())
         mean += float(q.sum())
         var += float((q * (1 - q)).sum())
     z = (observed - mean) / math.sqrt(var)

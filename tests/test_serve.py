@@ -7,6 +7,7 @@ the dev-mode /debug/engine route); a client that disconnects has its request abo
 JSON, unknown model, wrong types, bad values and oversized prompts get 4xx naming the field, and
 the server keeps serving after each.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,9 +34,21 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def url():
-    cmd = nanovllm_serve_command(zoo_model(MODEL), "--served-model-name", "zoo", "--max-model-len",
-                                 str(MAX_MODEL_LEN), "--block-size", "16", "--num-kvcache-blocks", "160",
-                                 "--api-key", KEY, "--uvicorn-log-level", "warning")
+    cmd = nanovllm_serve_command(
+        zoo_model(MODEL),
+        "--served-model-name",
+        "zoo",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--block-size",
+        "16",
+        "--num-kvcache-blocks",
+        "160",
+        "--api-key",
+        KEY,
+        "--uvicorn-log-level",
+        "warning",
+    )
     with server(cmd, env={"NANOVLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": "1"}, ready_timeout=180) as base:
         yield base
 
@@ -51,7 +64,7 @@ def offline():
 
 
 def engine_state(url) -> dict:
-    r = httpx.get(f"{url}/debug/engine", headers=AUTH, timeout=30)   # runs check_invariants() in the server
+    r = httpx.get(f"{url}/debug/engine", headers=AUTH, timeout=30)  # runs check_invariants() in the server
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -92,8 +105,7 @@ def test_greedy_streaming_equals_non_streaming_equals_offline(client, offline):
     for prompt in (text_prompt, ids_prompt):
         want = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
         full = client.completions.create(model="zoo", prompt=prompt, max_tokens=12, temperature=0)
-        chunks = list(client.completions.create(model="zoo", prompt=prompt, max_tokens=12, temperature=0,
-                                                stream=True))
+        chunks = list(client.completions.create(model="zoo", prompt=prompt, max_tokens=12, temperature=0, stream=True))
         streamed = "".join(c.choices[0].text for c in chunks if c.choices)
         assert want.text and full.choices[0].text == streamed == want.text
         assert full.choices[0].finish_reason == chunks[-1].choices[0].finish_reason == want.finish_reason
@@ -103,8 +115,16 @@ def test_greedy_streaming_equals_non_streaming_equals_offline(client, offline):
     conv = [{"role": "user", "content": words(vocab, 6, seed=3)}]
     want = offline.chat(conv, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]
     full = client.chat.completions.create(model="zoo", messages=conv, max_tokens=10, temperature=0)
-    chunks = list(client.chat.completions.create(model="zoo", messages=conv, max_tokens=10, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="zoo",
+            messages=conv,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert full.choices[0].message.content == streamed == want.outputs[0].text
@@ -117,8 +137,9 @@ def test_sampling_fields_reach_the_engine(client, offline):
     each request gives what offline generate gives with the same SamplingParams."""
     vocab = ZOO[MODEL].vocab_size
     prompt = words(vocab, 9, seed=4)
-    greedy = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                              use_tqdm=False)[0].outputs[0]
+    greedy = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     stop = " " + greedy.text.split(" ")[3]
     cases = [
         (dict(stop=[stop], temperature=0), {}),
@@ -129,14 +150,19 @@ def test_sampling_fields_reach_the_engine(client, offline):
         params = SamplingParams(max_tokens=8, **fields, **extra)
         want = offline.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         for stream in (False, True):
-            r = client.completions.create(model="zoo", prompt=prompt, max_tokens=8, stream=stream, extra_body=extra,
-                                          **fields)
+            r = client.completions.create(
+                model="zoo", prompt=prompt, max_tokens=8, stream=stream, extra_body=extra, **fields
+            )
             text = "".join(c.choices[0].text for c in r if c.choices) if stream else r.choices[0].text
             assert text == want.text, (fields, extra, stream)
     r = client.completions.create(model="zoo", prompt=prompt, max_tokens=8, stop=[stop], temperature=0)
     assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].text
-    r = httpx.post(f"{client.base_url}completions", headers=AUTH, timeout=30, json={
-        "model": "zoo", "prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1})
+    r = httpx.post(
+        f"{client.base_url}completions",
+        headers=AUTH,
+        timeout=30,
+        json={"model": "zoo", "prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1},
+    )
     plp = r.json()["choices"][0]["prompt_logprobs"]
     assert plp[0] is None and len(plp) == 9 and all(len(d) >= 1 for d in plp[1:])
 
@@ -144,34 +170,46 @@ def test_sampling_fields_reach_the_engine(client, offline):
 def test_logprobs(client, offline):
     vocab = ZOO[MODEL].vocab_size
     prompt = words(vocab, 7, seed=5)
-    want = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=5, logprobs=3),
-                            use_tqdm=False)[0].outputs[0]
+    want = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=5, logprobs=3), use_tqdm=False)[
+        0
+    ].outputs[0]
     r = client.completions.create(model="zoo", prompt=prompt, max_tokens=5, temperature=0, logprobs=3)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     for i, (tok, entry) in enumerate(zip(want.token_ids, want.logprobs)):
         assert lp.token_logprobs[i] == pytest.approx(entry[tok].logprob, abs=1e-4)
         assert len(lp.top_logprobs[i]) >= 3 and max(lp.top_logprobs[i].values()) == pytest.approx(
-            lp.token_logprobs[i], abs=1e-6)   # greedy: the sampled token is the most likely
+            lp.token_logprobs[i], abs=1e-6
+        )  # greedy: the sampled token is the most likely
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
 
     conv = [{"role": "user", "content": prompt}]
-    r = client.chat.completions.create(model="zoo", messages=conv, max_tokens=4, temperature=0, logprobs=True,
-                                       top_logprobs=2)
+    r = client.chat.completions.create(
+        model="zoo", messages=conv, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == 4
     for c in content:
         assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
         assert c.top_logprobs[0].logprob == pytest.approx(c.logprob) and c.bytes == list(c.token.encode())
-    chunks = list(client.chat.completions.create(model="zoo", messages=conv, max_tokens=4, temperature=0,
-                                                 logprobs=True, top_logprobs=2, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model="zoo", messages=conv, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2, stream=True
+        )
+    )
     streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
     assert [c.token for c in streamed] == [c.token for c in content]
 
 
 def test_sse_chunk_shapes_and_usage(url):
-    body = {"model": "zoo", "prompt": [[5, 6, 7], [8, 9]], "max_tokens": 4, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "zoo",
+        "prompt": [[5, 6, 7], [8, 9]],
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=30) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
@@ -179,8 +217,7 @@ def test_sse_chunk_shapes_and_usage(url):
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
     assert len({c["id"] for c in chunks}) == 1 and all(c["object"] == "text_completion" for c in chunks)
     usage = chunks[-1]
-    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 5, "completion_tokens": 8,
-                                                         "total_tokens": 13}
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
     for index in (0, 1):
         mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == index]
         assert [m["finish_reason"] for m in mine] == [None] * (len(mine) - 1) + ["length"]
@@ -194,13 +231,18 @@ def test_sse_chunk_shapes_and_usage(url):
 def test_64_concurrent_streaming_clients(url, offline):
     vocab = ZOO[MODEL].vocab_size
     prompts = prompts_for(vocab, [3 + (i * 7) % 40 for i in range(64)], seed=6)
-    want = [o.outputs[0].text for o in offline.generate(
-        prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)]
+    want = [
+        o.outputs[0].text
+        for o in offline.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False
+        )
+    ]
     steps_before = engine_state(url)["stats"]["steps"]
 
     async def one(aclient, prompt):
-        stream = await aclient.completions.create(model="zoo", prompt=prompt, max_tokens=10, temperature=0,
-                                                  stream=True, extra_body={"ignore_eos": True})
+        stream = await aclient.completions.create(
+            model="zoo", prompt=prompt, max_tokens=10, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         text, reason = "", None
         async for chunk in stream:
             text += chunk.choices[0].text
@@ -209,8 +251,13 @@ def test_64_concurrent_streaming_clients(url, offline):
 
     async def main():
         limits = httpx.Limits(max_connections=64)
-        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60,
-                                      http_client=httpx.AsyncClient(limits=limits, timeout=60)) as aclient:
+        async with openai.AsyncOpenAI(
+            base_url=f"{url}/v1",
+            api_key=KEY,
+            max_retries=0,
+            timeout=60,
+            http_client=httpx.AsyncClient(limits=limits, timeout=60),
+        ) as aclient:
             return await asyncio.wait_for(asyncio.gather(*(one(aclient, p) for p in prompts)), timeout=90)
 
     results = asyncio.run(main())
@@ -224,11 +271,17 @@ def test_64_concurrent_streaming_clients(url, offline):
 
 def test_client_disconnect_aborts_the_request(url):
     aborted_before = _aborted(url)
-    body = {"model": "zoo", "prompt": [5, 6, 7, 8], "max_tokens": 200, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": "zoo",
+        "prompt": [5, 6, 7, 8],
+        "max_tokens": 200,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=30) as r:
         lines = r.iter_lines()
-        got = [next(lines) for _ in range(6)]       # a few chunks, then hang up
+        got = [next(lines) for _ in range(6)]  # a few chunks, then hang up
     assert sum(line.startswith("data: {") for line in got) >= 3
     assert_all_blocks_free(url)
     assert _aborted(url) == aborted_before + 1
@@ -246,7 +299,7 @@ def test_client_disconnect_aborts_the_request(url):
 def _aborted(url) -> float:
     try:
         return metric(url, "nanovllm:request_success_total", 'finished_reason="abort"')
-    except AssertionError:   # no abort yet: the labelled series does not exist
+    except AssertionError:  # no abort yet: the labelled series does not exist
         return 0.0
 
 
@@ -255,7 +308,7 @@ TOO_LONG = [7] * (MAX_MODEL_LEN + 4)
 BAD_REQUESTS = [
     # (route, body, status, param)
     ("completions", b'{"prompt": "w5", "max_tokens": ', 400, "body"),
-    ("completions", b'[1, 2]', 400, "body"),
+    ("completions", b"[1, 2]", 400, "body"),
     ("completions", {"model": "gpt-4", "prompt": "w5"}, 404, "model"),
     ("completions", {"prompt": "w5", "max_tokens": "5"}, 400, "max_tokens"),
     ("completions", {"prompt": "w5", "temperature": "hot"}, 400, "temperature"),
@@ -270,7 +323,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "w5", "logprobs": -1}, 400, "logprobs"),
     ("completions", {"prompt": "w5", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ("completions", {"prompt": "w5", "min_tokens": 9, "max_tokens": 3}, 400, "min_tokens"),
-    ("completions", {"prompt": [10 ** 6]}, 400, "prompt"),
+    ("completions", {"prompt": [10**6]}, 400, "prompt"),
     ("completions", {"prompt": TOO_LONG}, 400, "prompt"),
     ("completions", {"prompt": TOO_LONG, "stream": True}, 400, "prompt"),
     ("completions", {"prompt": "w5", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
@@ -279,15 +332,22 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"content": "w5"}]}, 400, "messages[0].role"),
     ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
     ("chat/completions", {"messages": [{"role": "user", "content": "w5"}], "top_logprobs": 3}, 400, "top_logprobs"),
-    ("chat/completions", {"messages": [{"role": "user", "content": " ".join(["w9"] * MAX_MODEL_LEN)}]},
-     400, "messages"),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": " ".join(["w9"] * MAX_MODEL_LEN)}]},
+        400,
+        "messages",
+    ),
 ]
 
 
 def test_bad_requests_get_4xx_naming_the_field_and_the_server_keeps_serving(url, client):
     for route, body, status, param in BAD_REQUESTS:
-        kwargs = {"content": body, "headers": {**AUTH, "Content-Type": "application/json"}} if isinstance(
-            body, bytes) else {"json": body, "headers": AUTH}
+        kwargs = (
+            {"content": body, "headers": {**AUTH, "Content-Type": "application/json"}}
+            if isinstance(body, bytes)
+            else {"json": body, "headers": AUTH}
+        )
         r = httpx.post(f"{url}/v1/{route}", timeout=30, **kwargs)
         assert r.status_code == status, (body, r.status_code, r.text)
         err = r.json()["error"]
@@ -306,7 +366,7 @@ def test_api_key(url):
     r = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}, timeout=30)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
-    assert httpx.get(f"{url}/health", timeout=30).status_code == 200          # open, for load balancers
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200  # open, for load balancers
     assert httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=30).status_code == 200
 
 
@@ -321,25 +381,38 @@ def test_models_tokenize_detokenize(url, client, offline):
     assert r["tokens"] == tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
     r = httpx.post(f"{url}/detokenize", json={"tokens": tok.encode("w10 w20")}, headers=AUTH, timeout=30)
     assert r.json() == {"prompt": "w10 w20"}
-    r = httpx.post(f"{url}/detokenize", json={"tokens": [5, 10 ** 7]}, headers=AUTH, timeout=30)
+    r = httpx.post(f"{url}/detokenize", json={"tokens": [5, 10**7]}, headers=AUTH, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens[1]"
 
 
 def test_metrics(url, client):
-    names = ["nanovllm:time_to_first_token_seconds_count", "nanovllm:inter_token_latency_seconds_count",
-             "nanovllm:e2e_request_latency_seconds_count", "nanovllm:request_queue_time_seconds_count",
-             "nanovllm:generation_tokens_total", "nanovllm:prompt_tokens_total"]
+    names = [
+        "nanovllm:time_to_first_token_seconds_count",
+        "nanovllm:inter_token_latency_seconds_count",
+        "nanovllm:e2e_request_latency_seconds_count",
+        "nanovllm:request_queue_time_seconds_count",
+        "nanovllm:generation_tokens_total",
+        "nanovllm:prompt_tokens_total",
+    ]
     before = {n: metric(url, n) for n in names}
-    client.completions.create(model="zoo", prompt=[5, 6, 7, 8, 9], max_tokens=6, temperature=0,
-                              extra_body={"ignore_eos": True})
+    client.completions.create(
+        model="zoo", prompt=[5, 6, 7, 8, 9], max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
     after = {n: metric(url, n) for n in names}
     assert after["nanovllm:generation_tokens_total"] - before["nanovllm:generation_tokens_total"] == 6
     assert after["nanovllm:prompt_tokens_total"] - before["nanovllm:prompt_tokens_total"] == 5
-    assert after["nanovllm:inter_token_latency_seconds_count"] - before["nanovllm:inter_token_latency_seconds_count"] == 5
+    assert (
+        after["nanovllm:inter_token_latency_seconds_count"] - before["nanovllm:inter_token_latency_seconds_count"] == 5
+    )
     for n in names[:4]:
         assert after[n] - before[n] == (5 if "inter_token" in n else 1), n
-    for n in ("nanovllm:kv_cache_usage_perc", "nanovllm:num_preemptions_total", "nanovllm:prefix_cache_hit_rate",
-              "nanovllm:prefix_cache_queries_total", "nanovllm:num_requests_running"):
+    for n in (
+        "nanovllm:kv_cache_usage_perc",
+        "nanovllm:num_preemptions_total",
+        "nanovllm:prefix_cache_hit_rate",
+        "nanovllm:prefix_cache_queries_total",
+        "nanovllm:num_requests_running",
+    ):
         assert metric(url, n) >= 0
     assert metric(url, "nanovllm:prefix_cache_queries_total") > 0
 
@@ -361,7 +434,8 @@ def test_bench_serve_client(url):
     s = m.summary()
     assert s["completed"] == 6 and s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"]
     bad = asyncio.run(run_requests(url, "zoo", w, rate=float("inf"), max_concurrency=None, api_key="wrong"))
-    assert not any(r.ok for r in bad.results) and "401" in bad.results[0].error   # failures are counted
+    assert not any(r.ok for r in bad.results) and "401" in bad.results[0].error  # failures are counted
     import numpy as np
+
     xs = [0.3, 0.1, 0.7, 0.2, 0.9]
     assert [percentile(xs, p) for p in (50, 90, 99)] == pytest.approx(np.percentile(xs, [50, 90, 99]))

@@ -5,6 +5,7 @@ start-up initialisation a scrape (or a test) that comes before any request finds
 ``..._count`` line at all: on a GPU host's 16 xdist workers, test_serve's metrics check ran first
 in its worker and failed that way.
 """
+
 from __future__ import annotations
 
 import re
@@ -16,12 +17,26 @@ pytest.importorskip("prometheus_client", reason="the server extra is not install
 
 from nanovllm.entrypoints.openai.metrics import ServerMetrics  # noqa: E402
 
-STATS = {"num_kv_blocks": 8, "prefix_cache_query_tokens": 0, "prefix_cache_hit_tokens": 0, "running": 0,
-         "waiting": 0, "num_free_kv_blocks": 8, "preemptions": 0, "steps": 0}
-SERIES = ["nanovllm:time_to_first_token_seconds_count", "nanovllm:inter_token_latency_seconds_count",
-          "nanovllm:e2e_request_latency_seconds_count", "nanovllm:request_queue_time_seconds_count",
-          "nanovllm:request_prompt_tokens_count", "nanovllm:request_generation_tokens_count",
-          "nanovllm:generation_tokens_total", "nanovllm:prompt_tokens_total"]
+STATS = {
+    "num_kv_blocks": 8,
+    "prefix_cache_query_tokens": 0,
+    "prefix_cache_hit_tokens": 0,
+    "running": 0,
+    "waiting": 0,
+    "num_free_kv_blocks": 8,
+    "preemptions": 0,
+    "steps": 0,
+}
+SERIES = [
+    "nanovllm:time_to_first_token_seconds_count",
+    "nanovllm:inter_token_latency_seconds_count",
+    "nanovllm:e2e_request_latency_seconds_count",
+    "nanovllm:request_queue_time_seconds_count",
+    "nanovllm:request_prompt_tokens_count",
+    "nanovllm:request_generation_tokens_count",
+    "nanovllm:generation_tokens_total",
+    "nanovllm:prompt_tokens_total",
+]
 
 
 def test_every_series_is_scrapable_at_zero_before_any_request():

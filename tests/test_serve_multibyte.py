@@ -1,6 +1,7 @@
 """`nanovllm serve` on the default model (SmolLM2's byte-level BPE): text with emoji and CJK
 characters, which span several tokens, streams as whole characters and adds up to the
 non-streamed text and to offline generate's."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,9 @@ PROMPTS = ["Emoji list: 😀 😃 😄 😁 😆 😅 😂 🤣 😊 😇", "世
 
 @pytest.fixture(scope="module")
 def url(smollm_path):
-    cmd = nanovllm_serve_command(None, "--max-model-len", "512", "--num-kvcache-blocks", "64",
-                                 "--uvicorn-log-level", "warning")
+    cmd = nanovllm_serve_command(
+        None, "--max-model-len", "512", "--num-kvcache-blocks", "64", "--uvicorn-log-level", "warning"
+    )
     with server(cmd, ready_timeout=300) as base:
         yield base
 
@@ -28,16 +30,19 @@ def url(smollm_path):
 def test_multi_byte_text_streams_whole_characters(url, smollm):
     """Both prompts, streamed and not, as four concurrent requests (one batch: the test stays
     short); offline generate of both in one call."""
-    want = [o.outputs[0] for o in smollm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24),
-                                                  use_tqdm=False)]
+    want = [
+        o.outputs[0] for o in smollm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    ]
     tok = smollm.get_tokenizer()
     for w in want:
-        assert any("\ufffd" in tok.decode([t]) for t in w.token_ids) and any(ord(c) > 0x2E80 for c in w.text), \
+        assert any("\ufffd" in tok.decode([t]) for t in w.token_ids) and any(ord(c) > 0x2E80 for c in w.text), (
             f"no multi-byte character split over tokens in {w.text!r}: nothing tested"
+        )
 
     async def ask(client, prompt, stream):
-        r = await client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=24,
-                                            temperature=0, stream=stream)
+        r = await client.completions.create(
+            model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=24, temperature=0, stream=stream
+        )
         if not stream:
             return r.choices[0].text
         return [c.choices[0].text async for c in r if c.choices]

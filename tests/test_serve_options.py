@@ -6,6 +6,7 @@ keys, clamped into [-100, 100]), presence / frequency / repetition penalties, ``
 ``LLM.generate`` gives with the same SamplingParams, token for token; /metrics counts every
 choice; bad values get a 400 naming the field and the server keeps serving.
 """
+
 from __future__ import annotations
 
 import re
@@ -24,14 +25,24 @@ from tests.conftest import cached_llm, prompts_for  # noqa: E402
 MODEL = "qwen3-gqa2-hd64-tied"
 MAX_MODEL_LEN = 256
 VOCAB = ZOO[MODEL].vocab_size
-IDS = {"logprobs": 0, "return_tokens_as_token_ids": True}   # the output's token ids come back as token_id:N
+IDS = {"logprobs": 0, "return_tokens_as_token_ids": True}  # the output's token ids come back as token_id:N
 
 
 @pytest.fixture(scope="module")
 def url():
-    cmd = nanovllm_serve_command(zoo_model(MODEL), "--served-model-name", "zoo", "--max-model-len",
-                                 str(MAX_MODEL_LEN), "--block-size", "16", "--num-kvcache-blocks", "160",
-                                 "--uvicorn-log-level", "warning")
+    cmd = nanovllm_serve_command(
+        zoo_model(MODEL),
+        "--served-model-name",
+        "zoo",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--block-size",
+        "16",
+        "--num-kvcache-blocks",
+        "160",
+        "--uvicorn-log-level",
+        "warning",
+    )
     with server(cmd, env={"OMP_NUM_THREADS": "1"}, ready_timeout=180) as base:
         yield base
 
@@ -63,7 +74,9 @@ def streamed_ids(chunks, num_choices: int) -> list[list[int]]:
 def metrics(url) -> dict[str, float]:
     """Prometheus counters summed over their labels."""
     out: dict[str, float] = {}
-    for name, value in re.findall(r"^(nanovllm:\w+?)(?:\{[^}]*\})? (\S+)$", httpx.get(f"{url}/metrics").text, re.MULTILINE):
+    for name, value in re.findall(
+        r"^(nanovllm:\w+?)(?:\{[^}]*\})? (\S+)$", httpx.get(f"{url}/metrics").text, re.MULTILINE
+    ):
         out[name] = out.get(name, 0.0) + float(value)
     return out
 
@@ -82,9 +95,16 @@ def test_greedy_n_choices_equal_offline_streamed_or_not_and_metrics_count_them(u
     assert want[0] != want[1], "the two prompts give the same output: the indexing is not tested"
     for stream in (False, True):
         before = metrics(url)
-        r = client.completions.create(model="zoo", prompt=prompts, n=2, max_tokens=6, temperature=0, stream=stream,
-                                      stream_options={"include_usage": True} if stream else None,
-                                      extra_body={"ignore_eos": True, **IDS})
+        r = client.completions.create(
+            model="zoo",
+            prompt=prompts,
+            n=2,
+            max_tokens=6,
+            temperature=0,
+            stream=stream,
+            stream_options={"include_usage": True} if stream else None,
+            extra_body={"ignore_eos": True, **IDS},
+        )
         if stream:
             chunks = list(r)
             got, use = streamed_ids(chunks, 4), chunks[-1].usage
@@ -101,7 +121,7 @@ def test_greedy_n_choices_equal_offline_streamed_or_not_and_metrics_count_them(u
         assert delta["nanovllm:e2e_request_latency_seconds_count"] == 4, stream
         assert delta["nanovllm:time_to_first_token_seconds_count"] == 4, stream
         assert delta["nanovllm:inter_token_latency_seconds_count"] == 4 * 5, stream
-        assert delta["nanovllm:prompt_tokens_total"] == 2 * (7 + 12), stream   # per engine request, as vLLM
+        assert delta["nanovllm:prompt_tokens_total"] == 2 * (7 + 12), stream  # per engine request, as vLLM
 
 
 def test_seeded_n_equals_offline_seeded_n(client, offline):
@@ -112,20 +132,45 @@ def test_seeded_n_equals_offline_seeded_n(client, offline):
     want = offline_ids(offline, prompt, temperature=1.0, seed=77, n=3, max_tokens=8, ignore_eos=True)
     assert len({tuple(w) for w in want}) == 3
     for stream in (False, True):
-        r = client.completions.create(model="zoo", prompt=prompt, n=3, max_tokens=8, temperature=1.0, seed=77,
-                                      stream=stream, extra_body={"ignore_eos": True, **IDS})
+        r = client.completions.create(
+            model="zoo",
+            prompt=prompt,
+            n=3,
+            max_tokens=8,
+            temperature=1.0,
+            seed=77,
+            stream=stream,
+            extra_body={"ignore_eos": True, **IDS},
+        )
         got = streamed_ids(r, 3) if stream else [ids_of(c) for c in r.choices]
         assert got == want, stream
 
     conv = [{"role": "user", "content": "w10 w20 w30"}]
-    want = [c.text for c in sorted(offline.chat(
-        conv, SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=8, ignore_eos=True),
-        use_tqdm=False)[0].outputs, key=lambda c: c.index)]
-    r = client.chat.completions.create(model="zoo", messages=conv, n=2, max_tokens=8, temperature=1.0, seed=5,
-                                       extra_body={"ignore_eos": True})
+    want = [
+        c.text
+        for c in sorted(
+            offline.chat(
+                conv, SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=8, ignore_eos=True), use_tqdm=False
+            )[0].outputs,
+            key=lambda c: c.index,
+        )
+    ]
+    r = client.chat.completions.create(
+        model="zoo", messages=conv, n=2, max_tokens=8, temperature=1.0, seed=5, extra_body={"ignore_eos": True}
+    )
     assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 16
-    chunks = list(client.chat.completions.create(model="zoo", messages=conv, n=2, max_tokens=8, temperature=1.0,
-                                                 seed=5, stream=True, extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="zoo",
+            messages=conv,
+            n=2,
+            max_tokens=8,
+            temperature=1.0,
+            seed=5,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     streamed = ["", ""]
     roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
     for c in chunks:
@@ -139,18 +184,37 @@ def test_logit_bias_forces_a_token_and_equals_offline(client, offline):
     prompt = prompts_for(VOCAB, (8,), seed=13)[0]
     plain = offline_ids(offline, prompt, temperature=0, max_tokens=5, ignore_eos=True)[0]
     forced = next(t for t in range(7, VOCAB) if t not in plain)
-    r = client.completions.create(model="zoo", prompt=prompt, max_tokens=5, temperature=1.0, seed=3,
-                                  logit_bias={str(forced): 100}, extra_body={"ignore_eos": True, **IDS})
+    r = client.completions.create(
+        model="zoo",
+        prompt=prompt,
+        max_tokens=5,
+        temperature=1.0,
+        seed=3,
+        logit_bias={str(forced): 100},
+        extra_body={"ignore_eos": True, **IDS},
+    )
     assert ids_of(r.choices[0]) == [forced] * 5
     # a bias past 100 is clamped to 100 (vLLM); a small one equals offline's
-    r = client.completions.create(model="zoo", prompt=prompt, max_tokens=5, temperature=0,
-                                  logit_bias={str(forced): 250.0}, extra_body={"ignore_eos": True, **IDS})
+    r = client.completions.create(
+        model="zoo",
+        prompt=prompt,
+        max_tokens=5,
+        temperature=0,
+        logit_bias={str(forced): 250.0},
+        extra_body={"ignore_eos": True, **IDS},
+    )
     assert ids_of(r.choices[0]) == [forced] * 5
     bias = {plain[0]: -100.0, plain[1]: 3.0}
     want = offline_ids(offline, prompt, temperature=0, max_tokens=5, ignore_eos=True, logit_bias=bias)[0]
     assert want != plain
-    r = client.completions.create(model="zoo", prompt=prompt, max_tokens=5, temperature=0,
-                                  logit_bias={str(t): b for t, b in bias.items()}, extra_body={"ignore_eos": True, **IDS})
+    r = client.completions.create(
+        model="zoo",
+        prompt=prompt,
+        max_tokens=5,
+        temperature=0,
+        logit_bias={str(t): b for t, b in bias.items()},
+        extra_body={"ignore_eos": True, **IDS},
+    )
     assert ids_of(r.choices[0]) == want
 
 
@@ -171,13 +235,20 @@ def test_penalties_bad_words_allowed_token_ids_equal_offline(client, offline):
     ]
     for extra in cases:
         want = offline_ids(offline, prompt, **{**base, **extra})[0]
-        ref = offline_ids(offline, prompt, **{**base, **{k: v for k, v in extra.items()
-                                                         if k in ("temperature", "seed")}})[0]
+        ref = offline_ids(
+            offline, prompt, **{**base, **{k: v for k, v in extra.items() if k in ("temperature", "seed")}}
+        )[0]
         assert want != ref, f"{extra} changes nothing here: not tested"
-        fields = {k: extra.pop(k) for k in ("temperature", "seed", "presence_penalty", "frequency_penalty")
-                  if k in extra}
-        r = client.completions.create(model="zoo", prompt=prompt, max_tokens=12, **{"temperature": 0, **fields},
-                                      extra_body={"ignore_eos": True, **IDS, **extra})
+        fields = {
+            k: extra.pop(k) for k in ("temperature", "seed", "presence_penalty", "frequency_penalty") if k in extra
+        }
+        r = client.completions.create(
+            model="zoo",
+            prompt=prompt,
+            max_tokens=12,
+            **{"temperature": 0, **fields},
+            extra_body={"ignore_eos": True, **IDS, **extra},
+        )
         assert ids_of(r.choices[0]) == want, (fields, extra)
         if "allowed_token_ids" in extra:
             assert set(want) <= set(allowed)
@@ -214,15 +285,22 @@ BAD = [
 
 def test_bad_values_get_400_naming_the_field_and_the_server_keeps_serving(url, client):
     for route, fields, param in BAD:
-        body = {"prompt": "w5 w6", "max_tokens": 2} if route == "completions" else {
-            "messages": [{"role": "user", "content": "w5"}], "max_tokens": 2}
+        body = (
+            {"prompt": "w5 w6", "max_tokens": 2}
+            if route == "completions"
+            else {"messages": [{"role": "user", "content": "w5"}], "max_tokens": 2}
+        )
         r = httpx.post(f"{url}/v1/{route}", json={**body, **fields}, timeout=30)
         assert r.status_code == 400, (fields, r.status_code, r.text)
         err = r.json()["error"]
         assert err["param"] == param and param in err["message"], (fields, err)
         assert err["type"] == "invalid_request_error" and "Traceback" not in r.text
-    r = httpx.post(f"{url}/v1/completions", timeout=30, headers={"Content-Type": "application/json"},
-                   content=b'{"prompt": "w5", "max_tokens": 2, "logit_bias": {"5": Infinity}}')   # Python's JSON
+    r = httpx.post(
+        f"{url}/v1/completions",
+        timeout=30,
+        headers={"Content-Type": "application/json"},
+        content=b'{"prompt": "w5", "max_tokens": 2, "logit_bias": {"5": Infinity}}',
+    )  # Python's JSON
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
     with pytest.raises(openai.BadRequestError, match="best_of"):
         client.completions.create(model="zoo", prompt="w5", max_tokens=2, n=2, best_of=4)

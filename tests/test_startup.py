@@ -1,5 +1,6 @@
 """Start-up imports only what the path needs (timings are measured in BENCHMARKS.md, not here):
 the CLI's help imports no torch; a CPU engine imports neither transformers nor Triton."""
+
 from __future__ import annotations
 
 import json
@@ -21,15 +22,19 @@ def _modules_after(code: str) -> dict:
 
 @pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["serve", "--help"], ["bench", "--help"]])
 def test_help_imports_no_torch(argv):
-    code = ("import contextlib, io\nfrom nanovllm.entrypoints.cli import main\n"
-            f"with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit): main({argv!r})")
+    code = (
+        "import contextlib, io\nfrom nanovllm.entrypoints.cli import main\n"
+        f"with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit): main({argv!r})"
+    )
     assert _modules_after(code)["torch"] is False
 
 
 def test_cpu_engine_imports_neither_transformers_nor_triton():
     model = zoo_model("qwen3-gqa2-hd64-tied")
-    code = (f"from nanovllm import LLM, SamplingParams\nllm = LLM({model!r}, device='cpu', threads=1)\n"
-            "llm.chat([{'role': 'user', 'content': 'w5 w6'}], SamplingParams(max_tokens=2), use_tqdm=False)")
+    code = (
+        f"from nanovllm import LLM, SamplingParams\nllm = LLM({model!r}, device='cpu', threads=1)\n"
+        "llm.chat([{'role': 'user', 'content': 'w5 w6'}], SamplingParams(max_tokens=2), use_tqdm=False)"
+    )
     assert _modules_after(code) == {"torch": True, "transformers": False, "triton": False}
 
 
@@ -55,7 +60,7 @@ def test_threads_flag_and_default(monkeypatch):
 
 
 def test_physical_cores_counts_cores_not_hyperthreads(tmp_path):
-    for cpu, core in ((0, 0), (1, 1), (2, 0), (3, 1)):   # two cores, two hardware threads each
+    for cpu, core in ((0, 0), (1, 1), (2, 0), (3, 1)):  # two cores, two hardware threads each
         topo = tmp_path / f"cpu{cpu}" / "topology"
         topo.mkdir(parents=True)
         (topo / "core_id").write_text(f"{core}\n")
@@ -64,4 +69,4 @@ def test_physical_cores_counts_cores_not_hyperthreads(tmp_path):
 
     assert physical_cores({0, 1, 2, 3}, sysfs=tmp_path) == 2
     assert physical_cores({0, 2}, sysfs=tmp_path) == 1
-    assert physical_cores({0, 1, 2, 3}, sysfs=tmp_path / "absent") == 4   # no topology: the CPU count
+    assert physical_cores({0, 1, 2, 3}, sysfs=tmp_path / "absent") == 4  # no topology: the CPU count

@@ -17,6 +17,7 @@ computed; from it alone the counters follow:
   newest token of a request past its prompt;
 * all blocks are free at the end.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -57,11 +58,15 @@ def test_stats_counters_match_the_trace(run):
     assert stats["running"] == stats["waiting"] == stats["errors"] == 0
 
     # a recompute whose last chunk starts past the prompt is prompt work, not a decode
-    assert any(s.phase == "prefill" and s.num_computed_before >= len(prompts[s.request_id]) for s in seq_steps), \
+    assert any(s.phase == "prefill" and s.num_computed_before >= len(prompts[s.request_id]) for s in seq_steps), (
         "the scenario must recompute a preempted request in chunks past its prompt (weak check otherwise)"
+    )
     for s in seq_steps:
-        decode = (s.num_new_tokens == 1 and s.num_computed_before + 1 == s.num_tokens
-                  and s.num_computed_before >= len(prompts[s.request_id]))
+        decode = (
+            s.num_new_tokens == 1
+            and s.num_computed_before + 1 == s.num_tokens
+            and s.num_computed_before >= len(prompts[s.request_id])
+        )
         assert s.phase == ("decode" if decode else "prefill"), f"step entry {s} has phase {s.phase}"
 
     for rid, out in outputs.items():
@@ -80,8 +85,9 @@ def test_stats_counters_match_the_trace(run):
                 if s.num_cached_tokens is not None:
                     assert end is None, f"{rid} admitted at step {e.step} while running"
                     end = s.num_cached_tokens
-                assert s.num_computed_before == end, \
+                assert s.num_computed_before == end, (
                     f"{rid} step {e.step}: chunk starts at {s.num_computed_before}, the previous one ended at {end}"
+                )
                 end += s.num_new_tokens
         n_final = len(prompts[rid]) + len(out.outputs[0].token_ids)
         assert end == n_final - 1, f"{rid}: computed up to {end}, its last token is at {n_final - 1}"

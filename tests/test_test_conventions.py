@@ -6,6 +6,7 @@ A call ``LLM(path, **engine_args(device), max_num_seqs=4)`` passes a key twice o
 TypeError that no CPU run can show (found by GPU CI). Every such call must pass its own keywords
 inside ``engine_args(...)``.
 """
+
 from __future__ import annotations
 
 import ast
@@ -20,8 +21,11 @@ def _mixed_calls(source: str) -> list[int]:
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.Call):
             continue
-        spread = [k for k in node.keywords if k.arg is None and isinstance(k.value, ast.Call)
-                  and getattr(k.value.func, "id", None) == "engine_args"]
+        spread = [
+            k
+            for k in node.keywords
+            if k.arg is None and isinstance(k.value, ast.Call) and getattr(k.value.func, "id", None) == "engine_args"
+        ]
         if spread and len(node.keywords) > len(spread):
             lines.append(node.lineno)
     return lines
@@ -33,7 +37,10 @@ def test_the_check_sees_a_mixed_call():
 
 
 def test_engine_args_carry_every_keyword():
-    bad = [f"{path.relative_to(ROOT)}:{line}"
-           for folder in ("tests", "conformance") for path in sorted((ROOT / folder).rglob("*.py"))
-           for line in _mixed_calls(path.read_text())]
+    bad = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for folder in ("tests", "conformance")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for line in _mixed_calls(path.read_text())
+    ]
     assert not bad, "pass keywords inside engine_args(...), not next to it: " + ", ".join(bad)

@@ -1,6 +1,7 @@
 """nanovllm/tokenizer.py gives transformers' results without importing it: the same ids, text and
 chat-template output as AutoTokenizer on the default model and zoo models; directories it cannot
 match take AutoTokenizer (negative controls: a changed template environment, a changed id)."""
+
 from __future__ import annotations
 
 import json
@@ -12,12 +13,23 @@ from conformance.zoo import zoo_model
 from nanovllm import tokenizer as fast_module
 from nanovllm.tokenizer import FastTokenizer, load_tokenizer
 
-TEXTS = ["hi", "The capital of France is Paris.", "  two  spaces\nand a newline\t", "émojis 🌍 and 中文",
-         "<|im_start|>user\nraw special tokens<|im_end|>", "w5 w17 <eos> w999 <|user|>", ""]
+TEXTS = [
+    "hi",
+    "The capital of France is Paris.",
+    "  two  spaces\nand a newline\t",
+    "émojis 🌍 and 中文",
+    "<|im_start|>user\nraw special tokens<|im_end|>",
+    "w5 w17 <eos> w999 <|user|>",
+    "",
+]
 CONVERSATIONS = [
     [{"role": "user", "content": "hi"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
-     {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3? 🌍"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3? 🌍"},
+    ],
     [{"role": "user", "content": "w5 w17 w33"}, {"role": "assistant", "content": "w9", "tool_calls": None}],
 ]
 
@@ -34,7 +46,7 @@ def pair(model_dir):
     from transformers import AutoTokenizer
 
     ours = load_tokenizer(model_dir)
-    assert isinstance(ours, FastTokenizer)   # these directories take the fast path
+    assert isinstance(ours, FastTokenizer)  # these directories take the fast path
     return ours, AutoTokenizer.from_pretrained(model_dir)
 
 
@@ -57,9 +69,10 @@ def test_chat_template_matches_transformers(pair):
             text = ours.apply_chat_template(conv, add_generation_prompt=gen, tokenize=False)
             assert text == hf.apply_chat_template(conv, add_generation_prompt=gen, tokenize=False)
             ids = ours.apply_chat_template(conv, add_generation_prompt=gen, tokenize=True, return_dict=False)
-            assert ids == list(hf.apply_chat_template(conv, add_generation_prompt=gen, tokenize=True,
-                                                      return_dict=False))
-    assert "<|" in text or "<" in text   # the template wrote its control tokens (not vacuous)
+            assert ids == list(
+                hf.apply_chat_template(conv, add_generation_prompt=gen, tokenize=True, return_dict=False)
+            )
+    assert "<|" in text or "<" in text  # the template wrote its control tokens (not vacuous)
 
 
 def test_the_comparison_catches_a_changed_environment(pair, monkeypatch):
@@ -71,8 +84,11 @@ def test_the_comparison_catches_a_changed_environment(pair, monkeypatch):
     template = "{% for m in messages %}\n  {{ m['content'] }}\n{% endfor %}"
     conv = CONVERSATIONS[1]
     right = fast_module.compile_chat_template(template).render(messages=conv)
-    monkeypatch.setattr(jinja2.sandbox, "ImmutableSandboxedEnvironment",
-                        lambda **kw: jinja2.sandbox.SandboxedEnvironment(extensions=kw["extensions"]))
+    monkeypatch.setattr(
+        jinja2.sandbox,
+        "ImmutableSandboxedEnvironment",
+        lambda **kw: jinja2.sandbox.SandboxedEnvironment(extensions=kw["extensions"]),
+    )
     wrong = fast_module.compile_chat_template(template).render(messages=conv)
     assert right == hf.apply_chat_template(conv, chat_template=template, tokenize=False)
     assert wrong != right
@@ -80,10 +96,12 @@ def test_the_comparison_catches_a_changed_environment(pair, monkeypatch):
 
 def test_what_it_does_not_implement_goes_to_transformers(pair):
     ours, hf = pair
-    assert ours.convert_ids_to_tokens([5, 6]) == hf.convert_ids_to_tokens([5, 6])   # via __getattr__
+    assert ours.convert_ids_to_tokens([5, 6]) == hf.convert_ids_to_tokens([5, 6])  # via __getattr__
     conv = CONVERSATIONS[0]
-    assert ours.apply_chat_template(conv, tokenize=True)["input_ids"] == \
-        hf.apply_chat_template(conv, tokenize=True)["input_ids"]   # return_dict=True: transformers' path
+    assert (
+        ours.apply_chat_template(conv, tokenize=True)["input_ids"]
+        == hf.apply_chat_template(conv, tokenize=True)["input_ids"]
+    )  # return_dict=True: transformers' path
 
 
 def test_other_directories_take_autotokenizer(tmp_path, smollm_path):

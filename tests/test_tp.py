@@ -1,5 +1,6 @@
 """Tensor parallelism: TP=2 and TP=4 against TP=1 (gloo on CPU, NCCL on two GPUs), worker
 failures, coexisting engines, shutdown on every path, and tensor_parallel_size validation."""
+
 from __future__ import annotations
 
 import gc
@@ -106,6 +107,7 @@ def reference():
             with LLM(zoo_model(model), **CPU_ARGS) as llm:
                 cache[model] = _generate(llm, model)
         return cache[model]
+
     return get
 
 
@@ -201,8 +203,9 @@ def test_killed_worker_raises_quickly_and_leaves_no_process():
 def test_worker_exception_reaches_caller_with_traceback():
     llm = LLM(zoo_model("qwen2-gqa2-hd64"), tensor_parallel_size=2, **CPU_ARGS)
     pids = _worker_pids(llm)
-    bad = ModelInput(input_ids=[7], positions=[0], slot_mapping=[10**9], query_start_loc=[0, 1],
-                     seq_lens=[1], block_tables=[[0]])  # a slot far outside the KV cache
+    bad = ModelInput(
+        input_ids=[7], positions=[0], slot_mapping=[10**9], query_start_loc=[0, 1], seq_lens=[1], block_tables=[[0]]
+    )  # a slot far outside the KV cache
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"(?s)rank \d \(pid \d+\) raised in execute\(\).*Traceback"):
         llm.llm_engine.executor.execute(bad)
@@ -227,10 +230,17 @@ _EXIT_SCRIPT = textwrap.dedent("""
 def test_no_worker_outlives_its_parent(tmp_path, how):
     script = tmp_path / "tp_exit.py"
     script.write_text(_EXIT_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(script), zoo_model("llama-1kv-hd128"), how],
-                          capture_output=True, text=True, timeout=120, env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(script), zoo_model("llama-1kv-hd128"), how],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert proc.stdout.strip(), proc.stderr
     pids = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(pids) == 2
@@ -238,8 +248,10 @@ def test_no_worker_outlives_its_parent(tmp_path, how):
 
 
 # ---------------------------------------------------------------- validation
-@pytest.mark.parametrize("value, error", [(0, ValueError), (-2, ValueError), (1.5, TypeError),
-                                          ("2", TypeError), (True, TypeError), (None, TypeError)])
+@pytest.mark.parametrize(
+    "value, error",
+    [(0, ValueError), (-2, ValueError), (1.5, TypeError), ("2", TypeError), (True, TypeError), (None, TypeError)],
+)
 def test_tensor_parallel_size_type_and_range(value, error):
     with pytest.raises(error, match=f"tensor_parallel_size must be .*got {value!r}"):
         EngineConfig(tensor_parallel_size=value)
@@ -252,15 +264,27 @@ def _config_dir(tmp_path: Path, **overrides) -> str:
     return str(tmp_path)
 
 
-@pytest.mark.parametrize("overrides, tp, message", [
-    ({"num_attention_heads": 4, "num_key_value_heads": 2}, 3,
-     r"tensor_parallel_size=3 does not divide num_attention_heads=4"),
-    ({"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 384}, 2,
-     r"num_key_value_heads=3 can be neither split nor replicated evenly over tensor_parallel_size=2"),
-    ({"num_attention_heads": 12, "num_key_value_heads": 3, "hidden_size": 384}, 4,
-     r"num_key_value_heads=3 can be neither split nor replicated evenly over tensor_parallel_size=4"),
-    ({"intermediate_size": 510}, 4, r"tensor_parallel_size=4 does not divide intermediate_size=510"),
-])
+@pytest.mark.parametrize(
+    "overrides, tp, message",
+    [
+        (
+            {"num_attention_heads": 4, "num_key_value_heads": 2},
+            3,
+            r"tensor_parallel_size=3 does not divide num_attention_heads=4",
+        ),
+        (
+            {"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 384},
+            2,
+            r"num_key_value_heads=3 can be neither split nor replicated evenly over tensor_parallel_size=2",
+        ),
+        (
+            {"num_attention_heads": 12, "num_key_value_heads": 3, "hidden_size": 384},
+            4,
+            r"num_key_value_heads=3 can be neither split nor replicated evenly over tensor_parallel_size=4",
+        ),
+        ({"intermediate_size": 510}, 4, r"tensor_parallel_size=4 does not divide intermediate_size=510"),
+    ],
+)
 def test_unsplittable_model_is_refused_before_spawning(tmp_path, overrides, tp, message):
     before = _live_children()
     with pytest.raises(ValueError, match=message):
@@ -284,8 +308,7 @@ def test_one_kv_head_replicates_over_two_ranks(tmp_path):
 
     model_dir = _config_dir(tmp_path)  # 4 heads, 1 KV head: valid at TP=2 and TP=4
     for tp in (2, 4):
-        EngineConfig(model_dir, device="cpu", tensor_parallel_size=tp).resolve(load_hf_config(model_dir),
-                                                                               model_dir)
+        EngineConfig(model_dir, device="cpu", tensor_parallel_size=tp).resolve(load_hf_config(model_dir), model_dir)
 
 
 # --------------------------------------------------------------- GPU, NCCL
@@ -297,8 +320,9 @@ GPU_TOL = 1e-4
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("model", ["llama-1kv-hd128", "qwen3-gqa4-hd128"])
 def test_tp2_matches_tp1_nccl_cuda_graphs(model):
-    args = dict(device="cuda", dtype="float32", enforce_eager=False, max_model_len=256,
-                max_num_seqs=8, num_kvcache_blocks=64)
+    args = dict(
+        device="cuda", dtype="float32", enforce_eager=False, max_model_len=256, max_num_seqs=8, num_kvcache_blocks=64
+    )
     with LLM(zoo_model(model), **args) as llm:
         expected = _generate(llm, model)
     del llm

@@ -8,6 +8,7 @@ Rank 0 samples and broadcasts the tokens (``ModelRunner._share_sampled``): the m
 equivalence test catches through the seeded rows. The GPU run (NCCL, CUDA graphs) is
 ``scripts/tp_gpu_check.sh``.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,31 +27,54 @@ from tests.test_tp import _live_children, _wait_gone, _worker_pids
 MODEL = "qwen3-gqa2-hd64-tied"
 VOCAB = ZOO[MODEL].vocab_size
 # a small cache (40 blocks of 4 tokens for 16 requests of up to 64 tokens): preemption and recompute
-ARGS = {"device": "cpu", "dtype": "float32", "block_size": 4, "max_model_len": 256,
-        "max_num_batched_tokens": 64, "num_kvcache_blocks": 40, "seed": 0}
-TOL = 1e-4   # TP=2 sums its GEMMs in another order than TP=1: float32 rounding, never a token here
+ARGS = {
+    "device": "cpu",
+    "dtype": "float32",
+    "block_size": 4,
+    "max_model_len": 256,
+    "max_num_batched_tokens": 64,
+    "num_kvcache_blocks": 40,
+    "seed": 0,
+}
+TOL = 1e-4  # TP=2 sums its GEMMs in another order than TP=1: float32 rounding, never a token here
 
 
 def _workload(n: int = 16, seed: int = 0):
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 40))] for _ in range(n)]
     # the zoo's word-level tokenizer spells token i "w<i>": "w1" ends a text at any w1, w1x, w1xx
-    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=None if i % 2 else 100 + i,
-                             max_tokens=rng.randint(4, 24), stop=["w1", "w7"] if i % 3 == 0 else None,
-                             logprobs=2 if i % 4 == 0 else None, prompt_logprobs=2 if i % 4 == 1 else None)
-              for i in range(n)]
+    params = [
+        SamplingParams(
+            temperature=0.0 if i % 2 else 0.8,
+            seed=None if i % 2 else 100 + i,
+            max_tokens=rng.randint(4, 24),
+            stop=["w1", "w7"] if i % 3 == 0 else None,
+            logprobs=2 if i % 4 == 0 else None,
+            prompt_logprobs=2 if i % 4 == 1 else None,
+        )
+        for i in range(n)
+    ]
     return prompts, params
 
 
 def _summary(outs) -> list:
-    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason,
-             o.outputs[0].cumulative_logprob, o.outputs[0].logprobs, o.prompt_logprobs) for o in outs]
+    return [
+        (
+            o.outputs[0].token_ids,
+            o.outputs[0].finish_reason,
+            o.outputs[0].stop_reason,
+            o.outputs[0].cumulative_logprob,
+            o.outputs[0].logprobs,
+            o.prompt_logprobs,
+        )
+        for o in outs
+    ]
 
 
 def _values(logprob_dicts) -> tuple[list, torch.Tensor]:
     keys, vals = [], []
     for d in logprob_dicts or []:
-        if d is None:   # the first prompt position
+        if d is None:  # the first prompt position
             keys.append(None)
             continue
         keys.append(sorted((t, lp.rank) for t, lp in d.items()))
@@ -88,6 +112,7 @@ def placeholder_rows(monkeypatch):
         mi, plan = build(*args, **kwargs)
         counts["rows"] += len(mi.pending_rows)
         return mi, plan
+
     monkeypatch.setattr(engine_module, "build_model_input", counting_build)
     return counts
 
@@ -135,6 +160,7 @@ def test_tp2_step_abandoned_by_an_interrupt(tp2_async, monkeypatch):
             assert self._inflight is not None, "no step in flight at the interrupt"
             raise KeyboardInterrupt
         return complete(self, launched)
+
     monkeypatch.setattr(engine_module.LLMEngine, "_complete", interrupted)
     with pytest.raises(KeyboardInterrupt):
         tp2_async.generate(prompts, params, use_tqdm=False)
@@ -154,13 +180,17 @@ def test_tp2_async_killed_worker_raises_quickly_and_leaves_no_process():
             killed["at"] = time.monotonic()
             os.kill(_worker_pids(llm)[1], signal.SIGKILL)
 
-    llm = LLM(zoo_model(MODEL), tensor_parallel_size=2, async_scheduling=True, trace=kill_rank1,
-              **{**ARGS, "num_kvcache_blocks": 400})
+    llm = LLM(
+        zoo_model(MODEL),
+        tensor_parallel_size=2,
+        async_scheduling=True,
+        trace=kill_rank1,
+        **{**ARGS, "num_kvcache_blocks": 400},
+    )
     pids = _worker_pids(llm)
     prompts, _ = _workload(n=8, seed=1)
     with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) was killed by signal SIGKILL"):
-        llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 8,
-                     use_tqdm=False)
+        llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 8, use_tqdm=False)
     assert killed and llm.llm_engine.num_pipelined_steps > 0
     assert time.monotonic() - killed["at"] < 10.0
     llm.close()

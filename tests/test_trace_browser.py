@@ -2,6 +2,7 @@
 loads offline without errors, its DOM matches the trace JSON (step count, preemption and
 prefix-cache markers, KV usage, block tables), and keyboard and mouse navigation work.
 Screenshots of the four views go to $NANOVLLM_TRACE_SCREENSHOTS (default: the test's tmp dir)."""
+
 from __future__ import annotations
 
 import os
@@ -40,9 +41,12 @@ def _index(page) -> int:
 
 
 def dom_block_tables(page) -> dict:
-    return dict(page.eval_on_selector_all(
-        "#step-detail table.block-table",
-        "ts => ts.map(t => [t.dataset.request, [...t.querySelectorAll('td')].map(td => Number(td.dataset.blockId))])"))
+    return dict(
+        page.eval_on_selector_all(
+            "#step-detail table.block-table",
+            "ts => ts.map(t => [t.dataset.request, [...t.querySelectorAll('td')].map(td => Number(td.dataset.blockId))])",
+        )
+    )
 
 
 def doc_block_tables(doc, i: int) -> dict:
@@ -50,8 +54,12 @@ def doc_block_tables(doc, i: int) -> dict:
 
 
 def _markers(page, svg: str, cls: str) -> set:
-    return {tuple(x) for x in page.eval_on_selector_all(
-        f"#{svg} .marker.{cls}", "ms => ms.map(m => [Number(m.dataset.step), m.dataset.request || null])")}
+    return {
+        tuple(x)
+        for x in page.eval_on_selector_all(
+            f"#{svg} .marker.{cls}", "ms => ms.map(m => [Number(m.dataset.step), m.dataset.request || null])"
+        )
+    }
 
 
 def test_viewer_in_chromium(trace, tmp_path):
@@ -90,11 +98,12 @@ def test_viewer_in_chromium(trace, tmp_path):
         assert page.is_visible("#view-step") and not page.is_visible("#view-timeline")
         assert dom_block_tables(page) == doc_block_tables(doc, hit_step)
         hit_seq = next(q for q in steps[hit_step]["seqs"] if q["request_id"] == hit_rid)
-        num_hit = page.eval_on_selector_all(f'#step-detail table.block-table[data-request="{hit_rid}"] td.hit',
-                                            "tds => tds.length")
+        num_hit = page.eval_on_selector_all(
+            f'#step-detail table.block-table[data-request="{hit_rid}"] td.hit', "tds => tds.length"
+        )
         assert num_hit == hit_seq["num_cached_tokens"] // doc["block_size"] > 0
         page.screenshot(path=str(shots / "trace-step.png"), full_page=True)
-        for i in (0, first_preempt, n - 1):        # slider + block tables at other steps
+        for i in (0, first_preempt, n - 1):  # slider + block tables at other steps
             page.eval_on_selector("#step-slider", f"(s) => {{ s.value = '{i}'; s.dispatchEvent(new Event('input')); }}")
             assert _index(page) == i and dom_block_tables(page) == doc_block_tables(doc, i)
         # --- mouse: a tab, a timeline cell, the KV chart, a request row
@@ -132,8 +141,15 @@ def test_block_table_check_catches_a_viewer_bug(trace, tmp_path, monkeypatch):
     from nanovllm.trace_html import page as page_mod
 
     real = page_mod._asset
-    monkeypatch.setattr(page_mod, "_asset", lambda name: real(name).replace(
-        "s.block_ids.forEach(", "s.block_ids.slice(1).forEach(") if name == "viewer.js" else real(name))
+    monkeypatch.setattr(
+        page_mod,
+        "_asset",
+        lambda name: (
+            real(name).replace("s.block_ids.forEach(", "s.block_ids.slice(1).forEach(")
+            if name == "viewer.js"
+            else real(name)
+        ),
+    )
     _, doc = trace
     path = tmp_path / "buggy.html"
     page_mod.write_html(path, doc)

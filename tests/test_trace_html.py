@@ -1,6 +1,7 @@
 """The trace document and page: step timestamps, per-request summaries that agree with the
 outputs, block tables equal to the events', a page with no external resource whose embedded
 JSON survives any text, and the `nanovllm trace` command."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,9 @@ MODEL = "llama-mha-hd64"
 @pytest.fixture(scope="module")
 def run():
     """A starved KV cache and a small token budget: preemptions and chunked prefill."""
-    llm = LLM(zoo_model(MODEL), device="cpu", block_size=16, num_kvcache_blocks=9, max_num_batched_tokens=24,
-              trace=True)
+    llm = LLM(
+        zoo_model(MODEL), device="cpu", block_size=16, num_kvcache_blocks=9, max_num_batched_tokens=24, trace=True
+    )
     prompts = prompts_for(ZOO[MODEL].vocab_size, (40, 23, 17, 33, 5, 60), seed=1)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
     events = list(llm.llm_engine.tracer.events)
@@ -44,7 +46,7 @@ def test_events_are_timed_and_summaries_match_outputs(run):
     llm, events, outs, _ = run
     assert llm.stats()["preemptions"] > 0
     assert all(e.t_end is not None and e.duration >= 0 for e in events)
-    assert all(a.t_end <= b.t_start for a, b in zip(events, events[1:]))   # synchronous steps do not overlap
+    assert all(a.t_end <= b.t_start for a, b in zip(events, events[1:]))  # synchronous steps do not overlap
     check_summaries(events, outs)
     assert sum(s.num_preemptions for s in summarize_requests(events).values()) == llm.stats()["preemptions"]
     # negative control: a trace missing one decode step no longer agrees with the outputs
@@ -74,14 +76,14 @@ def test_document_matches_events(run):
         r = by_id[o.request_id]
         assert r["num_output_tokens"] == len(o.outputs[0].token_ids) == 40
         assert r["num_prompt_tokens"] == len(o.prompt_token_ids)
-    json.dumps(doc, allow_nan=False)   # plain JSON
+    json.dumps(doc, allow_nan=False)  # plain JSON
 
 
 def test_page_is_self_contained_and_embeds_the_document(run):
     *_, doc = run
     page = render_html(doc)
     assert not re.search(r"<(link|img|iframe)\b|\b(src|href)\s*=|@import|url\(", page, re.I), "external resource"
-    assert "</script><script>alert" not in page      # the title cannot end the data script early
+    assert "</script><script>alert" not in page  # the title cannot end the data script early
     data = re.search(r'<script type="application/json" id="trace-data">(.*?)</script>', page, re.S).group(1)
     assert json.loads(data) == json.loads(json.dumps(doc))
     # negative control: the same extraction fails on a page built without the escaping
@@ -107,9 +109,25 @@ def _cli(capsys, *args):
 
 def test_cli_trace_writes_html_and_json(tmp_path, capsys):
     html, js = tmp_path / "run.html", tmp_path / "run.json"
-    code, out, err = _cli(capsys, "trace", "--model", zoo_model(MODEL), "w10 w20 w30 w40", "w5 w6", "--max-tokens", "5",
-             "--temperature", "0", "--ignore-eos", "--max-num-batched-tokens", "3", "--html", str(html),
-             "--json", str(js))
+    code, out, err = _cli(
+        capsys,
+        "trace",
+        "--model",
+        zoo_model(MODEL),
+        "w10 w20 w30 w40",
+        "w5 w6",
+        "--max-tokens",
+        "5",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--max-num-batched-tokens",
+        "3",
+        "--html",
+        str(html),
+        "--json",
+        str(js),
+    )
     assert code == 0, err
     doc = json.loads(js.read_text())
     assert len(doc["requests"]) == 2 and all(q["num_output_tokens"] == 5 for q in doc["requests"])
@@ -125,5 +143,6 @@ def test_cli_trace_demo_workload(tmp_path, capsys):
     assert code == 0, err
     doc = json.loads(js.read_text())
     assert any(s["preempted"] for s in doc["steps"]) and any(
-        q["num_cached_tokens"] for s in doc["steps"] for q in s["seqs"])
+        q["num_cached_tokens"] for s in doc["steps"] for q in s["seqs"]
+    )
     assert doc["config"]["num_kvcache_blocks"] == 8 and doc["config"]["max_num_batched_tokens"] == 32

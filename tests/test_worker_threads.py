@@ -1,6 +1,7 @@
 """Test processes share the machine's cores: under pytest-xdist each worker's torch uses its share
 of the threads (oversubscribed OpenMP pools made the suite several times slower, on this machine
 and on a 16-core GPU host), and its subprocesses inherit the same share."""
+
 from __future__ import annotations
 
 import os
@@ -20,14 +21,20 @@ needs_xdist = pytest.mark.skipif(WORKERS < 2, reason="checks pytest-xdist's thre
 def test_torch_threads_are_this_workers_share():
     cores = usable_cores()
     share = int(os.environ["OMP_NUM_THREADS"])
-    assert torch.get_num_threads() == share, \
+    assert torch.get_num_threads() == share, (
         f"torch uses {torch.get_num_threads()} threads, OMP_NUM_THREADS says {share}"
+    )
     if cores >= WORKERS:
         assert share * WORKERS <= cores, f"{WORKERS} workers x {share} threads on {cores} cores"
 
 
 @needs_xdist
 def test_subprocesses_inherit_the_share():
-    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
-                         capture_output=True, text=True, check=True, timeout=120).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
     assert int(out) == int(os.environ["OMP_NUM_THREADS"])

@@ -15,6 +15,7 @@ An engine is named in three ways, looked up in this order:
   virtual environment, driven through a subprocess), openai (any OpenAI-compatible server, by base
   URL and model), llama-cpp (llama-cpp-python in this process).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -65,8 +66,7 @@ def load_spec(spec: str) -> type[EngineAdapter]:
         except AttributeError:
             raise ValueError(f"adapter {spec!r}: module {module!r} has no {attr!r}") from None
     if not (isinstance(obj, type) and issubclass(obj, EngineAdapter)):
-        raise ValueError(f"adapter {spec!r} is {obj!r}, not a subclass of "
-                         f"conformance.adapters.base.EngineAdapter")
+        raise ValueError(f"adapter {spec!r} is {obj!r}, not a subclass of conformance.adapters.base.EngineAdapter")
     if not obj.name:
         raise ValueError(f"adapter {spec!r} sets no name")
     return obj
@@ -78,9 +78,11 @@ def adapter_class(name: str) -> type[EngineAdapter]:
         return load_spec(name)
     known = registered()
     if name not in known:
-        raise KeyError(f"unknown engine {name!r}; known: {', '.join(sorted(known))} "
-                       f"(or pass --adapter module:Class; installed packages register names in the "
-                       f"entry-point group {ENTRY_POINT_GROUP!r})")
+        raise KeyError(
+            f"unknown engine {name!r}; known: {', '.join(sorted(known))} "
+            f"(or pass --adapter module:Class; installed packages register names in the "
+            f"entry-point group {ENTRY_POINT_GROUP!r})"
+        )
     return load_spec(known[name])
 
 

@@ -32,6 +32,7 @@ async_scheduling          ASYNC_SCHEDULING      overlap scheduling with the mode
 seed, dtype, device       (always)              engine seed, "float32", "cpu" / "cuda"
 ========================  ====================  ==========================================
 """
+
 from __future__ import annotations
 
 import enum
@@ -44,28 +45,28 @@ class Capability(str, enum.Enum):
     """What a check may need from an engine. The value is the name used in messages and reports."""
 
     # requests
-    GREEDY = "greedy"                        # temperature 0 = argmax
-    SAMPLING = "sampling"                    # temperature > 0
-    SEED = "seed"                            # per-request seeds (reproducible, batch-independent)
+    GREEDY = "greedy"  # temperature 0 = argmax
+    SAMPLING = "sampling"  # temperature > 0
+    SEED = "seed"  # per-request seeds (reproducible, batch-independent)
     TOP_K = "top_k"
     TOP_P = "top_p"
     MIN_P = "min_p"
-    LOGPROBS = "logprobs"                    # top-k logprobs of the raw distribution, with ranks, per step
-    SAMPLED_LOGPROB = "sampled_logprob"      # only the sampled token's logprob per step
+    LOGPROBS = "logprobs"  # top-k logprobs of the raw distribution, with ranks, per step
+    SAMPLED_LOGPROB = "sampled_logprob"  # only the sampled token's logprob per step
     PROMPT_LOGPROBS = "prompt_logprobs"
-    STOP_STRINGS = "stop_strings"            # text trimmed at a stop string (include_stop_str_in_output)
+    STOP_STRINGS = "stop_strings"  # text trimmed at a stop string (include_stop_str_in_output)
     STOP_TOKEN_IDS = "stop_token_ids"
     MIN_TOKENS = "min_tokens"
-    EOS = "eos"                              # stops at the model's EOS ids unless ignore_eos
-    IGNORE_EOS = "ignore_eos"                # generates on past EOS (every 64-token greedy comparison needs it)
-    TEXT = "text"                            # detokenized output text
-    TOKEN_IDS = "token_ids"                  # takes token-id prompts, returns the output's ids (text-only APIs lack it)
+    EOS = "eos"  # stops at the model's EOS ids unless ignore_eos
+    IGNORE_EOS = "ignore_eos"  # generates on past EOS (every 64-token greedy comparison needs it)
+    TEXT = "text"  # detokenized output text
+    TOKEN_IDS = "token_ids"  # takes token-id prompts, returns the output's ids (text-only APIs lack it)
     # engine-wide counters and behaviour
     PREFIX_CACHE_STATS = "prefix_cache_stats"  # per-request cached-token counter
-    PREEMPTION_STATS = "preemption_stats"      # engine-wide preemption counter
-    ADMISSION_CONTROL = "admission_control"    # refuses a request that can never fit
+    PREEMPTION_STATS = "preemption_stats"  # engine-wide preemption counter
+    ADMISSION_CONTROL = "admission_control"  # refuses a request that can never fit
     # models
-    ANY_MODEL = "any_model"                  # loads whichever model a check names, not one fixed model or format
+    ANY_MODEL = "any_model"  # loads whichever model a check names, not one fixed model or format
     # engine knobs (see the table above)
     BLOCK_SIZE = "block_size"
     KV_BUDGET = "kv_budget"
@@ -102,10 +103,16 @@ STOP_STRINGS, STOP_TOKEN_IDS, MIN_TOKENS, EOS, TEXT = C.STOP_STRINGS, C.STOP_TOK
 PREFIX_CACHE_STATS, PREEMPTION_STATS, ADMISSION_CONTROL = C.PREFIX_CACHE_STATS, C.PREEMPTION_STATS, C.ADMISSION_CONTROL
 
 KNOB_CAPABILITY: dict[str, Capability] = {
-    "block_size": C.BLOCK_SIZE, "kv_blocks": C.KV_BUDGET, "kv_cache_gib": C.KV_BUDGET,
+    "block_size": C.BLOCK_SIZE,
+    "kv_blocks": C.KV_BUDGET,
+    "kv_cache_gib": C.KV_BUDGET,
     "max_batched_tokens": C.CHUNK_BUDGET,
-    "chunked_prefill": C.CHUNK_BUDGET, "prefix_cache": C.PREFIX_CACHE, "tp": C.TP,
-    "cuda_graph": C.CUDA_GRAPH, "max_num_seqs": C.MAX_NUM_SEQS, "max_model_len": C.MAX_MODEL_LEN,
+    "chunked_prefill": C.CHUNK_BUDGET,
+    "prefix_cache": C.PREFIX_CACHE,
+    "tp": C.TP,
+    "cuda_graph": C.CUDA_GRAPH,
+    "max_num_seqs": C.MAX_NUM_SEQS,
+    "max_model_len": C.MAX_MODEL_LEN,
     "async_scheduling": C.ASYNC_SCHEDULING,
 }
 ALWAYS_KNOBS = {"seed", "dtype", "device"}
@@ -150,12 +157,18 @@ class Sampling:
     def needs(self) -> set[Capability]:
         """The capabilities this request needs."""
         caps = {C.GREEDY} if self.temperature == 0 else {C.SAMPLING}
-        for used, cap in ((self.top_k, C.TOP_K), (self.top_p < 1.0, C.TOP_P), (self.min_p > 0, C.MIN_P),
-                          (self.seed is not None, C.SEED), (self.ignore_eos, C.IGNORE_EOS),
-                          (self.stop, C.STOP_STRINGS),
-                          (self.stop_token_ids, C.STOP_TOKEN_IDS), (self.min_tokens, C.MIN_TOKENS),
-                          (self.logprobs is not None, C.LOGPROBS),
-                          (self.prompt_logprobs is not None, C.PROMPT_LOGPROBS)):
+        for used, cap in (
+            (self.top_k, C.TOP_K),
+            (self.top_p < 1.0, C.TOP_P),
+            (self.min_p > 0, C.MIN_P),
+            (self.seed is not None, C.SEED),
+            (self.ignore_eos, C.IGNORE_EOS),
+            (self.stop, C.STOP_STRINGS),
+            (self.stop_token_ids, C.STOP_TOKEN_IDS),
+            (self.min_tokens, C.MIN_TOKENS),
+            (self.logprobs is not None, C.LOGPROBS),
+            (self.prompt_logprobs is not None, C.PROMPT_LOGPROBS),
+        ):
             if used:
                 caps.add(cap)
         return caps
@@ -170,10 +183,10 @@ class Logprob:
 @dataclass
 class Result:
     token_ids: list[int]
-    finish_reason: str | None            # "stop" | "length" | ... (engine's words, normalised to vLLM's)
+    finish_reason: str | None  # "stop" | "length" | ... (engine's words, normalised to vLLM's)
     text: str | None = None
     stop_reason: int | str | None = None
-    logprobs: list[dict[int, Logprob]] | None = None         # per generated token
+    logprobs: list[dict[int, Logprob]] | None = None  # per generated token
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None, {..}, ...] per prompt token
     num_cached_tokens: int | None = None  # prefix-cache hit at admission, when the engine tells
     num_preemptions: int | None = None

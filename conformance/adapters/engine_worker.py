@@ -10,6 +10,7 @@ in $CONFORMANCE_REPLY_FD (stdout is pointed at stderr so library prints cannot c
     {"op": "close"}                                       -> exits
 Errors: {"ok": false, "type": "ValueError", "error": "...", "unsupported": CAPABILITY or null}.
 """
+
 import json
 import os
 import sys
@@ -37,19 +38,25 @@ def _lp_dicts(entries):
 class VLLMBackend:
     def __init__(self):
         import vllm
+
         self.version = f"vllm {vllm.__version__}"
         self.llm = None
 
     def load(self, model, knobs):
         from vllm import LLM
+
         if knobs.get("tp") not in (None, 1):
             raise Unsupported("tp", "the adapter runs vLLM in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
         if knobs.get("cuda_graph"):
             raise Unsupported("cuda_graph", "CPU build")
-        args = {"model": model, "dtype": knobs.get("dtype") or "float32", "seed": knobs.get("seed") or 0,
-                "disable_log_stats": False,
-                # on the CPU build this is the share of host memory vLLM reserves (the KV cache lives there)
-                "gpu_memory_utilization": float(os.environ.get("CONFORMANCE_VLLM_MEMORY_UTILIZATION", "0.15"))}
+        args = {
+            "model": model,
+            "dtype": knobs.get("dtype") or "float32",
+            "seed": knobs.get("seed") or 0,
+            "disable_log_stats": False,
+            # on the CPU build this is the share of host memory vLLM reserves (the KV cache lives there)
+            "gpu_memory_utilization": float(os.environ.get("CONFORMANCE_VLLM_MEMORY_UTILIZATION", "0.15")),
+        }
         if os.environ.get("CONFORMANCE_VLLM_COMPILE", "0") != "1":
             # eager: torch.compile of every new model shape costs minutes on a CPU; the scheduler,
             # KV cache and sampler under test are the same
@@ -83,22 +90,41 @@ class VLLMBackend:
 
     def generate(self, prompts, params):
         from vllm import SamplingParams, TokensPrompt
+
         sps = []
         for p in params:
-            sps.append(SamplingParams(
-                temperature=p["temperature"], top_k=p["top_k"] or 0, top_p=p["top_p"], min_p=p["min_p"],
-                seed=p["seed"], max_tokens=p["max_tokens"], min_tokens=p["min_tokens"], stop=list(p["stop"]),
-                stop_token_ids=list(p["stop_token_ids"]), ignore_eos=p["ignore_eos"],
-                include_stop_str_in_output=p["include_stop_str_in_output"], logprobs=p["logprobs"],
-                prompt_logprobs=p["prompt_logprobs"]))
+            sps.append(
+                SamplingParams(
+                    temperature=p["temperature"],
+                    top_k=p["top_k"] or 0,
+                    top_p=p["top_p"],
+                    min_p=p["min_p"],
+                    seed=p["seed"],
+                    max_tokens=p["max_tokens"],
+                    min_tokens=p["min_tokens"],
+                    stop=list(p["stop"]),
+                    stop_token_ids=list(p["stop_token_ids"]),
+                    ignore_eos=p["ignore_eos"],
+                    include_stop_str_in_output=p["include_stop_str_in_output"],
+                    logprobs=p["logprobs"],
+                    prompt_logprobs=p["prompt_logprobs"],
+                )
+            )
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(x)) for x in prompts], sps, use_tqdm=False)
         results = []
         for o in outs:
             c = o.outputs[0]
-            results.append({"token_ids": list(c.token_ids), "finish_reason": c.finish_reason, "text": c.text,
-                            "stop_reason": c.stop_reason, "logprobs": _lp_dicts(c.logprobs),
-                            "prompt_logprobs": _lp_dicts(o.prompt_logprobs),
-                            "num_cached_tokens": getattr(o, "num_cached_tokens", None)})
+            results.append(
+                {
+                    "token_ids": list(c.token_ids),
+                    "finish_reason": c.finish_reason,
+                    "text": c.text,
+                    "stop_reason": c.stop_reason,
+                    "logprobs": _lp_dicts(c.logprobs),
+                    "prompt_logprobs": _lp_dicts(o.prompt_logprobs),
+                    "num_cached_tokens": getattr(o, "num_cached_tokens", None),
+                }
+            )
         return results
 
     def stats(self):

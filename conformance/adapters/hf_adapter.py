@@ -8,6 +8,7 @@ vocabulary such as the zoo's): the adapter generates on and cuts tokens and text
 first stop string the way vLLM defines it (exact: later tokens do not change earlier ones). Identical unseeded requests (the sampling-distribution check)
 run as one batch of identical rows: independent samples, no padding.
 """
+
 from __future__ import annotations
 
 import random
@@ -31,9 +32,26 @@ def logprob_entry(row: torch.Tensor, token: int, k: int) -> dict[int, Logprob]:
 
 class HFAdapter(EngineAdapter):
     name = "hf"
-    capabilities = frozenset({C.GREEDY, C.SAMPLING, C.SEED, C.TOP_K, C.TOP_P, C.MIN_P,
-                              C.LOGPROBS, C.SAMPLED_LOGPROB, C.PROMPT_LOGPROBS, C.STOP_STRINGS,
-                              C.STOP_TOKEN_IDS, C.MIN_TOKENS, C.EOS, C.IGNORE_EOS, C.TEXT, C.ANY_MODEL})
+    capabilities = frozenset(
+        {
+            C.GREEDY,
+            C.SAMPLING,
+            C.SEED,
+            C.TOP_K,
+            C.TOP_P,
+            C.MIN_P,
+            C.LOGPROBS,
+            C.SAMPLED_LOGPROB,
+            C.PROMPT_LOGPROBS,
+            C.STOP_STRINGS,
+            C.STOP_TOKEN_IDS,
+            C.MIN_TOKENS,
+            C.EOS,
+            C.IGNORE_EOS,
+            C.TEXT,
+            C.ANY_MODEL,
+        }
+    )
 
     def __init__(self):
         import transformers
@@ -45,6 +63,7 @@ class HFAdapter(EngineAdapter):
     @staticmethod
     def describe() -> str:
         import transformers
+
         return f"transformers {transformers.__version__} generate + teacher-forced scoring (torch {torch.__version__})"
 
     def load(self, model_dir: str, **knobs) -> None:
@@ -74,7 +93,7 @@ class HFAdapter(EngineAdapter):
             groups.setdefault(key, []).append(i)
         for members in groups.values():
             for start in range(0, len(members), 256):
-                chunk = members[start:start + 256]
+                chunk = members[start : start + 256]
                 outs = self._generate_rows(prompts[chunk[0]], params[chunk[0]], len(chunk))
                 for i, r in zip(chunk, outs):
                     results[i] = r
@@ -85,24 +104,30 @@ class HFAdapter(EngineAdapter):
         stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids)
         stop_ids = list(dict.fromkeys(stop_ids))
         ids = torch.tensor([prompt] * rows)
-        kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=p.max_tokens,
-                  min_new_tokens=p.min_tokens or None, output_logits=True, return_dict_in_generate=True,
-                  pad_token_id=0, eos_token_id=stop_ids or None)
+        kw = dict(
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=p.max_tokens,
+            min_new_tokens=p.min_tokens or None,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+            eos_token_id=stop_ids or None,
+        )
         if p.temperature == 0:
             kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         else:
-            kw.update(do_sample=True, temperature=p.temperature, top_k=p.top_k or None, top_p=p.top_p,
-                      min_p=p.min_p or None)
+            kw.update(
+                do_sample=True, temperature=p.temperature, top_k=p.top_k or None, top_p=p.top_p, min_p=p.min_p or None
+            )
         torch.manual_seed(p.seed if p.seed is not None else self._rng.getrandbits(62))
         out = self.model.generate(ids, **kw)
         step_lps = torch.log_softmax(torch.stack(out.logits, dim=1).float(), dim=-1)  # [rows, steps, V]
         prompt_lps = self._prompt_logprobs(prompt, p.prompt_logprobs) if p.prompt_logprobs is not None else None
         results = []
         for r in range(rows):
-            toks = out.sequences[r, len(prompt):].tolist()
+            toks = out.sequences[r, len(prompt) :].tolist()
             # generate pads finished rows; the request ends at its first stop token
-            end = next((t + 1 for t, tok in enumerate(toks) if tok in stop_ids and t + 1 >= p.min_tokens),
-                       len(toks))
+            end = next((t + 1 for t, tok in enumerate(toks) if tok in stop_ids and t + 1 >= p.min_tokens), len(toks))
             toks = toks[:end]
             finish, stop_reason = "length", None
             if toks and toks[-1] in stop_ids and len(toks) >= max(p.min_tokens, 1):

@@ -9,6 +9,7 @@ no stop strings or min_tokens, no cached-token counter. Preemptions are counted 
 the engine's ``OffloadingManager.offload_requests`` (requests it takes off the active set).
 Text is decoded by the adapter (the engine returns token ids).
 """
+
 from __future__ import annotations
 
 import os
@@ -37,16 +38,33 @@ def _count_offloads() -> None:
             ok = orig(self)
             _offloaded[0] += max(0, before - len(self.scheduler.active_requests))
             return ok
+
         om.OffloadingManager.offload_requests = offload_requests  # type: ignore[method-assign]
         _patched[0] = True
 
 
 class HFContinuousBatchingAdapter(EngineAdapter):
     name = "hf-cb"
-    capabilities = frozenset({C.GREEDY, C.SAMPLING, C.TOP_K, C.TOP_P, C.MIN_P,
-                              C.STOP_TOKEN_IDS, C.EOS, C.IGNORE_EOS, C.TEXT, C.PREEMPTION_STATS,
-                              C.ANY_MODEL, C.BLOCK_SIZE, C.KV_BUDGET, C.CHUNK_BUDGET, C.PREFIX_CACHE,
-                              C.MAX_NUM_SEQS})
+    capabilities = frozenset(
+        {
+            C.GREEDY,
+            C.SAMPLING,
+            C.TOP_K,
+            C.TOP_P,
+            C.MIN_P,
+            C.STOP_TOKEN_IDS,
+            C.EOS,
+            C.IGNORE_EOS,
+            C.TEXT,
+            C.PREEMPTION_STATS,
+            C.ANY_MODEL,
+            C.BLOCK_SIZE,
+            C.KV_BUDGET,
+            C.CHUNK_BUDGET,
+            C.PREFIX_CACHE,
+            C.MAX_NUM_SEQS,
+        }
+    )
     preferred_block_size = 16
     max_live = 2  # each engine holds a model and sizes a KV cache from host memory
 
@@ -58,16 +76,17 @@ class HFContinuousBatchingAdapter(EngineAdapter):
     @staticmethod
     def describe() -> str:
         import transformers
-        return (f"transformers {transformers.__version__} continuous batching (paged|sdpa) "
-                f"(torch {torch.__version__})")
+
+        return f"transformers {transformers.__version__} continuous batching (paged|sdpa) (torch {torch.__version__})"
 
     def load(self, model_dir: str, **knobs) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         self.check_knobs(knobs)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: torch.float32}[knobs.get("dtype")]
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
-                                                          attn_implementation="paged|sdpa").eval()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, attn_implementation="paged|sdpa"
+        ).eval()
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         except (OSError, ValueError):
@@ -83,8 +102,10 @@ class HFContinuousBatchingAdapter(EngineAdapter):
 
         k = self.knobs
         # on a CPU the cache is sized from host memory; the suite's workloads need little of it
-        cfg = {"seed": k.get("seed") or 0,
-               "max_memory_percent": float(os.environ.get("CONFORMANCE_HF_CB_MEMORY_PERCENT", "0.05"))}
+        cfg = {
+            "seed": k.get("seed") or 0,
+            "max_memory_percent": float(os.environ.get("CONFORMANCE_HF_CB_MEMORY_PERCENT", "0.05")),
+        }
         if k.get("block_size") is not None:
             cfg["page_size"] = k["block_size"]
         if k.get("kv_blocks") is not None:
@@ -107,8 +128,10 @@ class HFContinuousBatchingAdapter(EngineAdapter):
         for i, p in enumerate(params):
             groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p), []).append(i)
         for (temp, top_k, top_p, min_p), members in groups.items():
-            for i, r in zip(members, self._run_group([prompts[i] for i in members],
-                                                      [params[i] for i in members], temp, top_k, top_p, min_p)):
+            for i, r in zip(
+                members,
+                self._run_group([prompts[i] for i in members], [params[i] for i in members], temp, top_k, top_p, min_p),
+            ):
                 results[i] = r
         return results  # type: ignore[return-value]
 
@@ -117,19 +140,29 @@ class HFContinuousBatchingAdapter(EngineAdapter):
         from transformers import GenerationConfig
 
         sample = temp > 0
-        gen = GenerationConfig(do_sample=sample, max_new_tokens=max(p.max_tokens for p in params),
-                               eos_token_id=-1, pad_token_id=0,
-                               temperature=temp if sample else None, top_k=(top_k or None) if sample else None,
-                               top_p=top_p if sample else None, min_p=(min_p or None) if sample else None)
+        gen = GenerationConfig(
+            do_sample=sample,
+            max_new_tokens=max(p.max_tokens for p in params),
+            eos_token_id=-1,
+            pad_token_id=0,
+            temperature=temp if sample else None,
+            top_k=(top_k or None) if sample else None,
+            top_p=top_p if sample else None,
+            min_p=(min_p or None) if sample else None,
+        )
         stop_lists = []
-        with self.model.continuous_batching_context_manager(generation_config=gen, block=True, timeout=600,
-                                                            continuous_batching_config=self._cb_config()) as m:
+        with self.model.continuous_batching_context_manager(
+            generation_config=gen, block=True, timeout=600, continuous_batching_config=self._cb_config()
+        ) as m:
             ids = []
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 stops = list(dict.fromkeys(list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids)))
                 stop_lists.append(stops)
-                ids.append(m.add_request(list(prompt), request_id=f"r{i}", max_new_tokens=p.max_tokens,
-                                         eos_token_id=stops or -1))
+                ids.append(
+                    m.add_request(
+                        list(prompt), request_id=f"r{i}", max_new_tokens=p.max_tokens, eos_token_id=stops or -1
+                    )
+                )
             done: dict = {}
             while len(done) < len(ids):
                 r = m.get_result(timeout=1)

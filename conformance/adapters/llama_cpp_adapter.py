@@ -19,6 +19,7 @@ always on. Logprobs are the log-softmax of the raw logits (``logits_all=True``);
 stop ids and EOS end a request where the adapter sees them (vLLM's rules). Not supported:
 min_tokens (llama-cpp-python's logits processors are not wired to its sampler), engine knobs.
 """
+
 from __future__ import annotations
 
 import os
@@ -84,9 +85,26 @@ def file_arithmetic(file_type) -> str | None:
 class LlamaCppAdapter(EngineAdapter):
     name = "llama-cpp"
     max_live = 2
-    capabilities = frozenset({C.GREEDY, C.SAMPLING, C.SEED, C.TOP_K, C.TOP_P, C.MIN_P, C.LOGPROBS,
-                              C.SAMPLED_LOGPROB, C.PROMPT_LOGPROBS, C.STOP_STRINGS, C.STOP_TOKEN_IDS, C.EOS,
-                              C.IGNORE_EOS, C.TEXT, C.TOKEN_IDS, C.ANY_MODEL})
+    capabilities = frozenset(
+        {
+            C.GREEDY,
+            C.SAMPLING,
+            C.SEED,
+            C.TOP_K,
+            C.TOP_P,
+            C.MIN_P,
+            C.LOGPROBS,
+            C.SAMPLED_LOGPROB,
+            C.PROMPT_LOGPROBS,
+            C.STOP_STRINGS,
+            C.STOP_TOKEN_IDS,
+            C.EOS,
+            C.IGNORE_EOS,
+            C.TEXT,
+            C.TOKEN_IDS,
+            C.ANY_MODEL,
+        }
+    )
 
     def __init__(self, **llama_args):
         self.llm = None
@@ -117,8 +135,11 @@ class LlamaCppAdapter(EngineAdapter):
             try:
                 gguf = f32_gguf(model_dir)
             except (OSError, ValueError, KeyError) as e:
-                raise Unsupported(C.ANY_MODEL, f"llama.cpp loads GGUF files; {model_dir} has none and cannot "
-                                               f"be exported ({type(e).__name__}: {e})") from None
+                raise Unsupported(
+                    C.ANY_MODEL,
+                    f"llama.cpp loads GGUF files; {model_dir} has none and cannot "
+                    f"be exported ({type(e).__name__}: {e})",
+                ) from None
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -127,10 +148,17 @@ class LlamaCppAdapter(EngineAdapter):
         # the context: the model's own (max_position_embeddings), capped to keep logits_all small
         n_ctx = min(int(os.environ.get("CONFORMANCE_LLAMA_CPP_N_CTX", "1024")), context_length(gguf))
         self.context = n_ctx  # llama.cpp pads n_ctx up (to 256): the limit is the model's
-        self.llm = Llama(model_path=gguf, n_ctx=n_ctx,
-                         logits_all=True, seed=int(knobs.get("seed") or 0), n_threads=threads,
-                         n_threads_batch=threads, verbose=False,
-                         **({"type_k": GGML_TYPE_F32, "type_v": GGML_TYPE_F32} if f32 else {}), **self.llama_args)
+        self.llm = Llama(
+            model_path=gguf,
+            n_ctx=n_ctx,
+            logits_all=True,
+            seed=int(knobs.get("seed") or 0),
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+            **({"type_k": GGML_TYPE_F32, "type_v": GGML_TYPE_F32} if f32 else {}),
+            **self.llama_args,
+        )
         self._rng = random.Random(knobs.get("seed") or 0)
         self.eos = self.llm.token_eos()
         # every EOS id of the model: generation_config.json's list where there is one (an HF
@@ -148,14 +176,24 @@ class LlamaCppAdapter(EngineAdapter):
         if len(prompt) >= self.context:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit the context of {self.context} tokens")
         if len(prompt) + p.max_tokens > self.context:
-            raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens {p.max_tokens} exceeds the context of "
-                             f"{self.context} tokens")
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens + max_tokens {p.max_tokens} exceeds the context of "
+                f"{self.context} tokens"
+            )
         llm.set_seed(p.seed if p.seed is not None else self._rng.getrandbits(31))
         toks: list[int] = []
         finish, stop_reason, text = "length", None, None
         if p.max_tokens > 0:
-            for tok in llm.generate(prompt, temp=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-                                    typical_p=1.0, repeat_penalty=1.0, reset=True):
+            for tok in llm.generate(
+                prompt,
+                temp=p.temperature,
+                top_k=p.top_k,
+                top_p=p.top_p,
+                min_p=p.min_p,
+                typical_p=1.0,
+                repeat_penalty=1.0,
+                reset=True,
+            ):
                 toks.append(int(tok))
                 if tok in p.stop_token_ids:
                     finish, stop_reason = "stop", int(tok)
@@ -180,10 +218,17 @@ class LlamaCppAdapter(EngineAdapter):
             logprobs = [logprob_entry(log_softmax(rows[n - 1 + t]), tok, p.logprobs) for t, tok in enumerate(toks)]
         prompt_lps = None
         if p.prompt_logprobs is not None:
-            prompt_lps = [None] + [logprob_entry(log_softmax(rows[i - 1]), prompt[i], p.prompt_logprobs)
-                                   for i in range(1, n)]
-        return Result(token_ids=toks, finish_reason=finish, text=text, stop_reason=stop_reason,
-                      logprobs=logprobs, prompt_logprobs=prompt_lps)
+            prompt_lps = [None] + [
+                logprob_entry(log_softmax(rows[i - 1]), prompt[i], p.prompt_logprobs) for i in range(1, n)
+            ]
+        return Result(
+            token_ids=toks,
+            finish_reason=finish,
+            text=text,
+            stop_reason=stop_reason,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_lps,
+        )
 
     def _text(self, toks: list[int]) -> str:
         if self.tokenizer is not None:  # an exported zoo model: its own tokenizer has the text

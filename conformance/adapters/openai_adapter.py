@@ -35,6 +35,7 @@ What each kind of server is sent and declares:
 Logprob entries carry ranks by their order among the returned top-k; a sampled token outside
 the top-k gets rank None (the OpenAI format does not give it).
 """
+
 from __future__ import annotations
 
 import os
@@ -73,8 +74,11 @@ def _client():
     import httpx
 
     key = _env("OPENAI_API_KEY")
-    return httpx.Client(base_url=base_url(), timeout=httpx.Timeout(900.0, connect=5.0),
-                        headers={"Authorization": f"Bearer {key}"} if key else {})
+    return httpx.Client(
+        base_url=base_url(),
+        timeout=httpx.Timeout(900.0, connect=5.0),
+        headers={"Authorization": f"Bearer {key}"} if key else {},
+    )
 
 
 def probe_server(client) -> tuple[str, str, str]:
@@ -97,8 +101,15 @@ def probe_server(client) -> tuple[str, str, str]:
     except Exception:  # noqa: BLE001 - the version is informative only
         pass
     if kind is None:
-        kind = ("vllm" if owner == "vllm" else "nanovllm" if owner == "nanovllm"
-                else "llama-cpp" if owner == "me" else "generic")
+        kind = (
+            "vllm"
+            if owner == "vllm"
+            else "nanovllm"
+            if owner == "nanovllm"
+            else "llama-cpp"
+            if owner == "me"
+            else "generic"
+        )
     if kind not in SERVER_CAPABILITIES:
         raise ValueError(f"CONFORMANCE_OPENAI_SERVER={kind!r}; known: {', '.join(SERVER_CAPABILITIES)}")
     desc = f"{kind} server{' ' + version if version else ''} at {base_url()}, model {name!r} (owned_by {owner!r})"
@@ -123,8 +134,16 @@ class OpenAIAdapter(EngineAdapter):
     def _probe_ids_out(self) -> bool:
         """Does the server return token ids as token_id:N when asked (return_tokens_as_token_ids)?"""
         try:
-            reply = self._post({"model": self.model, "prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0.0,
-                                "logprobs": 0, "return_tokens_as_token_ids": True})
+            reply = self._post(
+                {
+                    "model": self.model,
+                    "prompt": [1, 2, 3],
+                    "max_tokens": 1,
+                    "temperature": 0.0,
+                    "logprobs": 0,
+                    "return_tokens_as_token_ids": True,
+                }
+            )
             tokens = (reply["choices"][0].get("logprobs") or {}).get("tokens") or []
         except (ServerError, KeyError, IndexError):
             return False
@@ -136,8 +155,10 @@ class OpenAIAdapter(EngineAdapter):
             with _client() as client:
                 probe_server(client)
         except Exception as e:  # noqa: BLE001 - any failure means: no server to check
-            return (f"no OpenAI-compatible server at {base_url()} ({type(e).__name__}: {e}); "
-                    f"set CONFORMANCE_OPENAI_BASE_URL")
+            return (
+                f"no OpenAI-compatible server at {base_url()} ({type(e).__name__}: {e}); "
+                f"set CONFORMANCE_OPENAI_BASE_URL"
+            )
         return None
 
     @classmethod
@@ -152,8 +173,11 @@ class OpenAIAdapter(EngineAdapter):
         self.check_knobs(knobs)
         served = _env("CONFORMANCE_OPENAI_MODEL_PATH")
         if served is None:
-            raise Unsupported(C.ANY_MODEL, "set CONFORMANCE_OPENAI_MODEL_PATH to the model the server runs, "
-                                           "so that checks of other models are skipped, not misjudged")
+            raise Unsupported(
+                C.ANY_MODEL,
+                "set CONFORMANCE_OPENAI_MODEL_PATH to the model the server runs, "
+                "so that checks of other models are skipped, not misjudged",
+            )
         if not same_model(model_dir, served):
             raise Unsupported(C.ANY_MODEL, f"the server runs {served}, the check needs {model_dir}")
         if not self.ids_out:
@@ -163,8 +187,14 @@ class OpenAIAdapter(EngineAdapter):
 
     # ---------------------------------------------------------------- requests
     def body(self, prompt: list[int], p: Sampling) -> dict:
-        body = {"model": self.model, "max_tokens": p.max_tokens, "temperature": p.temperature,
-                "top_p": p.top_p, "n": 1, "stream": False}
+        body = {
+            "model": self.model,
+            "max_tokens": p.max_tokens,
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "n": 1,
+            "stream": False,
+        }
         if p.seed is not None:
             body["seed"] = p.seed
         if p.stop:
@@ -179,9 +209,13 @@ class OpenAIAdapter(EngineAdapter):
                 # the ids come from the text: keep the special tokens (EOS, ...) in it (not with stop
                 # strings: the server's own text is then what is checked)
                 body["skip_special_tokens"] = False
-            body.update(min_p=p.min_p, min_tokens=p.min_tokens, ignore_eos=p.ignore_eos,
-                        stop_token_ids=list(p.stop_token_ids),
-                        include_stop_str_in_output=p.include_stop_str_in_output)
+            body.update(
+                min_p=p.min_p,
+                min_tokens=p.min_tokens,
+                ignore_eos=p.ignore_eos,
+                stop_token_ids=list(p.stop_token_ids),
+                include_stop_str_in_output=p.include_stop_str_in_output,
+            )
             if p.top_k > 0:
                 body["top_k"] = p.top_k
             if p.prompt_logprobs is not None:
@@ -198,8 +232,11 @@ class OpenAIAdapter(EngineAdapter):
         text = self.tokenizer.decode(prompt)
         again = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if list(again) != list(prompt):
-            raise Unsupported(C.TOKEN_IDS, f"the server takes text prompts and this prompt's text tokenizes to "
-                                           f"other ids ({len(again)} vs {len(prompt)} tokens)")
+            raise Unsupported(
+                C.TOKEN_IDS,
+                f"the server takes text prompts and this prompt's text tokenizes to "
+                f"other ids ({len(again)} vs {len(prompt)} tokens)",
+            )
         return text
 
     def _post(self, body: dict) -> dict:
@@ -231,10 +268,16 @@ class OpenAIAdapter(EngineAdapter):
                 choice = dict(choice, text=self.tokenizer.decode(ids, skip_special_tokens=True))
         usage = reply.get("usage") or {}
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        return Result(token_ids=list(ids), finish_reason=choice.get("finish_reason"), text=choice.get("text"),
-                      stop_reason=choice.get("stop_reason"), logprobs=logprobs,
-                      prompt_logprobs=_prompt_logprobs(choice.get("prompt_logprobs")),
-                      num_cached_tokens=cached, extra={"server": self.kind})
+        return Result(
+            token_ids=list(ids),
+            finish_reason=choice.get("finish_reason"),
+            text=choice.get("text"),
+            stop_reason=choice.get("stop_reason"),
+            logprobs=logprobs,
+            prompt_logprobs=_prompt_logprobs(choice.get("prompt_logprobs")),
+            num_cached_tokens=cached,
+            extra={"server": self.kind},
+        )
 
     def stats(self) -> dict:
         """Counters from the server's Prometheus /metrics, where it has them (vLLM's names)."""
@@ -244,8 +287,10 @@ class OpenAIAdapter(EngineAdapter):
         except Exception:  # noqa: BLE001 - metrics are optional
             return {}
         out = {}
-        for key, metric in (("preemptions", "vllm:num_preemptions_total"),
-                            ("cached_tokens", "vllm:prefix_cache_hits_total")):
+        for key, metric in (
+            ("preemptions", "vllm:num_preemptions_total"),
+            ("cached_tokens", "vllm:prefix_cache_hits_total"),
+        ):
             values = re.findall(rf"^{re.escape(metric)}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M)
             if values:
                 out[key] = int(sum(float(v) for v in values))
@@ -258,8 +303,9 @@ class OpenAIAdapter(EngineAdapter):
 def _token_id(token: str) -> int:
     m = TOKEN_ID.match(token)
     if not m:
-        raise ServerError(f"logprob token {token!r} is not of the form token_id:N "
-                          f"(the server ignored return_tokens_as_token_ids)")
+        raise ServerError(
+            f"logprob token {token!r} is not of the form token_id:N (the server ignored return_tokens_as_token_ids)"
+        )
     return int(m.group(1))
 
 

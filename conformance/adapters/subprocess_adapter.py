@@ -4,6 +4,7 @@ The adapter starts ``engine_worker.py`` with that Python, one process per loaded
 talks JSON lines to it (see engine_worker.py). vLLM's Python is $NANOVLLM_VLLM_PYTHON or
 ``.venv-vllm/bin/python`` under the current directory (the suite's README says how to install it).
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,8 @@ class SubprocessAdapter(EngineAdapter):
     python_env = ""
     pythonpath_env = ""
     default_python: str | None = None
-    probe = ""           # python -c code: exit 0 when the engine is installed
-    version_probe = ""   # python -c code: print the engine's version
+    probe = ""  # python -c code: exit 0 when the engine is installed
+    version_probe = ""  # python -c code: print the engine's version
 
     def __init__(self):
         self.proc = None
@@ -51,10 +52,18 @@ class SubprocessAdapter(EngineAdapter):
     def unavailable(cls) -> str | None:
         py = cls.python()
         if py is None:
-            return f"no Python for it (set ${cls.python_env}" + \
-                (f" or create {cls.default_python}" if cls.default_python else "") + ")"
-        probe = subprocess.run([py, "-c", cls.probe], capture_output=True, text=True, timeout=300,
-                               env=dict(os.environ, PYTHONPATH=os.environ.get(cls.pythonpath_env, "")))
+            return (
+                f"no Python for it (set ${cls.python_env}"
+                + (f" or create {cls.default_python}" if cls.default_python else "")
+                + ")"
+            )
+        probe = subprocess.run(
+            [py, "-c", cls.probe],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=dict(os.environ, PYTHONPATH=os.environ.get(cls.pythonpath_env, "")),
+        )
         if probe.returncode != 0:
             why = (probe.stderr.strip().splitlines() or [f"{cls.kind} is not installed there"])[-1]
             return f"{py}: {why}"
@@ -65,22 +74,37 @@ class SubprocessAdapter(EngineAdapter):
         py = cls.python()
         if py is None:
             return f"{cls.kind} (not installed)"
-        out = subprocess.run([py, "-c", cls.version_probe], capture_output=True, text=True, timeout=300,
-                             env=dict(os.environ, PYTHONPATH=os.environ.get(cls.pythonpath_env, "")))
+        out = subprocess.run(
+            [py, "-c", cls.version_probe],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=dict(os.environ, PYTHONPATH=os.environ.get(cls.pythonpath_env, "")),
+        )
         return (out.stdout.strip() or out.stderr.strip()[-200:]) + f" via {py}"
 
     # ----------------------------------------------------------------- process
     def _start(self) -> None:
         read_fd, write_fd = os.pipe()
         self._log = tempfile.NamedTemporaryFile(prefix=f"{self.kind}-worker-", suffix=".log", delete=False)
-        env = dict(os.environ, PYTHONPATH=os.environ.get(self.pythonpath_env, ""),
-                   CONFORMANCE_REPLY_FD=str(write_fd), VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                   TOKENIZERS_PARALLELISM="false")
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.environ.get(self.pythonpath_env, ""),
+            CONFORMANCE_REPLY_FD=str(write_fd),
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+            TOKENIZERS_PARALLELISM="false",
+        )
         python = self.python()
         assert python is not None, f"{self.name}: no python (unavailable() says why)"
-        self.proc = subprocess.Popen([python, str(WORKER), self.kind], stdin=subprocess.PIPE,
-                                     stdout=self._log, stderr=self._log, env=env, text=True,
-                                     pass_fds=(write_fd,))
+        self.proc = subprocess.Popen(
+            [python, str(WORKER), self.kind],
+            stdin=subprocess.PIPE,
+            stdout=self._log,
+            stderr=self._log,
+            env=env,
+            text=True,
+            pass_fds=(write_fd,),
+        )
         os.close(write_fd)
         self._replies = os.fdopen(read_fd, "r")
 
@@ -117,12 +141,21 @@ class SubprocessAdapter(EngineAdapter):
 
     def generate(self, prompts: list[list[int]], params: list[Sampling]) -> list[Result]:
         self.check_params(params)
-        reply = self._call({"op": "generate", "prompts": [list(p) for p in prompts],
-                            "params": [asdict(p) for p in params]})
-        return [Result(token_ids=r["token_ids"], finish_reason=r["finish_reason"], text=r["text"],
-                       stop_reason=r["stop_reason"], logprobs=_lp(r["logprobs"]),
-                       prompt_logprobs=_lp(r["prompt_logprobs"]), num_cached_tokens=r["num_cached_tokens"])
-                for r in reply["results"]]
+        reply = self._call(
+            {"op": "generate", "prompts": [list(p) for p in prompts], "params": [asdict(p) for p in params]}
+        )
+        return [
+            Result(
+                token_ids=r["token_ids"],
+                finish_reason=r["finish_reason"],
+                text=r["text"],
+                stop_reason=r["stop_reason"],
+                logprobs=_lp(r["logprobs"]),
+                prompt_logprobs=_lp(r["prompt_logprobs"]),
+                num_cached_tokens=r["num_cached_tokens"],
+            )
+            for r in reply["results"]
+        ]
 
     def stats(self) -> dict:
         return self._call({"op": "stats"})["stats"]
@@ -153,9 +186,32 @@ class VLLMAdapter(SubprocessAdapter):
     probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
     preferred_block_size = 32  # the CPU build's attention needs a multiple of 32
     version_probe = "import vllm, torch; print('vLLM', vllm.__version__, '(torch', torch.__version__ + ')')"
-    capabilities = frozenset({C.GREEDY, C.SAMPLING, C.SEED, C.TOP_K, C.TOP_P, C.MIN_P, C.LOGPROBS,
-                              C.SAMPLED_LOGPROB, C.PROMPT_LOGPROBS, C.STOP_STRINGS, C.STOP_TOKEN_IDS,
-                              C.MIN_TOKENS, C.EOS, C.IGNORE_EOS, C.TEXT, C.PREFIX_CACHE_STATS, C.PREEMPTION_STATS,
-                              C.ADMISSION_CONTROL, C.ANY_MODEL, C.BLOCK_SIZE, C.KV_BUDGET, C.CHUNK_BUDGET,
-                              C.PREFIX_CACHE, C.MAX_NUM_SEQS, C.MAX_MODEL_LEN})
-
+    capabilities = frozenset(
+        {
+            C.GREEDY,
+            C.SAMPLING,
+            C.SEED,
+            C.TOP_K,
+            C.TOP_P,
+            C.MIN_P,
+            C.LOGPROBS,
+            C.SAMPLED_LOGPROB,
+            C.PROMPT_LOGPROBS,
+            C.STOP_STRINGS,
+            C.STOP_TOKEN_IDS,
+            C.MIN_TOKENS,
+            C.EOS,
+            C.IGNORE_EOS,
+            C.TEXT,
+            C.PREFIX_CACHE_STATS,
+            C.PREEMPTION_STATS,
+            C.ADMISSION_CONTROL,
+            C.ANY_MODEL,
+            C.BLOCK_SIZE,
+            C.KV_BUDGET,
+            C.CHUNK_BUDGET,
+            C.PREFIX_CACHE,
+            C.MAX_NUM_SEQS,
+            C.MAX_MODEL_LEN,
+        }
+    )

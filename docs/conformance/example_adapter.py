@@ -3,6 +3,7 @@ one full forward pass per generated token. WRITING_AN_ADAPTER.md walks through i
 
     PYTHONPATH=docs/conformance python -m conformance --adapter example_adapter:NaiveAdapter
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,8 +14,19 @@ from conformance.adapters.base import C, EngineAdapter, Logprob, Result, Samplin
 class NaiveAdapter(EngineAdapter):
     name = "naive"
     # what this engine can do; checks that need anything else are skipped with its name
-    capabilities = frozenset({C.GREEDY, C.LOGPROBS, C.PROMPT_LOGPROBS, C.STOP_TOKEN_IDS, C.EOS,
-                              C.IGNORE_EOS, C.TEXT, C.TOKEN_IDS, C.ANY_MODEL})
+    capabilities = frozenset(
+        {
+            C.GREEDY,
+            C.LOGPROBS,
+            C.PROMPT_LOGPROBS,
+            C.STOP_TOKEN_IDS,
+            C.EOS,
+            C.IGNORE_EOS,
+            C.TEXT,
+            C.TOKEN_IDS,
+            C.ANY_MODEL,
+        }
+    )
 
     @classmethod
     def describe(cls) -> str:
@@ -47,14 +59,19 @@ class NaiveAdapter(EngineAdapter):
             if tok in self.eos_ids and not p.ignore_eos:
                 finish = "stop"
                 break
-        out = ids[len(prompt):]
+        out = ids[len(prompt) :]
         prompt_lps = None
         if p.prompt_logprobs is not None:
             rows = torch.log_softmax(self.model(torch.tensor([prompt])).logits[0].float(), dim=-1)
             prompt_lps = [None] + [_entry(rows[i - 1], prompt[i], p.prompt_logprobs) for i in range(1, len(prompt))]
-        return Result(token_ids=out, finish_reason=finish, stop_reason=stop_reason,
-                      text=self.tokenizer.decode(out, skip_special_tokens=True),
-                      logprobs=logprobs if p.logprobs is not None else None, prompt_logprobs=prompt_lps)
+        return Result(
+            token_ids=out,
+            finish_reason=finish,
+            stop_reason=stop_reason,
+            text=self.tokenizer.decode(out, skip_special_tokens=True),
+            logprobs=logprobs if p.logprobs is not None else None,
+            prompt_logprobs=prompt_lps,
+        )
 
 
 def _entry(row: torch.Tensor, token: int, k: int) -> dict[int, Logprob]:

@@ -1,4 +1,5 @@
 """Attention backends: where the device-specific choice of kernels lives."""
+
 from __future__ import annotations
 
 import torch
@@ -17,8 +18,9 @@ class TorchBackend:
         torch_ref.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
     @staticmethod
-    def forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         if meta.is_decode_only:
             return torch_ref.paged_decode_batched(q, k_cache, v_cache, meta, scale)
         return torch_ref.paged_attention(q, k_cache, v_cache, meta, scale)
@@ -29,5 +31,6 @@ def get_backend(name: str):
         return TorchBackend()
     if name == "triton":
         from nanovllm.attention.triton_backend import TritonBackend
+
         return TritonBackend()
     raise ValueError(f"unknown attention backend {name!r}")

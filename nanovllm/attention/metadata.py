@@ -5,6 +5,7 @@ It is built by the ModelRunner for exactly one forward and passed down explicitl
 sequence i owns query rows ``query_start_loc[i] : query_start_loc[i+1]``, which
 are its positions ``seq_lens[i] - query_len_i ... seq_lens[i] - 1``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,10 +15,10 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor      # [num_tokens] int64: cache slot of each new token; -1 = write nothing
-    query_start_loc: torch.Tensor   # [num_seqs + 1] int32: cumulative query lengths (cu_seqlens_q)
-    seq_lens: torch.Tensor          # [num_seqs] int32: context length after this step (cached + new)
-    block_tables: torch.Tensor      # [num_seqs, max_blocks] int32, padded with 0
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token; -1 = write nothing
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative query lengths (cu_seqlens_q)
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length after this step (cached + new)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
     max_query_len: int
     max_seq_len: int
     block_size: int

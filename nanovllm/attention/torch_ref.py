@@ -4,6 +4,7 @@ Cache layout, one tensor each for K and V per layer: [num_blocks, block_size,
 num_kv_heads, head_dim]; slot s is position ``s % block_size`` of block
 ``s // block_size``. Softmax is computed in float32.
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,8 +13,9 @@ from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.core.utils import cdiv
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Write each new token's K/V into its slot; slot -1 writes nothing."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
     keep = slot_mapping >= 0
@@ -40,21 +42,22 @@ def attention_one_seq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     n_q, num_heads, d = q.shape
     n_k, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
-    qg = q.float().view(n_q, num_kv_heads, group, d).permute(1, 2, 0, 3)   # [kvh, g, n_q, d]
-    kf = k.float().permute(1, 2, 0)                                       # [kvh, d, n_k]
-    vf = v.float().permute(1, 0, 2)                                       # [kvh, n_k, d]
-    scores = torch.matmul(qg, kf.unsqueeze(1)) * scale                   # [kvh, g, n_q, n_k]
+    qg = q.float().view(n_q, num_kv_heads, group, d).permute(1, 2, 0, 3)  # [kvh, g, n_q, d]
+    kf = k.float().permute(1, 2, 0)  # [kvh, d, n_k]
+    vf = v.float().permute(1, 0, 2)  # [kvh, n_k, d]
+    scores = torch.matmul(qg, kf.unsqueeze(1)) * scale  # [kvh, g, n_q, n_k]
     if n_q > 1:
         q_pos = torch.arange(n_k - n_q, n_k, device=q.device).unsqueeze(1)
         k_pos = torch.arange(n_k, device=q.device).unsqueeze(0)
         scores.masked_fill_(k_pos > q_pos, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, vf.unsqueeze(1))                             # [kvh, g, n_q, d]
+    out = torch.matmul(probs, vf.unsqueeze(1))  # [kvh, g, n_q, d]
     return out.permute(2, 0, 1, 3).reshape(n_q, num_heads, d).to(q.dtype)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """The oracle: one sequence at a time, K/V read through the block table."""
     out = torch.empty_like(q)
     starts = meta.query_start_loc_cpu
@@ -66,8 +69,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def paged_decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_decode_batched(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """One query per sequence, all sequences at once: the CPU decode path.
 
     Each sequence's blocks (padded to the longest table) are gathered *and* transposed to
@@ -82,7 +86,7 @@ def paged_decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     nb = cdiv(meta.max_seq_len, block_size)
     n = num_seqs * nb
     table = meta.block_tables[:, :nb].reshape(-1).long()
-    k = k_cache.permute(0, 2, 1, 3).index_select(0, table).float()    # [n, kvh, bs, d]
+    k = k_cache.permute(0, 2, 1, 3).index_select(0, table).float()  # [n, kvh, bs, d]
     v = v_cache.permute(0, 2, 1, 3).index_select(0, table).float()
     qg = q.float().view(num_seqs, 1, num_kv_heads, group, d).expand(num_seqs, nb, num_kv_heads, group, d)
     scores = torch.matmul(qg.reshape(n, num_kv_heads, group, d), k.transpose(-1, -2)).mul_(scale)
@@ -96,7 +100,6 @@ def paged_decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if not bool(torch.isfinite(out).all()):
         # a padding slot held NaN/inf (0 * NaN = NaN): zero the padding and redo. Checking the
         # small output costs far less than zeroing the padding of V on every call.
-        v.view(num_seqs, nb, num_kv_heads, block_size, d).masked_fill_(
-            pad.view(num_seqs, nb, 1, block_size, 1), 0.0)
+        v.view(num_seqs, nb, num_kv_heads, block_size, d).masked_fill_(pad.view(num_seqs, nb, 1, block_size, 1), 0.0)
         out = torch.matmul(probs, v).view(num_seqs, nb, num_kv_heads, group, d).sum(dim=1)
     return out.reshape(num_seqs, num_heads, d).to(q.dtype)

@@ -9,6 +9,7 @@ and its split-K workspace is allocated before capture (``reserve`` or an eager
 warm-up at the largest batch); growing it while a graph is being captured is
 an error, never a silent allocation inside the graph's pool.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,24 +22,29 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self):
-        self._partials: torch.Tensor | None = None   # float32 [rows * head_dim]
-        self._lse: torch.Tensor | None = None        # float32 [rows]
+        self._partials: torch.Tensor | None = None  # float32 [rows * head_dim]
+        self._lse: torch.Tensor | None = None  # float32 [rows]
         self._num_sms: dict[int, int] = {}
 
     # ----------------------------------------------------------- workspace
-    def reserve(self, max_num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                device: torch.device) -> None:
+    def reserve(
+        self, max_num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+    ) -> None:
         """Allocate the split-K workspace for every batch size up to ``max_num_seqs``."""
-        rows = max(num_seqs * num_heads * self.num_splits(num_seqs, num_kv_heads, device)
-                   for num_seqs in range(1, max_num_seqs + 1))
+        rows = max(
+            num_seqs * num_heads * self.num_splits(num_seqs, num_kv_heads, device)
+            for num_seqs in range(1, max_num_seqs + 1)
+        )
         self._workspace(rows, head_dim, device)
 
     def _workspace(self, rows: int, head_dim: int, device: torch.device):
         have = 0 if self._lse is None else self._lse.numel()
         if have < rows or self._partials.numel() < rows * head_dim or self._lse.device != device:  # type: ignore[union-attr]
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"decode workspace must grow to {rows} rows during CUDA-graph "
-                                   f"capture (have {have}): call reserve() before capturing")
+                raise RuntimeError(
+                    f"decode workspace must grow to {rows} rows during CUDA-graph "
+                    f"capture (have {have}): call reserve() before capturing"
+                )
             self._partials = torch.empty(rows * head_dim, dtype=torch.float32, device=device)
             self._lse = torch.empty(rows, dtype=torch.float32, device=device)
         return self._partials, self._lse
@@ -56,15 +62,18 @@ class TritonBackend:
     def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
         triton_ops.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
-    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         if meta.is_decode_only:
             num_seqs, num_heads, head_dim = q.shape
             splits = self.num_splits(num_seqs, k_cache.shape[2], q.device)
             workspace = None
             if splits > 1:
                 workspace = self._workspace(num_seqs * num_heads * splits, head_dim, q.device)
-            return triton_ops.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                           scale, num_splits=splits, workspace=workspace)
-        return triton_ops.paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                        meta.block_tables, scale)
+            return triton_ops.paged_decode(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, num_splits=splits, workspace=workspace
+            )
+        return triton_ops.paged_prefill(
+            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale
+        )

@@ -15,6 +15,7 @@ Invariants every kernel keeps:
 - Query rows are packed with their KV head's whole query-head group, so each
   K/V tile is read once per group, not once per query head.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,8 +30,8 @@ MAX_SPLITS = 16
 
 @dataclass(frozen=True)
 class KernelConfig:
-    block_m: int          # prefill: query rows per program (tokens x padded group); decode: unused
-    block_n: int          # keys per tile
+    block_m: int  # prefill: query rows per program (tokens x padded group); decode: unused
+    block_n: int  # keys per tile
     num_warps: int
     num_stages: int
 
@@ -54,27 +55,46 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 # --------------------------------------------------------------------- store K/V
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                     stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_cb, stride_cs, stride_ch,
-                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM) & (slot >= 0)
     safe = tl.maximum(slot, 0)
-    dst = (safe // BLOCK_SIZE) * stride_cb + (safe % BLOCK_SIZE) * stride_cs \
-        + offs_h[:, None] * stride_ch + offs_d[None, :]
+    dst = (
+        (safe // BLOCK_SIZE) * stride_cb
+        + (safe % BLOCK_SIZE) * stride_cs
+        + offs_h[:, None] * stride_ch
+        + offs_d[None, :]
+    )
     k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     tl.store(k_cache_ptr + dst, k, mask=mask)
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """key, value: [T, num_kv_heads, head_dim] (last dim contiguous); slot -1 writes nothing."""
     num_tokens = key.shape[0]
     if num_tokens == 0:
@@ -82,28 +102,64 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     _check_cache(k_cache, v_cache)
     _store_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, num_warps=4)
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        num_warps=4,
+    )
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError(f"k_cache and v_cache need equal strides with a contiguous last dim, got "
-                         f"{k_cache.stride()} and {v_cache.stride()}")
+        raise ValueError(
+            f"k_cache and v_cache need equal strides with a contiguous last dim, got "
+            f"{k_cache.stride()} and {v_cache.stride()}"
+        )
 
 
 # ------------------------------------------------------------------------ decode
 @triton.jit
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                   out_ptr, part_ptr, lse_ptr, qk_scale,
-                   stride_qt, stride_qh, stride_ot, stride_oh,
-                   stride_cb, stride_cs, stride_ch, stride_bt,
-                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_ptr,
+    lse_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """Program (seq, kv head, split): the group's query heads against keys of one split."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -119,8 +175,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g
-    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -134,7 +193,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
         k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))       # finite: every tile holds a valid key
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds a valid key
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -142,12 +201,15 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)             # an empty range leaves acc = 0 -> zeros
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty range leaves acc = 0 -> zeros
     out = acc / l_safe[:, None]
     mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
     else:
         row = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
         tl.store(part_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask)
@@ -155,9 +217,17 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
 
 
 @triton.jit
-def _merge_kernel(out_ptr, part_ptr, lse_ptr, stride_ot, stride_oh,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  BLOCK_S: tl.constexpr):
+def _merge_kernel(
+    out_ptr,
+    part_ptr,
+    lse_ptr,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     """Program (seq, head): log-sum-exp merge of the splits; empty splits weigh 0."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -168,14 +238,16 @@ def _merge_kernel(out_ptr, part_ptr, lse_ptr, stride_ot, stride_oh,
     d_mask = offs_d < HEAD_DIM
     lse = tl.load(lse_ptr + row0 + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
-    m = tl.where(m > float("-inf"), m, 0.0)        # all splits empty: keep -inf - m finite
-    w = tl.exp2(lse - m)                           # an empty split (lse = -inf) weighs 0
+    m = tl.where(m > float("-inf"), m, 0.0)  # all splits empty: keep -inf - m finite
+    w = tl.exp2(lse - m)  # an empty split (lse = -inf) weighs 0
     denom = tl.sum(w, 0)
-    part = tl.load(part_ptr + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                   mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    part = tl.load(
+        part_ptr + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     out = tl.sum(w[:, None] * part, 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=d_mask)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def num_decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
@@ -188,10 +260,18 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     return min(MAX_SPLITS, triton.next_power_of_2(-(-2 * num_sms // programs)))
 
 
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                 num_splits: int = 1, workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 out: torch.Tensor | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int = 1,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
     """One query token per sequence: q [S, num_heads, d] -> [S, num_heads, d].
 
     Sequence i attends to its first ``seq_lens[i]`` positions through ``block_tables[i]``.
@@ -214,39 +294,89 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     rows = num_seqs * num_heads * num_splits
     if num_splits > 1:
         if workspace is None:
-            workspace = (torch.empty(rows * head_dim, dtype=torch.float32, device=q.device),
-                         torch.empty(rows, dtype=torch.float32, device=q.device))
+            workspace = (
+                torch.empty(rows * head_dim, dtype=torch.float32, device=q.device),
+                torch.empty(rows, dtype=torch.float32, device=q.device),
+            )
         part, lse = workspace
         if part.numel() < rows * head_dim or lse.numel() < rows:
-            raise ValueError(f"decode workspace too small: {rows} rows of {head_dim} needed, "
-                             f"have {lse.numel()} rows")
+            raise ValueError(f"decode workspace too small: {rows} rows of {head_dim} needed, have {lse.numel()} rows")
     else:
         part = lse = out  # unused by the kernel
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part, lse, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size,
-        NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part,
+        lse,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_N=cfg.block_n,
+        BLOCK_SIZE=block_size,
+        NUM_SPLITS=num_splits,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     if num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](
-            out, part, lse, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
-            BLOCK_D=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4)
+            out,
+            part,
+            lse,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
     return out
 
 
 # ----------------------------------------------------------------------- prefill
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])  # both change every step: one variant
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
-                    query_start_loc_ptr, num_seqs, qk_scale,
-                    stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_cb, stride_cs, stride_ch, stride_bt,
-                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    num_seqs,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """Program (query tile, kv head): BLOCK_Q tokens x the group's heads of one sequence.
 
     Sequence s owns tiles ``query_start_loc[s] // BLOCK_Q + s + (0, 1, ...)``; the
@@ -268,7 +398,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     tile = pid - (q_start // BLOCK_Q + seq)
     if tile * BLOCK_Q >= q_len:
         return
-    ctx = tl.load(seq_lens_ptr + seq) - q_len        # cached prefix before this chunk
+    ctx = tl.load(seq_lens_ptr + seq) - q_len  # cached prefix before this chunk
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -278,9 +408,12 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     row_mask = (tok < q_len) & (g < GROUP)
     d_mask = offs_d < HEAD_DIM
     heads = kvh * GROUP + g
-    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-    q_pos = ctx + tl.minimum(tok, q_len - 1)         # bottom-right causal; padding rows clamped
+    q = tl.load(
+        q_ptr + (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    q_pos = ctx + tl.minimum(tok, q_len - 1)  # bottom-right causal; padding rows clamped
     kv_end = ctx + tl.minimum((tile + 1) * BLOCK_Q, q_len)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -303,14 +436,24 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
-    tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    tl.store(
+        out_ptr + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & d_mask[None, :],
+    )
 
 
-def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                  scale: float, out: torch.Tensor | None = None,
-                  config: KernelConfig | None = None) -> torch.Tensor:
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
     """Packed queries of any lengths (prefill, chunks, decodes): q [T, num_heads, d] -> same.
 
     Sequence i owns rows ``query_start_loc[i]:query_start_loc[i+1]`` (length q_i) at
@@ -332,12 +475,34 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_q = max(1, cfg.block_m // group_pad)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, num_seqs, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        num_seqs,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_N=cfg.block_n,
+        BLOCK_SIZE=block_size,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     return out
 
 
@@ -346,5 +511,14 @@ def decode_kv_bytes(seq_lens: list[int], num_kv_heads: int, head_dim: int, elem_
     return 2 * sum(seq_lens) * num_kv_heads * head_dim * elem_size
 
 
-__all__ = ["KernelConfig", "decode_config", "prefill_config", "store_kv", "paged_decode",
-           "paged_prefill", "num_decode_splits", "decode_kv_bytes", "MAX_SPLITS"]
+__all__ = [
+    "KernelConfig",
+    "decode_config",
+    "prefill_config",
+    "store_kv",
+    "paged_decode",
+    "paged_prefill",
+    "num_decode_splits",
+    "decode_kv_bytes",
+    "MAX_SPLITS",
+]

@@ -1,6 +1,7 @@
 """`nanovllm bench`'s flags, and its subcommands `bench serve` and `bench latency` (torch-free,
 so the CLI's --help loads no torch). Engine flags are added by the CLI
 (``nanovllm/entrypoints/args.py``); nothing here imports the CLI module."""
+
 from __future__ import annotations
 
 import argparse
@@ -35,45 +36,85 @@ def non_negative_int(text: str) -> int:
 
 
 def add_length_args(p: argparse.ArgumentParser, input_default: str, output_default: str) -> None:
-    p.add_argument("--input-len", type=positive_int, default=None,
-                   help=f"prompt length in tokens (random token ids) (default: {input_default})")
-    p.add_argument("--output-len", type=positive_int, default=None,
-                   help=f"output tokens of every request (ignore_eos: exactly that many) (default: {output_default})")
+    p.add_argument(
+        "--input-len",
+        type=positive_int,
+        default=None,
+        help=f"prompt length in tokens (random token ids) (default: {input_default})",
+    )
+    p.add_argument(
+        "--output-len",
+        type=positive_int,
+        default=None,
+        help=f"output tokens of every request (ignore_eos: exactly that many) (default: {output_default})",
+    )
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dataset", "--workload", dest="dataset", default="auto", metavar="NAME|FILE.jsonl",
-                   help=f"the requests: {', '.join(NAMED)} (the standard cpu and gpu workloads; random: "
-                        "--num-prompts prompts of --input-len random ids; auto: random when --input-len is "
-                        "given, else gpu with CUDA, else cpu), or a JSONL file of requests, one per line: "
-                        '{"prompt": TEXT} or {"prompt_token_ids": [IDS]}, optional "max_tokens" (default: auto)')
-    p.add_argument("--num-prompts", type=positive_int, default=None,
-                   help="requests to run: the first N of the dataset, or N random prompts "
-                        "(default: all of the dataset; 32 for random)")
+    p.add_argument(
+        "--dataset",
+        "--workload",
+        dest="dataset",
+        default="auto",
+        metavar="NAME|FILE.jsonl",
+        help=f"the requests: {', '.join(NAMED)} (the standard cpu and gpu workloads; random: "
+        "--num-prompts prompts of --input-len random ids; auto: random when --input-len is "
+        "given, else gpu with CUDA, else cpu), or a JSONL file of requests, one per line: "
+        '{"prompt": TEXT} or {"prompt_token_ids": [IDS]}, optional "max_tokens" (default: auto)',
+    )
+    p.add_argument(
+        "--num-prompts",
+        type=positive_int,
+        default=None,
+        help="requests to run: the first N of the dataset, or N random prompts "
+        "(default: all of the dataset; 32 for random)",
+    )
     add_length_args(p, "128, --dataset random only", "the dataset's; 128 for random and JSONL lines without max_tokens")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b",
-                   help="random-weight model shape for the gpu workload (default: qwen3-0.6b)")
-    p.add_argument("--peer", action="append", choices=PEERS, default=[],
-                   help="also run this peer on the same workload (repeatable) (default: none)")
-    p.add_argument("--repeat", type=positive_int, default=1,
-                   help="timed runs of nanovllm; the median is reported (default: 1)")
-    p.add_argument("--warm", action="store_true", help="also time nanovllm on the same prompts again "
-                                                      "(prefix cache warm)")
-    p.add_argument("--vllm-python", default=None, help="python of a virtual env with vllm(-cpu) installed "
-                                                       "(default: $NANOVLLM_VLLM_PYTHON or ./.venv-vllm)")
+    p.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="qwen3-0.6b",
+        help="random-weight model shape for the gpu workload (default: qwen3-0.6b)",
+    )
+    p.add_argument(
+        "--peer",
+        action="append",
+        choices=PEERS,
+        default=[],
+        help="also run this peer on the same workload (repeatable) (default: none)",
+    )
+    p.add_argument(
+        "--repeat", type=positive_int, default=1, help="timed runs of nanovllm; the median is reported (default: 1)"
+    )
+    p.add_argument(
+        "--warm", action="store_true", help="also time nanovllm on the same prompts again (prefix cache warm)"
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of a virtual env with vllm(-cpu) installed (default: $NANOVLLM_VLLM_PYTHON or ./.venv-vllm)",
+    )
     p.add_argument("--json-out", default=None, help="write the measurements as JSON here (default: none)")
-    p.add_argument("--profile-steps", action="store_true",
-                   help="print where each engine step's time goes (the engine's step_profiler hook)")
+    p.add_argument(
+        "--profile-steps",
+        action="store_true",
+        help="print where each engine step's time goes (the engine's step_profiler hook)",
+    )
 
 
 def add_bench_latency_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--batch-size", type=positive_int, action="append", default=None,
-                   help="requests per batch (repeatable) (default: 1 and 8)")
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        action="append",
+        default=None,
+        help="requests per batch (repeatable) (default: 1 and 8)",
+    )
     add_length_args(p, "32", "128")
-    p.add_argument("--num-iters", type=positive_int, default=5,
-                   help="timed batches per batch size (default: 5)")
-    p.add_argument("--num-iters-warmup", type=non_negative_int, default=1,
-                   help="untimed batches per batch size first (default: 1)")
+    p.add_argument("--num-iters", type=positive_int, default=5, help="timed batches per batch size (default: 5)")
+    p.add_argument(
+        "--num-iters-warmup", type=non_negative_int, default=1, help="untimed batches per batch size first (default: 1)"
+    )
     p.add_argument("--json-out", default=None, help="write the measurements as JSON here (default: none)")
 
 
@@ -92,9 +133,12 @@ def add_bench_subcommands(bench: argparse.ArgumentParser) -> None:
     add_bench_serve_args(p)
     add_engine_args(p)
     p.set_defaults(func=run_bench_serve)
-    p = subs.add_parser("latency", help="latency at batch 1 and 8: time to first token, time per output token",
-                        description="Time to first token and time per output token (p50, p90) of batches "
-                                    "of random prompts, each batch run alone (vllm bench latency's knobs).")
+    p = subs.add_parser(
+        "latency",
+        help="latency at batch 1 and 8: time to first token, time per output token",
+        description="Time to first token and time per output token (p50, p90) of batches "
+        "of random prompts, each batch run alone (vllm bench latency's knobs).",
+    )
     add_bench_latency_args(p)
     add_engine_args(p)
     p.set_defaults(func=_run_latency)

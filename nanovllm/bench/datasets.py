@@ -12,6 +12,7 @@ per line: ``{"prompt": "text"}`` (tokenized with the model's tokenizer) or
 totals); ``--output-len`` sets every request's output length (``ignore_eos``: exactly that many).
 Torch-free: imported by the CLI's argument code.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,15 +41,15 @@ def positive(flag: str, value: int | None) -> None:
         raise ValueError(f"{flag} must be a positive integer, got {value!r}")
 
 
-def random_workload(num_prompts: int, input_len: int, output_len: int, vocab_size: int,
-                    seed: int = 0) -> Workload:
+def random_workload(num_prompts: int, input_len: int, output_len: int, vocab_size: int, seed: int = 0) -> Workload:
     rng = random.Random(seed)
     prompts = [[rng.randrange(vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
     return Workload("random", prompts, [output_len] * num_prompts, 0.0, vocab_size=vocab_size)
 
 
-def jsonl_workload(path: str, output_len: int | None, tokenize: Callable[[str], list[int]] | None,
-                   vocab_size: int | None = None) -> Workload:
+def jsonl_workload(
+    path: str, output_len: int | None, tokenize: Callable[[str], list[int]] | None, vocab_size: int | None = None
+) -> Workload:
     """One request per line; an error names the file, the line and the field."""
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
@@ -70,15 +71,15 @@ def jsonl_workload(path: str, output_len: int | None, tokenize: Callable[[str], 
             if not (isinstance(ids, list) and ids and all(isinstance(t, int) and t >= 0 for t in ids)):
                 raise ValueError(f"{where}: prompt_token_ids must be a non-empty list of token ids, got {ids!r}")
             if vocab_size is not None and max(ids) >= vocab_size:
-                raise ValueError(f"{where}: prompt_token_ids holds id {max(ids)}, the model's vocabulary "
-                                 f"has {vocab_size}")
+                raise ValueError(
+                    f"{where}: prompt_token_ids holds id {max(ids)}, the model's vocabulary has {vocab_size}"
+                )
         elif isinstance(req.get("prompt"), str) and req["prompt"]:
             if tokenize is None:
                 raise ValueError(f"{where}: a text prompt needs a model with a tokenizer; give prompt_token_ids")
             ids = tokenize(req["prompt"])
         else:
-            raise ValueError(f"{where}: needs \"prompt\" (non-empty text) or \"prompt_token_ids\", "
-                             f"got keys {sorted(req)}")
+            raise ValueError(f'{where}: needs "prompt" (non-empty text) or "prompt_token_ids", got keys {sorted(req)}')
         n = output_len if output_len is not None else req.get("max_tokens", JSONL_DEFAULT_OUTPUT_LEN)
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"{where}: max_tokens must be a positive integer, got {n!r}")
@@ -89,8 +90,14 @@ def jsonl_workload(path: str, output_len: int | None, tokenize: Callable[[str], 
     return Workload(Path(path).name, prompts, max_tokens, 0.0, vocab_size=vocab_size)
 
 
-def build_workload(name: str, num_prompts: int | None, input_len: int | None, output_len: int | None,
-                   vocab_size: int | None, tokenize: Callable[[str], list[int]] | None = None) -> Workload:
+def build_workload(
+    name: str,
+    num_prompts: int | None,
+    input_len: int | None,
+    output_len: int | None,
+    vocab_size: int | None,
+    tokenize: Callable[[str], list[int]] | None = None,
+) -> Workload:
     """The workload for a resolved dataset name (``resolve_name``) and the length flags."""
     for flag, value in (("--num-prompts", num_prompts), ("--input-len", input_len), ("--output-len", output_len)):
         positive(flag, value)
@@ -98,18 +105,22 @@ def build_workload(name: str, num_prompts: int | None, input_len: int | None, ou
         if vocab_size is None:
             raise ValueError("--dataset random needs the model's vocab_size (config.json)")
         d = RANDOM_DEFAULTS
-        return random_workload(num_prompts or d["num_prompts"], input_len or d["input_len"],
-                               output_len or d["output_len"], vocab_size)
+        return random_workload(
+            num_prompts or d["num_prompts"], input_len or d["input_len"], output_len or d["output_len"], vocab_size
+        )
     if input_len is not None:
-        raise ValueError(f"--input-len applies to --dataset random, not --dataset {name!r} "
-                         f"(got --input-len {input_len})")
+        raise ValueError(
+            f"--input-len applies to --dataset random, not --dataset {name!r} (got --input-len {input_len})"
+        )
     if name in ("cpu", "gpu"):
         w = cpu_workload() if name == "cpu" else gpu_workload()
         w.check_totals()
         w.vocab_size = vocab_size
         if vocab_size is not None and max(max(p) for p in w.prompts) >= vocab_size:
-            raise ValueError(f"--dataset {name}: its token ids reach {max(max(p) for p in w.prompts)}, "
-                             f"the model's vocabulary has {vocab_size}; use --dataset random")
+            raise ValueError(
+                f"--dataset {name}: its token ids reach {max(max(p) for p in w.prompts)}, "
+                f"the model's vocabulary has {vocab_size}; use --dataset random"
+            )
     else:
         w = jsonl_workload(name, output_len, tokenize, vocab_size)
     if num_prompts is not None:
@@ -119,7 +130,9 @@ def build_workload(name: str, num_prompts: int | None, input_len: int | None, ou
     if output_len is not None:
         w.max_tokens = [output_len] * len(w.prompts)
     if num_prompts is not None or output_len is not None:
-        w.expected_prompt_tokens = w.expected_output_tokens = None   # no longer the standard workload
-        tags = [f"first {num_prompts}"] * (num_prompts is not None) + [f"output {output_len}"] * (output_len is not None)
+        w.expected_prompt_tokens = w.expected_output_tokens = None  # no longer the standard workload
+        tags = [f"first {num_prompts}"] * (num_prompts is not None) + [f"output {output_len}"] * (
+            output_len is not None
+        )
         w.name = f"{w.name} ({', '.join(tags)})"
     return w

@@ -8,6 +8,7 @@ generating exactly ``--output-len`` tokens (``ignore_eos``). Per request, from i
 first token time) / (output tokens - 1); per batch, its wall time. Reported: p50 and p90 of each
 (``percentile``: linear interpolation, numpy's default).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,14 +30,18 @@ DEFAULT_OUTPUT_LEN = 128
 @dataclass
 class LatencyResult:
     batch_size: int
-    ttft: list[float] = field(default_factory=list)     # seconds, one per request
-    tpot: list[float] = field(default_factory=list)     # seconds, one per request with >= 2 tokens
+    ttft: list[float] = field(default_factory=list)  # seconds, one per request
+    tpot: list[float] = field(default_factory=list)  # seconds, one per request with >= 2 tokens
     batch_seconds: list[float] = field(default_factory=list)
     output_tokens: int = 0
 
     def summary(self) -> dict:
-        out: dict[str, object] = {"batch_size": self.batch_size, "requests": len(self.ttft), "batches": len(self.batch_seconds),
-               "output_tokens_per_s": self.output_tokens / sum(self.batch_seconds)}
+        out: dict[str, object] = {
+            "batch_size": self.batch_size,
+            "requests": len(self.ttft),
+            "batches": len(self.batch_seconds),
+            "output_tokens_per_s": self.output_tokens / sum(self.batch_seconds),
+        }
         for name, xs in (("ttft_ms", self.ttft), ("tpot_ms", self.tpot), ("batch_ms", self.batch_seconds)):
             out[name] = {f"p{p}": percentile(xs, p) * 1e3 if xs else None for p in (50, 90)}
         return out
@@ -52,8 +57,16 @@ def request_latencies(out) -> tuple[float, float | None]:
     return m.first_token_time - m.arrival_time, tpot
 
 
-def measure_batch_size(llm, batch_size: int, input_len: int, output_len: int, num_iters: int,
-                       num_warmup: int, vocab_size: int, seed: int = 0) -> LatencyResult:
+def measure_batch_size(
+    llm,
+    batch_size: int,
+    input_len: int,
+    output_len: int,
+    num_iters: int,
+    num_warmup: int,
+    vocab_size: int,
+    seed: int = 0,
+) -> LatencyResult:
     from nanovllm import SamplingParams
 
     rng = random.Random(seed * 1000 + batch_size)
@@ -87,19 +100,34 @@ def run_latency(args: argparse.Namespace) -> int:
     llm = LLM(args.model, **eargs)
     try:
         vocab_size = llm.llm_engine.vocab_size
-        print(f"latency: batch sizes {sizes}, input {input_len} tokens, output {output_len} tokens, "
-              f"{args.num_iters} timed batches each (+{args.num_iters_warmup} warm-up); "
-              f"model {args.model or 'default'}, {llm.llm_engine.config.device}", file=sys.stderr)
-        results = [measure_batch_size(llm, b, input_len, output_len, args.num_iters, args.num_iters_warmup,
-                                      vocab_size) for b in sizes]
+        print(
+            f"latency: batch sizes {sizes}, input {input_len} tokens, output {output_len} tokens, "
+            f"{args.num_iters} timed batches each (+{args.num_iters_warmup} warm-up); "
+            f"model {args.model or 'default'}, {llm.llm_engine.config.device}",
+            file=sys.stderr,
+        )
+        results = [
+            measure_batch_size(llm, b, input_len, output_len, args.num_iters, args.num_iters_warmup, vocab_size)
+            for b in sizes
+        ]
     finally:
         llm.close()
     print_table([r.summary() for r in results])
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
-                       "argv": sys.argv, "input_len": input_len, "output_len": output_len,
-                       "engine_args": eargs, "results": [r.summary() for r in results]}, f, indent=1)
+            json.dump(
+                {
+                    "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                    "host": platform.node(),
+                    "argv": sys.argv,
+                    "input_len": input_len,
+                    "output_len": output_len,
+                    "engine_args": eargs,
+                    "results": [r.summary() for r in results],
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 
@@ -107,10 +135,11 @@ def print_table(sums: list[dict]) -> None:
     def ms(x):
         return "n/a" if x is None else f"{x:,.1f}"
 
-    print("\n| batch | TTFT p50 (ms) | TTFT p90 (ms) | TPOT p50 (ms) | TPOT p90 (ms) | batch p50 (ms) "
-          "| output tok/s |")
+    print("\n| batch | TTFT p50 (ms) | TTFT p90 (ms) | TPOT p50 (ms) | TPOT p90 (ms) | batch p50 (ms) | output tok/s |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for s in sums:
-        print(f"| {s['batch_size']} | {ms(s['ttft_ms']['p50'])} | {ms(s['ttft_ms']['p90'])} | "
-              f"{ms(s['tpot_ms']['p50'])} | {ms(s['tpot_ms']['p90'])} | {ms(s['batch_ms']['p50'])} | "
-              f"{s['output_tokens_per_s']:,.1f} |")
+        print(
+            f"| {s['batch_size']} | {ms(s['ttft_ms']['p50'])} | {ms(s['ttft_ms']['p90'])} | "
+            f"{ms(s['tpot_ms']['p50'])} | {ms(s['tpot_ms']['p90'])} | {ms(s['batch_ms']['p50'])} | "
+            f"{s['output_tokens_per_s']:,.1f} |"
+        )

@@ -4,6 +4,7 @@ Every runner loads its model, runs a small warm-up generate, then times one
 generate call over the whole workload (wall clock; a device sync before reading
 the clock on GPUs).
 """
+
 from __future__ import annotations
 
 import json
@@ -69,14 +70,19 @@ class StepProfile:
         return "\n".join(lines)
 
 
-def run_nanovllm(w: Workload, model: str | None, engine_args: dict, load_format: str = "auto",
-                 warm_repeat: bool = False, profile: bool = False) -> list[Measurement]:
+def run_nanovllm(
+    w: Workload,
+    model: str | None,
+    engine_args: dict,
+    load_format: str = "auto",
+    warm_repeat: bool = False,
+    profile: bool = False,
+) -> list[Measurement]:
     from nanovllm import LLM, SamplingParams
 
     llm = LLM(model, load_format=load_format, **engine_args)
     device = llm.llm_engine.config.device
-    params = [SamplingParams(temperature=w.temperature, max_tokens=n, ignore_eos=True, seed=None)
-              for n in w.max_tokens]
+    params = [SamplingParams(temperature=w.temperature, max_tokens=n, ignore_eos=True, seed=None) for n in w.max_tokens]
     try:
         llm.generate(_warmup_prompts(w), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
         results = []
@@ -112,8 +118,7 @@ def load_hf(model_dir: str, device: str, dtype: torch.dtype, random_weights: boo
 
 
 @torch.inference_mode()
-def run_hf_generate(w: Workload, model_dir: str, device: str, dtype: torch.dtype,
-                    random_weights: bool) -> Measurement:
+def run_hf_generate(w: Workload, model_dir: str, device: str, dtype: torch.dtype, random_weights: bool) -> Measurement:
     """transformers ``generate`` on one left-padded batch of every prompt, max(max_tokens) steps;
     the tokens counted are the ones the workload asks for."""
     model = load_hf(model_dir, device, dtype, random_weights)
@@ -136,14 +141,22 @@ def run_hf_generate(w: Workload, model_dir: str, device: str, dtype: torch.dtype
 
 
 @torch.no_grad()  # not inference_mode: the manager's worker thread updates tensors made here in place
-def run_hf_continuous_batching(w: Workload, model_dir: str, device: str, dtype: torch.dtype,
-                               random_weights: bool) -> Measurement:
+def run_hf_continuous_batching(
+    w: Workload, model_dir: str, device: str, dtype: torch.dtype, random_weights: bool
+) -> Measurement:
     """transformers continuous batching (``paged|sdpa``), one request per prompt with its own max_new_tokens."""
     from transformers import GenerationConfig
 
     model = load_hf(model_dir, device, dtype, random_weights, attn="paged|sdpa")
-    gen = GenerationConfig(do_sample=w.temperature > 0, temperature=w.temperature or None,
-                           max_new_tokens=max(w.max_tokens), eos_token_id=-1, pad_token_id=0, top_k=0, top_p=1.0)
+    gen = GenerationConfig(
+        do_sample=w.temperature > 0,
+        temperature=w.temperature or None,
+        max_new_tokens=max(w.max_tokens),
+        eos_token_id=-1,
+        pad_token_id=0,
+        top_k=0,
+        top_p=1.0,
+    )
 
     cb_kwargs = {}
     if device == "cpu":
@@ -153,11 +166,13 @@ def run_hf_continuous_batching(w: Workload, model_dir: str, device: str, dtype: 
         page = 16
         tokens = sum(len(p) + n for p, n in zip(w.prompts, w.max_tokens))
         cb_kwargs["continuous_batching_config"] = ContinuousBatchingConfig(
-            page_size=page, num_blocks=int(tokens / page * 1.25) + 64)
+            page_size=page, num_blocks=int(tokens / page * 1.25) + 64
+        )
 
     def run(prompts, max_tokens) -> int:
-        with model.continuous_batching_context_manager(generation_config=gen, block=True, timeout=600,
-                                                       **cb_kwargs) as manager:
+        with model.continuous_batching_context_manager(
+            generation_config=gen, block=True, timeout=600, **cb_kwargs
+        ) as manager:
             ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts, max_tokens)]
             results: dict = {}
             while len(results) < len(ids):
@@ -179,23 +194,39 @@ def run_hf_continuous_batching(w: Workload, model_dir: str, device: str, dtype: 
 
 # ---------------------------------------------------------------------------- vLLM
 def find_vllm_python(explicit: str | None) -> str | None:
-    candidates = [explicit] if explicit else [os.environ.get("NANOVLLM_VLLM_PYTHON"),
-                                              str(Path.cwd() / ".venv-vllm" / "bin" / "python")]
+    candidates = (
+        [explicit]
+        if explicit
+        else [os.environ.get("NANOVLLM_VLLM_PYTHON"), str(Path.cwd() / ".venv-vllm" / "bin" / "python")]
+    )
     for c in candidates:
         if c and Path(c).is_file():
             return c
     return None
 
 
-def run_vllm(w: Workload, model_dir: str, python: str, warm_repeat: bool = True,
-             dtype: str = "float32") -> list[Measurement]:
+def run_vllm(
+    w: Workload, model_dir: str, python: str, warm_repeat: bool = True, dtype: str = "float32"
+) -> list[Measurement]:
     """vLLM's offline LLM in its own virtual environment (its own torch pins), via a subprocess."""
-    payload = {"model": model_dir, "prompts": w.prompts, "max_tokens": w.max_tokens,
-               "temperature": w.temperature, "dtype": dtype, "warm_repeat": warm_repeat}
+    payload = {
+        "model": model_dir,
+        "prompts": w.prompts,
+        "max_tokens": w.max_tokens,
+        "temperature": w.temperature,
+        "dtype": dtype,
+        "warm_repeat": warm_repeat,
+    }
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH="")
-    proc = subprocess.run([python, str(Path(__file__).with_name("vllm_peer.py"))], input=json.dumps(payload),
-                          capture_output=True, text=True, env=env, timeout=3600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{\"results\"")]
+    proc = subprocess.run(
+        [python, str(Path(__file__).with_name("vllm_peer.py"))],
+        input=json.dumps(payload),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=3600,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith('{"results"')]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"vLLM peer failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
     out = json.loads(lines[-1])
@@ -204,8 +235,13 @@ def run_vllm(w: Workload, model_dir: str, python: str, warm_repeat: bool = True,
 
 def python_version_of(python: str) -> str:
     try:
-        return subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
-                              text=True, timeout=120, env=dict(os.environ, PYTHONPATH="")).stdout.strip()
+        return subprocess.run(
+            [python, "-c", "import vllm; print(vllm.__version__)"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ, PYTHONPATH=""),
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "?"
 

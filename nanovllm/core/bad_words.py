@@ -5,6 +5,7 @@ token of a sequence is banned when the tokens before it end the output so far (t
 does not count), so a single-token word is banned at every step. Pure Python: the engine
 turns the result into per-row banned tokens, next to min_tokens' stop-token bans.
 """
+
 from __future__ import annotations
 
 
@@ -33,6 +34,6 @@ def banned_by_bad_words(bad_words: list[list[int]], output_ids: list[int]) -> li
         k = len(word) - 1
         if k > n:
             continue
-        if k == 0 or output_ids[n - k:] == word[:-1]:
+        if k == 0 or output_ids[n - k :] == word[:-1]:
             banned.append(word[-1])
     return banned

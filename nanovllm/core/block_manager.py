@@ -26,6 +26,7 @@ Freed blocks that carry a hash go to the tail (least recently used is evicted
 first) and stay findable until reused; freed blocks without a hash hold nothing
 worth keeping and go to the head.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -58,7 +59,7 @@ class Block:
         self.ref_count = 0
         self.block_hash: int | None = None
         self.token_ids: tuple[int, ...] | None = None  # kept for hashed blocks, to verify hits
-        self.serial: int | None = None         # unique per publication (None while unpublished)
+        self.serial: int | None = None  # unique per publication (None while unpublished)
         self.parent_serial: int | None = None  # serial of the block before it when published (None: first)
 
     def __repr__(self) -> str:
@@ -66,8 +67,9 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_fn: HashFn = hash_block_tokens):
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, hash_fn: HashFn = hash_block_tokens
+    ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -94,7 +96,7 @@ class BlockManager:
         hashes = seq.block_hashes
         tokens = seq.token_ids
         for i in range(len(hashes), len(tokens) // bs):
-            hashes.append(self.hash_fn(hashes[i - 1] if i else None, tokens[i * bs:(i + 1) * bs]))
+            hashes.append(self.hash_fn(hashes[i - 1] if i else None, tokens[i * bs : (i + 1) * bs]))
 
     def get_computed_blocks(self, seq: Sequence) -> list[Block]:
         """Longest run of cached full blocks that prefixes seq. Changes nothing.
@@ -122,12 +124,12 @@ class BlockManager:
         """Whether ``block``, published under seq's i-th hash, holds seq's block i: the same
         tokens, computed after the same K/V (``prev``: hit i - 1). A collision is never served."""
         bs = self.block_size
-        return (block.token_ids == tuple(seq.token_ids[i * bs:(i + 1) * bs])
-                and block.parent_serial == (prev.serial if prev is not None else None))
+        return block.token_ids == tuple(seq.token_ids[i * bs : (i + 1) * bs]) and block.parent_serial == (
+            prev.serial if prev is not None else None
+        )
 
     # -------------------------------------------------------------- mutations
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
-                       computed_blocks: Iterable[Block] = ()) -> bool:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: Iterable[Block] = ()) -> bool:
         """Give seq blocks for ``num_new_tokens`` more tokens (after the cache hits).
 
         All or nothing: on False nothing changed. ``computed_blocks`` (from
@@ -208,7 +210,7 @@ class BlockManager:
         for i in range(start, num_full):
             block = self.blocks[table[i]]
             block_hash = seq.block_hashes[i]
-            token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             parent_serial = parent.serial if parent is not None else None
             twin = self.cached.get(block_hash)
             if twin is None:
@@ -242,8 +244,9 @@ class BlockManager:
             assert (block.ref_count == 0) == (block.block_id in self.free_blocks), f"{block} free/used mismatch"
         for block_hash, block in self.cached.items():
             assert block.block_hash == block_hash, f"cache entry {block_hash} -> {block}"
-            assert block.token_ids is not None and len(block.token_ids) == self.block_size, \
+            assert block.token_ids is not None and len(block.token_ids) == self.block_size, (
                 f"published {block} is not a full block"
+            )
             assert block.serial is not None, f"published {block} has no serial"
         for block in self.blocks:
             if block.block_hash is not None:
@@ -259,10 +262,13 @@ class BlockManager:
                 refs[block_id] += 1
                 block = self.blocks[block_id]
                 if block.block_hash is not None:
-                    assert (i + 1) * bs <= seq.num_computed_tokens, \
+                    assert (i + 1) * bs <= seq.num_computed_tokens, (
                         f"{block} published before its K/V was computed in {seq}"
-                    assert block.token_ids == tuple(seq.token_ids[i * bs:(i + 1) * bs]), \
+                    )
+                    assert block.token_ids == tuple(seq.token_ids[i * bs : (i + 1) * bs]), (
                         f"{block} tokens differ from {seq}'s block {i}"
+                    )
         for block in self.blocks:
-            assert block.ref_count == refs[block.block_id], \
+            assert block.ref_count == refs[block.block_id], (
                 f"{block} ref_count != {refs[block.block_id]} live tables holding it"
+            )

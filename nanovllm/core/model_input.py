@@ -5,6 +5,7 @@ slots, block tables, per-row sampling settings: no Sequence objects -- and a Ste
 host-side half the engine keeps: which sequence each sample row and each prompt-logprob job
 belongs to. Both are decided here once; nothing downstream re-derives them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ class RowLogitsProcessing:
     """One sample row's logits processing beyond temperature and the filters (vLLM's meanings,
     see SamplingParams). Built only for rows that use any, so plain rows cost nothing; bad
     words travel as banned tokens (``ModelInput.banned_token_ids``) instead."""
+
     allowed_token_ids: list[int] | None = None
     logit_bias: dict[int, float] | None = None
     repetition_penalty: float = 1.0
@@ -34,8 +36,8 @@ class ModelInput:
     input_ids: list[int]
     positions: list[int]
     slot_mapping: list[int]
-    query_start_loc: list[int]       # [num_seqs + 1]
-    seq_lens: list[int]              # [num_seqs]: computed + new
+    query_start_loc: list[int]  # [num_seqs + 1]
+    seq_lens: list[int]  # [num_seqs]: computed + new
     block_tables: list[list[int]]
     # [num_seqs]: the sequence of each entry of seq_lens / block_tables. The model runner does not
     # read it; an executor that keeps per-sequence state does (the fake one of the property tests
@@ -43,14 +45,14 @@ class ModelInput:
     # samples nothing carry no other id, and prefix-cache hits share block tables
     seq_ids: list[int] = field(default_factory=list)
     # sampling: one entry per sequence whose chunk reaches its last token
-    sample_rows: list[int] = field(default_factory=list)      # packed row of that last token
+    sample_rows: list[int] = field(default_factory=list)  # packed row of that last token
     sample_seq_ids: list[int] = field(default_factory=list)
     temperatures: list[float] = field(default_factory=list)
     top_ks: list[int] = field(default_factory=list)
     top_ps: list[float] = field(default_factory=list)
     min_ps: list[float] = field(default_factory=list)
     seeds: list[int | None] = field(default_factory=list)
-    output_indices: list[int] = field(default_factory=list)   # index of the token each row samples
+    output_indices: list[int] = field(default_factory=list)  # index of the token each row samples
     banned_token_ids: list[list[int]] = field(default_factory=list)
     # sample index -> its logits processing; only the rows that have some
     logits_processing: dict[int, RowLogitsProcessing] = field(default_factory=dict)
@@ -71,9 +73,10 @@ class ModelInput:
 @dataclass
 class StepPlan:
     """The host-side half of a step: what the engine needs to apply the step's output."""
+
     sched: SchedulerOutput
-    starts: list[int]                  # each scheduled sequence's num_computed_tokens before the step
-    samplers: list[Sequence]           # the sequences that sample, in sample-row order
+    starts: list[int]  # each scheduled sequence's num_computed_tokens before the step
+    samplers: list[Sequence]  # the sequences that sample, in sample-row order
     # per prompt-logprob job, in job order: (sequence, prompt position of the job's first target)
     prompt_logprob_jobs: list[tuple[Sequence, int]]
     # a sampler reads its tokens so far (penalties, bad words): async scheduling must not
@@ -85,8 +88,9 @@ def _slot(table: list[int], pos: int, block_size: int) -> int:
     return table[pos // block_size] * block_size + pos % block_size
 
 
-def build_model_input(out: SchedulerOutput, block_size: int,
-                      finished_seq_ids: list[int] | None = None) -> tuple[ModelInput, StepPlan]:
+def build_model_input(
+    out: SchedulerOutput, block_size: int, finished_seq_ids: list[int] | None = None
+) -> tuple[ModelInput, StepPlan]:
     mi = ModelInput([], [], [], [0], [], [], finished_seq_ids=list(finished_seq_ids or []))
     plan = StepPlan(out, [], [], [])
     input_ids, positions, slots, qsl = mi.input_ids, mi.positions, mi.slot_mapping, mi.query_start_loc
@@ -96,7 +100,7 @@ def build_model_input(out: SchedulerOutput, block_size: int,
         plan.starts.append(start)
         table = seq.block_table
         first_row = len(input_ids)
-        known = len(seq.token_ids)      # tokens past this are placeholders (async scheduling)
+        known = len(seq.token_ids)  # tokens past this are placeholders (async scheduling)
         if num_new == 1:  # the decode fast path: one token, one slot
             if start >= known:
                 mi.pending_rows.append(first_row)
@@ -123,8 +127,9 @@ def build_model_input(out: SchedulerOutput, block_size: int,
             first = max(start, seq.num_prompt_logprobs_recorded - 1)
             last = min(end, seq.num_prompt_tokens - 1)
             if first < last:
-                mi.prompt_logprob_jobs.append((first_row + first - start, seq.token_ids[first + 1:last + 1],
-                                               params.prompt_logprobs))
+                mi.prompt_logprob_jobs.append(
+                    (first_row + first - start, seq.token_ids[first + 1 : last + 1], params.prompt_logprobs)
+                )
                 plan.prompt_logprob_jobs.append((seq, first + 1))
         if end == seq.num_tokens:
             plan.samplers.append(seq)
@@ -149,15 +154,21 @@ def _add_logits_processing(mi: ModelInput, seq: Sequence, banned: list[int]) -> 
     """Record the row's logits processing (the row just appended); return its banned tokens."""
     params = seq.params
     if seq.needs_token_history and seq.num_placeholders:
-        raise RuntimeError(f"{seq}: penalties or bad words over a placeholder token (the engine must "
-                           f"complete the previous step first)")
+        raise RuntimeError(
+            f"{seq}: penalties or bad words over a placeholder token (the engine must complete the previous step first)"
+        )
     if seq.bad_words_token_ids:
-        banned = banned + banned_by_bad_words(seq.bad_words_token_ids, seq.token_ids[seq.num_prompt_tokens:])
-    row = RowLogitsProcessing(params.allowed_token_ids, params.logit_bias or None, params.repetition_penalty,
-                              params.presence_penalty, params.frequency_penalty)
+        banned = banned + banned_by_bad_words(seq.bad_words_token_ids, seq.token_ids[seq.num_prompt_tokens :])
+    row = RowLogitsProcessing(
+        params.allowed_token_ids,
+        params.logit_bias or None,
+        params.repetition_penalty,
+        params.presence_penalty,
+        params.frequency_penalty,
+    )
     if params.has_penalties:
-        row.prompt_token_ids = seq.token_ids[:seq.num_prompt_tokens]
-        row.output_token_ids = seq.token_ids[seq.num_prompt_tokens:]
+        row.prompt_token_ids = seq.token_ids[: seq.num_prompt_tokens]
+        row.output_token_ids = seq.token_ids[seq.num_prompt_tokens :]
     if row.allowed_token_ids is not None or row.logit_bias or params.has_penalties:
         mi.logits_processing[len(mi.sample_rows) - 1] = row
     return banned

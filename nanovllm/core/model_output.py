@@ -3,6 +3,7 @@
 ``SamplerOutput`` holds one entry per sample row (the order of ``ModelInput.sample_rows``);
 ``ModelOutput`` adds the prompt logprobs of each prompt-logprob job of the step.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,13 +15,13 @@ LogprobEntry = tuple[float, int, list[tuple[int, float]]]
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    nonfinite_rows: list[int]                # rows whose logits held NaN/inf: their token is void
-    logprobs: list[LogprobEntry | None]      # per row: None unless the request asked for logprobs
+    nonfinite_rows: list[int]  # rows whose logits held NaN/inf: their token is void
+    logprobs: list[LogprobEntry | None]  # per row: None unless the request asked for logprobs
 
 
 @dataclass
 class ModelOutput:
-    sampled: SamplerOutput | None            # None when no row samples (or on TP ranks > 0)
+    sampled: SamplerOutput | None  # None when no row samples (or on TP ranks > 0)
     prompt_logprobs: list[list[LogprobEntry]]  # per prompt-logprob job: one entry per target position
 
 

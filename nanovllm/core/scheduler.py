@@ -14,6 +14,7 @@ front of the queue, keeping its generated tokens); a step that preempts admits
 no one. A sequence that is alone always fits: ``add`` refuses any request whose
 worst case needs more blocks than the whole cache.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -40,8 +41,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enable_chunked_prefill: bool = True):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -66,17 +73,20 @@ class Scheduler:
         if n >= self.max_model_len:
             raise ValueError(
                 f"prompt is {n} tokens, which leaves no room to generate within "
-                f"max_model_len={self.max_model_len}; shorten it below {self.max_model_len} tokens")
+                f"max_model_len={self.max_model_len}; shorten it below {self.max_model_len} tokens"
+            )
         if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
             raise ValueError(
                 f"prompt is {n} tokens > max_num_batched_tokens={self.max_num_batched_tokens} "
-                f"with enable_chunked_prefill=False")
+                f"with enable_chunked_prefill=False"
+            )
         need = self.max_blocks_needed(seq)
         if need > self.block_manager.num_blocks:
             raise ValueError(
                 f"request {seq.request_id!r} needs up to {need} KV blocks (prompt {n} tokens + "
                 f"max_tokens={seq.params.max_tokens}, block_size={self.block_manager.block_size}) "
-                f"but the whole cache has num_kvcache_blocks={self.block_manager.num_blocks}")
+                f"but the whole cache has num_kvcache_blocks={self.block_manager.num_blocks}"
+            )
 
     def add(self, seq: Sequence) -> None:
         self.check_admissible(seq)
@@ -116,8 +126,7 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        while (not out.preempted and self.waiting and budget > 0
-               and len(self.running) < self.max_num_seqs):
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = bm.get_computed_blocks(seq)
             num_cached = len(hits) * bm.block_size
@@ -144,8 +153,7 @@ class Scheduler:
         What the budget allows; without chunked prefill a prompt goes whole or waits, but a
         recompute (after preemption) longer than the whole budget never could go whole, so it
         resumes in chunks like a running sequence."""
-        if (not self.enable_chunked_prefill and num_remaining > budget
-                and num_remaining <= self.max_num_batched_tokens):
+        if not self.enable_chunked_prefill and num_remaining > budget and num_remaining <= self.max_num_batched_tokens:
             return 0
         return min(num_remaining, budget)
 

@@ -1,4 +1,5 @@
 """Sequence: one request's tokens, status, block table and counters. Pure Python."""
+
 from __future__ import annotations
 
 import enum
@@ -9,8 +10,8 @@ from nanovllm.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"      # not holding blocks; never ran, or preempted
-    RUNNING = "running"      # holds blocks; scheduled each step it fits
+    WAITING = "waiting"  # not holding blocks; never ran, or preempted
+    RUNNING = "running"  # holds blocks; scheduled each step it fits
     FINISHED = "finished"
 
 
@@ -35,18 +36,47 @@ class Sequence:
     """
 
     __slots__ = (
-        "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
-        "block_table", "block_hashes", "status", "params", "num_cached_tokens",
-        "num_preemptions", "prompt", "arrival", "finish_reason", "stop_reason",
-        "output_logprobs", "cumulative_logprob", "prompt_logprobs", "output_text",
-        "stop_token_ids", "num_placeholders", "pending_row", "metrics",
-        "bad_words_token_ids", "logits_processing", "needs_token_history", "parent",
+        "seq_id",
+        "request_id",
+        "token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "block_table",
+        "block_hashes",
+        "status",
+        "params",
+        "num_cached_tokens",
+        "num_preemptions",
+        "prompt",
+        "arrival",
+        "finish_reason",
+        "stop_reason",
+        "output_logprobs",
+        "cumulative_logprob",
+        "prompt_logprobs",
+        "output_text",
+        "stop_token_ids",
+        "num_placeholders",
+        "pending_row",
+        "metrics",
+        "bad_words_token_ids",
+        "logits_processing",
+        "needs_token_history",
+        "parent",
     )
 
-    def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams, prompt: str | None = None, arrival: int = 0,
-                 eos_token_ids: tuple[int, ...] = (), bad_words_token_ids: list[list[int]] | None = None,
-                 parent=None):
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        arrival: int = 0,
+        eos_token_ids: tuple[int, ...] = (),
+        bad_words_token_ids: list[list[int]] | None = None,
+        parent=None,
+    ):
         self.seq_id = seq_id
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -69,19 +99,21 @@ class Sequence:
         self.output_text = ""
         # the ids that end this request: its stop_token_ids, and the model's EOS ids unless ignore_eos
         self.stop_token_ids: frozenset[int] = frozenset(params.stop_token_ids).union(  # type: ignore[arg-type]
-            () if params.ignore_eos else eos_token_ids)
+            () if params.ignore_eos else eos_token_ids
+        )
         self.num_placeholders = 0
         self.pending_row: int | None = None
-        self.metrics = RequestMetrics(arrival_time=time.time())   # timestamps, set by the engine
+        self.metrics = RequestMetrics(arrival_time=time.time())  # timestamps, set by the engine
         self.bad_words_token_ids: list[list[int]] = list(bad_words_token_ids or [])
         self.logits_processing: bool = params.has_logits_processing
-        self.needs_token_history: bool = params.has_penalties or any(
-            len(w) > 1 for w in self.bad_words_token_ids)
+        self.needs_token_history: bool = params.has_penalties or any(len(w) > 1 for w in self.bad_words_token_ids)
         self.parent = parent
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, blocks={self.block_table}, {self.status.value})")
+        return (
+            f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table}, {self.status.value})"
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -97,7 +129,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def is_finished(self) -> bool:

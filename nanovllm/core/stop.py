@@ -5,6 +5,7 @@ strings count only once ``min_tokens`` are out; then ``max_tokens`` and ``max_mo
 give "length". A stop string cuts the text before it (or after it, with
 ``include_stop_str_in_output``). Pure Python: the tokenizer is passed in.
 """
+
 from __future__ import annotations
 
 from nanovllm.core.sequence import Sequence

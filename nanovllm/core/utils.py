@@ -1,4 +1,5 @@
 """Small arithmetic shared by the core and the worker."""
+
 from __future__ import annotations
 
 

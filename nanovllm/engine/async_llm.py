@@ -15,6 +15,7 @@ A caller that stops listening (its task is cancelled, or it closes the generator
 request: the engine frees its KV blocks before the next step. If a step raises, the engine is
 dead: every caller gets ``EngineDeadError`` and so does every later call.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -38,9 +39,9 @@ class EngineDeadError(RuntimeError):
 class AsyncLLM:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self.tokenizer = copy.deepcopy(engine.tokenizer)   # the front end's: never used by the engine thread
-        self.stats: dict = engine.stats()                  # a snapshot, refreshed after each step
-        self.output_observers: list[Callable[[RequestOutput], None]] = []   # see each output (metrics)
+        self.tokenizer = copy.deepcopy(engine.tokenizer)  # the front end's: never used by the engine thread
+        self.stats: dict = engine.stats()  # a snapshot, refreshed after each step
+        self.output_observers: list[Callable[[RequestOutput], None]] = []  # see each output (metrics)
         self.errored: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue] = {}
@@ -81,8 +82,9 @@ class AsyncLLM:
             return {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt)}
         return prompt
 
-    async def generate(self, prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(
+        self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Add a request and yield its outputs as steps produce them; the last has finished=True.
         A bad request raises ValueError/TypeError (from the engine's validation) before any output."""
         self._start()
@@ -144,7 +146,7 @@ class AsyncLLM:
                     except Exception:  # noqa: BLE001 - an observer must not break serving
                         logger.exception("output observer failed")
                 q = self._queues.get(out.request_id)
-            else:                       # (request_id, exception)
+            else:  # (request_id, exception)
                 q = self._queues.get(out[0])
                 out = out[1]
             if q is not None:
@@ -185,7 +187,7 @@ class AsyncLLM:
             self._to_loop(self._fail_all, e)
             self._fail_pending(e)
             return
-        aborted = [engine.abort_request(r) for r in list(engine.requests)]   # stop: no request keeps blocks
+        aborted = [engine.abort_request(r) for r in list(engine.requests)]  # stop: no request keeps blocks
         if aborted:
             self._to_loop(self._deliver, aborted)
 

@@ -11,6 +11,7 @@ tokens (spaces between words, "##" pieces) give the same text as one decode of a
 ``stop_prefix_len`` says how much of the end of a text may still become a stop string: a
 stream holds that much back until the next tokens settle it.
 """
+
 from __future__ import annotations
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -40,11 +41,11 @@ class IncrementalDetokenizer:
         if self.tokenizer is None or not new_token_ids:
             return ""
         decode = self.tokenizer.decode
-        prefix_text = decode(ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special_tokens)
-        new_text = decode(ids[self.prefix_offset:], skip_special_tokens=self.skip_special_tokens)
+        prefix_text = decode(ids[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip_special_tokens)
+        new_text = decode(ids[self.prefix_offset :], skip_special_tokens=self.skip_special_tokens)
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             return ""
-        delta = new_text[len(prefix_text):]
+        delta = new_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(ids)
         self.output_text += delta
         return delta

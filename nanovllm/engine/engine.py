@@ -7,6 +7,7 @@ checked, finished requests freed. Build one with ``LLMEngine.from_engine_args(mo
 the constructor takes the parts (config, executor, tokenizer), so tests can run this very loop
 over a fake executor.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -43,11 +44,12 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Launched:
     """A step queued on the device."""
+
     plan: StepPlan
-    handle: StepHandle            # .result() -> ModelOutput
+    handle: StepHandle  # .result() -> ModelOutput
     event: StepEvent | None
-    counted: bool = False         # update_after_step done already (async scheduling)
-    timer: PhaseTimer | _Off = OFF   # phase times for step_profiler (engine/step_timing.py)
+    counted: bool = False  # update_after_step done already (async scheduling)
+    timer: PhaseTimer | _Off = OFF  # phase times for step_profiler (engine/step_timing.py)
 
 
 def eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
@@ -62,7 +64,7 @@ def eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
 
     from nanovllm.loader.hf_config import read_generation_eos
 
-    add(read_generation_eos(model_dir))   # no transformers import (start-up time)
+    add(read_generation_eos(model_dir))  # no transformers import (start-up time)
     add(getattr(hf_config, "eos_token_id", None))
     if not ids and tokenizer is not None:
         add(tokenizer.eos_token_id)
@@ -72,7 +74,7 @@ def eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
 def load_tokenizer(config: EngineConfig):
     if config.skip_tokenizer_init:
         return None
-    from nanovllm.tokenizer import load_tokenizer as load   # transformers only where needed
+    from nanovllm.tokenizer import load_tokenizer as load  # transformers only where needed
 
     source = config.tokenizer or config.model_dir
     try:
@@ -92,17 +94,27 @@ class LLMEngine:
     Most callers want ``LLMEngine.from_engine_args(model, **engine_args)`` or ``LLM``.
     """
 
-    def __init__(self, config: EngineConfig, executor: Executor | None = None, tokenizer=None,
-                 eos_token_ids: tuple[int, ...] = (), trace: bool | Callable = False):
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor | None = None,
+        tokenizer=None,
+        eos_token_ids: tuple[int, ...] = (),
+        trace: bool | Callable = False,
+    ):
         # executor defaults to None only so that LLMEngine("path") gets this message, not Python's
         if not isinstance(config, EngineConfig) or executor is None:
             got = type(config).__name__ if not isinstance(config, EngineConfig) else "no executor"
-            raise TypeError(f"LLMEngine(config, executor, ...) takes an EngineConfig and an executor, got "
-                            f"{got}; to load a model use "
-                            f"LLMEngine.from_engine_args(model, **engine_args) or LLM(model, **engine_args)")
+            raise TypeError(
+                f"LLMEngine(config, executor, ...) takes an EngineConfig and an executor, got "
+                f"{got}; to load a model use "
+                f"LLMEngine.from_engine_args(model, **engine_args) or LLM(model, **engine_args)"
+            )
         if config.hf_config is None or config.block_size is None:
-            raise ValueError("LLMEngine needs a resolved EngineConfig (call config.resolve(hf_config, "
-                             "model_dir) first, or use LLMEngine.from_engine_args)")
+            raise ValueError(
+                "LLMEngine needs a resolved EngineConfig (call config.resolve(hf_config, "
+                "model_dir) first, or use LLMEngine.from_engine_args)"
+            )
         self.config = config
         self.executor: Executor | None = executor
         self.tokenizer = tokenizer
@@ -111,36 +123,54 @@ class LLMEngine:
         num_blocks = config.num_kvcache_blocks or executor.profile_num_blocks()
         executor.allocate_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_model_len, config.enable_chunked_prefill)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.max_model_len,
+            config.enable_chunked_prefill,
+        )
         self.tracer = Tracer(enabled=bool(trace), callback=trace if callable(trace) else None)
         # None, or called once per completed step with {phase: seconds} (engine/step_timing.py)
         self.step_profiler: Callable[[dict[str, float]], None] | None = None
         self.requests: dict[str, Sequence] = {}
-        self._streams: dict[str, StreamState] = {}   # requests whose output_kind is not FINAL_ONLY
-        self.parents: dict[str, ParentRequest] = {}   # n > 1: until every child has finished
+        self._streams: dict[str, StreamState] = {}  # requests whose output_kind is not FINAL_ONLY
+        self.parents: dict[str, ParentRequest] = {}  # n > 1: until every child has finished
         self._seq_ids = itertools.count()
         self._finished_seq_ids: list[int] = []
         self.num_steps = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_errors = 0
-        self._inflight: _Launched | None = None      # async scheduling: the step on the device
-        self._buffered: list[RequestOutput] = []     # finished by a drain, returned by the next step()
+        self._inflight: _Launched | None = None  # async scheduling: the step on the device
+        self._buffered: list[RequestOutput] = []  # finished by a drain, returned by the next step()
         self._num_launched = 0
         self.num_pipelined_steps = 0
-        logger.info("engine ready: %s, %s, %d KV blocks of %d tokens", config.device, config.dtype,
-                    num_blocks, config.block_size)
+        logger.info(
+            "engine ready: %s, %s, %d KV blocks of %d tokens",
+            config.device,
+            config.dtype,
+            num_blocks,
+            config.block_size,
+        )
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineConfig | str | None = None, *, load_format: str = "auto",
-                         trace: bool | Callable = False, **kwargs) -> LLMEngine:
+    def from_engine_args(
+        cls,
+        engine_args: EngineConfig | str | None = None,
+        *,
+        load_format: str = "auto",
+        trace: bool | Callable = False,
+        **kwargs,
+    ) -> LLMEngine:
         """Load a model and build its engine: ``from_engine_args("path/to/model", dtype="float32")``
         or ``from_engine_args(EngineConfig(...))`` (vLLM's spelling). ``None`` = the default model."""
         if isinstance(engine_args, EngineConfig):
             if kwargs:
-                raise TypeError(f"from_engine_args(EngineConfig, ...) takes no engine arguments besides "
-                                f"the config, got {sorted(kwargs)}")
+                raise TypeError(
+                    f"from_engine_args(EngineConfig, ...) takes no engine arguments besides "
+                    f"the config, got {sorted(kwargs)}"
+                )
             config = engine_args
         else:
             config = EngineConfig.from_kwargs(engine_args, **kwargs)
@@ -181,8 +211,10 @@ class LLMEngine:
             if not prompt:
                 raise ValueError("prompt must not be empty, got ''")
             if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer, and this model has none: "
-                                 "pass token ids ({'prompt_token_ids': [...]})")
+                raise ValueError(
+                    "text prompts need a tokenizer, and this model has none: "
+                    "pass token ids ({'prompt_token_ids': [...]})"
+                )
             return prompt, self._check_ids(self.tokenizer.encode(prompt))
         if isinstance(prompt, (list, tuple)):
             return None, self._check_ids(prompt)
@@ -209,8 +241,9 @@ class LLMEngine:
         """The request's SamplingParams, checked against this model (vocabulary, tokenizer)."""
         params = params if params is not None else SamplingParams()
         if isinstance(params, dict):
-            raise TypeError(f"sampling_params must be a SamplingParams, got a dict ({params!r}); "
-                            f"write SamplingParams(**{params!r})")
+            raise TypeError(
+                f"sampling_params must be a SamplingParams, got a dict ({params!r}); write SamplingParams(**{params!r})"
+            )
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         for name in ("stop", "bad_words"):
@@ -219,8 +252,10 @@ class LLMEngine:
         for name, k in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
             if k is not None and k > self.vocab_size:
                 raise ValueError(f"{name}={k} exceeds the vocabulary size {self.vocab_size}")
-        for name, ids in (("logit_bias", list(params.logit_bias or ())),
-                          ("allowed_token_ids", params.allowed_token_ids or ())):
+        for name, ids in (
+            ("logit_bias", list(params.logit_bias or ())),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ):
             outside = [t for t in ids if t >= self.vocab_size]
             if outside:
                 raise ValueError(f"{name} holds token id(s) {outside} outside the vocabulary [0, {self.vocab_size})")
@@ -232,24 +267,35 @@ class LLMEngine:
         words = bad_words_token_ids(self.tokenizer, params.bad_words)
         outside = sorted({t for w in words for t in w if not 0 <= t < self.vocab_size})
         if outside:
-            raise ValueError(f"bad_words={params.bad_words!r} tokenize to id(s) {outside} outside the "
-                             f"vocabulary [0, {self.vocab_size})")
+            raise ValueError(
+                f"bad_words={params.bad_words!r} tokenize to id(s) {outside} outside the "
+                f"vocabulary [0, {self.vocab_size})"
+            )
         return words
 
-    def make_sequence(self, request_id: str, prompt, params: SamplingParams | None,
-                      parent: ParentRequest | None = None) -> Sequence:
+    def make_sequence(
+        self, request_id: str, prompt, params: SamplingParams | None, parent: ParentRequest | None = None
+    ) -> Sequence:
         """Validate one sequence completely (nothing is queued): a request with n == 1, or one
         child of an n > 1 request (``make_sequences``)."""
         self._check_open()
         self._check_request_id(request_id)
         params = self._check_params(params)
         if params.n != 1:
-            raise ValueError(f"make_sequence builds one sequence; a request with n={params.n} "
-                             f"needs make_sequences or add_request")
+            raise ValueError(
+                f"make_sequence builds one sequence; a request with n={params.n} needs make_sequences or add_request"
+            )
         text, ids = self.tokenize_prompt(prompt)
-        seq = Sequence(next(self._seq_ids), request_id, ids, params, prompt=text,
-                       eos_token_ids=self.eos_token_ids, bad_words_token_ids=self._bad_words(params),
-                       parent=parent)
+        seq = Sequence(
+            next(self._seq_ids),
+            request_id,
+            ids,
+            params,
+            prompt=text,
+            eos_token_ids=self.eos_token_ids,
+            bad_words_token_ids=self._bad_words(params),
+            parent=parent,
+        )
         self.scheduler.check_admissible(seq)
         return seq
 
@@ -262,8 +308,9 @@ class LLMEngine:
             return [self.make_sequence(request_id, prompt, params)]
         self._check_request_id(request_id)
         parent = ParentRequest(request_id, params)
-        return [self.make_sequence(cid, prompt, parent.child_params(i), parent)
-                for i, cid in enumerate(parent.child_ids)]
+        return [
+            self.make_sequence(cid, prompt, parent.child_params(i), parent) for i, cid in enumerate(parent.child_ids)
+        ]
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
         for seq in self.make_sequences(request_id, prompt, params):
@@ -284,8 +331,9 @@ class LLMEngine:
         the step completes. Returns its output (finish_reason "abort"), or None if unknown."""
         parent = self.parents.get(request_id)
         if parent is not None:
-            outs = self._outputs([self._abort(self.requests.pop(cid)) for cid in parent.child_ids
-                                  if cid in self.requests])
+            outs = self._outputs(
+                [self._abort(self.requests.pop(cid)) for cid in parent.child_ids if cid in self.requests]
+            )
             if not outs or request_id in self.parents:
                 raise RuntimeError(f"abort of {request_id!r} left its parent request behind")
             return parent.combine(outs)
@@ -293,14 +341,14 @@ class LLMEngine:
         if seq is None:
             return None
         outs = self._outputs([self._abort(seq)])
-        if seq.parent is not None:   # a child aborted alone: its parent's output, if complete, comes next step
+        if seq.parent is not None:  # a child aborted alone: its parent's output, if complete, comes next step
             self._buffered += outs
             return make_request_output(seq, self.tokenizer)
         return outs[0]
 
     def _abort(self, seq: Sequence) -> Sequence:
         self.scheduler.finish(seq)
-        seq.drop_placeholder()   # a step that never completed (interrupted) leaves one behind
+        seq.drop_placeholder()  # a step that never completed (interrupted) leaves one behind
         seq.finish_reason = "abort"
         seq.metrics.finished_time = time.time()
         self._finished_seq_ids.append(seq.seq_id)
@@ -419,8 +467,7 @@ class LLMEngine:
         if self.step_profiler is not None and timer.phases is not None:
             self.step_profiler(timer.phases)
         if launched.event is not None:
-            launched.event.finished = [(s.request_id, s.finish_reason) for s in reported
-                                       if s.finish_reason is not None]
+            launched.event.finished = [(s.request_id, s.finish_reason) for s in reported if s.finish_reason is not None]
             launched.event.num_free_blocks = self.block_manager.num_free_blocks
             self.tracer.record(launched.event)
         return self._outputs(reported)
@@ -435,10 +482,10 @@ class LLMEngine:
         """Apply a step's output; return the sequences to report, in sample-row order: the
         finished ones and the streaming ones that got a token."""
         for (seq, first), rows in zip(plan.prompt_logprob_jobs, result.prompt_logprobs):
-            skip = seq.num_prompt_logprobs_recorded - first   # > 0 only if recorded meanwhile
+            skip = seq.num_prompt_logprobs_recorded - first  # > 0 only if recorded meanwhile
             assert skip >= 0, f"{seq}: prompt logprobs from position {first} would leave a gap"
             rows, first = rows[skip:], first + skip
-            record_prompt_logprobs(seq, list(zip(seq.token_ids[first:first + len(rows)], rows)))
+            record_prompt_logprobs(seq, list(zip(seq.token_ids[first : first + len(rows)], rows)))
         sampling = {id(seq) for seq in plan.samplers}
         for seq, num_new, start in zip(plan.sched.seqs, plan.sched.num_new_tokens, plan.starts):
             # every chunk but a decode (the newest token of a request past its prompt) is prompt work:
@@ -451,15 +498,18 @@ class LLMEngine:
         sampled = result.sampled
         now = time.time()
         for row, seq in enumerate(plan.samplers):
-            seq.drop_placeholder()     # async: the placeholder gets its token below
+            seq.drop_placeholder()  # async: the placeholder gets its token below
             if seq.finish_reason is not None:
                 continue  # it finished (or was aborted) while this step was in flight: discard
             assert sampled is not None
             if row in sampled.nonfinite_rows:
                 self.num_errors += 1
-                logger.error("request %r: the model produced non-finite logits (NaN or inf) at output "
-                             "token %d; the request is ended with finish_reason='error'",
-                             seq.request_id, seq.num_output_tokens)
+                logger.error(
+                    "request %r: the model produced non-finite logits (NaN or inf) at output "
+                    "token %d; the request is ended with finish_reason='error'",
+                    seq.request_id,
+                    seq.num_output_tokens,
+                )
                 seq.finish_reason = "error"
                 seq.stop_reason = "non-finite logits"
             else:
@@ -491,12 +541,26 @@ class LLMEngine:
         seqs = []
         for seq, n, c in zip(sched.seqs, sched.num_new_tokens, plan.starts):
             decode = n == 1 and c + 1 == seq.num_tokens and c >= seq.num_prompt_tokens
-            seqs.append(SeqStep(seq.request_id, "decode" if decode else "prefill", n, c, seq.num_tokens,
-                                list(seq.block_table), c if id(seq) in admitted else None))
+            seqs.append(
+                SeqStep(
+                    seq.request_id,
+                    "decode" if decode else "prefill",
+                    n,
+                    c,
+                    seq.num_tokens,
+                    list(seq.block_table),
+                    c if id(seq) in admitted else None,
+                )
+            )
         phases = {s.phase for s in seqs}
         kind = phases.pop() if len(phases) == 1 else "mixed"
-        return StepEvent(self._num_launched, kind, seqs, [s.request_id for s in sched.preempted],
-                         num_blocks=self.block_manager.num_blocks)
+        return StepEvent(
+            self._num_launched,
+            kind,
+            seqs,
+            [s.request_id for s in sched.preempted],
+            num_blocks=self.block_manager.num_blocks,
+        )
 
     # ------------------------------------------------------------------ misc
     def stats(self) -> dict:
@@ -523,8 +587,7 @@ class LLMEngine:
         for pid, parent in self.parents.items():
             live = sum(cid in self.requests for cid in parent.child_ids)
             if live != parent.num_unfinished or live == 0:
-                raise RuntimeError(f"parent request {pid!r}: {live} live children, "
-                                   f"{parent.num_unfinished} unfinished")
+                raise RuntimeError(f"parent request {pid!r}: {live} live children, {parent.num_unfinished} unfinished")
 
     def close(self) -> None:
         self._inflight = None

@@ -4,6 +4,7 @@
 ``TensorParallelExecutor`` (one worker process per rank, ``nanovllm.worker.distributed``)
 implement it; tests drive the real engine loop over a fake one.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -36,6 +37,8 @@ def make_executor(config, load_format: str = "auto") -> Executor:
     """The executor for a resolved EngineConfig (imports torch)."""
     if config.tensor_parallel_size > 1:
         from nanovllm.worker.distributed import TensorParallelExecutor
+
         return TensorParallelExecutor(config, load_format)
     from nanovllm.worker.local_executor import LocalExecutor
+
     return LocalExecutor(config, load_format)

@@ -7,6 +7,7 @@ an incomplete character and any end that may still become a stop string; once it
 its text is exactly the FINAL_ONLY text (so streaming and non-streaming agree), and for DELTA
 the pieces add up to it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,8 +61,9 @@ def _prompt_logprobs(seq: Sequence, tokenizer) -> list[LogprobsDict | None] | No
 
 def _metrics(seq: Sequence) -> RequestMetrics:
     """A snapshot: the sequence's own record keeps changing while the request runs."""
-    return dataclasses.replace(seq.metrics, num_preemptions=seq.num_preemptions,
-                               num_generation_tokens=seq.num_output_tokens)
+    return dataclasses.replace(
+        seq.metrics, num_preemptions=seq.num_preemptions, num_generation_tokens=seq.num_output_tokens
+    )
 
 
 def _request_output(seq: Sequence, completion: CompletionOutput, prompt_logprobs) -> RequestOutput:
@@ -103,9 +105,9 @@ class StreamState:
     def __init__(self, seq: Sequence, tokenizer):
         self.detokenizer = IncrementalDetokenizer(tokenizer, seq.params.skip_special_tokens)
         self.logprobs: list[LogprobsDict] | None = [] if seq.output_logprobs is not None else None
-        self.num_tokens_sent = 0        # output tokens already in an output
-        self.text_sent = ""             # the visible text already in an output
-        self.prompt_logprobs: list | None = None   # built with the first output (the prompt is done then)
+        self.num_tokens_sent = 0  # output tokens already in an output
+        self.text_sent = ""  # the visible text already in an output
+        self.prompt_logprobs: list | None = None  # built with the first output (the prompt is done then)
 
     def visible_text(self, seq: Sequence, tokenizer) -> str:
         """The text a report may show now. While the request runs, the detokenizer's text
@@ -133,19 +135,21 @@ def make_stream_output(seq: Sequence, tokenizer, state: StreamState) -> RequestO
         state.detokenizer.update(new_ids)
     text = state.visible_text(seq, tokenizer)
     sent = state.text_sent
-    if not text.startswith(sent):   # the final decode disagrees with the incremental one
-        logger.warning("request %r: incremental text %r is not a prefix of the final text %r",
-                       seq.request_id, sent, text)
-    text_delta = text[len(sent):] if len(text) > len(sent) else ""
+    if not text.startswith(sent):  # the final decode disagrees with the incremental one
+        logger.warning(
+            "request %r: incremental text %r is not a prefix of the final text %r", seq.request_id, sent, text
+        )
+    text_delta = text[len(sent) :] if len(text) > len(sent) else ""
     state.text_sent = text if len(text) >= len(sent) else sent
 
     if state.logprobs is not None:
         assert seq.output_logprobs is not None  # a request with logprobs records them
-        state.logprobs += [_logprob_dict(tokenizer, tok, entry)
-                           for tok, entry in seq.output_logprobs[len(state.logprobs):]]
+        state.logprobs += [
+            _logprob_dict(tokenizer, tok, entry) for tok, entry in seq.output_logprobs[len(state.logprobs) :]
+        ]
     logprobs = None
     if state.logprobs is not None:
-        logprobs = state.logprobs[state.num_tokens_sent:] if delta else list(state.logprobs)
+        logprobs = state.logprobs[state.num_tokens_sent :] if delta else list(state.logprobs)
     first = state.prompt_logprobs is None
     if first:
         state.prompt_logprobs = _prompt_logprobs(seq, tokenizer) or []

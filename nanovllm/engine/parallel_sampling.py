@@ -10,6 +10,7 @@ its ``output_kind``: FINAL_ONLY (``LLM.generate``) one RequestOutput with the n 
 comes, as the parent's RequestOutput holding that one completion (its ``index`` says which),
 ``finished`` once every child has. The engine holds a ParentRequest until then.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,12 +33,16 @@ def _merge_metrics(metrics: list[RequestMetrics | None]) -> RequestMetrics | Non
     def last(name):
         values = [getattr(m, name) for m in ms]
         return None if any(v is None for v in values) else max(values)
-    return RequestMetrics(arrival_time=min(m.arrival_time for m in ms),
-                          first_scheduled_time=first("first_scheduled_time"),
-                          first_token_time=first("first_token_time"), last_token_time=last("last_token_time"),
-                          finished_time=last("finished_time"),
-                          num_generation_tokens=sum(m.num_generation_tokens for m in ms),
-                          num_preemptions=sum(m.num_preemptions for m in ms))
+
+    return RequestMetrics(
+        arrival_time=min(m.arrival_time for m in ms),
+        first_scheduled_time=first("first_scheduled_time"),
+        first_token_time=first("first_token_time"),
+        last_token_time=last("last_token_time"),
+        finished_time=last("finished_time"),
+        num_generation_tokens=sum(m.num_generation_tokens for m in ms),
+        num_preemptions=sum(m.num_preemptions for m in ms),
+    )
 
 
 class ParentRequest:
@@ -75,12 +80,16 @@ class ParentRequest:
         if len(outputs) == 1:
             return outputs[0]
         completions = sorted((c for o in outputs for c in o.outputs), key=lambda c: c.index)
-        return dataclasses.replace(outputs[-1], outputs=completions, finished=self.num_unfinished == 0,
-                                   metrics=_merge_metrics([o.metrics for o in outputs]))
+        return dataclasses.replace(
+            outputs[-1],
+            outputs=completions,
+            finished=self.num_unfinished == 0,
+            metrics=_merge_metrics([o.metrics for o in outputs]),
+        )
 
     def _output(self, indices) -> RequestOutput:
         reports = [self._latest[i] for i in indices]
-        first = reports[0][0]   # the prompt, its logprobs and its cache hits are every child's
+        first = reports[0][0]  # the prompt, its logprobs and its cache hits are every child's
         return RequestOutput(
             request_id=self.request_id,
             prompt=first.prompt,

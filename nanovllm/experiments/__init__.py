@@ -6,6 +6,7 @@ laptop CPU with the default model) and SHAPES["gpu"] (chosen on CUDA), ``engine_
 and ``run(llm, shape, report)``, which measures, prints a table and its results (computed from
 the data), and writes CSV and PNG files. ``runner.run_experiment`` ties them together.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -7,6 +7,7 @@ recomputed), and two prompts that share a prefix (the second may find the first'
 the prefix cache). Every step is printed as the engine's trace prints it, and the run is saved
 as an HTML page (``trace.html``) to step through in a browser.
 """
+
 from __future__ import annotations
 
 import random
@@ -18,16 +19,18 @@ from nanovllm.trace_html import trace_document, write_html
 
 NUMBER, NAME = "04", "scheduler-watch"
 TITLE = "scheduler watch: prefill, decode, finishing order, block tables"
-LOOK_FOR = ["which steps are prefill, decode or mixed; how a long prompt is split into chunks under the token budget",
-            "the order requests finish in; who is preempted when the KV cache runs out, and when it is recomputed; "
-            "whether the shared prefix is served from the prefix cache; block tables growing a block at a time"]
+LOOK_FOR = [
+    "which steps are prefill, decode or mixed; how a long prompt is split into chunks under the token budget",
+    "the order requests finish in; who is preempted when the KV cache runs out, and when it is recomputed; "
+    "whether the shared prefix is served from the prefix cache; block tables growing a block at a time",
+]
 SWEPT: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class Shape:
-    shared_prefix: int                 # tokens shared by the first and third prompt
-    own_lens: tuple[int, ...]          # each prompt's own tokens (after the prefix for requests 0 and 2)
+    shared_prefix: int  # tokens shared by the first and third prompt
+    own_lens: tuple[int, ...]  # each prompt's own tokens (after the prefix for requests 0 and 2)
     max_tokens: tuple[int, ...]
     block_size: int = 16
     num_kvcache_blocks: int = 8
@@ -35,13 +38,16 @@ class Shape:
     max_num_seqs: int = 4
 
 
-SHAPES = {"cpu": Shape(32, (8, 24, 16, 20), (20, 6, 12, 28)),
-          "gpu": Shape(32, (8, 24, 16, 20), (20, 6, 12, 28))}
+SHAPES = {"cpu": Shape(32, (8, 24, 16, 20), (20, 6, 12, 28)), "gpu": Shape(32, (8, 24, 16, 20), (20, 6, 12, 28))}
 
 
 def engine_args(shape: Shape) -> dict:
-    return {"block_size": shape.block_size, "num_kvcache_blocks": shape.num_kvcache_blocks,
-            "max_num_batched_tokens": shape.max_num_batched_tokens, "max_num_seqs": shape.max_num_seqs}
+    return {
+        "block_size": shape.block_size,
+        "num_kvcache_blocks": shape.num_kvcache_blocks,
+        "max_num_batched_tokens": shape.max_num_batched_tokens,
+        "max_num_seqs": shape.max_num_seqs,
+    }
 
 
 def prompts(shape: Shape, vocab_size: int) -> list[list[int]]:
@@ -55,22 +61,43 @@ def prompts(shape: Shape, vocab_size: int) -> list[list[int]]:
 
 
 def run(llm, shape: Shape, report: Report) -> list[dict]:
-    engine = llm.llm_engine     # no warm-up: step numbers start at 0 and the cache starts empty
+    engine = llm.llm_engine  # no warm-up: step numbers start at 0 and the cache starts empty
     ps = prompts(shape, engine.vocab_size)
     run = run_workload(llm, ps, list(shape.max_tokens))
     text = []
     for ev in run.events:
         text.append(f"{ev.format()}\n    ({ms(ev.duration)})")
     report.echo("\n".join(text))
-    rows = [{"step": e.step, "kind": e.kind, "tokens": e.num_tokens, "seqs": len(e.seqs),
-             "used_blocks": e.num_blocks - e.num_free_blocks, "num_blocks": e.num_blocks,
-             "preempted": " ".join(e.preempted), "finished": " ".join(r for r, _ in e.finished),
-             "step_s": e.duration} for e in run.events]
-    reqs = [{"request": r.request_id, "prompt_tokens": r.num_prompt_tokens, "output_tokens": r.num_output_tokens,
-             "first_step": r.summary.first_step, "first_token_step": r.summary.first_token_step,
-             "finish_step": r.summary.finish_step, "prefill_steps": r.summary.num_prefill_chunks,
-             "preemptions": r.summary.num_preemptions, "cache_hit_tokens": r.summary.num_cached_tokens,
-             "ttft_s": r.ttft_s, "latency_s": r.latency_s} for r in run.requests]
+    rows = [
+        {
+            "step": e.step,
+            "kind": e.kind,
+            "tokens": e.num_tokens,
+            "seqs": len(e.seqs),
+            "used_blocks": e.num_blocks - e.num_free_blocks,
+            "num_blocks": e.num_blocks,
+            "preempted": " ".join(e.preempted),
+            "finished": " ".join(r for r, _ in e.finished),
+            "step_s": e.duration,
+        }
+        for e in run.events
+    ]
+    reqs = [
+        {
+            "request": r.request_id,
+            "prompt_tokens": r.num_prompt_tokens,
+            "output_tokens": r.num_output_tokens,
+            "first_step": r.summary.first_step,
+            "first_token_step": r.summary.first_token_step,
+            "finish_step": r.summary.finish_step,
+            "prefill_steps": r.summary.num_prefill_chunks,
+            "preemptions": r.summary.num_preemptions,
+            "cache_hit_tokens": r.summary.num_cached_tokens,
+            "ttft_s": r.ttft_s,
+            "latency_s": r.latency_s,
+        }
+        for r in run.requests
+    ]
     report.table(reqs)
     report.write_text("trace.txt", "\n".join(text) + "\n")
     report.write_csv("steps.csv", rows)
@@ -86,23 +113,38 @@ def run(llm, shape: Shape, report: Report) -> list[dict]:
 
 def _results(report: Report, run) -> None:
     kinds = {k: sum(e.kind == k for e in run.events) for k in ("prefill", "decode", "mixed")}
-    report.result(f"{len(run.events)} steps: {kinds['prefill']} prefill-only, {kinds['decode']} decode-only, "
-                  f"{kinds['mixed']} mixed (prefill chunks and decodes in one step)")
+    report.result(
+        f"{len(run.events)} steps: {kinds['prefill']} prefill-only, {kinds['decode']} decode-only, "
+        f"{kinds['mixed']} mixed (prefill chunks and decodes in one step)"
+    )
     chunked = [r for r in run.requests if r.summary.num_prefill_chunks > 1 + r.summary.num_preemptions]
     if chunked:
-        report.result("prefilled in several chunks: " + ", ".join(
-            f"request {r.request_id} ({r.num_prompt_tokens} tokens, {r.summary.num_prefill_chunks} prefill steps)"
-            for r in chunked))
+        report.result(
+            "prefilled in several chunks: "
+            + ", ".join(
+                f"request {r.request_id} ({r.num_prompt_tokens} tokens, {r.summary.num_prefill_chunks} prefill steps)"
+                for r in chunked
+            )
+        )
     order = sorted((r for r in run.requests), key=lambda r: r.summary.finish_step)
-    report.result("finishing order: " + ", ".join(f"{r.request_id} (step {r.summary.finish_step})" for r in order)
-                  + "; submission order: " + ", ".join(r.request_id for r in run.requests))
+    report.result(
+        "finishing order: "
+        + ", ".join(f"{r.request_id} (step {r.summary.finish_step})" for r in order)
+        + "; submission order: "
+        + ", ".join(r.request_id for r in run.requests)
+    )
     pre = [(e.step, rid) for e in run.events for rid in e.preempted]
-    report.result("preemptions: " + (", ".join(f"request {rid} at step {s}" for s, rid in pre) if pre else "none")
-                  + f"; peak KV use {max(e.num_blocks - e.num_free_blocks for e in run.events)}"
-                  f"/{run.events[0].num_blocks} blocks")
+    report.result(
+        "preemptions: "
+        + (", ".join(f"request {rid} at step {s}" for s, rid in pre) if pre else "none")
+        + f"; peak KV use {max(e.num_blocks - e.num_free_blocks for e in run.events)}"
+        f"/{run.events[0].num_blocks} blocks"
+    )
     hits = [(e.step, s.request_id, s.num_cached_tokens) for e in run.events for s in e.seqs if s.num_cached_tokens]
-    report.result("prefix-cache hits: " + (", ".join(f"request {r} reused {n} tokens at step {s}" for s, r, n in hits)
-                                           if hits else "none"))
+    report.result(
+        "prefix-cache hits: "
+        + (", ".join(f"request {r} reused {n} tokens at step {s}" for s, r, n in hits) if hits else "none")
+    )
 
 
 def _plot(report: Report, run) -> None:
@@ -125,7 +167,9 @@ def _plot(report: Report, run) -> None:
             a.plot(ev.step + 1, ids.index(rid), "|", color="black", markersize=12, markeredgewidth=2)
     a.set_yticks(range(len(ids)), [f"req {i}" for i in ids])
     a.invert_yaxis()
-    a.set(xlabel="step", title="orange prefill, dark orange recompute, blue decode; v preempted, o cache hit, | finished")
+    a.set(
+        xlabel="step", title="orange prefill, dark orange recompute, blue decode; v preempted, o cache hit, | finished"
+    )
     steps = [e.step for e in run.events]
     b.step(steps, [e.num_blocks - e.num_free_blocks for e in run.events], where="post", label="KV blocks in use")
     b.axhline(run.events[0].num_blocks, color="gray", linestyle=":", label="cache size")

@@ -5,6 +5,7 @@ recently admitted one: its blocks are freed and it is recomputed later from its 
 the tokens generated so far. A smaller cache means fewer sequences at once and, below the
 workload's full need, preemptions whose recomputation is wasted work.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,8 +16,10 @@ from nanovllm.experiments.workload import engine_variant, random_prompts, run_wo
 
 NUMBER, NAME = "05", "kv-pressure"
 TITLE = "KV cache size vs preemptions, KV usage and throughput"
-LOOK_FOR = ["below which cache size preemptions start, and how many prompt tokens are recomputed because of them",
-            "how many sequences share a decode step at each size, and what that does to throughput"]
+LOOK_FOR = [
+    "below which cache size preemptions start, and how many prompt tokens are recomputed because of them",
+    "how many sequences share a decode step at each size, and what that does to throughput",
+]
 SWEPT = ("num_kvcache_blocks",)
 
 
@@ -25,17 +28,19 @@ class Shape:
     num_requests: int
     input_len: int
     max_tokens: int
-    cache_blocks: tuple[int, ...]      # the sweep; each must hold one whole request
+    cache_blocks: tuple[int, ...]  # the sweep; each must hold one whole request
     block_size: int = 8
 
 
-SHAPES = {"cpu": Shape(4, 16, 12, (5, 8, 12, 16)),
-          "gpu": Shape(64, 256, 256, (256, 512, 1024, 2048), block_size=16)}
+SHAPES = {"cpu": Shape(4, 16, 12, (5, 8, 12, 16)), "gpu": Shape(64, 256, 256, (256, 512, 1024, 2048), block_size=16)}
 
 
 def engine_args(shape: Shape) -> dict:
-    return {"block_size": shape.block_size, "num_kvcache_blocks": max(shape.cache_blocks),
-            "max_num_seqs": shape.num_requests}
+    return {
+        "block_size": shape.block_size,
+        "num_kvcache_blocks": max(shape.cache_blocks),
+        "max_num_seqs": shape.num_requests,
+    }
 
 
 def full_need(shape: Shape) -> int:
@@ -51,12 +56,19 @@ def run(llm, shape: Shape, report: Report) -> list[dict]:
         engine_variant(llm, num_kvcache_blocks=blocks)
         run = run_workload(llm, prompts, shape.max_tokens)
         decode = [len(e.seqs) for e in run.events if e.kind == "decode"]
-        rows.append({"num_blocks": blocks, "preemptions": run.stats["preemptions"],
-                     "recomputed_tokens": run.stats["prompt_tokens_computed"] - run.num_prompt_tokens,
-                     "peak_used_blocks": max(e.num_blocks - e.num_free_blocks for e in run.events),
-                     "mean_seqs_per_decode_step": sum(decode) / len(decode) if decode else 0.0,
-                     "steps": run.stats["steps"], "output_tokens": run.num_output_tokens, "wall_s": run.wall_s,
-                     "output_tok_per_s": run.output_tok_per_s})
+        rows.append(
+            {
+                "num_blocks": blocks,
+                "preemptions": run.stats["preemptions"],
+                "recomputed_tokens": run.stats["prompt_tokens_computed"] - run.num_prompt_tokens,
+                "peak_used_blocks": max(e.num_blocks - e.num_free_blocks for e in run.events),
+                "mean_seqs_per_decode_step": sum(decode) / len(decode) if decode else 0.0,
+                "steps": run.stats["steps"],
+                "output_tokens": run.num_output_tokens,
+                "wall_s": run.wall_s,
+                "output_tok_per_s": run.output_tok_per_s,
+            }
+        )
         usage[blocks] = [(e.num_blocks - e.num_free_blocks) / e.num_blocks for e in run.events]
     rows.sort(key=lambda r: r["num_blocks"])
     report.table(rows)
@@ -67,17 +79,21 @@ def run(llm, shape: Shape, report: Report) -> list[dict]:
     if with_pre:
         worst = max(with_pre, key=lambda r: r["preemptions"])
         clean = [r["num_blocks"] for r in rows if not r["preemptions"]]
-        report.result(f"preemptions at {', '.join(str(r['num_blocks']) for r in with_pre)} blocks (most: "
-                      f"{worst['preemptions']} at {worst['num_blocks']} blocks, recomputing "
-                      f"{worst['recomputed_tokens']} tokens); none at "
-                      f"{', '.join(map(str, clean)) or 'any size tried'}; every request at full length needs {need}")
+        report.result(
+            f"preemptions at {', '.join(str(r['num_blocks']) for r in with_pre)} blocks (most: "
+            f"{worst['preemptions']} at {worst['num_blocks']} blocks, recomputing "
+            f"{worst['recomputed_tokens']} tokens); none at "
+            f"{', '.join(map(str, clean)) or 'any size tried'}; every request at full length needs {need}"
+        )
     else:
         report.result(f"no preemptions at any size tried (every request at full length needs {need} blocks)")
     lo, hi = rows[0], rows[-1]
-    report.result(f"with {lo['num_blocks']} blocks {lo['mean_seqs_per_decode_step']:.1f} sequences shared a decode "
-                  f"step and output ran at {lo['output_tok_per_s']:.1f} tok/s; with {hi['num_blocks']}: "
-                  f"{hi['mean_seqs_per_decode_step']:.1f} and {hi['output_tok_per_s']:.1f} tok/s "
-                  f"({ratio(lo['output_tok_per_s'], hi['output_tok_per_s'])})")
+    report.result(
+        f"with {lo['num_blocks']} blocks {lo['mean_seqs_per_decode_step']:.1f} sequences shared a decode "
+        f"step and output ran at {lo['output_tok_per_s']:.1f} tok/s; with {hi['num_blocks']}: "
+        f"{hi['mean_seqs_per_decode_step']:.1f} and {hi['output_tok_per_s']:.1f} tok/s "
+        f"({ratio(lo['output_tok_per_s'], hi['output_tok_per_s'])})"
+    )
     return rows
 
 
@@ -101,7 +117,9 @@ def _plot(report: Report, rows, usage) -> None:
     b2.legend(loc="lower right", fontsize=7)
     for blocks, fractions in sorted(usage.items()):
         c.plot(range(len(fractions)), fractions, label=f"{blocks} blocks", linewidth=1)
-    c.set(xlabel="step of the run", ylabel="fraction of KV blocks in use", title="KV usage over the run", ylim=(0, 1.05))
+    c.set(
+        xlabel="step of the run", ylabel="fraction of KV blocks in use", title="KV usage over the run", ylim=(0, 1.05)
+    )
     c.legend(fontsize=7)
     for axis in (a, b, c):
         axis.grid(alpha=0.3)

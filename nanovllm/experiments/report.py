@@ -1,5 +1,6 @@
 """What an experiment leaves behind: a header, a printed table, CSV files, PNG plots
 (matplotlib, Agg backend: no display needed) and result lines computed from the data."""
+
 from __future__ import annotations
 
 import csv
@@ -56,6 +57,7 @@ class Report:
     def figure(self, ncols: int = 1, nrows: int = 1, size=(6.4, 3.6)):
         """A matplotlib (fig, axes) on the Agg backend."""
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 

@@ -4,6 +4,7 @@ The shape is the experiment's "gpu" one when the engine will run on CUDA, else i
 (``--shape`` overrides). Engine flags override the experiment's own engine settings, except
 the ones it sweeps (SWEPT), which it must set itself.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,12 +25,20 @@ def target_device(engine_args: dict) -> str:
         device = os.environ.get("NANOVLLM_DEVICE", "auto") or "auto"
     if device == "auto":
         import torch
+
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return device
 
 
-def run_experiment(key, *, model: str | None = None, shape="auto", out_dir: str | os.PathLike = DEFAULT_OUT,
-                   engine_args: dict | None = None, echo=print) -> Report:
+def run_experiment(
+    key,
+    *,
+    model: str | None = None,
+    shape="auto",
+    out_dir: str | os.PathLike = DEFAULT_OUT,
+    engine_args: dict | None = None,
+    echo=print,
+) -> Report:
     """Run one experiment; ``shape``: "auto", "cpu", "gpu" or a Shape instance of that experiment.
     Returns its Report (files written, result lines)."""
     from nanovllm.llm import LLM
@@ -38,8 +47,10 @@ def run_experiment(key, *, model: str | None = None, shape="auto", out_dir: str 
     engine_args = dict(engine_args or {})
     clash = sorted(set(engine_args) & set(exp.SWEPT))
     if clash:
-        raise ValueError(f"experiment {exp.NUMBER} ({exp.NAME}) sweeps {', '.join(clash)} itself; "
-                         f"leave --{clash[0].replace('_', '-')} out")
+        raise ValueError(
+            f"experiment {exp.NUMBER} ({exp.NAME}) sweeps {', '.join(clash)} itself; "
+            f"leave --{clash[0].replace('_', '-')} out"
+        )
     if isinstance(shape, str):
         if shape not in ("auto", "cpu", "gpu"):
             raise ValueError(f"shape must be 'auto', 'cpu' or 'gpu', got {shape!r}")
@@ -58,28 +69,45 @@ def run_experiment(key, *, model: str | None = None, shape="auto", out_dir: str 
     try:
         cfg = llm.llm_engine.config
         import torch
-        echo(f"   engine: {cfg.model or 'default model (SmolLM2-135M-Instruct)'} on {cfg.device} {cfg.dtype}, "
-             f"block_size {cfg.block_size}, {llm.llm_engine.block_manager.num_blocks} KV blocks, "
-             f"max_num_seqs {cfg.max_num_seqs}, max_num_batched_tokens {cfg.max_num_batched_tokens}, "
-             f"{torch.get_num_threads()} CPU threads; loaded in {load_s:.1f} s")
+
+        echo(
+            f"   engine: {cfg.model or 'default model (SmolLM2-135M-Instruct)'} on {cfg.device} {cfg.dtype}, "
+            f"block_size {cfg.block_size}, {llm.llm_engine.block_manager.num_blocks} KV blocks, "
+            f"max_num_seqs {cfg.max_num_seqs}, max_num_batched_tokens {cfg.max_num_batched_tokens}, "
+            f"{torch.get_num_threads()} CPU threads; loaded in {load_s:.1f} s"
+        )
         exp.run(llm, shape_obj, report)
     finally:
         llm.close()
     wall = time.perf_counter() - start
     echo(f"   wall time {wall:.1f} s (model load {load_s:.1f} s)")
-    report.write_text("results.json", json.dumps(
-        {"experiment": exp.NUMBER, "name": exp.NAME, "shape": shape_name, "shape_values": repr(shape_obj),
-         "engine_args": args, "device": cfg.device, "results": report.results, "wall_s": round(wall, 2),
-         "load_s": round(load_s, 2)}, indent=1, default=str))
+    report.write_text(
+        "results.json",
+        json.dumps(
+            {
+                "experiment": exp.NUMBER,
+                "name": exp.NAME,
+                "shape": shape_name,
+                "shape_values": repr(shape_obj),
+                "engine_args": args,
+                "device": cfg.device,
+                "results": report.results,
+                "wall_s": round(wall, 2),
+                "load_s": round(load_s, 2),
+            },
+            indent=1,
+            default=str,
+        ),
+    )
     return report
 
 
 def add_experiment_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("experiment", help=f"an experiment number ({', '.join(MODULES)}), its name, "
-                                           f"'all', or 'list'")
+    parser.add_argument("experiment", help=f"an experiment number ({', '.join(MODULES)}), its name, 'all', or 'list'")
     parser.add_argument("--out", default=DEFAULT_OUT, help="output folder (one subfolder per experiment)")
-    parser.add_argument("--shape", choices=("auto", "cpu", "gpu"), default="auto",
-                        help="workload size: auto = gpu on CUDA, else cpu")
+    parser.add_argument(
+        "--shape", choices=("auto", "cpu", "gpu"), default="auto", help="workload size: auto = gpu on CUDA, else cpu"
+    )
 
 
 def cmd_experiment(args: argparse.Namespace, engine_args: dict) -> int:

@@ -5,6 +5,7 @@ prompts unless a test builds them to share a prefix); every request is greedy wi
 ``ignore_eos`` so it produces exactly ``max_tokens`` tokens: the workload fixes the
 token counts, the measurement only the times.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from nanovllm.engine.trace import RequestSummary, StepEvent, summarize_requests
 from nanovllm.sampling_params import SamplingParams
 
-TOKEN_RANGE = (100, 40000)   # ids drawn from here (clipped to the vocabulary): ordinary tokens
+TOKEN_RANGE = (100, 40000)  # ids drawn from here (clipped to the vocabulary): ordinary tokens
 
 
 def random_prompt(vocab_size: int, length: int, rng: random.Random) -> list[int]:
@@ -32,12 +33,13 @@ def random_prompts(vocab_size: int, lengths, seed: int = 0) -> list[list[int]]:
 @dataclass
 class RequestRun:
     """One request of a run: its sizes and times (seconds from the run's start)."""
+
     request_id: str
     num_prompt_tokens: int
     num_output_tokens: int
     finish_reason: str | None
-    ttft_s: float | None          # first token
-    latency_s: float | None       # finished
+    ttft_s: float | None  # first token
+    latency_s: float | None  # finished
     summary: RequestSummary
 
     @property
@@ -53,9 +55,9 @@ class Run:
     wall_s: float
     t0: float
     events: list[StepEvent]
-    requests: list[RequestRun]       # in submission order
-    stats: dict                      # engine stats delta over the run (counters only)
-    outputs: list                    # the RequestOutputs, in submission order
+    requests: list[RequestRun]  # in submission order
+    stats: dict  # engine stats delta over the run (counters only)
+    outputs: list  # the RequestOutputs, in submission order
 
     @property
     def num_output_tokens(self) -> int:
@@ -76,8 +78,14 @@ class Run:
         return None if t is None else t - self.t0
 
 
-_COUNTERS = ("steps", "preemptions", "prefix_cache_hit_tokens", "prompt_tokens_computed",
-             "generation_tokens", "evictions")
+_COUNTERS = (
+    "steps",
+    "preemptions",
+    "prefix_cache_hit_tokens",
+    "prompt_tokens_computed",
+    "generation_tokens",
+    "evictions",
+)
 
 
 def run_workload(llm, prompts: list[list[int]], max_tokens, check: bool = True) -> Run:
@@ -101,10 +109,17 @@ def run_workload(llm, prompts: list[list[int]], max_tokens, check: bool = True) 
     requests = []
     for out in outputs:
         s = summaries[out.request_id]
-        requests.append(RequestRun(out.request_id, len(out.prompt_token_ids), len(out.outputs[0].token_ids),
-                                   out.outputs[0].finish_reason,
-                                   None if s.t_first_token is None else s.t_first_token - t0,
-                                   None if s.t_finish is None else s.t_finish - t0, s))
+        requests.append(
+            RequestRun(
+                out.request_id,
+                len(out.prompt_token_ids),
+                len(out.outputs[0].token_ids),
+                out.outputs[0].finish_reason,
+                None if s.t_first_token is None else s.t_first_token - t0,
+                None if s.t_finish is None else s.t_finish - t0,
+                s,
+            )
+        )
     run = Run(wall, t0, events, requests, {k: after[k] - before[k] for k in _COUNTERS}, outputs)
     if check:
         engine.check_invariants()
@@ -121,8 +136,13 @@ def warm_up(llm) -> None:
     run_workload(llm, random_prompts(vocab, [8], seed=12345), 2, check=False)
 
 
-VARIANT_FIELDS = ("num_kvcache_blocks", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-                  "enable_chunked_prefill")
+VARIANT_FIELDS = (
+    "num_kvcache_blocks",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+)
 
 
 def engine_variant(llm, **overrides) -> None:
@@ -136,15 +156,18 @@ def engine_variant(llm, **overrides) -> None:
     unknown = sorted(set(overrides) - set(VARIANT_FIELDS))
     if unknown:
         raise ValueError(f"engine_variant changes only {', '.join(VARIANT_FIELDS)}; got {', '.join(unknown)}")
-    loaded = llm.__dict__.setdefault("_loaded_limits", {n: getattr(old.config, n)
-                                                        for n in ("max_num_seqs", "max_num_batched_tokens")})
+    loaded = llm.__dict__.setdefault(
+        "_loaded_limits", {n: getattr(old.config, n) for n in ("max_num_seqs", "max_num_batched_tokens")}
+    )
     for name, limit in loaded.items():
         if name in overrides and overrides[name] > limit:
-            raise ValueError(f"{name}={overrides[name]} exceeds the loaded engine's {limit}; "
-                             f"load the model with the largest value of the sweep")
+            raise ValueError(
+                f"{name}={overrides[name]} exceeds the loaded engine's {limit}; "
+                f"load the model with the largest value of the sweep"
+            )
     if old.has_unfinished_requests():
         raise RuntimeError("engine_variant needs an idle engine (requests are still running)")
     overrides.setdefault("num_kvcache_blocks", old.block_manager.num_blocks)
     config = dataclasses.replace(old.config, **overrides)
-    executor, old.executor = old.executor, None     # the old engine is closed without closing the model
+    executor, old.executor = old.executor, None  # the old engine is closed without closing the model
     llm.llm_engine = LLMEngine(config, executor, old.tokenizer, old.eos_token_ids, trace=True)

@@ -4,7 +4,7 @@ from torch import nn
 
 from nanovllm.layers.triton_switch import LazyKernels
 
-fused_ops = LazyKernels("nanovllm.layers.fused_ops", "NANOVLLM_FUSED_OPS")   # Triton only when used
+fused_ops = LazyKernels("nanovllm.layers.fused_ops", "NANOVLLM_FUSED_OPS")  # Triton only when used
 
 
 class SiluAndMul(nn.Module):

@@ -3,6 +3,7 @@
 The cache tensors and the backend (torch reference or Triton) are attached by
 the ModelRunner after it sizes the cache; the metadata comes with each call.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -22,10 +23,9 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.k_cache = torch.tensor([])
         self.v_cache = torch.tensor([])
-        self.backend: Any = None   # the runner sets it
+        self.backend: Any = None  # the runner sets it
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, heads, d]; k, v: [T, kv_heads, d] -> [T, heads, d]."""
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         return self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale)

@@ -11,6 +11,7 @@ The packed copy is made once, after the weights are loaded
 (``pack_linear_weights``); the plain weight stays the source of truth for
 loading and sharding. A layer without a packed weight uses ``F.linear``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,8 +28,9 @@ def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+) -> torch.Tensor:
     if packed is None or x.dim() != 2 or x.dtype != torch.float32:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
@@ -41,9 +43,11 @@ def pack_linear_weights(model: nn.Module) -> int:
         return 0
     count = 0
     for module in model.modules():
-        if hasattr(module, "packed_weight") and module.weight.dtype == torch.float32 \
-                and module.weight.device.type == "cpu":
-            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(),
-                                                                          PACK_BATCH_HINT)
+        if (
+            hasattr(module, "packed_weight")
+            and module.weight.dtype == torch.float32
+            and module.weight.device.type == "cpu"
+        ):
+            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACK_BATCH_HINT)
             count += 1
     return count

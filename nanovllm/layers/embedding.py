@@ -1,5 +1,6 @@
 """Vocabulary-parallel embedding and LM head. The vocabulary need not divide evenly:
 each rank holds ceil(vocab / tp) rows, the last rank's tail is zero padding."""
+
 from __future__ import annotations
 
 import torch
@@ -24,11 +25,12 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
         expected = (self.vocab_size, param.shape[1])
         if tuple(loaded.shape) != expected:
-            raise ValueError(f"weight {name}: checkpoint shape {tuple(loaded.shape)} does not match "
-                             f"the model's {expected}")
+            raise ValueError(
+                f"weight {name}: checkpoint shape {tuple(loaded.shape)} does not match the model's {expected}"
+            )
         n = self.vocab_end - self.vocab_start
         param.data.zero_()
-        param.data[:n].copy_(loaded[self.vocab_start:self.vocab_end])
+        param.data[:n].copy_(loaded[self.vocab_start : self.vocab_end])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:

@@ -10,6 +10,7 @@ sum is rounded to the model dtype before it is normalized. RoPE and SiLU compute
 in float32 and round once (PyTorch rounds after each op: differences are within
 one bf16 ulp). The layers call these only for CUDA tensors (``enabled(x)``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,23 +29,39 @@ def enabled(x: torch.Tensor) -> bool:
 
 
 if triton is not None:
+
     @triton.jit
-    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
-                         stride_x, stride_r, stride_o, stride_ro,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(
+        x_ptr,
+        res_ptr,
+        w_ptr,
+        out_ptr,
+        res_out_ptr,
+        n_cols,
+        eps,
+        stride_x,
+        stride_r,
+        stride_o,
+        stride_ro,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             x = x + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
-            tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)   # rounded to the model dtype
+            tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)  # rounded to the model dtype
         xf = x.to(tl.float32)
         var = tl.sum(xf * xf, axis=0) / n_cols
         y = (xf * tl.math.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        tl.store(out_ptr + row * stride_o + cols, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(
+            out_ptr + row * stride_o + cols,
+            (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
 
     @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
@@ -57,8 +74,21 @@ if triton is not None:
         tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
-                     stride_cos, NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    def _rope_kernel(
+        q_ptr,
+        k_ptr,
+        cos_ptr,
+        sin_ptr,
+        pos_ptr,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_cos,
+        NUM_Q_HEADS: tl.constexpr,
+        HALF: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         """In place: x = x * cos + rotate_half(x) * sin, one (token, head) per program."""
         tok = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
@@ -82,8 +112,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """rms_norm(x) or, with residual, (rms_norm(x + residual), x + residual)."""
     shape = x.shape
     x2 = _rows(x)
@@ -95,10 +124,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     else:
         r2, res_out = x2, out
     if n_rows:
-        _rms_norm_kernel[(n_rows,)](x2, r2, weight, out, res_out, n_cols, eps,
-                                    x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
-                                    HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols),
-                                    num_warps=4 if n_cols <= 2048 else 8)
+        _rms_norm_kernel[(n_rows,)](
+            x2,
+            r2,
+            weight,
+            out,
+            res_out,
+            n_cols,
+            eps,
+            x2.stride(0),
+            r2.stride(0),
+            out.stride(0),
+            res_out.stride(0),
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=triton.next_power_of_2(n_cols),
+            num_warps=4 if n_cols <= 2048 else 8,
+        )
     if residual is None:
         return out.view(shape)
     return out.view(shape), res_out.view(shape)
@@ -114,14 +155,25 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], n)
 
 
-def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-            sin: torch.Tensor) -> None:
+def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate q [T, Hq, d] and k [T, Hk, d] in place; cos/sin [max_pos, d] float32 (two equal halves)."""
     n_tokens, n_q, d = q.shape
     n_k = k.shape[1]
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("rotary_ needs the head dimension contiguous")
     if n_tokens:
-        _rope_kernel[(n_tokens, n_q + n_k)](q, k, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0),
-                                            k.stride(1), cos.stride(0), NUM_Q_HEADS=n_q, HALF=d // 2,
-                                            BLOCK=triton.next_power_of_2(d // 2))
+        _rope_kernel[(n_tokens, n_q + n_k)](
+            q,
+            k,
+            cos,
+            sin,
+            positions,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            cos.stride(0),
+            NUM_Q_HEADS=n_q,
+            HALF=d // 2,
+            BLOCK=triton.next_power_of_2(d // 2),
+        )

@@ -20,6 +20,7 @@ Rows with top-k / top-p / min-p filters, banned tokens (min_tokens, bad words) o
 logits processing (allowed tokens, logit bias, penalties) are not handled here: the
 Sampler sends those rows through its PyTorch path.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,9 +40,18 @@ def enabled(x: torch.Tensor) -> bool:
 
 
 if triton is not None:
+
     @triton.jit
-    def _sample_kernel(logits_ptr, stride_row, inv_temp_ptr, seed_ptr, token_ptr, nonfinite_ptr,
-                       VOCAB: tl.constexpr, BLOCK: tl.constexpr):
+    def _sample_kernel(
+        logits_ptr,
+        stride_row,
+        inv_temp_ptr,
+        seed_ptr,
+        token_ptr,
+        nonfinite_ptr,
+        VOCAB: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0)
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         inv_temp = tl.load(inv_temp_ptr + row)
@@ -64,26 +74,35 @@ if triton is not None:
             score = tl.where(mask, score, float("-inf"))
             tile_val = tl.max(score, axis=0)
             tile_idx = tl.argmax(score, axis=0)
-            take = tile_val > best_val            # strict: ties keep the earlier tile (first index)
+            take = tile_val > best_val  # strict: ties keep the earlier tile (first index)
             best_idx = tl.where(take, start + tile_idx, best_idx)
             best_val = tl.where(take, tile_val, best_val)
         tl.store(token_ptr + row, best_idx.to(tl.int64))
         tl.store(nonfinite_ptr + row, bad.to(tl.int64))
 
 
-def sample(logits: torch.Tensor, inv_temp: torch.Tensor, seeds: torch.Tensor,
-           block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(
+    logits: torch.Tensor, inv_temp: torch.Tensor, seeds: torch.Tensor, block: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [n, vocab] (any float dtype, rows contiguous), inv_temp float32 [n] (0 = greedy),
     seeds int64 [n] -> (token ids int64 [n], non-finite flags int64 [n])."""
     n, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     if inv_temp.shape != (n,) or seeds.shape != (n,):
-        raise ValueError(f"inv_temp and seeds need shape ({n},), got {tuple(inv_temp.shape)} and "
-                         f"{tuple(seeds.shape)}")
+        raise ValueError(f"inv_temp and seeds need shape ({n},), got {tuple(inv_temp.shape)} and {tuple(seeds.shape)}")
     out = torch.empty(2, n, dtype=torch.int64, device=logits.device)
     if n:
         block = block or min(4096, triton.next_power_of_2(vocab))
-        _sample_kernel[(n,)](logits, logits.stride(0), inv_temp, seeds, out[0], out[1], VOCAB=vocab,
-                             BLOCK=block, num_warps=8 if block >= 2048 else 4)
+        _sample_kernel[(n,)](
+            logits,
+            logits.stride(0),
+            inv_temp,
+            seeds,
+            out[0],
+            out[1],
+            VOCAB=vocab,
+            BLOCK=block,
+            num_warps=8 if block >= 2048 else 4,
+        )
     return out[0], out[1]

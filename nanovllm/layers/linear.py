@@ -5,6 +5,7 @@ row-parallel layers split the input features and all-reduce the partial sums.
 Merged layers (QKV, gate/up) hold several checkpoint tensors in one matrix; the
 loader passes a shard id saying which part a checkpoint tensor fills.
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,8 +17,9 @@ from nanovllm.layers.parallel import all_reduce, divide, tp_rank, tp_size
 
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
     if tuple(param.shape) != tuple(loaded.shape):
-        raise ValueError(f"weight {what}: checkpoint shape {tuple(loaded.shape)} does not match "
-                         f"the model's {tuple(param.shape)}")
+        raise ValueError(
+            f"weight {what}: checkpoint shape {tuple(loaded.shape)} does not match the model's {tuple(param.shape)}"
+        )
     param.data.copy_(loaded)
 
 
@@ -42,8 +44,10 @@ class LinearBase(nn.Module):
             return loaded
         size = param.shape[self.tp_dim]
         if loaded.shape[self.tp_dim] != size * tp_size():
-            raise ValueError(f"checkpoint shape {tuple(loaded.shape)} cannot be split into "
-                             f"{tp_size()} shards of {size} along dim {self.tp_dim}")
+            raise ValueError(
+                f"checkpoint shape {tuple(loaded.shape)} cannot be split into "
+                f"{tp_size()} shards of {size} along dim {self.tp_dim}"
+            )
         return loaded.narrow(self.tp_dim, tp_rank() * size, size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
@@ -65,14 +69,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "",
-                      shard_id: int = 0) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard_id: int = 0) -> None:
         tp = tp_size()
         offset = sum(self.output_sizes[:shard_id]) // tp
         size = self.output_sizes[shard_id] // tp
         if loaded.shape[0] != self.output_sizes[shard_id]:
-            raise ValueError(f"weight {name}: checkpoint shape {tuple(loaded.shape)}, expected "
-                             f"{self.output_sizes[shard_id]} rows")
+            raise ValueError(
+                f"weight {name}: checkpoint shape {tuple(loaded.shape)}, expected {self.output_sizes[shard_id]} rows"
+            )
         _copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, tp_rank() * size, size), name)
 
 
@@ -80,8 +84,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matrix. With fewer KV heads than ranks, each KV
     head is replicated on ``tp_size // num_kv_heads`` ranks."""
 
-    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
-                 total_num_kv_heads: int, bias: bool = False):
+    def __init__(
+        self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int, bias: bool = False
+    ):
         tp = tp_size()
         self.head_dim = head_dim
         self.total_num_heads = total_num_heads
@@ -91,14 +96,15 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = divide(total_num_kv_heads, tp, "num_key_value_heads")
         else:
             if tp % total_num_kv_heads:
-                raise ValueError(f"num_key_value_heads={total_num_kv_heads} cannot be replicated "
-                                 f"evenly over tensor_parallel_size={tp}")
+                raise ValueError(
+                    f"num_key_value_heads={total_num_kv_heads} cannot be replicated "
+                    f"evenly over tensor_parallel_size={tp}"
+                )
             self.num_kv_heads = 1
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         LinearBase.__init__(self, hidden_size, out, bias, tp_dim=0)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "",
-                      shard_id: str = "q") -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard_id: str = "q") -> None:
         hd = self.head_dim
         if shard_id == "q":
             offset, size, total = 0, self.num_heads * hd, self.total_num_heads * hd
@@ -109,8 +115,9 @@ class QKVParallelLinear(ColumnParallelLinear):
             replicas = max(1, tp_size() // self.total_num_kv_heads)
             start = (tp_rank() // replicas) * size
         if loaded.shape[0] != total:
-            raise ValueError(f"weight {name}: checkpoint shape {tuple(loaded.shape)}, expected "
-                             f"{total} rows for {shard_id}")
+            raise ValueError(
+                f"weight {name}: checkpoint shape {tuple(loaded.shape)}, expected {total} rows for {shard_id}"
+            )
         _copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, start, size), name)
 
 

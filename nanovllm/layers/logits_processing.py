@@ -8,6 +8,7 @@ flattened into (row, token) index pairs. Banned tokens (min_tokens, bad words) a
 masks applied by the sampler; every operation here keeps -inf at -inf, so the order of the
 masks does not matter.
 """
+
 from __future__ import annotations
 
 import torch

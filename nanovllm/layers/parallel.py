@@ -3,6 +3,7 @@
 Each TP worker is its own process, so torch.distributed's per-process state is
 the single source of truth; nothing here is a module-level global of ours.
 """
+
 from __future__ import annotations
 
 import torch

@@ -1,5 +1,6 @@
 """Rotary position embedding (the "neox" half-rotation layout HF Llama/Qwen use), with the
 default, linear and llama3 scalings; any other is refused when the model is loaded."""
+
 from __future__ import annotations
 
 import math
@@ -16,7 +17,7 @@ ROPE_TYPES = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
 
-fused_ops = LazyKernels("nanovllm.layers.fused_ops", "NANOVLLM_FUSED_OPS")   # Triton only when used
+fused_ops = LazyKernels("nanovllm.layers.fused_ops", "NANOVLLM_FUSED_OPS")  # Triton only when used
 
 
 def rope_type(rope_scaling: dict | None) -> str:
@@ -71,7 +72,7 @@ def _inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
-    cos: torch.Tensor   # buffers
+    cos: torch.Tensor  # buffers
     sin: torch.Tensor
 
     def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None):

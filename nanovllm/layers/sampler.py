@@ -13,6 +13,7 @@ without filters, bans or logits processing are sampled by one fused kernel
 (``fused_sampler``: the Gumbel-max draw, the same distribution) and only the other
 rows take the PyTorch path, each seeded by its row seed.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from nanovllm.core.model_output import SamplerOutput
 from nanovllm.layers.logits_processing import apply_logits_processing
 from nanovllm.layers.triton_switch import LazyKernels
 
-fused_sampler = LazyKernels("nanovllm.layers.fused_sampler", "NANOVLLM_FUSED_SAMPLER")   # Triton only when used
+fused_sampler = LazyKernels("nanovllm.layers.fused_sampler", "NANOVLLM_FUSED_SAMPLER")  # Triton only when used
 
 
 @dataclass
@@ -33,9 +34,9 @@ class SamplingMetadata:
     top_ks: list[int]
     top_ps: list[float]
     min_ps: list[float]
-    generators: list[torch.Generator | None]   # per row; None = the engine's generator
-    banned_token_ids: list[list[int]]          # per row (min_tokens not reached yet)
-    num_logprobs: list[int | None]             # per row
+    generators: list[torch.Generator | None]  # per row; None = the engine's generator
+    banned_token_ids: list[list[int]]  # per row (min_tokens not reached yet)
+    num_logprobs: list[int | None]  # per row
     # GPU fused path: a 62-bit Philox seed per row (seeded requests: from their seed and
     # output index; others: from the engine's seed and step), and which rows are seeded
     row_seeds: list[int] | None = None
@@ -62,7 +63,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     k = torch.where(top_k > 0, top_k, logits.shape[-1]).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs          # probability of the strictly better tokens
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of the strictly better tokens
     sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
@@ -91,8 +92,10 @@ class Sampler:
             return self._fused(logits, meta)
         if meta.row_seeds is not None:  # fused kernel off: the seeded rows draw from their row seeds
             assert meta.seeded is not None  # set with row_seeds
-            meta.generators = [torch.Generator(device=logits.device).manual_seed(s) if seeded else None
-                               for s, seeded in zip(meta.row_seeds, meta.seeded)]
+            meta.generators = [
+                torch.Generator(device=logits.device).manual_seed(s) if seeded else None
+                for s, seeded in zip(meta.row_seeds, meta.seeded)
+            ]
         logits = logits.float()
         n = logits.shape[0]
         # rows with NaN/inf are reported (the engine ends those requests); what they sample is discarded
@@ -105,6 +108,7 @@ class Sampler:
             nonfinite = (~finite).nonzero().flatten().tolist() if not bool(finite.all()) else []
             logprobs = _logprobs(raw_logprobs, tokens, meta.num_logprobs) if want_logprobs else [None] * n  # type: ignore[arg-type]
             return SamplerOutput(tokens.tolist(), nonfinite, logprobs)
+
         return PendingSample(tokens, finish)
 
     def _fused(self, logits: torch.Tensor, meta: SamplingMetadata) -> PendingSample:
@@ -113,13 +117,16 @@ class Sampler:
         device = logits.device
         assert meta.row_seeds is not None and meta.seeded is not None  # launch() takes this path with row seeds
         inv_temp = [0.0 if g else 1.0 / t for g, t in zip(meta.greedy, meta.temperatures)]
-        tokens, nonfinite = fused_sampler.sample(logits, _to_device(inv_temp, torch.float32, device),
-                                                 _to_device(meta.row_seeds, torch.int64, device))
+        tokens, nonfinite = fused_sampler.sample(
+            logits, _to_device(inv_temp, torch.float32, device), _to_device(meta.row_seeds, torch.int64, device)
+        )
         special = general_path_rows(meta)
         if special:
             sub = _select(meta, special)
-            sub.generators = [torch.Generator(device=device).manual_seed(meta.row_seeds[r])
-                              if meta.seeded[r] else None for r in special]
+            sub.generators = [
+                torch.Generator(device=device).manual_seed(meta.row_seeds[r]) if meta.seeded[r] else None
+                for r in special
+            ]
             index = _to_device(special, torch.int64, device)
             tokens[index] = self._choose(logits[index].float(), sub)
         want = [i for i, k in enumerate(meta.num_logprobs) if k is not None]
@@ -144,6 +151,7 @@ class Sampler:
                 for i, entry in zip(want, rows):
                     logprobs[i] = entry
             return SamplerOutput(token_list, [i for i, f in enumerate(flags) if f], logprobs)
+
         return PendingSample(tokens, finish)
 
     def _choose(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -157,7 +165,7 @@ class Sampler:
             logits = apply_logits_processing(logits, meta.processing)
 
         random_rows = [i for i, g in enumerate(meta.greedy) if not g]
-        if len(random_rows) == n:   # no greedy row: sample every row without gathering them
+        if len(random_rows) == n:  # no greedy row: sample every row without gathering them
             tokens = self._sample(logits, meta, random_rows)
         else:
             tokens = logits.argmax(dim=-1)
@@ -178,8 +186,9 @@ class Sampler:
         top_ks = [meta.top_ks[r] for r in rows]
         top_ps = [meta.top_ps[r] for r in rows]
         if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
-            logits = apply_top_k_top_p(logits, torch.tensor(top_ks, device=device),
-                                       torch.tensor(top_ps, device=device, dtype=torch.float32))
+            logits = apply_top_k_top_p(
+                logits, torch.tensor(top_ks, device=device), torch.tensor(top_ps, device=device, dtype=torch.float32)
+            )
         probs = torch.softmax(logits, dim=-1)
         noise = torch.empty_like(probs)
         shared = [i for i, r in enumerate(rows) if meta.generators[r] is None]
@@ -187,7 +196,8 @@ class Sampler:
             noise.exponential_(generator=self.generator)
         elif shared:
             noise[shared] = torch.empty((len(shared), probs.shape[1]), device=device).exponential_(
-                generator=self.generator)
+                generator=self.generator
+            )
         for i, r in enumerate(rows):
             gen = meta.generators[r]
             if gen is not None:
@@ -200,16 +210,28 @@ class Sampler:
 def general_path_rows(meta: SamplingMetadata) -> list[int]:
     """The rows the fused kernel cannot sample (it knows temperature only): filtered rows,
     rows with banned tokens, rows with other logits processing."""
-    return [i for i in range(len(meta.temperatures)) if meta.banned_token_ids[i] or i in meta.processing or (
-        not meta.greedy[i] and (meta.top_ks[i] > 0 or meta.top_ps[i] < 1.0 or meta.min_ps[i] > 0))]
+    return [
+        i
+        for i in range(len(meta.temperatures))
+        if meta.banned_token_ids[i]
+        or i in meta.processing
+        or (not meta.greedy[i] and (meta.top_ks[i] > 0 or meta.top_ps[i] < 1.0 or meta.min_ps[i] > 0))
+    ]
 
 
 def _select(meta: SamplingMetadata, rows: list[int]) -> SamplingMetadata:
     pick = lambda values: [values[r] for r in rows]  # noqa: E731
     processing = {i: meta.processing[r] for i, r in enumerate(rows) if r in meta.processing}
-    return SamplingMetadata(pick(meta.temperatures), pick(meta.top_ks), pick(meta.top_ps), pick(meta.min_ps),
-                            pick(meta.generators), pick(meta.banned_token_ids), pick(meta.num_logprobs),
-                            processing=processing)
+    return SamplingMetadata(
+        pick(meta.temperatures),
+        pick(meta.top_ks),
+        pick(meta.top_ps),
+        pick(meta.min_ps),
+        pick(meta.generators),
+        pick(meta.banned_token_ids),
+        pick(meta.num_logprobs),
+        processing=processing,
+    )
 
 
 def _logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]) -> list:

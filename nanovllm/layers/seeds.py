@@ -1,4 +1,5 @@
 """Seeds of the per-row random streams (plain Python: no Triton import for the CPU path)."""
+
 from __future__ import annotations
 
 _MASK64 = (1 << 64) - 1

@@ -5,6 +5,7 @@ environment switch is "0" (``NANOVLLM_FUSED_OPS``, ``NANOVLLM_FUSED_SAMPLER``: f
 measurements); a CPU tensor takes them only in the kernel tests under Triton's interpreter
 (``NANOVLLM_TRITON_INTERPRET=1``).
 """
+
 from __future__ import annotations
 
 import importlib

@@ -4,6 +4,7 @@
 builds into a temporary directory while the others wait on a file lock, and the result
 appears under its final name by one atomic rename, so no reader sees half a directory.
 """
+
 from __future__ import annotations
 
 import fcntl

@@ -8,6 +8,7 @@ second load only reads safetensors. The converter version hashes this module's
 source and the gguf and transformers versions: a change to the converter
 converts again instead of reusing what an older converter wrote.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -66,8 +67,9 @@ def _field(reader, key: str, default=None):
 def read_config(reader) -> dict:
     arch = _field(reader, "general.architecture")
     if arch not in _ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported "
-                         f"(supported: {', '.join(sorted(_ARCHITECTURES))})")
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(_ARCHITECTURES))})"
+        )
     g = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
     heads = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))
@@ -111,8 +113,10 @@ def read_tensors(reader, config: dict) -> dict[str, np.ndarray]:
         try:
             w = dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:
-            raise ValueError(f"GGUF tensor {t.name!r} has type {GGMLQuantizationType(t.tensor_type).name}, "
-                             f"which cannot be dequantized: {e}") from None
+            raise ValueError(
+                f"GGUF tensor {t.name!r} has type {GGMLQuantizationType(t.tensor_type).name}, "
+                f"which cannot be dequantized: {e}"
+            ) from None
         w = np.array(w.reshape(tuple(reversed([int(d) for d in t.shape]))), dtype=np.float32)  # owned, writable
         if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
             n = config["num_attention_heads"] if "attn_q" in t.name else config["num_key_value_heads"]
@@ -131,15 +135,19 @@ def convert(gguf_path: Path, dest: Path) -> None:
     config = read_config(reader)
     tensors = read_tensors(reader, config)
     dest.mkdir(parents=True, exist_ok=True)
-    save_file({k: torch.from_numpy(v) for k, v in tensors.items()}, str(dest / "model.safetensors"),
-              metadata={"format": "pt", "source": gguf_path.name})
+    save_file(
+        {k: torch.from_numpy(v) for k, v in tensors.items()},
+        str(dest / "model.safetensors"),
+        metadata={"format": "pt", "source": gguf_path.name},
+    )
     model_type = config.pop("model_type")
     AutoConfig.for_model(model_type, **config).save_pretrained(dest)
     GenerationConfig(bos_token_id=config["bos_token_id"], eos_token_id=config["eos_token_id"]).save_pretrained(dest)
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tok.save_pretrained(dest)
-    (dest / "nanovllm_source.json").write_text(json.dumps({"gguf": str(gguf_path),
-                                                           "converter_version": converter_version()}))
+    (dest / "nanovllm_source.json").write_text(
+        json.dumps({"gguf": str(gguf_path), "converter_version": converter_version()})
+    )
 
 
 def _converter_source() -> bytes:
@@ -170,4 +178,5 @@ def gguf_to_hf_dir(gguf_path: str | os.PathLike) -> str:
     def build(tmp: Path) -> None:
         logger.info("converting %s to %s (once)", path, dest)
         convert(path, tmp)
+
     return build_once(dest, "model.safetensors", build)

@@ -9,6 +9,7 @@ transformers 5 normalizes it (``rope_parameters`` = ``rope_scaling`` = the scali
 attribute as written. ``dtype`` (and its old name ``torch_dtype``) is the dtype's name, e.g.
 "bfloat16", not a torch.dtype. tests/test_hf_config.py checks each field against AutoConfig.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,18 +18,53 @@ from pathlib import Path
 from types import SimpleNamespace
 
 # transformers' defaults (LlamaConfig(), Qwen2Config(), Qwen3Config()) for the fields we read
-_COMMON = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-           "pad_token_id": None, "rope_theta": 10000.0}
+_COMMON = {
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "pad_token_id": None,
+    "rope_theta": 10000.0,
+}
 DEFAULTS: dict[str, dict] = {
-    "llama": {**_COMMON, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
-              "num_hidden_layers": 32, "num_attention_heads": 32, "max_position_embeddings": 2048,
-              "attention_bias": False, "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2},
-    "qwen2": {**_COMMON, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
-              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
-              "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None},
-    "qwen3": {**_COMMON, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
-              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
-              "max_position_embeddings": 32768, "attention_bias": False, "head_dim": 128, "bos_token_id": None, "eos_token_id": None},
+    "llama": {
+        **_COMMON,
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "max_position_embeddings": 2048,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "qwen2": {
+        **_COMMON,
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 22016,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "max_position_embeddings": 32768,
+        "bos_token_id": None,
+        "eos_token_id": None,
+    },
+    "qwen3": {
+        **_COMMON,
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 22016,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "max_position_embeddings": 32768,
+        "attention_bias": False,
+        "head_dim": 128,
+        "bos_token_id": None,
+        "eos_token_id": None,
+    },
 }
 # Llama derives num_key_value_heads (= num_attention_heads) and head_dim (hidden_size //
 # num_attention_heads) when config.json has none; Qwen2 and Qwen3 have fixed defaults
@@ -54,7 +90,7 @@ def _rope_parameters(raw: dict, default_theta: float) -> dict:
     """transformers 5's normalized RoPE dict from a 4.x (rope_theta, rope_scaling) or 5.x
     (rope_parameters) config.json."""
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    if "type" in params and "rope_type" not in params:   # the old key name (kept, as transformers does)
+    if "type" in params and "rope_type" not in params:  # the old key name (kept, as transformers does)
         params["rope_type"] = params["type"]
     params.setdefault("rope_type", "default")
     params.setdefault("rope_theta", raw.get("rope_theta", default_theta))
@@ -66,8 +102,9 @@ def hf_config_from_dict(raw: dict, source: str = "config.json") -> HFConfig:
         raise ValueError(f"{source}: expected a JSON object, got {type(raw).__name__}")
     model_type = raw.get("model_type")
     if model_type not in DEFAULTS:
-        raise ValueError(f"{source}: model_type {model_type!r} is not supported "
-                         f"(supported: {', '.join(sorted(DEFAULTS))})")
+        raise ValueError(
+            f"{source}: model_type {model_type!r} is not supported (supported: {', '.join(sorted(DEFAULTS))})"
+        )
     defaults = DEFAULTS[model_type]
     fields = {k: v for k, v in defaults.items() if k != "rope_theta"}
     fields.update({k: v for k, v in raw.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")})

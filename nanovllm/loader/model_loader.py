@@ -4,6 +4,7 @@ Loading is data-driven: a model declares ``packed_modules_mapping`` (checkpoint
 q/k/v and gate/up tensors fill parts of one merged parameter) and every
 parameter carries a ``weight_loader`` that knows how to take its shard.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,8 +38,10 @@ def resolve_model_dir(model: str | None) -> str:
         return str(path)
     if path.exists():
         raise ValueError(f"model {str(path)!r} is neither a model directory nor a .gguf file")
-    raise FileNotFoundError(f"model path {str(path)!r} does not exist (no model hub access: pass a "
-                            f"local HF directory or .gguf file, or None for the default model)")
+    raise FileNotFoundError(
+        f"model path {str(path)!r} does not exist (no model hub access: pass a "
+        f"local HF directory or .gguf file, or None for the default model)"
+    )
 
 
 def load_hf_config(model_dir: str):
@@ -91,13 +94,16 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
                 loader(param, tensor, name)
             else:
                 if tuple(param.shape) != tuple(tensor.shape):
-                    raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} does not "
-                                     f"match the model's {tuple(param.shape)}")
+                    raise ValueError(
+                        f"weight {name}: checkpoint shape {tuple(tensor.shape)} does not "
+                        f"match the model's {tuple(param.shape)}"
+                    )
                 param.data.copy_(tensor)
             loaded.add(name)
     if unexpected:
-        logger.warning("ignored %d checkpoint tensor(s) the model does not use: %s",
-                       len(unexpected), ", ".join(unexpected[:8]))
+        logger.warning(
+            "ignored %d checkpoint tensor(s) the model does not use: %s", len(unexpected), ", ".join(unexpected[:8])
+        )
     missing = []
     for pname in params:
         if tied and pname == "lm_head.weight":
@@ -108,8 +114,10 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
         elif pname not in loaded:
             missing.append(pname)
     if missing:
-        raise ValueError(f"checkpoint is missing weight(s): {', '.join(missing[:10])}"
-                         + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
+        raise ValueError(
+            f"checkpoint is missing weight(s): {', '.join(missing[:10])}"
+            + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+        )
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:

@@ -5,6 +5,7 @@ a bias on the q/k/v projections; as in transformers, Llama's and Qwen3's ``atten
 puts one on q, k, v *and* o, and Llama's ``mlp_bias`` one on gate, up and down; Qwen3
 normalizes each head of q and k (RMSNorm) before RoPE.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from nanovllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 @dataclass(frozen=True)
 class Biases:
     """Which projections carry a bias."""
+
     qkv: bool = False
     o: bool = False
     mlp: bool = False
@@ -39,8 +41,9 @@ def make_rotary_embedding(config, max_position: int) -> RotaryEmbedding:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, biases: Biases, qk_norm: bool, max_position: int,
-                 rotary_emb: RotaryEmbedding | None = None):
+    def __init__(
+        self, config, biases: Biases, qk_norm: bool, max_position: int, rotary_emb: RotaryEmbedding | None = None
+    ):
         super().__init__()
         hidden = config.hidden_size
         total_heads = config.num_attention_heads
@@ -53,7 +56,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=biases.o)
         self.rotary_emb = rotary_emb or make_rotary_embedding(config, max_position)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -88,8 +91,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, biases: Biases, qk_norm: bool, max_position: int,
-                 rotary_emb: RotaryEmbedding | None = None):
+    def __init__(
+        self, config, biases: Biases, qk_norm: bool, max_position: int, rotary_emb: RotaryEmbedding | None = None
+    ):
         super().__init__()
         self.self_attn = LlamaAttention(config, biases, qk_norm, max_position, rotary_emb)
         self.mlp = LlamaMLP(config, biases.mlp)
@@ -111,10 +115,11 @@ class LlamaModel(nn.Module):
     def __init__(self, config, biases: Biases, qk_norm: bool, max_position: int):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        rotary_emb = make_rotary_embedding(config, max_position)   # one table for all layers (start-up)
+        rotary_emb = make_rotary_embedding(config, max_position)  # one table for all layers (start-up)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, biases, qk_norm, max_position, rotary_emb)
-            for _ in range(config.num_hidden_layers))
+            for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
@@ -157,8 +162,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

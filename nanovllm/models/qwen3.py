@@ -1,4 +1,5 @@
 """Qwen3: the Llama decoder with per-head RMSNorm on q and k before RoPE."""
+
 from nanovllm.models.llama import Biases, LlamaForCausalLM
 
 

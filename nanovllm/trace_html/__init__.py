@@ -5,6 +5,7 @@
 
 ``nanovllm trace --html run.html [prompts] [engine flags]`` does both (``cli.py``).
 """
+
 from nanovllm.trace_html.document import FORMAT, trace_document
 from nanovllm.trace_html.page import render_html, write_html
 

@@ -4,6 +4,7 @@ engine's tracer on and write the run as a self-contained HTML page (and/or its J
 Without prompts it runs experiment 04's workload (shared prefix, chunked prefill, a KV cache
 small enough to preempt) on experiment 04's engine settings, unless flags override them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,12 @@ def add_trace_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
     parser.add_argument("--html", metavar="FILE", help="write the trace viewer page here")
     parser.add_argument("--json", metavar="FILE", dest="json_out", help="write the trace document (JSON) here")
-    parser.add_argument("--print", action="store_true", dest="print_steps",
-                        help="also print each step as `generate --trace` does (stderr)")
+    parser.add_argument(
+        "--print",
+        action="store_true",
+        dest="print_steps",
+        help="also print each step as `generate --trace` does (stderr)",
+    )
     parser.add_argument("--title", default=None, help="the page's title")
 
 
@@ -49,6 +54,7 @@ def cmd_trace(args: argparse.Namespace, engine_args: dict, params) -> int:
     demo = not prompts
     if demo:
         from nanovllm.experiments import e04_scheduler_watch as e04
+
         shape = e04.SHAPES["cpu"]
         engine_args = {**e04.engine_args(shape), **engine_args}
     llm = LLM(args.model, trace=_print_event if args.print_steps else True, **engine_args)
@@ -63,14 +69,17 @@ def cmd_trace(args: argparse.Namespace, engine_args: dict, params) -> int:
             outs = llm.generate(prompts, params, use_tqdm=False)
         engine = llm.llm_engine
         title = args.title or ("nanovllm trace: experiment 04's workload" if demo else "nanovllm trace")
-        doc = trace_document(engine.tracer.events, engine, outs, title=title,
-                             command=" ".join(["nanovllm"] + sys.argv[1:]))
+        doc = trace_document(
+            engine.tracer.events, engine, outs, title=title, command=" ".join(["nanovllm"] + sys.argv[1:])
+        )
     finally:
         llm.close()
     steps = doc["steps"]
-    print(f"{len(steps)} steps, {len(doc['requests'])} requests, "
-          f"{sum(len(s['preempted']) for s in steps)} preemptions, "
-          f"{sum(1 for s in steps for q in s['seqs'] if q['num_cached_tokens'])} prefix-cache hits")
+    print(
+        f"{len(steps)} steps, {len(doc['requests'])} requests, "
+        f"{sum(len(s['preempted']) for s in steps)} preemptions, "
+        f"{sum(1 for s in steps for q in s['seqs'] if q['num_cached_tokens'])} prefix-cache hits"
+    )
     if args.html:
         print(f"wrote {write_html(args.html, doc)}")
     if args.json_out:

@@ -5,6 +5,7 @@ Times are seconds from the first step's start. ``block_size`` lets a reader turn
 hit (``num_cached_tokens``) into hit blocks: the first ``num_cached_tokens // block_size``
 entries of that step's block table.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,12 +14,23 @@ import datetime
 from nanovllm.engine.trace import StepEvent, summarize_requests
 
 FORMAT = "nanovllm-trace/1"
-_CONFIG_FIELDS = ("device", "dtype", "block_size", "num_kvcache_blocks", "max_num_seqs", "max_num_batched_tokens",
-                  "max_model_len", "enable_prefix_caching", "enable_chunked_prefill", "async_scheduling")
+_CONFIG_FIELDS = (
+    "device",
+    "dtype",
+    "block_size",
+    "num_kvcache_blocks",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+    "async_scheduling",
+)
 
 
-def trace_document(events: list[StepEvent], engine=None, outputs=None, title: str = "nanovllm trace",
-                   command: str | None = None) -> dict:
+def trace_document(
+    events: list[StepEvent], engine=None, outputs=None, title: str = "nanovllm trace", command: str | None = None
+) -> dict:
     """``engine``: the LLMEngine that ran (its settings and block size); ``outputs``: the run's
     RequestOutputs (prompt and output lengths, text)."""
     if not events:
@@ -38,17 +50,25 @@ def trace_document(events: list[StepEvent], engine=None, outputs=None, title: st
     by_id = {o.request_id: o for o in (outputs or [])}
     requests = []
     for rid, s in summarize_requests(events).items():
-        r = {k: (v - t0 if k.startswith("t_") and v is not None else v)
-             for k, v in dataclasses.asdict(s).items()}
+        r = {k: (v - t0 if k.startswith("t_") and v is not None else v) for k, v in dataclasses.asdict(s).items()}
         out = by_id.get(rid)
         if out is not None:
-            r.update(num_prompt_tokens=len(out.prompt_token_ids), num_output_tokens=len(out.outputs[0].token_ids),
-                     text=out.outputs[0].text)
+            r.update(
+                num_prompt_tokens=len(out.prompt_token_ids),
+                num_output_tokens=len(out.outputs[0].token_ids),
+                text=out.outputs[0].text,
+            )
         else:
             first = next(x for ev in events for x in ev.seqs if x.request_id == rid)
-            r.update(num_prompt_tokens=None, num_output_tokens=None, text=None,
-                     num_tokens_first_seen=first.num_tokens)
+            r.update(num_prompt_tokens=None, num_output_tokens=None, text=None, num_tokens_first_seen=first.num_tokens)
         requests.append(r)
-    return {"format": FORMAT, "title": title, "command": command,
-            "created": datetime.datetime.now().isoformat(timespec="seconds"),
-            "block_size": config.get("block_size"), "config": config, "steps": steps, "requests": requests}
+    return {
+        "format": FORMAT,
+        "title": title,
+        "command": command,
+        "created": datetime.datetime.now().isoformat(timespec="seconds"),
+        "block_size": config.get("block_size"),
+        "config": config,
+        "steps": steps,
+        "requests": requests,
+    }

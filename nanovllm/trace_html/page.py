@@ -1,5 +1,6 @@
 """One self-contained HTML file of a trace: the viewer's HTML, CSS and JS (package data) with
 the trace document inlined as JSON. No network, no build step: open it from disk."""
+
 from __future__ import annotations
 
 import html
@@ -18,8 +19,12 @@ def render_html(doc: dict) -> str:
     # so no "</script>" in the data can end the script element early.
     data = json.dumps(doc, separators=(",", ":"), allow_nan=False).replace("<", "\\u003c")
     page = _asset("viewer.html")
-    for key, value in (("/*__CSS__*/", _asset("viewer.css")), ("/*__JS__*/", _asset("viewer.js")),
-                       ("__TITLE__", html.escape(doc.get("title") or "nanovllm trace")), ("__TRACE_JSON__", data)):
+    for key, value in (
+        ("/*__CSS__*/", _asset("viewer.css")),
+        ("/*__JS__*/", _asset("viewer.js")),
+        ("__TITLE__", html.escape(doc.get("title") or "nanovllm trace")),
+        ("__TRACE_JSON__", data),
+    ):
         page = page.replace(key, value, 1)
     return page
 

@@ -13,6 +13,7 @@ What a graph freezes: kernel pointers, grid sizes and scalar arguments. So:
   one shared memory pool (later, smaller graphs reuse the largest one's blocks);
   the outputs go to one preallocated [max_num_seqs, hidden] buffer.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -35,8 +36,15 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, model: torch.nn.Module, inputs: StepInputs, max_num_seqs: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inputs: StepInputs,
+        max_num_seqs: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.model = model
         self.inputs = inputs
         self.sizes = graph_batch_sizes(max_num_seqs)
@@ -51,7 +59,7 @@ class CudaGraphRunner:
         before = torch.cuda.memory_reserved()
         for batch in reversed(self.sizes):
             step = self.inputs.padding_batch(batch)
-            self.model(step.input_ids, step.positions, step.meta)       # eager warm-up
+            self.model(step.input_ids, step.positions, step.meta)  # eager warm-up
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
@@ -61,9 +69,13 @@ class CudaGraphRunner:
                 self.pool = graph.pool()
             self.graphs[batch] = graph
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s, %.0f MiB",
-                    len(self.graphs), self.sizes[-1], time.perf_counter() - start,
-                    (torch.cuda.memory_reserved() - before) / 2**20)
+        logger.info(
+            "captured %d decode CUDA graphs (batch 1..%d) in %.1f s, %.0f MiB",
+            len(self.graphs),
+            self.sizes[-1],
+            time.perf_counter() - start,
+            (torch.cuda.memory_reserved() - before) / 2**20,
+        )
 
     def padded_size(self, mi: ModelInput) -> int | None:
         """The captured size to replay ``mi`` with, or None when it must run eagerly."""
@@ -81,4 +93,4 @@ class CudaGraphRunner:
         if fill_pending is not None:
             fill_pending(input_ids)
         self.graphs[batch].replay()
-        return self.out[:len(mi.seq_lens)], sample_rows
+        return self.out[: len(mi.seq_lens)], sample_rows

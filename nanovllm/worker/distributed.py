@@ -27,6 +27,7 @@ process and on one host. Invariants and the order things happen in:
 Workers are started with 'spawn': a script that builds a TP engine at import
 time needs the usual ``if __name__ == "__main__":`` guard.
 """
+
 from __future__ import annotations
 
 import collections
@@ -62,19 +63,23 @@ class TensorParallelExecutor:
     def __init__(self, config: EngineConfig, load_format: str = "auto"):
         self.world_size = config.tensor_parallel_size
         self._error: str | None = None
-        self._num_launched = 0   # async scheduling: the ticket of the last launched step
+        self._num_launched = 0  # async scheduling: the ticket of the last launched step
         ctx = mp.get_context("spawn")
-        self._store = dist.TCPStore(_HOST, 0, self.world_size, is_master=True,
-                                    timeout=_RENDEZVOUS_TIMEOUT, wait_for_workers=False)
+        self._store = dist.TCPStore(
+            _HOST, 0, self.world_size, is_master=True, timeout=_RENDEZVOUS_TIMEOUT, wait_for_workers=False
+        )
         self.processes: list = []
         self._conns: list = []
         self._finalizer = weakref.finalize(self, _shutdown, self.processes, self._conns, self._store)
         try:
             for rank in range(self.world_size):
                 parent_end, child_end = ctx.Pipe()
-                proc = ctx.Process(target=_worker_main, name=f"nanovllm-tp{rank}", daemon=True,
-                                   args=(rank, self._store.port, os.getpid(), config, load_format,
-                                         child_end))
+                proc = ctx.Process(
+                    target=_worker_main,
+                    name=f"nanovllm-tp{rank}",
+                    daemon=True,
+                    args=(rank, self._store.port, os.getpid(), config, load_format, child_end),
+                )
                 proc.start()
                 child_end.close()
                 self.processes.append(proc)
@@ -83,8 +88,12 @@ class TensorParallelExecutor:
         except BaseException:
             self._abort("start-up failed")
             raise
-        logger.info("tensor parallel: %d workers (pids %s), rendezvous on port %d",
-                    self.world_size, [p.pid for p in self.processes], self._store.port)
+        logger.info(
+            "tensor parallel: %d workers (pids %s), rendezvous on port %d",
+            self.world_size,
+            [p.pid for p in self.processes],
+            self._store.port,
+        )
 
     # ------------------------------------------------------ executor interface
     def profile_num_blocks(self) -> int:
@@ -107,7 +116,7 @@ class TensorParallelExecutor:
         self._num_launched += 1
         try:
             self._post("launch", self._num_launched, mi)
-        except BaseException as e:   # e.g. Ctrl-C halfway through a message: the pipes are unusable
+        except BaseException as e:  # e.g. Ctrl-C halfway through a message: the pipes are unusable
             self._abort(f"launch() failed: {type(e).__name__}")
             raise
         return TensorParallelStepHandle(self, self._num_launched)
@@ -132,8 +141,7 @@ class TensorParallelExecutor:
 
     def _check_open(self, method: str) -> None:
         if not self._finalizer.alive:
-            raise RuntimeError(f"TensorParallelExecutor is closed{self._error or ''}; "
-                               f"cannot run {method}()")
+            raise RuntimeError(f"TensorParallelExecutor is closed{self._error or ''}; cannot run {method}()")
 
     def _post(self, method: str, *args) -> None:
         """Send one message to every rank; a dead rank is reported by the next ``_gather``."""
@@ -150,7 +158,7 @@ class TensorParallelExecutor:
         ready = wait(self._conns + [p.sentinel for p in self.processes], timeout=0)
         if ready:
             try:
-                self._gather(method)   # raises: any reply now is an error, any sentinel a death
+                self._gather(method)  # raises: any reply now is an error, any sentinel a death
                 raise RuntimeError(f"tensor-parallel workers sent an unexpected reply before {method}()")
             except BaseException as e:
                 self._abort(f"{method}() failed: {type(e).__name__}")
@@ -161,8 +169,7 @@ class TensorParallelExecutor:
         replies: dict[int, object] = {}
         while len(replies) < self.world_size:
             pending = [r for r in range(self.world_size) if r not in replies]
-            ready = set(wait([self._conns[r] for r in pending]
-                             + [self.processes[r].sentinel for r in pending]))
+            ready = set(wait([self._conns[r] for r in pending] + [self.processes[r].sentinel for r in pending]))
             errors, deaths = [], []
             for r in pending:
                 if self._conns[r] in ready:
@@ -190,8 +197,11 @@ class TensorParallelExecutor:
         proc = self.processes[rank]
         proc.join(1.0)
         code = proc.exitcode
-        how = (f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
-               else f"exited with code {code}")
+        how = (
+            f"was killed by signal {signal.Signals(-code).name}"
+            if code is not None and code < 0
+            else f"exited with code {code}"
+        )
         return f"{self._who(rank)} {how} during {method}()"
 
     def _abort(self, why: str) -> None:
@@ -230,8 +240,9 @@ def _shutdown(processes: list, conns: list, store) -> None:
         proc.join(max(0.0, deadline - time.monotonic()))
     for proc in processes:
         if proc.is_alive():
-            logger.warning("tensor-parallel worker pid %d did not exit in %.0f s; terminating it",
-                           proc.pid, _CLOSE_TIMEOUT_S)
+            logger.warning(
+                "tensor-parallel worker pid %d did not exit in %.0f s; terminating it", proc.pid, _CLOSE_TIMEOUT_S
+            )
             proc.terminate()
             proc.join(2.0)
         if proc.is_alive():
@@ -243,8 +254,7 @@ def _shutdown(processes: list, conns: list, store) -> None:
 
 
 # ------------------------------------------------------------------ worker side
-def _worker_main(rank: int, port: int, parent_pid: int, config: EngineConfig, load_format: str,
-                 conn) -> None:
+def _worker_main(rank: int, port: int, parent_pid: int, config: EngineConfig, load_format: str, conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     try:
@@ -278,7 +288,7 @@ def _serve(executor, conn) -> None:
     ``launch`` (async scheduling) queues a step and sends no reply, so the worker goes straight
     back to its pipe for the next message; ``result`` waits for a queued step (by ticket) and
     replies with its output. Steps run in the order they arrive on every rank."""
-    launched: collections.deque = collections.deque()   # (ticket, StepHandle), oldest first
+    launched: collections.deque = collections.deque()  # (ticket, StepHandle), oldest first
     while True:
         try:
             method, args = pickle.loads(conn.recv_bytes())

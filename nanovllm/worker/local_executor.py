@@ -1,4 +1,5 @@
 """LocalExecutor: the model runner in this process (tensor_parallel_size == 1)."""
+
 from __future__ import annotations
 
 from nanovllm.config import EngineConfig

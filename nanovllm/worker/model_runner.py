@@ -4,6 +4,7 @@ It owns the model, the KV cache and the sampler of one rank. The same runner
 drives the CPU (plain PyTorch attention) and the GPU (Triton kernels, CUDA
 graphs for decode); only the attention backend and the graph runner differ.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,9 +20,9 @@ from nanovllm.core.model_output import ModelOutput
 from nanovllm.core.utils import cdiv
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.cpu_linear import pack_linear_weights
-from nanovllm.layers.seeds import mix_seed
 from nanovllm.layers.parallel import tp_rank, tp_size
 from nanovllm.layers.sampler import Sampler, SamplingMetadata
+from nanovllm.layers.seeds import mix_seed
 from nanovllm.loader.model_loader import init_dummy_weights, iter_safetensors, load_weights
 from nanovllm.models.registry import get_model_class
 from nanovllm.worker.cuda_graph import CudaGraphRunner
@@ -54,7 +55,7 @@ class ModelRunner:
         hf = config.hf_config
         # what this engine holds on the GPU is counted from here (weights, buffers, graphs)
         self._reserved_at_start = self._check_gpu_memory() if self.device.type == "cuda" else 0
-        if self.device.type == "cpu" and config.threads is not None:   # ranks share the threads
+        if self.device.type == "cpu" and config.threads is not None:  # ranks share the threads
             torch.set_num_threads(max(1, config.threads // config.tensor_parallel_size))
         torch.manual_seed(config.seed)
         model_cls = get_model_class(hf)
@@ -81,15 +82,19 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.generators: dict[int, torch.Generator] = {}
         self.num_sampling_steps = 0
-        self.prev_tokens: torch.Tensor | None = None   # the last launched step's sampled tokens
+        self.prev_tokens: torch.Tensor | None = None  # the last launched step's sampled tokens
         self.num_blocks = 0
         # GPU: pinned staging buffers (one host->device copy per step) and decode graphs
         self.inputs: StepInputs | None = None
         self.graphs: CudaGraphRunner | None = None
         if self.device.type == "cuda":
-            self.inputs = StepInputs(max(config.max_num_batched_tokens, config.max_num_seqs),
-                                     config.max_num_seqs, cdiv(config.max_model_len, self.block_size),
-                                     self.block_size, self.device)
+            self.inputs = StepInputs(
+                max(config.max_num_batched_tokens, config.max_num_seqs),
+                config.max_num_seqs,
+                cdiv(config.max_model_len, self.block_size),
+                self.block_size,
+                self.device,
+            )
 
     def _use_graphs(self) -> bool:
         # the torch backend sizes tensors from host lengths: not capturable
@@ -121,7 +126,8 @@ class ModelRunner:
                     f"{requested / 2**30:.1f} GiB of {self.device}'s {total / 2**30:.1f} GiB, but only "
                     f"{free / 2**30:.1f} GiB are free (other processes or engines hold "
                     f"{(total - free) / 2**30:.1f} GiB): lower gpu_memory_utilization to at most "
-                    f"{max(free / total - 0.01, 0.0):.2f}, or size the KV cache with kv_cache_memory_gib")
+                    f"{max(free / total - 0.01, 0.0):.2f}, or size the KV cache with kv_cache_memory_gib"
+                )
         return torch.cuda.memory_reserved()
 
     def profile_num_blocks(self) -> int:
@@ -143,22 +149,28 @@ class ModelRunner:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        held = torch.cuda.memory_reserved() - self._reserved_at_start   # weights and buffers
+        held = torch.cuda.memory_reserved() - self._reserved_at_start  # weights and buffers
         if self.config.kv_cache_memory_gib is not None:
             budget = self.config.kv_cache_memory_gib * (1 << 30)
             what = f"kv_cache_memory_gib={self.config.kv_cache_memory_gib}"
         else:
             budget = total * self.config.gpu_memory_utilization - held - reserve
-            what = (f"gpu_memory_utilization={self.config.gpu_memory_utilization} of "
-                    f"{total / 2**30:.1f} GiB, minus {held / 2**30:.2f} GiB of weights and buffers and "
-                    f"{reserve / 2**30:.2f} GiB reserved for activations and graphs")
+            what = (
+                f"gpu_memory_utilization={self.config.gpu_memory_utilization} of "
+                f"{total / 2**30:.1f} GiB, minus {held / 2**30:.2f} GiB of weights and buffers and "
+                f"{reserve / 2**30:.2f} GiB reserved for activations and graphs"
+            )
         if budget < per_block:
-            raise ValueError(f"no GPU memory left for the KV cache ({what}): one block needs "
-                             f"{per_block / 2**20:.1f} MiB; raise gpu_memory_utilization or kv_cache_memory_gib")
+            raise ValueError(
+                f"no GPU memory left for the KV cache ({what}): one block needs "
+                f"{per_block / 2**20:.1f} MiB; raise gpu_memory_utilization or kv_cache_memory_gib"
+            )
         if budget + reserve > free:
-            raise ValueError(f"the KV cache ({budget / 2**30:.2f} GiB: {what}) and the activation reserve "
-                             f"({reserve / 2**30:.2f} GiB) do not fit in the {free / 2**30:.2f} GiB free on "
-                             f"{self.device}; lower gpu_memory_utilization or kv_cache_memory_gib")
+            raise ValueError(
+                f"the KV cache ({budget / 2**30:.2f} GiB: {what}) and the activation reserve "
+                f"({reserve / 2**30:.2f} GiB) do not fit in the {free / 2**30:.2f} GiB free on "
+                f"{self.device}; lower gpu_memory_utilization or kv_cache_memory_gib"
+            )
         logger.info("KV cache budget %.2f GiB (%s)", budget / 2**30, what)
         return int(budget // per_block)
 
@@ -184,8 +196,9 @@ class ModelRunner:
         try:
             peaks = [self._peak_step_memory(prefill)]
             if self._use_graphs():
-                peaks.append(self._peak_step_memory(
-                    _dummy_input([1] * cfg.max_num_seqs, self.block_size, prefill_blocks)))
+                peaks.append(
+                    self._peak_step_memory(_dummy_input([1] * cfg.max_num_seqs, self.block_size, prefill_blocks))
+                )
         finally:
             self.free_kv_cache()
             torch.cuda.empty_cache()
@@ -201,8 +214,12 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[rows])
             n = logits.shape[0]
             sampler = Sampler(torch.Generator(device=self.device).manual_seed(0))
-            sampler(logits, SamplingMetadata([1.0] * n, [50] * n, [0.9] * n, [0.0] * n, [None] * n,
-                                             [[] for _ in range(n)], [None] * n))
+            sampler(
+                logits,
+                SamplingMetadata(
+                    [1.0] * n, [50] * n, [0.9] * n, [0.0] * n, [None] * n, [[] for _ in range(n)], [None] * n
+                ),
+            )
             del hidden, logits
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
@@ -219,8 +236,14 @@ class ModelRunner:
             a = self.attn_layers[0]
             self.backend.reserve(self.config.max_num_seqs, a.num_heads, a.num_kv_heads, a.head_dim, self.device)
         if capture_graphs and self._use_graphs():
-            self.graphs = CudaGraphRunner(self.model, self.inputs, self.config.max_num_seqs,
-                                          self.config.hf_config.hidden_size, self.dtype, self.device)
+            self.graphs = CudaGraphRunner(
+                self.model,
+                self.inputs,
+                self.config.max_num_seqs,
+                self.config.hf_config.hidden_size,
+                self.dtype,
+                self.device,
+            )
             self.graphs.capture()
 
     def free_kv_cache(self) -> None:
@@ -264,8 +287,16 @@ class ModelRunner:
             if gen is None:
                 gen = self.generators[seq_id] = torch.Generator(device=self.device).manual_seed(seed)
             gens.append(gen)
-        return SamplingMetadata(mi.temperatures, mi.top_ks, mi.top_ps, mi.min_ps, gens,
-                                mi.banned_token_ids, mi.num_logprobs, processing=mi.logits_processing)
+        return SamplingMetadata(
+            mi.temperatures,
+            mi.top_ks,
+            mi.top_ps,
+            mi.min_ps,
+            gens,
+            mi.banned_token_ids,
+            mi.num_logprobs,
+            processing=mi.logits_processing,
+        )
 
     def _philox_sampling_metadata(self, mi: ModelInput) -> SamplingMetadata:
         """GPU: per-row Philox seeds instead of stateful generators. A seeded request's seed for
@@ -276,11 +307,22 @@ class ModelRunner:
         self.num_sampling_steps += 1
         base = mix_seed(self.config.seed, self.num_sampling_steps)
         # Philox keys are stream ids: base + row gives each unseeded row its own stream
-        seeds = [(base + r) & _SEED_MASK if s is None else mix_seed(s, i)
-                 for r, (s, i) in enumerate(zip(mi.seeds, mi.output_indices))]
-        return SamplingMetadata(mi.temperatures, mi.top_ks, mi.top_ps, mi.min_ps, [None] * n,
-                                mi.banned_token_ids, mi.num_logprobs, row_seeds=seeds,
-                                seeded=[s is not None for s in mi.seeds], processing=mi.logits_processing)
+        seeds = [
+            (base + r) & _SEED_MASK if s is None else mix_seed(s, i)
+            for r, (s, i) in enumerate(zip(mi.seeds, mi.output_indices))
+        ]
+        return SamplingMetadata(
+            mi.temperatures,
+            mi.top_ks,
+            mi.top_ps,
+            mi.min_ps,
+            [None] * n,
+            mi.banned_token_ids,
+            mi.num_logprobs,
+            row_seeds=seeds,
+            seeded=[s is not None for s in mi.seeds],
+            processing=mi.logits_processing,
+        )
 
     def _forward(self, mi: ModelInput):
         """The model on one step -> (hidden states, index of the rows that sample)."""
@@ -306,11 +348,12 @@ class ModelRunner:
         if prev is None:
             raise RuntimeError("a step has placeholder inputs but no step was launched before it")
         k = len(mi.pending_rows)
-        if mi.pending_rows == mi.pending_src == list(range(k)):   # steady decode: same rows, same order
+        if mi.pending_rows == mi.pending_src == list(range(k)):  # steady decode: same rows, same order
             input_ids[:k].copy_(prev[:k])
             return
-        index = torch.tensor([mi.pending_rows, mi.pending_src], dtype=torch.int64,
-                             pin_memory=input_ids.is_cuda).to(input_ids.device, non_blocking=True)
+        index = torch.tensor([mi.pending_rows, mi.pending_src], dtype=torch.int64, pin_memory=input_ids.is_cuda).to(
+            input_ids.device, non_blocking=True
+        )
         input_ids.index_copy_(0, index[0], prev.index_select(0, index[1]))
 
     @torch.inference_mode()
@@ -358,8 +401,8 @@ class ModelRunner:
         for first_row, targets, k in mi.prompt_logprob_jobs:
             rows = []
             for s in range(0, len(targets), 512):  # bounded memory: 512 rows of vocab logits at a time
-                chunk = targets[s:s + 512]
-                logits = self.model.compute_logits(hidden[first_row + s:first_row + s + len(chunk)]).float()
+                chunk = targets[s : s + 512]
+                logits = self.model.compute_logits(hidden[first_row + s : first_row + s + len(chunk)]).float()
                 lp = torch.log_softmax(logits, dim=-1)
                 tgt = torch.tensor(chunk, device=lp.device).unsqueeze(1)
                 tgt_lp = lp.gather(1, tgt)

@@ -1,5 +1,6 @@
 """Helpers for the fast core tests: torch-free, no engine, no model (each file runs in well under a
 second, so mutmut can run this folder once per mutant: ``make mutation``)."""
+
 from __future__ import annotations
 
 from nanovllm.core.block_manager import BlockManager
@@ -17,8 +18,14 @@ _next_id = iter(range(10**9))
 def make_seq(tokens, request_id: str | None = None, eos=(), bad_words=None, **params) -> Sequence:
     """A Sequence over ``tokens`` with SamplingParams(**params) (max_tokens 16 unless given)."""
     seq_id = next(_next_id)
-    return Sequence(seq_id, request_id or f"r{seq_id}", list(tokens), SamplingParams(**params),
-                    eos_token_ids=tuple(eos), bad_words_token_ids=bad_words)
+    return Sequence(
+        seq_id,
+        request_id or f"r{seq_id}",
+        list(tokens),
+        SamplingParams(**params),
+        eos_token_ids=tuple(eos),
+        bad_words_token_ids=bad_words,
+    )
 
 
 class CharTokenizer:

@@ -1,4 +1,5 @@
 """Bad words: tokenization as vLLM does it, and which last token is banned after which output."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,6 +38,7 @@ def test_spaced_variant_with_the_same_first_token_is_dropped():
     class SameFirst(CharTokenizer):
         def encode(self, text, add_special_tokens=True):
             return super().encode(text.lstrip(), add_special_tokens=add_special_tokens)
+
     assert bad_words_token_ids(SameFirst(), ["ab"]) == [[0, 1]]
 
 
@@ -44,6 +46,7 @@ def test_empty_spaced_variant_is_dropped():
     class EmptySpaced(CharTokenizer):
         def encode(self, text, add_special_tokens=True):
             return [] if text.startswith(" ") else super().encode(text, add_special_tokens=add_special_tokens)
+
     assert bad_words_token_ids(EmptySpaced(), ["ab"]) == [[0, 1]]
 
 
@@ -51,6 +54,7 @@ def test_word_without_tokens_is_an_error():
     class Empty(CharTokenizer):
         def encode(self, text, add_special_tokens=True):
             return []
+
     with pytest.raises(ValueError, match="bad_words entries must tokenize to at least one token, got 'zz'"):
         bad_words_token_ids(Empty(), ["zz"])
 
@@ -59,23 +63,27 @@ def test_results_are_lists():
     class TupleTok(MergingTokenizer):
         def encode(self, text, add_special_tokens=True):
             return tuple(super().encode(text, add_special_tokens=add_special_tokens))
+
     out = bad_words_token_ids(TupleTok(), ["ab"])
     assert out == [[0, 1], [100, 1]] and all(type(w) is list for w in out)
 
 
-@pytest.mark.parametrize("words,output,banned", [
-    ([[7]], [], [7]),                         # a single token is banned always
-    ([[7]], [1, 2], [7]),
-    ([[1, 7]], [], []),                       # its prefix is not out yet
-    ([[1, 7]], [1], [7]),
-    ([[1, 7]], [1, 2], []),
-    ([[1, 2, 7]], [1, 2], [7]),
-    ([[1, 2, 7]], [9, 1, 2], [7]),
-    ([[1, 2, 7]], [2], []),                   # shorter output than the prefix
-    ([[1, 2, 7]], [1, 3], []),
-    ([[1, 7], [2, 8], [9]], [2], [8, 9]),
-    ([[1, 7], [1, 8]], [5, 1], [7, 8]),
-    ([[1, 2, 7], [8]], [2], [8]),             # a word longer than the output does not end the scan
-])
+@pytest.mark.parametrize(
+    "words,output,banned",
+    [
+        ([[7]], [], [7]),  # a single token is banned always
+        ([[7]], [1, 2], [7]),
+        ([[1, 7]], [], []),  # its prefix is not out yet
+        ([[1, 7]], [1], [7]),
+        ([[1, 7]], [1, 2], []),
+        ([[1, 2, 7]], [1, 2], [7]),
+        ([[1, 2, 7]], [9, 1, 2], [7]),
+        ([[1, 2, 7]], [2], []),  # shorter output than the prefix
+        ([[1, 2, 7]], [1, 3], []),
+        ([[1, 7], [2, 8], [9]], [2], [8, 9]),
+        ([[1, 7], [1, 8]], [5, 1], [7, 8]),
+        ([[1, 2, 7], [8]], [2], [8]),  # a word longer than the output does not end the scan
+    ],
+)
 def test_banned_by_bad_words(words, output, banned):
     assert banned_by_bad_words(words, output) == banned

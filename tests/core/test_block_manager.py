@@ -1,5 +1,6 @@
 """BlockManager: ref counts, all-or-nothing allocation, prefix-cache hits along the hash chain,
 LRU eviction order, collisions never served, and check_invariants catching broken states."""
+
 from __future__ import annotations
 
 from array import array
@@ -94,7 +95,7 @@ def test_queries():
 def test_allocation_is_all_or_nothing():
     bm = BlockManager(3, BS)
     seq = make_seq(range(13))
-    assert not bm.allocate_slots(seq, 13)          # needs 4 blocks
+    assert not bm.allocate_slots(seq, 13)  # needs 4 blocks
     assert seq.block_table == [] and bm.num_free_blocks == 3
     assert bm.allocate_slots(seq, 12)
     assert bm.num_free_blocks == 0
@@ -124,7 +125,7 @@ def test_hits_alone_take_no_new_block():
 def test_nothing_to_publish_before_any_block():
     bm = BlockManager(4, BS)
     seq = make_seq(range(3))
-    bm.cache_full_blocks(seq)                  # no blocks, nothing computed: nothing happens
+    bm.cache_full_blocks(seq)  # no blocks, nothing computed: nothing happens
     assert bm.cached == {} and seq.block_hashes == []
 
 
@@ -132,8 +133,8 @@ def test_decode_fills_the_last_block_before_taking_another():
     bm = BlockManager(3, BS)
     seq = make_seq(range(3))
     admit(bm, seq)
-    assert decode(bm, seq, 3) and seq.block_table == [0]          # position 3: still block 0
-    assert decode(bm, seq, 4) and seq.block_table == [0, 1]       # position 4: a new block
+    assert decode(bm, seq, 3) and seq.block_table == [0]  # position 3: still block 0
+    assert decode(bm, seq, 4) and seq.block_table == [0, 1]  # position 4: a new block
     bm.check_invariants([seq])
 
 
@@ -186,7 +187,7 @@ def test_hit_shares_blocks_and_counts_references():
 def test_hit_leaves_at_least_one_token_to_compute():
     bm = BlockManager(8, BS)
     admit(bm, make_seq(range(8)))
-    assert len(bm.get_computed_blocks(make_seq(range(8)))) == 1     # (8 - 1) // 4
+    assert len(bm.get_computed_blocks(make_seq(range(8)))) == 1  # (8 - 1) // 4
     assert len(bm.get_computed_blocks(make_seq(range(9)))) == 2
     assert len(bm.get_computed_blocks(make_seq(range(4)))) == 0
 
@@ -217,7 +218,7 @@ def test_only_computed_full_blocks_are_published():
     bm = BlockManager(8, BS)
     seq = make_seq(range(10))
     admit(bm, seq, computed=False)
-    seq.num_computed_tokens = 7            # a chunk: block 0 full and computed, block 1 not
+    seq.num_computed_tokens = 7  # a chunk: block 0 full and computed, block 1 not
     bm.cache_full_blocks(seq)
     assert [b.block_hash is not None for b in bm.blocks[:3]] == [True, False, False]
     bm.check_invariants([seq])
@@ -263,7 +264,7 @@ def test_prefix_computed_twice_links_to_the_published_twin():
     for s in (a, b):
         s.num_computed_tokens = s.num_tokens
         bm.cache_full_blocks(s)
-    assert len(bm.cached) == 3               # a's two blocks, then b's third chained to a's second
+    assert len(bm.cached) == 3  # a's two blocks, then b's third chained to a's second
     assert bm.blocks[b.block_table[0]].block_hash is None
     bm.check_invariants([a, b])
     c = make_seq(list(range(8)) + [50, 51, 52, 53, 60])
@@ -278,10 +279,10 @@ def const_hash(parent, tokens):
 def test_collision_is_never_served():
     bm = BlockManager(8, BS, hash_fn=const_hash)
     admit(bm, make_seq([1, 1, 1, 1, 2]))
-    other = make_seq([3, 3, 3, 3, 2])          # same hash, other tokens
+    other = make_seq([3, 3, 3, 3, 2])  # same hash, other tokens
     assert bm.get_computed_blocks(other) == []
     admit(bm, other)
-    assert len(bm.cached) == 1                 # the collision is not published over the first
+    assert len(bm.cached) == 1  # the collision is not published over the first
     bm.check_invariants()
 
 
@@ -295,12 +296,14 @@ def test_after_a_collision_nothing_later_is_published():
 
 def test_hit_needs_the_same_parent():
     """Block 1 with equal hash and tokens, but computed after another block 0: not a hit."""
-    def tokens_only(parent, tokens):       # ignores the parent: equal blocks collide
+
+    def tokens_only(parent, tokens):  # ignores the parent: equal blocks collide
         return hash(tuple(tokens))
+
     bm = BlockManager(8, BS, hash_fn=tokens_only)
     admit(bm, make_seq([1, 1, 1, 1, 2, 2, 2, 2, 0]))
     other = make_seq([3, 3, 3, 3, 2, 2, 2, 2, 0])
-    admit(bm, make_seq([3, 3, 3, 3, 9]))   # publishes [3,3,3,3] under its own serial
+    admit(bm, make_seq([3, 3, 3, 3, 9]))  # publishes [3,3,3,3] under its own serial
     assert [b.token_ids for b in bm.get_computed_blocks(other)] == [(3, 3, 3, 3)]
 
 
@@ -308,8 +311,8 @@ def test_hit_needs_the_same_parent():
 def test_freed_hashed_blocks_are_evicted_least_recently_used_first():
     bm = BlockManager(4, BS)
     a, b = make_seq(range(4)), make_seq(range(10, 14))
-    admit(bm, a)                 # block 0 (hashed once computed: 4 tokens)
-    admit(bm, b)                 # block 1
+    admit(bm, a)  # block 0 (hashed once computed: 4 tokens)
+    admit(bm, b)  # block 1
     bm.free(a)
     bm.free(b)
     # unhashed blocks 2, 3 come first, then 0 (freed first), then 1
@@ -328,7 +331,7 @@ def test_free_puts_the_last_block_first_in_eviction_order():
     seq = make_seq(range(8))
     admit(bm, seq)
     bm.free(seq)
-    assert list(bm.free_blocks) == [2, 1, 0]      # block 2 never hashed: head; then 1 before 0
+    assert list(bm.free_blocks) == [2, 1, 0]  # block 2 never hashed: head; then 1 before 0
 
 
 def test_freed_unhashed_blocks_go_to_the_head():
@@ -384,8 +387,9 @@ def test_reset_prefix_cache():
     assert not bm.reset_prefix_cache() and len(bm.cached) == 2
     bm.free(seq)
     assert bm.reset_prefix_cache()
-    assert bm.cached == {} and all(b.block_hash is None and b.token_ids is None and b.serial is None
-                                   and b.parent_serial is None for b in bm.blocks)
+    assert bm.cached == {} and all(
+        b.block_hash is None and b.token_ids is None and b.serial is None and b.parent_serial is None for b in bm.blocks
+    )
     assert bm.num_evictions == 2
     assert bm.get_computed_blocks(make_seq(range(9))) == []
     bm.check_invariants([])
@@ -400,23 +404,28 @@ def _state():
     return bm, seq
 
 
-@pytest.mark.parametrize("corrupt,message", [
-    (lambda bm, s: bm.free_blocks.pop(3), "^free \\+ used != total"),
-    (lambda bm, s: setattr(bm.blocks[3], "ref_count", 1), "^free \\+ used != total"),
-    (lambda bm, s: (setattr(bm.blocks[3], "ref_count", 1), setattr(bm.blocks[2], "ref_count", 0)),
-     r"Block\(3, ref=1, hash=None\) in free queue"),
-    (lambda bm, s: bm.free_blocks.__setitem__(3, bm.blocks[2]), "in free queue"),
-    (lambda bm, s: setattr(bm.blocks[0], "ref_count", 2), "ref_count != 1 live tables"),
-    (lambda bm, s: s.block_table.append(s.block_table[0]), "repeats a block"),
-    (lambda bm, s: setattr(s, "num_computed_tokens", 13), "computed past its blocks"),
-    (lambda bm, s: setattr(bm.blocks[0], "token_ids", (9, 9, 9, 9)), "tokens differ"),
-    (lambda bm, s: setattr(bm.blocks[0], "token_ids", (0, 1, 2)), "not a full block"),
-    (lambda bm, s: setattr(bm.blocks[0], "token_ids", None), "not a full block"),
-    (lambda bm, s: setattr(bm.blocks[0], "serial", None), "has no serial"),
-    (lambda bm, s: setattr(bm.blocks[0], "block_hash", 12345), "cache entry"),
-    (lambda bm, s: bm.cached.clear(), "hashed but not findable"),
-    (lambda bm, s: setattr(s, "num_computed_tokens", 7), "published before its K/V was computed"),
-])
+@pytest.mark.parametrize(
+    "corrupt,message",
+    [
+        (lambda bm, s: bm.free_blocks.pop(3), "^free \\+ used != total"),
+        (lambda bm, s: setattr(bm.blocks[3], "ref_count", 1), "^free \\+ used != total"),
+        (
+            lambda bm, s: (setattr(bm.blocks[3], "ref_count", 1), setattr(bm.blocks[2], "ref_count", 0)),
+            r"Block\(3, ref=1, hash=None\) in free queue",
+        ),
+        (lambda bm, s: bm.free_blocks.__setitem__(3, bm.blocks[2]), "in free queue"),
+        (lambda bm, s: setattr(bm.blocks[0], "ref_count", 2), "ref_count != 1 live tables"),
+        (lambda bm, s: s.block_table.append(s.block_table[0]), "repeats a block"),
+        (lambda bm, s: setattr(s, "num_computed_tokens", 13), "computed past its blocks"),
+        (lambda bm, s: setattr(bm.blocks[0], "token_ids", (9, 9, 9, 9)), "tokens differ"),
+        (lambda bm, s: setattr(bm.blocks[0], "token_ids", (0, 1, 2)), "not a full block"),
+        (lambda bm, s: setattr(bm.blocks[0], "token_ids", None), "not a full block"),
+        (lambda bm, s: setattr(bm.blocks[0], "serial", None), "has no serial"),
+        (lambda bm, s: setattr(bm.blocks[0], "block_hash", 12345), "cache entry"),
+        (lambda bm, s: bm.cached.clear(), "hashed but not findable"),
+        (lambda bm, s: setattr(s, "num_computed_tokens", 7), "published before its K/V was computed"),
+    ],
+)
 def test_check_invariants_catches(corrupt, message):
     bm, seq = _state()
     corrupt(bm, seq)

@@ -1,5 +1,6 @@
 """build_model_input: packed rows, positions and slots through the block table, sample rows and
 their settings, placeholders (async scheduling), prompt-logprob jobs, logits processing."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,8 +26,8 @@ def build(pairs, finished=None):
 
 
 def test_prefill_and_decode_rows():
-    a = seq_at([10, 11, 12, 13, 14, 15], 0, [7, 2])               # prefill 6 tokens
-    b = seq_at([20, 21, 22, 23, 24], 4, [5, 9])                    # decode position 4
+    a = seq_at([10, 11, 12, 13, 14, 15], 0, [7, 2])  # prefill 6 tokens
+    b = seq_at([20, 21, 22, 23, 24], 4, [5, 9])  # decode position 4
     mi, plan = build([(a, 6), (b, 1)], finished=[3])
     assert mi.input_ids == [10, 11, 12, 13, 14, 15, 24]
     assert mi.positions == [0, 1, 2, 3, 4, 5, 4]
@@ -52,7 +53,7 @@ def test_chunk_that_does_not_reach_the_end_samples_nothing():
 def test_sampling_settings_per_row():
     a = seq_at([1, 2, 3], 0, [0], temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, seed=7, logprobs=2)
     b = seq_at([1, 2, 3, 4, 5], 4, [1, 2])
-    b.token_ids.append(6)                                  # b has output tokens 5, 6... (prompt 5)
+    b.token_ids.append(6)  # b has output tokens 5, 6... (prompt 5)
     b.num_computed_tokens = 5
     mi, _ = build([(a, 3), (b, 1)])
     assert mi.temperatures == [0.5, 1.0] and mi.top_ks == [3, 0] and mi.top_ps == [0.9, 1.0]
@@ -68,11 +69,11 @@ def test_stop_tokens_banned_before_min_tokens():
     a.token_ids.append(5)
     a.num_computed_tokens = 2
     mi, _ = build([(a, 1)])
-    assert mi.banned_token_ids == [[4, 7, 9]]             # output index 1 < 2
+    assert mi.banned_token_ids == [[4, 7, 9]]  # output index 1 < 2
     a.token_ids.append(5)
     a.num_computed_tokens = 3
     mi, _ = build([(a, 1)])
-    assert mi.banned_token_ids == [[]]                    # output index 2: a stop token may come
+    assert mi.banned_token_ids == [[]]  # output index 2: a stop token may come
 
 
 def test_placeholder_decode_reads_the_previous_sample_row():
@@ -107,22 +108,22 @@ def test_prefill_up_to_the_known_tokens_is_fine():
 
 def test_prompt_logprob_jobs():
     a = seq_at([10, 11, 12, 13, 14, 15], 0, [0, 1], prompt_logprobs=3, max_tokens=4)
-    mi, plan = build([(a, 4)])                 # rows 0..3 score prompt tokens 1..4
+    mi, plan = build([(a, 4)])  # rows 0..3 score prompt tokens 1..4
     assert mi.prompt_logprob_jobs == [(0, [11, 12, 13, 14], 3)]
     assert plan.prompt_logprob_jobs == [(a, 1)]
     a.num_computed_tokens = 4
-    mi, plan = build([(a, 2)])                 # row 4 scores token 5; row 5 (last) samples
+    mi, plan = build([(a, 2)])  # row 4 scores token 5; row 5 (last) samples
     assert mi.prompt_logprob_jobs == [(0, [15], 3)] and plan.prompt_logprob_jobs == [(a, 5)]
     a.num_computed_tokens = 6
     a.append_token(16)
-    mi, plan = build([(a, 1)])                 # decode: nothing left to score
+    mi, plan = build([(a, 1)])  # decode: nothing left to score
     assert mi.prompt_logprob_jobs == [] and plan.prompt_logprob_jobs == []
 
 
 def test_prompt_logprob_jobs_skip_positions_already_recorded():
     """After a preemption the recompute does not score recorded positions again."""
     a = seq_at([10, 11, 12, 13, 14, 15], 0, [0, 1], prompt_logprobs=0)
-    a.prompt_logprobs.extend([(11, None), (12, None), (13, None)])    # positions 1..3 recorded
+    a.prompt_logprobs.extend([(11, None), (12, None), (13, None)])  # positions 1..3 recorded
     b = seq_at([1, 2], 0, [3])
     mi, plan = build([(b, 2), (a, 6)])
     assert mi.prompt_logprob_jobs == [(2 + 3, [14, 15], 0)] and plan.prompt_logprob_jobs == [(a, 4)]
@@ -171,11 +172,11 @@ def test_bad_words_become_banned_tokens():
     a.logits_processing = True
     mi, plan = build([(a, 2)])
     assert mi.banned_token_ids == [[4, 8]] and mi.logits_processing == {}
-    assert plan.needs_token_history               # a multi-token bad word reads the output
+    assert plan.needs_token_history  # a multi-token bad word reads the output
     a.token_ids.append(3)
     a.num_computed_tokens = 2
     mi, _ = build([(a, 1)])
-    assert mi.banned_token_ids == [[8, 9]]        # the output ends with 3: 9 is banned too
+    assert mi.banned_token_ids == [[8, 9]]  # the output ends with 3: 9 is banned too
 
 
 def test_bad_words_prefix_is_matched_in_the_output_only():

@@ -1,4 +1,5 @@
 """SamplingParams: bad values raise naming the field and the value; good values are normalised."""
+
 from __future__ import annotations
 
 import math
@@ -94,7 +95,9 @@ def test_type_errors_name_the_type():
 
 
 def test_empty_allowed_token_ids_message():
-    with pytest.raises(ValueError, match=r"^allowed_token_ids must not be empty \(None allows every token\), got \[\]$"):
+    with pytest.raises(
+        ValueError, match=r"^allowed_token_ids must not be empty \(None allows every token\), got \[\]$"
+    ):
         SamplingParams(allowed_token_ids=[])
 
 
@@ -114,16 +117,42 @@ def test_n_needs_sampling():
     assert SamplingParams(n=1, temperature=0.0).n == 1
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"temperature": 0.0}, {"temperature": 0}, {"top_k": -1}, {"top_k": 0}, {"top_k": 1},
-    {"top_p": 1.0}, {"top_p": 1e-9}, {"min_p": 0.0}, {"min_p": 1.0}, {"min_p": 1},
-    {"seed": None}, {"seed": 0}, {"seed": -5}, {"max_tokens": 1}, {"max_tokens": None},
-    {"min_tokens": 0}, {"logprobs": 0}, {"prompt_logprobs": 0}, {"n": 1},
-    {"presence_penalty": 2.0}, {"presence_penalty": -2.0}, {"frequency_penalty": 2},
-    {"frequency_penalty": -2}, {"repetition_penalty": 1e-9}, {"repetition_penalty": 1e9},
-    {"logit_bias": {0: 1e30}}, {"logit_bias": {}}, {"stop_token_ids": [0]},
-    {"allowed_token_ids": [0]}, {"allowed_token_ids": (3, 4)}, {"bad_words": []},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": 0.0},
+        {"temperature": 0},
+        {"top_k": -1},
+        {"top_k": 0},
+        {"top_k": 1},
+        {"top_p": 1.0},
+        {"top_p": 1e-9},
+        {"min_p": 0.0},
+        {"min_p": 1.0},
+        {"min_p": 1},
+        {"seed": None},
+        {"seed": 0},
+        {"seed": -5},
+        {"max_tokens": 1},
+        {"max_tokens": None},
+        {"min_tokens": 0},
+        {"logprobs": 0},
+        {"prompt_logprobs": 0},
+        {"n": 1},
+        {"presence_penalty": 2.0},
+        {"presence_penalty": -2.0},
+        {"frequency_penalty": 2},
+        {"frequency_penalty": -2},
+        {"repetition_penalty": 1e-9},
+        {"repetition_penalty": 1e9},
+        {"logit_bias": {0: 1e30}},
+        {"logit_bias": {}},
+        {"stop_token_ids": [0]},
+        {"allowed_token_ids": [0]},
+        {"allowed_token_ids": (3, 4)},
+        {"bad_words": []},
+    ],
+)
 def test_boundary_values_are_accepted(kwargs):
     params = SamplingParams(**kwargs)
     for k, v in kwargs.items():
@@ -157,18 +186,21 @@ def test_normalisation():
     assert [k.value for k in RequestOutputKind] == [0, 1, 2]
 
 
-@pytest.mark.parametrize("kwargs,penalties,processing", [
-    ({}, False, False),
-    ({"repetition_penalty": 1.1}, True, True),
-    ({"presence_penalty": 0.5}, True, True),
-    ({"presence_penalty": -0.5}, True, True),
-    ({"frequency_penalty": 0.1}, True, True),
-    ({"logit_bias": {1: 1.0}}, False, True),
-    ({"logit_bias": {}}, False, False),
-    ({"allowed_token_ids": [1]}, False, True),
-    ({"bad_words": ["x"]}, False, True),
-    ({"temperature": 0.5, "top_k": 3, "top_p": 0.5, "min_p": 0.1, "seed": 1}, False, False),
-])
+@pytest.mark.parametrize(
+    "kwargs,penalties,processing",
+    [
+        ({}, False, False),
+        ({"repetition_penalty": 1.1}, True, True),
+        ({"presence_penalty": 0.5}, True, True),
+        ({"presence_penalty": -0.5}, True, True),
+        ({"frequency_penalty": 0.1}, True, True),
+        ({"logit_bias": {1: 1.0}}, False, True),
+        ({"logit_bias": {}}, False, False),
+        ({"allowed_token_ids": [1]}, False, True),
+        ({"bad_words": ["x"]}, False, True),
+        ({"temperature": 0.5, "top_k": 3, "top_p": 0.5, "min_p": 0.1, "seed": 1}, False, False),
+    ],
+)
 def test_penalty_and_processing_flags(kwargs, penalties, processing):
     p = SamplingParams(**kwargs)
     assert p.has_penalties is penalties

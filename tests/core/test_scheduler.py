@@ -1,5 +1,6 @@
 """Scheduler: running first in admission order, then FIFO admission within the token budget and
 max_num_seqs; chunked prefill; preemption of the most recently admitted; admission control."""
+
 from __future__ import annotations
 
 import pytest
@@ -51,7 +52,7 @@ def test_token_budget_is_shared_in_order():
     s.add(make_seq(range(6), "a"))
     s.add(make_seq(range(10, 16), "b"))
     got, out = step(s)
-    assert got == [("a", 6), ("b", 2)] and out.num_tokens == 8      # b: a chunk
+    assert got == [("a", 6), ("b", 2)] and out.num_tokens == 8  # b: a chunk
     got, _ = step(s)
     assert got == [("a", 1), ("b", 4)]
     got, _ = step(s)
@@ -133,7 +134,7 @@ def test_without_chunked_prefill_a_recompute_of_exactly_the_budget_waits_for_all
     step(s)
     assert b.num_tokens == 8
     s._preempt(s._preemption_victim())
-    got, _ = step(s)                       # 7 tokens of budget left: b (8) could go whole later
+    got, _ = step(s)  # 7 tokens of budget left: b (8) could go whole later
     assert got == [("a", 1)]
 
 
@@ -150,16 +151,16 @@ def test_preemption_takes_the_most_recently_admitted_and_requeues_it_first():
     c = make_seq(range(2), "c", max_tokens=2)
     for q in (a, b, c):
         s.add(q)
-    got, _ = step(s)                       # a, b: 2 blocks each (8 tokens), c waits for a block
+    got, _ = step(s)  # a, b: 2 blocks each (8 tokens), c waits for a block
     assert got == [("a", 7), ("b", 7)]
-    got, out = step(s)                     # a: position 7 (its block), b likewise: no one admitted
+    got, out = step(s)  # a: position 7 (its block), b likewise: no one admitted
     assert got == [("a", 1), ("b", 1)]
-    got, out = step(s)                     # a needs a 3rd block: b (last admitted) is preempted
+    got, out = step(s)  # a needs a 3rd block: b (last admitted) is preempted
     assert got == [("a", 1)] and out.preempted == [b] and out.admitted == []
     assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0 and b.block_table == []
     assert (b.num_preemptions, s.num_preemptions) == (1, 1)
     assert [q.request_id for q in s.waiting] == ["b", "c"]
-    assert b.token_ids[7:] == [1, 1]       # its generated tokens are kept
+    assert b.token_ids[7:] == [1, 1]  # its generated tokens are kept
 
 
 def test_a_sequence_preempts_itself_when_alone_short_of_blocks():
@@ -169,8 +170,8 @@ def test_a_sequence_preempts_itself_when_alone_short_of_blocks():
     s.add(a)
     s.add(b)
     got, _ = step(s)
-    assert got == [("a", 8), ("b", 4)]     # 2 + 1 blocks: the cache is full
-    got, out = step(s)                     # a needs a third block: b goes; b's position 4 too
+    assert got == [("a", 8), ("b", 4)]  # 2 + 1 blocks: the cache is full
+    got, out = step(s)  # a needs a third block: b goes; b's position 4 too
     assert got == [("a", 1)] and out.preempted == [b]
 
 
@@ -207,7 +208,7 @@ def test_num_cached_tokens_is_kept_from_the_first_admission():
     step(s)
     s._preempt(s._preemption_victim())
     got, _ = step(s)
-    assert got == [("a", 2)]               # 8 of its 10 tokens hit its own freed blocks
+    assert got == [("a", 2)]  # 8 of its 10 tokens hit its own freed blocks
     assert a.num_cached_tokens == 0 and s.num_cache_hit_tokens == 8
     s._preempt(s._preemption_victim())
     got, _ = step(s)
@@ -233,13 +234,13 @@ def test_finish_frees_and_removes():
     s.add(a)
     step(s)
     s.add(b)
-    s.finish(b)                            # waiting
-    s.finish(a)                            # running
+    s.finish(b)  # waiting
+    s.finish(a)  # running
     assert a.is_finished and b.is_finished and not s.has_unfinished()
     assert s.block_manager.num_free_blocks == 16 and a.block_table == []
     done = make_seq(range(2))
     done.status = SequenceStatus.FINISHED
-    s.finish(done)                         # finishing twice is harmless
+    s.finish(done)  # finishing twice is harmless
     assert done.is_finished
 
 
@@ -259,8 +260,10 @@ def test_scheduler_output_defaults_are_independent():
 # ---------------------------------------------------------------- admission control
 def test_prompt_must_leave_room_to_generate():
     s = sched(max_model_len=8)
-    with pytest.raises(ValueError, match="prompt is 8 tokens, which leaves no room to generate within "
-                                         "max_model_len=8; shorten it below 8 tokens"):
+    with pytest.raises(
+        ValueError,
+        match="prompt is 8 tokens, which leaves no room to generate within max_model_len=8; shorten it below 8 tokens",
+    ):
         s.add(make_seq(range(8)))
     s.add(make_seq(range(7)))
     assert len(s.waiting) == 1
@@ -268,8 +271,9 @@ def test_prompt_must_leave_room_to_generate():
 
 def test_prompt_over_the_budget_without_chunked_prefill():
     s = sched(budget=8, chunked=False)
-    with pytest.raises(ValueError, match="prompt is 9 tokens > max_num_batched_tokens=8 "
-                                         "with enable_chunked_prefill=False"):
+    with pytest.raises(
+        ValueError, match="prompt is 9 tokens > max_num_batched_tokens=8 with enable_chunked_prefill=False"
+    ):
         s.add(make_seq(range(9)))
     s.add(make_seq(range(8)))
     sched(budget=8, chunked=True).add(make_seq(range(9)))
@@ -277,17 +281,31 @@ def test_prompt_over_the_budget_without_chunked_prefill():
 
 def test_request_larger_than_the_cache():
     s = sched(num_blocks=2, max_model_len=64)
-    with pytest.raises(ValueError, match=r"request 'big' needs up to 3 KV blocks \(prompt 4 tokens \+ "
-                                         r"max_tokens=6, block_size=4\) but the whole cache has "
-                                         r"num_kvcache_blocks=2"):
+    with pytest.raises(
+        ValueError,
+        match=r"request 'big' needs up to 3 KV blocks \(prompt 4 tokens \+ "
+        r"max_tokens=6, block_size=4\) but the whole cache has "
+        r"num_kvcache_blocks=2",
+    ):
         s.add(make_seq(range(4), "big", max_tokens=6))
-    s.add(make_seq(range(4), "fits", max_tokens=5))     # 8 tokens, the last one needs no K/V
+    s.add(make_seq(range(4), "fits", max_tokens=5))  # 8 tokens, the last one needs no K/V
 
 
-@pytest.mark.parametrize("prompt,max_tokens,max_model_len,blocks", [
-    (4, 5, 64, 2), (4, 6, 64, 3), (4, None, 12, 3), (4, None, 13, 3), (4, None, 14, 4), (4, 100, 10, 3),
-    (1, 1, 64, 1), (1, 2, 64, 1), (4, 1, 64, 1), (4, 2, 64, 2),
-])
+@pytest.mark.parametrize(
+    "prompt,max_tokens,max_model_len,blocks",
+    [
+        (4, 5, 64, 2),
+        (4, 6, 64, 3),
+        (4, None, 12, 3),
+        (4, None, 13, 3),
+        (4, None, 14, 4),
+        (4, 100, 10, 3),
+        (1, 1, 64, 1),
+        (1, 2, 64, 1),
+        (4, 1, 64, 1),
+        (4, 2, 64, 2),
+    ],
+)
 def test_max_blocks_needed(prompt, max_tokens, max_model_len, blocks):
     s = sched(max_model_len=max_model_len)
     assert s.max_blocks_needed(make_seq(range(prompt), max_tokens=max_tokens)) == blocks
@@ -335,7 +353,7 @@ def test_admission_takes_the_last_token_of_the_budget():
     """A decode takes 1 of a 2-token budget: the waiting request still gets a 1-token chunk."""
     s = sched()
     s.add(make_seq(range(3), "a"))
-    step(s)                               # a's prefill
+    step(s)  # a's prefill
     s.max_num_batched_tokens = 2
     s.add(make_seq(range(10, 13), "b"))
     got, _ = step(s)

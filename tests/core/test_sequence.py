@@ -1,4 +1,5 @@
 """Sequence: counts, views of prompt and output, placeholders, stop ids, history needs."""
+
 from __future__ import annotations
 
 import pytest
@@ -66,8 +67,8 @@ def test_logits_processing_and_token_history():
     assert make_seq([1], logit_bias={1: 1.0}).logits_processing
     assert not make_seq([1], logit_bias={1: 1.0}).needs_token_history
     assert make_seq([1], repetition_penalty=1.2).needs_token_history
-    assert not make_seq([1], bad_words=[[4]]).needs_token_history          # single-token bad word
-    assert make_seq([1], bad_words=[[4], [5, 6]]).needs_token_history      # multi-token bad word
+    assert not make_seq([1], bad_words=[[4]]).needs_token_history  # single-token bad word
+    assert make_seq([1], bad_words=[[4], [5, 6]]).needs_token_history  # multi-token bad word
     bad = [[5, 6]]
     seq = make_seq([1], bad_words=bad)
     assert seq.bad_words_token_ids == [[5, 6]] and seq.bad_words_token_ids is not bad

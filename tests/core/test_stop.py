@@ -1,5 +1,6 @@
 """Stop rules (core/stop.py): stop tokens after min_tokens, stop strings in the new text only,
 then max_tokens and max_model_len; the boundaries of each."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,8 @@ from nanovllm.core.stop import (
 from .conftest import CharTokenizer, make_seq
 
 TOK = CharTokenizer()
-A, B, C, D = 0, 1, 2, 3          # decode to "a", "b", "c", "d"
-EOS = 150                        # a special token
+A, B, C, D = 0, 1, 2, 3  # decode to "a", "b", "c", "d"
+EOS = 150  # a special token
 
 
 def step(seq, token, max_model_len=1000, tokenizer=TOK):
@@ -101,8 +102,8 @@ def test_stop_string_needs_more_than_min_tokens():
     """A stop string counts only in the text of more than min_tokens tokens."""
     seq = make_seq([A], stop=["b"], min_tokens=1)
     assert step(seq, B) == (None, None)
-    assert seq.output_text == "b"             # the text is still tracked
-    assert step(seq, C) == (None, None)       # "b" is old text: not found again
+    assert seq.output_text == "b"  # the text is still tracked
+    assert step(seq, C) == (None, None)  # "b" is old text: not found again
     assert step(seq, B) == ("stop", "b")
     assert seq.output_text == "bc"
 
@@ -140,7 +141,7 @@ def test_no_tokenizer_means_no_text():
 
 def test_find_stop_string():
     assert find_stop_string("abcd", 1, ["cd"]) == (2, "cd")
-    assert find_stop_string("abcd", 1, ["bc"]) is None          # ended before the new character
+    assert find_stop_string("abcd", 1, ["bc"]) is None  # ended before the new character
     assert find_stop_string("abcd", 2, ["bc"]) == (1, "bc")
     assert find_stop_string("abcd", 4, ["a"]) == (0, "a")
     assert find_stop_string("abcd", 0, ["d"]) is None
@@ -149,7 +150,7 @@ def test_find_stop_string():
     assert find_stop_string("xx", 9, ["xxx"]) is None
     assert find_stop_string("abab", 2, ["ab", "ba"]) == (1, "ba")
     assert find_stop_string("", 0, ["a"]) is None
-    assert find_stop_string("ab", 2, ["a", "ab"]) == (0, "a")    # a tie: the first listed wins
+    assert find_stop_string("ab", 2, ["a", "ab"]) == (0, "a")  # a tie: the first listed wins
     assert find_stop_string("ab", 2, ["ab", "a"]) == (0, "ab")
 
 
@@ -160,7 +161,7 @@ def test_reaches_length_limit():
     assert not reaches_length_limit(seq, 100)
     assert reaches_length_limit(seq, 3)
     assert not reaches_length_limit(seq, 4)
-    seq.add_placeholder(0)                      # the placeholder counts
+    seq.add_placeholder(0)  # the placeholder counts
     assert reaches_length_limit(seq, 100)
     unlimited = make_seq([A, B], max_tokens=None)
     unlimited.append_token(A)

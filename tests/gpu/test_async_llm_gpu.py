@@ -1,6 +1,7 @@
 """AsyncLLM on a GPU: the step loop runs in its own thread (CUDA graphs, async scheduling and
 the fused sampler were set up by the loading thread); concurrent callers get what offline
 generate gives, and a cancelled caller's blocks come back."""
+
 from __future__ import annotations
 
 import asyncio
@@ -44,6 +45,7 @@ def test_async_llm_on_cuda_matches_offline():
         def check(e):
             e.check_invariants()
             return e.block_manager.num_free_blocks == e.block_manager.num_blocks and not e.requests
+
         return got, await engine.call(check)
 
     try:

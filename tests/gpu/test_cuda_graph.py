@@ -3,6 +3,7 @@
 max_num_seqs is 45 (not a multiple of 16), so the captured sizes are
 1, 2, 4, 8, 16, 24, 32, 40, 45 and most batches are padded.
 """
+
 from __future__ import annotations
 
 import random
@@ -22,9 +23,16 @@ WIDTH = MAX_LEN // BLOCK
 def _llm(dtype: str, enforce_eager: bool):
     from nanovllm import LLM
 
-    return LLM(zoo_model("qwen3-gqa4-hd128"), device="cuda", dtype=dtype, block_size=BLOCK,
-               max_num_seqs=MAX_SEQS, max_model_len=MAX_LEN, num_kvcache_blocks=MAX_SEQS * WIDTH + 4,
-               enforce_eager=enforce_eager)
+    return LLM(
+        zoo_model("qwen3-gqa4-hd128"),
+        device="cuda",
+        dtype=dtype,
+        block_size=BLOCK,
+        max_num_seqs=MAX_SEQS,
+        max_model_len=MAX_LEN,
+        num_kvcache_blocks=MAX_SEQS * WIDTH + 4,
+        enforce_eager=enforce_eager,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +48,7 @@ def runner():
 
 
 def _table(i: int) -> list[int]:
-    return list(range(i * WIDTH + 1, (i + 1) * WIDTH + 1))   # block 0 stays unused
+    return list(range(i * WIDTH + 1, (i + 1) * WIDTH + 1))  # block 0 stays unused
 
 
 def _prefill(runner, lens: list[int], rng: random.Random) -> None:
@@ -64,15 +72,15 @@ def _prefill_step(runner, seqs: list[int], lens: list[int], rng: random.Random) 
         mi.slot_mapping += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)]
         mi.query_start_loc.append(mi.query_start_loc[-1] + n)
         mi.seq_lens.append(n)
-        mi.block_tables.append(table[:-(-n // BLOCK)])
+        mi.block_tables.append(table[: -(-n // BLOCK)])
     with torch.inference_mode():
         runner._forward(mi)
 
 
 def _decode_input(lens: list[int], rng: random.Random) -> ModelInput:
     mi = ModelInput([], [], [], [0], [], [])
-    for i, n in enumerate(lens):   # n tokens cached; the new token sits at position n
-        table = _table(i)[:n // BLOCK + 1]
+    for i, n in enumerate(lens):  # n tokens cached; the new token sits at position n
+        table = _table(i)[: n // BLOCK + 1]
         mi.input_ids.append(rng.randrange(1000))
         mi.positions.append(n)
         mi.slot_mapping.append(table[n // BLOCK] * BLOCK + n % BLOCK)
@@ -99,7 +107,7 @@ def test_graph_equals_eager_and_padding_writes_nothing(runner, batch):
         changed = set()
         for (k0, v0), a in zip(before, runner.attn_layers):
             for old, new in ((k0, a.k_cache), (v0, a.v_cache)):
-                per_slot = (old != new).flatten(2).any(-1).flatten()   # [num_blocks * BLOCK]
+                per_slot = (old != new).flatten(2).any(-1).flatten()  # [num_blocks * BLOCK]
                 changed |= set(per_slot.nonzero().flatten().tolist())
         assert changed <= set(mi.slot_mapping), f"graph wrote slots {sorted(changed - set(mi.slot_mapping))[:8]}"
         assert changed, "the decode step wrote no K/V at all"
@@ -114,8 +122,9 @@ def test_graph_equals_eager_and_padding_writes_nothing(runner, batch):
     err = ((graph_hidden.float() - eager.float()).norm() / eager.float().norm()).item()
     assert err < 2e-2, f"graph vs unpadded eager at batch {batch}: relative error {err:.3e}"
     max_diff = (graph_hidden.float() - eager_padded.float()).abs().max().item()
-    assert torch.equal(graph_hidden, eager_padded), \
+    assert torch.equal(graph_hidden, eager_padded), (
         f"graph != eager over the same padded inputs at batch {batch} (padded {padded}): max diff {max_diff}"
+    )
 
 
 def test_every_batch_size_replays(runner):
@@ -157,20 +166,37 @@ def test_async_scheduling_equals_sync_with_graphs(stops):
     rng = random.Random(11)
     prompts = [[rng.randrange(5, 1000) for _ in range(rng.randint(1, 200))] for _ in range(MAX_SEQS)]
     stop = list(range(0, 1000, 13)) if stops else None
-    params = [SamplingParams(temperature=0 if i % 2 else 0.9, seed=i, max_tokens=rng.randint(1, 60),
-                             ignore_eos=not stops, stop_token_ids=stop) for i in range(MAX_SEQS)]
+    params = [
+        SamplingParams(
+            temperature=0 if i % 2 else 0.9,
+            seed=i,
+            max_tokens=rng.randint(1, 60),
+            ignore_eos=not stops,
+            stop_token_ids=stop,
+        )
+        for i in range(MAX_SEQS)
+    ]
     advanced = []
     orig = engine_module.LLMEngine._advance
     outs = {}
     try:
         engine_module.LLMEngine._advance = lambda self, launched: (advanced.append(1), orig(self, launched))[1]
         for async_scheduling in (False, True):
-            llm = LLM(zoo_model("qwen3-gqa4-hd128"), device="cuda", dtype="float32", block_size=BLOCK,
-                      max_num_seqs=MAX_SEQS, max_model_len=MAX_LEN, num_kvcache_blocks=MAX_SEQS * WIDTH + 4,
-                      async_scheduling=async_scheduling)
+            llm = LLM(
+                zoo_model("qwen3-gqa4-hd128"),
+                device="cuda",
+                dtype="float32",
+                block_size=BLOCK,
+                max_num_seqs=MAX_SEQS,
+                max_model_len=MAX_LEN,
+                num_kvcache_blocks=MAX_SEQS * WIDTH + 4,
+                async_scheduling=async_scheduling,
+            )
             assert llm.llm_engine.executor.runner.graphs is not None
-            outs[async_scheduling] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
-                                      for o in llm.generate(prompts, params, use_tqdm=False)]
+            outs[async_scheduling] = [
+                (o.outputs[0].token_ids, o.outputs[0].finish_reason)
+                for o in llm.generate(prompts, params, use_tqdm=False)
+            ]
             llm.llm_engine.check_invariants()
             llm.llm_engine.close()
     finally:

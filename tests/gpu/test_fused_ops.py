@@ -4,6 +4,7 @@ On a GPU (marker ``gpu``) in bfloat16 and float32; under Triton's CPU interprete
 (NANOVLLM_TRITON_INTERPRET=1 TRITON_INTERPRET=1, run by test_triton_interpret.py)
 in float32 and float16. Outputs are compared within one rounding of the dtype.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,7 @@ def test_rms_norm(dtype, rows, cols):
     x = torch.randn(rows, cols, device=DEVICE, generator=g).to(dtype)
     r = torch.randn(rows, cols, device=DEVICE, generator=g).to(dtype)
     w = (1 + 0.1 * torch.randn(cols, device=DEVICE, generator=g)).to(dtype)
-    torch.testing.assert_close(fused_ops.rms_norm(x, w, 1e-6), _ref_rms(x, w, 1e-6), atol=_tol(dtype),
-                               rtol=_tol(dtype))
+    torch.testing.assert_close(fused_ops.rms_norm(x, w, 1e-6), _ref_rms(x, w, 1e-6), atol=_tol(dtype), rtol=_tol(dtype))
     out, res = fused_ops.rms_norm(x, w, 1e-6, residual=r)
     want_out, want_res = _ref_rms(x, w, 1e-6, residual=r)
     torch.testing.assert_close(res, want_res, atol=0, rtol=0)  # the rounded sum, exactly
@@ -52,10 +52,9 @@ def test_rms_norm(dtype, rows, cols):
 def test_rms_norm_per_head_on_a_strided_view(dtype):
     """Qwen3's q/k norm: [T, heads, d] rows of a wider buffer."""
     buf = torch.randn(9, 5 * 64, device=DEVICE).to(dtype)
-    q = buf[:, :4 * 64].view(9, 4, 64)
+    q = buf[:, : 4 * 64].view(9, 4, 64)
     w = torch.rand(64, device=DEVICE).to(dtype)
-    torch.testing.assert_close(fused_ops.rms_norm(q, w, 1e-6), _ref_rms(q, w, 1e-6), atol=_tol(dtype),
-                               rtol=_tol(dtype))
+    torch.testing.assert_close(fused_ops.rms_norm(q, w, 1e-6), _ref_rms(q, w, 1e-6), atol=_tol(dtype), rtol=_tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -75,13 +74,13 @@ def test_rotary_in_place_on_qkv_views(dtype, d):
     t, hq, hk = 11, 4, 2
     qkv = torch.randn(t, (hq + 2 * hk) * d, device=DEVICE).to(dtype)
     pos = torch.randint(0, 512, (t,), device=DEVICE)
-    q = qkv[:, :hq * d].view(t, hq, d)
-    k = qkv[:, hq * d:(hq + hk) * d].view(t, hk, d)
-    v_before = qkv[:, (hq + hk) * d:].clone()
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    v_before = qkv[:, (hq + hk) * d :].clone()
     cos, sin = rope.cos[pos].unsqueeze(1).to(dtype), rope.sin[pos].unsqueeze(1).to(dtype)
     want_q = q * cos + RotaryEmbedding._rotate_half(q) * sin
     want_k = k * cos + RotaryEmbedding._rotate_half(k) * sin
     fused_ops.rotary_(pos, q, k, rope.cos, rope.sin)
     torch.testing.assert_close(q, want_q, atol=2 * _tol(dtype), rtol=2 * _tol(dtype))
     torch.testing.assert_close(k, want_k, atol=2 * _tol(dtype), rtol=2 * _tol(dtype))
-    assert torch.equal(qkv[:, (hq + hk) * d:], v_before), "rotary wrote into v"
+    assert torch.equal(qkv[:, (hq + hk) * d :], v_before), "rotary wrote into v"

@@ -8,6 +8,7 @@ chi-square test that rejects a wrong temperature (negative control); a row's
 draw depends on its seed only; filtered and banned rows take the PyTorch path
 and obey their filters; logprobs are the raw model's.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,11 @@ from nanovllm.layers.sampler import Sampler, SamplingMetadata  # noqa: E402
 
 def _run(logits, inv_temp, seeds, block=None):
     n = logits.shape[0]
-    inv = torch.tensor(inv_temp, dtype=torch.float32, device=DEVICE).expand(n).contiguous() \
-        if isinstance(inv_temp, float) else torch.tensor(inv_temp, dtype=torch.float32, device=DEVICE)
+    inv = (
+        torch.tensor(inv_temp, dtype=torch.float32, device=DEVICE).expand(n).contiguous()
+        if isinstance(inv_temp, float)
+        else torch.tensor(inv_temp, dtype=torch.float32, device=DEVICE)
+    )
     s = torch.tensor(seeds, dtype=torch.int64, device=DEVICE)
     tokens, bad = fused_sampler.sample(logits, inv, s, block=block)
     return tokens.cpu(), bad.cpu()
@@ -95,9 +99,17 @@ def test_a_rows_draw_depends_on_its_seed_only():
 
 
 def _meta(n, **kw):
-    base = dict(temperatures=[1.0] * n, top_ks=[0] * n, top_ps=[1.0] * n, min_ps=[0.0] * n,
-                generators=[None] * n, banned_token_ids=[[] for _ in range(n)], num_logprobs=[None] * n,
-                row_seeds=list(range(100, 100 + n)), seeded=[False] * n)
+    base = dict(
+        temperatures=[1.0] * n,
+        top_ks=[0] * n,
+        top_ps=[1.0] * n,
+        min_ps=[0.0] * n,
+        generators=[None] * n,
+        banned_token_ids=[[] for _ in range(n)],
+        num_logprobs=[None] * n,
+        row_seeds=list(range(100, 100 + n)),
+        seeded=[False] * n,
+    )
     base.update(kw)
     return SamplingMetadata(**base)
 
@@ -107,14 +119,19 @@ def test_sampler_fused_path_mixes_plain_filtered_and_banned_rows():
     vocab = 64
     logits = torch.randn(6, vocab, device=DEVICE)
     order = logits.argsort(-1, descending=True)
-    meta = _meta(6, temperatures=[0.0, 1.0, 1.0, 0.0, 0.8, 1.0], top_ks=[0, 0, 3, 0, 0, 0],
-                 banned_token_ids=[[], [], [], [int(order[3, 0])], [], []], num_logprobs=[None, 2, None, 0, None, None],
-                 seeded=[False, True, True, False, False, False])
+    meta = _meta(
+        6,
+        temperatures=[0.0, 1.0, 1.0, 0.0, 0.8, 1.0],
+        top_ks=[0, 0, 3, 0, 0, 0],
+        banned_token_ids=[[], [], [], [int(order[3, 0])], [], []],
+        num_logprobs=[None, 2, None, 0, None, None],
+        seeded=[False, True, True, False, False, False],
+    )
     sampler = Sampler(torch.Generator(device=DEVICE).manual_seed(0))
     out = sampler(logits, meta)
     assert out.token_ids[0] == int(logits[0].argmax())
-    assert out.token_ids[2] in order[2, :3].tolist()            # top_k=3 obeyed (PyTorch path)
-    assert out.token_ids[3] == int(order[3, 1])                   # greedy with its argmax banned
+    assert out.token_ids[2] in order[2, :3].tolist()  # top_k=3 obeyed (PyTorch path)
+    assert out.token_ids[3] == int(order[3, 1])  # greedy with its argmax banned
     lp = torch.log_softmax(logits.float(), -1)
     sampled_lp, rank, top = out.logprobs[1]
     assert abs(sampled_lp - float(lp[1, out.token_ids[1]])) < 1e-5
@@ -122,7 +139,7 @@ def test_sampler_fused_path_mixes_plain_filtered_and_banned_rows():
     assert out.logprobs[3][1] == 2 and out.logprobs[3][2] == []
     assert out.logprobs[0] is None and out.nonfinite_rows == []
     again = sampler(logits, meta)
-    assert again.token_ids[1:3] == out.token_ids[1:3]            # seeded rows: same row seeds, same draws
+    assert again.token_ids[1:3] == out.token_ids[1:3]  # seeded rows: same row seeds, same draws
 
 
 def test_sampler_fused_path_applies_logits_processing():
@@ -135,9 +152,11 @@ def test_sampler_fused_path_applies_logits_processing():
     vocab = 64
     logits = torch.randn(5, vocab, device=DEVICE) * 3
     order = logits.argsort(-1, descending=True).cpu()
-    rows = {1: RowLogitsProcessing(logit_bias={int(order[1, -1]): 100.0}),
-            2: RowLogitsProcessing(repetition_penalty=50.0, prompt_token_ids=order[2, :2].tolist(), output_token_ids=[]),
-            3: RowLogitsProcessing(allowed_token_ids=[5, 6, 7])}
+    rows = {
+        1: RowLogitsProcessing(logit_bias={int(order[1, -1]): 100.0}),
+        2: RowLogitsProcessing(repetition_penalty=50.0, prompt_token_ids=order[2, :2].tolist(), output_token_ids=[]),
+        3: RowLogitsProcessing(allowed_token_ids=[5, 6, 7]),
+    }
     meta = _meta(5, temperatures=[0.0, 0.0, 0.0, 1.0, 0.0], processing=rows)
     out = Sampler(torch.Generator(device=DEVICE).manual_seed(0))(logits, meta)
     processed = apply_logits_processing(logits.float().cpu().clone(), rows).argmax(-1).tolist()

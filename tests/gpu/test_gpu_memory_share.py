@@ -7,6 +7,7 @@ The fraction: 0.4 when this process has the GPU to itself; under pytest-xdist, w
 holds its share (conftest.gpu_share), half of this worker's share of the device, so the test never
 takes memory another worker was promised. (The old meaning, total x f minus what every process
 holds, gives nothing at the small fraction: other workers' memory is counted against it.)"""
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,15 @@ def _fraction() -> float:
 
 def test_two_engines_share_a_gpu_at_their_fraction_each():
     f = _fraction()
-    args = dict(device="cuda", dtype="float32", block_size=16, max_model_len=256, max_num_seqs=16,
-                gpu_memory_utilization=f, enforce_eager=True)
+    args = dict(
+        device="cuda",
+        dtype="float32",
+        block_size=16,
+        max_model_len=256,
+        max_num_seqs=16,
+        gpu_memory_utilization=f,
+        enforce_eager=True,
+    )
     prompts = prompts_for(ZOO[MODEL].vocab_size, [5, 17, 40, 90], seed=11)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     with LLM(zoo_model(MODEL), device="cpu", dtype="float32", block_size=16, seed=0) as cpu:
@@ -44,15 +52,18 @@ def test_two_engines_share_a_gpu_at_their_fraction_each():
     before = torch.cuda.memory_reserved()
     with LLM(zoo_model(MODEL), **args) as a, LLM(zoo_model(MODEL), **args) as b:
         held = torch.cuda.memory_reserved() - before
-        assert held <= 2 * f * total * 1.02, \
+        assert held <= 2 * f * total * 1.02, (
             f"two engines at {f} hold {held / 2**30:.2f} GiB of {total / 2**30:.1f} GiB (> 2 x {f})"
+        )
         for name, llm in (("first", a), ("second", b)):
             got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
             assert got == want, f"the {name} engine at gpu_memory_utilization={f} differs from the CPU engine"
 
         free = torch.cuda.mem_get_info()[0]
-        too_much = min(0.95, 1.5 * free / total)     # more than is free now
-        with pytest.raises(ValueError, match=r"gpu_memory_utilization=.*only .* GiB are free.*lower gpu_memory_utilization"):
+        too_much = min(0.95, 1.5 * free / total)  # more than is free now
+        with pytest.raises(
+            ValueError, match=r"gpu_memory_utilization=.*only .* GiB are free.*lower gpu_memory_utilization"
+        ):
             LLM(zoo_model(MODEL), **{**args, "gpu_memory_utilization": too_much})
         got = [o.outputs[0].token_ids for o in a.generate(prompts, greedy, use_tqdm=False)]
         assert got == want, "the first engine stopped working after a refused start-up"

@@ -1,5 +1,6 @@
 """StepInputs (the GPU path's staging buffer), exercised on the CPU: what the device
 views hold, padding rows, and the fixed addresses decode graphs rely on."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,17 +21,27 @@ def _prefill_and_decode() -> ModelInput:
     """Seq 0: 5-token chunk after 20 cached; seq 1: a decode at position 40 (no sampling row
     for seq 0, so the sample rows are not 0..k-1)."""
     return ModelInput(
-        input_ids=[11, 12, 13, 14, 15, 16], positions=[20, 21, 22, 23, 24, 40],
+        input_ids=[11, 12, 13, 14, 15, 16],
+        positions=[20, 21, 22, 23, 24, 40],
         slot_mapping=[3 * BS + 4 + i for i in range(5)] + [7 * BS + 8],
-        query_start_loc=[0, 5, 6], seq_lens=[25, 41], block_tables=[[2, 3], [5, 6, 7]],
-        sample_rows=[5])
+        query_start_loc=[0, 5, 6],
+        seq_lens=[25, 41],
+        block_tables=[[2, 3], [5, 6, 7]],
+        sample_rows=[5],
+    )
 
 
 def _decode(lens: list[int]) -> ModelInput:
     tables = [[10 + i] * (-(-(n + 1) // BS)) for i, n in enumerate(lens)]
-    return ModelInput([7] * len(lens), list(lens), [t[0] * BS + n % BS for t, n in zip(tables, lens)],
-                      list(range(len(lens) + 1)), [n + 1 for n in lens], tables,
-                      sample_rows=list(range(len(lens))))
+    return ModelInput(
+        [7] * len(lens),
+        list(lens),
+        [t[0] * BS + n % BS for t, n in zip(tables, lens)],
+        list(range(len(lens) + 1)),
+        [n + 1 for n in lens],
+        tables,
+        sample_rows=list(range(len(lens))),
+    )
 
 
 def test_views_hold_the_step():

@@ -3,6 +3,7 @@
 TRITON_INTERPRET must be set before triton is imported, so the kernel tests run
 in a subprocess with a small grid (test_triton_kernels.py, interpreter mode).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -16,6 +17,7 @@ import pytest
 
 def _cuda() -> bool:
     import torch
+
     return torch.cuda.is_available()
 
 
@@ -25,10 +27,26 @@ def test_kernels_under_triton_interpreter():
     here = Path(__file__).resolve().parent
     env = dict(os.environ, TRITON_INTERPRET="1", NANOVLLM_TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-rs",
-         str(here / "test_triton_kernels.py"), str(here / "test_fused_ops.py"),
-         str(here / "test_fused_sampler.py")],
-        cwd=here.parents[1], env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+            "-rs",
+            str(here / "test_triton_kernels.py"),
+            str(here / "test_fused_ops.py"),
+            str(here / "test_fused_sampler.py"),
+        ],
+        cwd=here.parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, tail
     assert "passed" in tail and "skipped" not in tail, tail

@@ -10,6 +10,7 @@ On a GPU (marker ``gpu``): bfloat16, block sizes 16..256, GQA 1/2/4/8, head_dim
 test_triton_interpret.py): the same checks on a small grid in float16/float32
 (the interpreter cannot multiply bfloat16).
 """
+
 from __future__ import annotations
 
 import os
@@ -46,17 +47,38 @@ from nanovllm.attention.triton_backend import TritonBackend  # noqa: E402
 if INTERPRET:
     SHAPES = [(16, 1, 64), (32, 2, 128), (64, 8, 64)]
 else:
-    SHAPES = [(16, 1, 128), (16, 2, 64), (16, 4, 128), (16, 8, 64), (32, 2, 128), (32, 8, 128),
-              (64, 4, 64), (64, 1, 128), (128, 2, 128), (128, 8, 64), (256, 2, 128), (256, 4, 64),
-              (256, 8, 128), (256, 1, 64)]
+    SHAPES = [
+        (16, 1, 128),
+        (16, 2, 64),
+        (16, 4, 128),
+        (16, 8, 64),
+        (32, 2, 128),
+        (32, 8, 128),
+        (64, 4, 64),
+        (64, 1, 128),
+        (128, 2, 128),
+        (128, 8, 64),
+        (256, 2, 128),
+        (256, 4, 64),
+        (256, 8, 128),
+        (256, 1, 64),
+    ]
 NUM_KV_HEADS = 2
 
 
 class PagedCase:
     """Random sequences (cached prefix ctx, new tokens q) in a shuffled paged cache."""
 
-    def __init__(self, specs: list[tuple[int, int]], block_size: int, group: int, head_dim: int,
-                 seed: int, dtype=DTYPE, num_kv_heads: int = NUM_KV_HEADS):
+    def __init__(
+        self,
+        specs: list[tuple[int, int]],
+        block_size: int,
+        group: int,
+        head_dim: int,
+        seed: int,
+        dtype=DTYPE,
+        num_kv_heads: int = NUM_KV_HEADS,
+    ):
         gen = torch.Generator().manual_seed(seed)
         rng = random.Random(seed)
         self.block_size, self.dtype = block_size, dtype
@@ -67,24 +89,30 @@ class PagedCase:
         rng.shuffle(order)
         self.tables, taken = [], 0
         for n in need:
-            self.tables.append(order[taken:taken + n])
+            self.tables.append(order[taken : taken + n])
             taken += n
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k_cache = torch.full(shape, float("nan"), dtype=dtype)
         self.v_cache = torch.full(shape, float("nan"), dtype=dtype)
-        slots = [t[p // block_size] * block_size + p % block_size
-                 for t, s in zip(self.tables, seq_lens) for p in range(s)]
+        slots = [
+            t[p // block_size] * block_size + p % block_size for t, s in zip(self.tables, seq_lens) for p in range(s)
+        ]
         kv = torch.randn(2, len(slots), num_kv_heads, head_dim, generator=gen).to(dtype)
         torch_ref.store_kv(kv[0], kv[1], self.k_cache, self.v_cache, torch.tensor(slots))
         total_q = sum(n for _, n in specs)
         self.q = torch.randn(total_q, num_kv_heads * group, head_dim, generator=gen).to(dtype)
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
         self.k_cache, self.v_cache, self.q = (t.to(DEVICE) for t in (self.k_cache, self.v_cache, self.q))
         self.meta = _meta(specs, self.tables, block_size, DEVICE)
 
     def reference(self) -> torch.Tensor:
-        return torch_ref.paged_attention(self.q.cpu().float(), self.k_cache.cpu().float(),
-                                         self.v_cache.cpu().float(), _meta_cpu(self.meta), self.scale)
+        return torch_ref.paged_attention(
+            self.q.cpu().float(),
+            self.k_cache.cpu().float(),
+            self.v_cache.cpu().float(),
+            _meta_cpu(self.meta),
+            self.scale,
+        )
 
 
 def _meta(specs, tables, block_size, device="cpu") -> AttentionMetadata:
@@ -99,19 +127,33 @@ def _meta(specs, tables, block_size, device="cpu") -> AttentionMetadata:
         query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-        max_query_len=max(n for _, n in specs), max_seq_len=max(seq_lens), block_size=block_size,
-        query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+        max_query_len=max(n for _, n in specs),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+    )
 
 
 def _meta_cpu(meta: AttentionMetadata) -> AttentionMetadata:
-    return AttentionMetadata(meta.slot_mapping.cpu(), meta.query_start_loc.cpu(), meta.seq_lens.cpu(),
-                             meta.block_tables.cpu(), meta.max_query_len, meta.max_seq_len,
-                             meta.block_size, meta.query_start_loc_cpu, meta.seq_lens_cpu)
+    return AttentionMetadata(
+        meta.slot_mapping.cpu(),
+        meta.query_start_loc.cpu(),
+        meta.seq_lens.cpu(),
+        meta.block_tables.cpu(),
+        meta.max_query_len,
+        meta.max_seq_len,
+        meta.block_size,
+        meta.query_start_loc_cpu,
+        meta.seq_lens_cpu,
+    )
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     out = out.cpu().float()
-    assert not torch.isnan(out).any(), f"{what}: NaN in output rows {torch.isnan(out).flatten(1).any(1).nonzero().flatten().tolist()[:10]}"
+    assert not torch.isnan(out).any(), (
+        f"{what}: NaN in output rows {torch.isnan(out).flatten(1).any(1).nonzero().flatten().tolist()[:10]}"
+    )
     err = ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
     assert err <= MAX_REL_ERR, f"{what}: relative error {err:.3e} > {MAX_REL_ERR}"
 
@@ -120,7 +162,7 @@ def _lengths(block_size: int, rng: random.Random, n: int, max_len: int) -> list[
     """Edge lengths around block boundaries plus random ones, all in [1, max_len]."""
     edges = [1, 2, block_size - 1, block_size, block_size + 1, max_len]
     picks = edges + [rng.randint(1, max_len) for _ in range(max(0, n - len(edges)))]
-    return [min(max(1, x), max_len) for x in picks][:max(n, len(edges))]
+    return [min(max(1, x), max_len) for x in picks][: max(n, len(edges))]
 
 
 MAX_CTX = 200 if INTERPRET else 4096
@@ -136,8 +178,8 @@ def test_store_kv_skips_minus_one_slots(block_size, group, head_dim):
     v_cache = torch.randn(shape, generator=gen).to(DTYPE)
     # K as a strided view of a fused qkv row, V contiguous: the layer passes both kinds
     qkv = torch.randn(t, (group + 2) * NUM_KV_HEADS * head_dim, generator=gen).to(DTYPE)
-    k = qkv[:, group * NUM_KV_HEADS * head_dim:(group + 1) * NUM_KV_HEADS * head_dim].view(t, NUM_KV_HEADS, head_dim)
-    v = qkv[:, (group + 1) * NUM_KV_HEADS * head_dim:].reshape(t, NUM_KV_HEADS, head_dim).contiguous()
+    k = qkv[:, group * NUM_KV_HEADS * head_dim : (group + 1) * NUM_KV_HEADS * head_dim].view(t, NUM_KV_HEADS, head_dim)
+    v = qkv[:, (group + 1) * NUM_KV_HEADS * head_dim :].reshape(t, NUM_KV_HEADS, head_dim).contiguous()
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:t]
     slots[::3] = -1
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
@@ -155,8 +197,16 @@ def test_decode_matches_reference(block_size, group, head_dim, splits):
     lens = _lengths(block_size, rng, 5 if INTERPRET else 9, MAX_CTX)
     case = PagedCase([(n - 1, 1) for n in lens], block_size, group, head_dim, seed=rng.randint(0, 1 << 30))
     out = torch.full_like(case.q, float("nan"))
-    triton_ops.paged_decode(case.q, case.k_cache, case.v_cache, case.meta.block_tables,
-                            case.meta.seq_lens, case.scale, num_splits=splits, out=out)
+    triton_ops.paged_decode(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.meta.block_tables,
+        case.meta.seq_lens,
+        case.scale,
+        num_splits=splits,
+        out=out,
+    )
     assert_close(out, case.reference(), f"decode bs={block_size} g={group} d={head_dim} splits={splits}")
 
 
@@ -169,8 +219,7 @@ def test_decode_padding_rows_and_empty_splits_give_zeros(splits):
     seq_lens = torch.cat([case.meta.seq_lens, torch.zeros(2, dtype=torch.int32, device=DEVICE)])
     tables = torch.cat([case.meta.block_tables, torch.zeros_like(case.meta.block_tables[:2])])
     out = torch.full_like(q, float("nan"))
-    triton_ops.paged_decode(q, case.k_cache, case.v_cache, tables, seq_lens, case.scale,
-                            num_splits=splits, out=out)
+    triton_ops.paged_decode(q, case.k_cache, case.v_cache, tables, seq_lens, case.scale, num_splits=splits, out=out)
     assert_close(out[:3], case.reference(), f"decode splits={splits}")
     assert torch.equal(out[3:].cpu(), torch.zeros_like(out[3:].cpu())), "padding rows must be zeros"
 
@@ -181,13 +230,26 @@ def test_prefill_with_cached_prefix_and_chunks(block_size, group, head_dim):
     """Fresh prompts, chunks after a cached prefix, single-token rows: one packed batch."""
     rng = random.Random(block_size * 31 + group * 7 + head_dim)
     max_q = 50 if INTERPRET else 600
-    specs = [(0, 1), (0, rng.randint(2, max_q)), (block_size, rng.randint(1, max_q)),
-             (rng.randint(1, MAX_CTX - max_q), rng.randint(1, max_q)), (MAX_CTX - 1, 1),
-             (rng.randint(0, MAX_CTX - max_q), max_q)]
+    specs = [
+        (0, 1),
+        (0, rng.randint(2, max_q)),
+        (block_size, rng.randint(1, max_q)),
+        (rng.randint(1, MAX_CTX - max_q), rng.randint(1, max_q)),
+        (MAX_CTX - 1, 1),
+        (rng.randint(0, MAX_CTX - max_q), max_q),
+    ]
     case = PagedCase(specs, block_size, group, head_dim, seed=rng.randint(0, 1 << 30))
     out = torch.full_like(case.q, float("nan"))
-    triton_ops.paged_prefill(case.q, case.k_cache, case.v_cache, case.meta.query_start_loc,
-                             case.meta.seq_lens, case.meta.block_tables, case.scale, out=out)
+    triton_ops.paged_prefill(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.meta.query_start_loc,
+        case.meta.seq_lens,
+        case.meta.block_tables,
+        case.scale,
+        out=out,
+    )
     assert_close(out, case.reference(), f"prefill bs={block_size} g={group} d={head_dim}")
 
 
@@ -196,8 +258,16 @@ def test_prefill_long_fresh_prompt():
     n = 200 if INTERPRET else 4096
     case = PagedCase([(0, n)], block_size, group, head_dim, seed=5)
     out = torch.full_like(case.q, float("nan"))
-    triton_ops.paged_prefill(case.q, case.k_cache, case.v_cache, case.meta.query_start_loc,
-                             case.meta.seq_lens, case.meta.block_tables, case.scale, out=out)
+    triton_ops.paged_prefill(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.meta.query_start_loc,
+        case.meta.seq_lens,
+        case.meta.block_tables,
+        case.scale,
+        out=out,
+    )
     assert_close(out, case.reference(), "long prefill")
 
 
@@ -214,7 +284,8 @@ def test_backend_dispatch(decode):
 def test_float32_uses_exact_dot():
     """float32 models (the exact-greedy tests) get IEEE float32 products, not TF32."""
     case = PagedCase([(50, 1), (3, 1)], 16, 2, 64, seed=3, dtype=torch.float32)
-    out = triton_ops.paged_decode(case.q, case.k_cache, case.v_cache, case.meta.block_tables,
-                                  case.meta.seq_lens, case.scale)
+    out = triton_ops.paged_decode(
+        case.q, case.k_cache, case.v_cache, case.meta.block_tables, case.meta.seq_lens, case.scale
+    )
     err = ((out.cpu() - case.reference()).norm() / case.reference().norm()).item()
     assert err < 1e-5, f"float32 decode relative error {err:.2e}"

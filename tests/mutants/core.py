@@ -12,6 +12,7 @@ proving that at least one property catches each mutant (see ``NEGATIVE_CONTROLS`
 
 Importing this module imports no torch.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,8 +30,9 @@ from nanovllm.core.scheduler import Scheduler
 
 @contextlib.contextmanager
 def _patched(*patches: tuple[object, str, object]) -> Iterator[None]:
-    saved = [(obj, name, obj.__dict__[name] if isinstance(obj, type) else getattr(obj, name))
-             for obj, name, _ in patches]
+    saved = [
+        (obj, name, obj.__dict__[name] if isinstance(obj, type) else getattr(obj, name)) for obj, name, _ in patches
+    ]
     try:
         for obj, name, new in patches:
             setattr(obj, name, new)
@@ -52,8 +54,11 @@ def _edited(owner: object, name: str, *edits: tuple[str, str]):
             raise AssertionError(f"mutant edit of {func.__qualname__}: {old!r} occurs {src.count(old)} times")
         src = src.replace(old, new)
     namespace: dict = {}
-    exec(compile(src, f"<mutant of {func.__module__}.{func.__qualname__}>", "exec"),
-         sys.modules[func.__module__].__dict__, namespace)
+    exec(
+        compile(src, f"<mutant of {func.__module__}.{func.__qualname__}>", "exec"),
+        sys.modules[func.__module__].__dict__,
+        namespace,
+    )
     return namespace[func.__name__]
 
 
@@ -79,6 +84,7 @@ def publish_before_compute() -> ContextManager:
             orig(self, seq)
         finally:
             seq.num_computed_tokens = saved
+
     return _patched((BlockManager, "cache_full_blocks", cache_full_blocks))
 
 
@@ -94,16 +100,20 @@ def full_hit_skips_last_token() -> ContextManager:
 
 def stale_hash_after_eviction() -> ContextManager:
     """Reusing a cached free block keeps its old hash entry: the old prefix hits new K/V."""
+
     def _evict(self, block):
         self.num_evictions += 1
+
     return _patched((BlockManager, "_evict", _evict))
 
 
 def hit_left_in_free_queue() -> ContextManager:
     """A cache hit on a free block does not take it off the free queue: a block in use can be evicted."""
+
     def _take_hit(self, seq, block):
         block.ref_count += 1
         seq.block_table.append(block.block_id)
+
     return _patched((BlockManager, "_take_hit", _take_hit))
 
 
@@ -118,6 +128,7 @@ def failed_alloc_not_atomic() -> ContextManager:
         for block in hits:  # the bug: hits taken although the allocation fails
             self._take_hit(seq, block)
         return False
+
     return _patched((BlockManager, "allocate_slots", allocate_slots))
 
 
@@ -132,8 +143,7 @@ def _python_hash(parent_hash, token_ids):
 def _hash_fn_patch(fn) -> ContextManager:
     defaults = list(BlockManager.__init__.__defaults__)
     defaults[-1] = fn
-    return _patched((bm_mod, "hash_block_tokens", fn),
-                    (BlockManager.__init__, "__defaults__", tuple(defaults)))
+    return _patched((bm_mod, "hash_block_tokens", fn), (BlockManager.__init__, "__defaults__", tuple(defaults)))
 
 
 def hash_not_chained() -> ContextManager:
@@ -157,6 +167,7 @@ def budget_off_by_one() -> ContextManager:
             return orig(self)
         finally:
             self.max_num_batched_tokens -= 1
+
     return _patched((Scheduler, "schedule", schedule))
 
 
@@ -170,6 +181,7 @@ def max_num_seqs_off_by_one() -> ContextManager:
             return orig(self)
         finally:
             self.max_num_seqs -= 1
+
     return _patched((Scheduler, "schedule", schedule))
 
 
@@ -182,6 +194,7 @@ def chunk_boundary_off_by_one() -> ContextManager:
         for seq in out.seqs:
             if seq.num_computed_tokens < seq.num_prompt_tokens - 1:
                 seq.num_computed_tokens += 1
+
     return _patched((Scheduler, "update_after_step", update_after_step))
 
 
@@ -193,6 +206,7 @@ def preempt_keeps_block_table() -> ContextManager:
         table = list(seq.block_table)
         orig(self, seq)
         seq.block_table = table
+
     return _patched((Scheduler, "_preempt", _preempt))
 
 
@@ -212,6 +226,7 @@ def chunked_off_recompute_stuck() -> ContextManager:
     def _admission_chunk(self, num_remaining, budget):
         stuck = not self.enable_chunked_prefill and num_remaining > budget  # the bug: no recompute exception
         return 0 if stuck else orig(self, num_remaining, budget)
+
     return _patched((Scheduler, "_admission_chunk", _admission_chunk))
 
 
@@ -227,6 +242,7 @@ def position_after_preemption() -> ContextManager:
                 lo, hi = mi.query_start_loc[j], mi.query_start_loc[j + 1]
                 mi.positions[lo:hi] = [p + 1 for p in mi.positions[lo:hi]]
         return mi, plan
+
     patches = [(mi_mod, "build_model_input", build_model_input)]
     engine_mod = sys.modules.get("nanovllm.engine.engine")  # the real engine binds the name at import
     if engine_mod is not None:
@@ -238,8 +254,9 @@ def position_after_preemption() -> ContextManager:
 def free_head_block_first() -> ContextManager:
     """free() releases a table first block first: a prefix's head is evicted before its tail,
     so the whole chain stops being hittable while its deeper blocks still take cache room."""
-    return _edit(BlockManager, "free", ("for block_id in reversed(seq.block_table):",
-                                        "for block_id in seq.block_table:"))
+    return _edit(
+        BlockManager, "free", ("for block_id in reversed(seq.block_table):", "for block_id in seq.block_table:")
+    )
 
 
 def freed_cached_block_to_head() -> ContextManager:
@@ -251,22 +268,31 @@ def freed_cached_block_to_head() -> ContextManager:
 def evict_newest_first() -> ContextManager:
     """Allocation takes free blocks from the tail of the queue: the most recently released cached
     block is evicted first, even while empty blocks are free."""
-    return _edit(BlockManager, "allocate_slots", ("self.free_blocks.popitem(last=False)",
-                                                  "self.free_blocks.popitem(last=True)"))
+    return _edit(
+        BlockManager, "allocate_slots", ("self.free_blocks.popitem(last=False)", "self.free_blocks.popitem(last=True)")
+    )
 
 
 def hits_only_prompt_blocks() -> ContextManager:
     """Cache hits are looked up over the prompt only: a preempted request, re-admitted with its
     generated tokens, does not find the blocks of those tokens it published before."""
-    return _edit(BlockManager, "_max_cached_blocks", ("(seq.num_tokens - 1) // self.block_size",
-                                                      "(seq.num_prompt_tokens - 1) // self.block_size"))
+    return _edit(
+        BlockManager,
+        "_max_cached_blocks",
+        ("(seq.num_tokens - 1) // self.block_size", "(seq.num_prompt_tokens - 1) // self.block_size"),
+    )
 
 
 def generated_blocks_never_cached() -> ContextManager:
     """Only prompt blocks are published: blocks full of generated tokens are never cached."""
-    return _edit(BlockManager, "cache_full_blocks", (
-        "num_full = seq.num_computed_tokens // self.block_size",
-        "num_full = min(seq.num_computed_tokens, seq.num_prompt_tokens) // self.block_size"))
+    return _edit(
+        BlockManager,
+        "cache_full_blocks",
+        (
+            "num_full = seq.num_computed_tokens // self.block_size",
+            "num_full = min(seq.num_computed_tokens, seq.num_prompt_tokens) // self.block_size",
+        ),
+    )
 
 
 def evictions_not_counted() -> ContextManager:
@@ -278,9 +304,11 @@ def evictions_not_counted() -> ContextManager:
 def twin_block_stops_chain() -> ContextManager:
     """A block already published by another sequence of the same step is taken for a collision:
     nothing later of this sequence is published, so its own continuation is never hittable."""
-    return _edit(BlockManager, "cache_full_blocks", (
-        "elif twin.token_ids == token_ids and twin.parent_serial == parent_serial:",
-        "elif False:"))
+    return _edit(
+        BlockManager,
+        "cache_full_blocks",
+        ("elif twin.token_ids == token_ids and twin.parent_serial == parent_serial:", "elif False:"),
+    )
 
 
 def twin_block_chains_from_own_copy() -> ContextManager:
@@ -292,9 +320,14 @@ def twin_block_chains_from_own_copy() -> ContextManager:
 def twin_check_skips_parent() -> ContextManager:
     """A twin is trusted on its tokens alone: under a hash collision of the parent chain, later
     blocks chain to K/V computed after other tokens."""
-    return _edit(BlockManager, "cache_full_blocks", (
-        "elif twin.token_ids == token_ids and twin.parent_serial == parent_serial:",
-        "elif twin.token_ids == token_ids:"))
+    return _edit(
+        BlockManager,
+        "cache_full_blocks",
+        (
+            "elif twin.token_ids == token_ids and twin.parent_serial == parent_serial:",
+            "elif twin.token_ids == token_ids:",
+        ),
+    )
 
 
 # ------------------------------------------------------------- queue order and accounting
@@ -305,16 +338,21 @@ def preempted_to_queue_back() -> ContextManager:
 
 def admit_in_preempting_step() -> ContextManager:
     """A step that preempted still admits waiting requests (which may be the victim itself)."""
-    return _edit(Scheduler, "schedule", ("while (not out.preempted and self.waiting", "while (self.waiting"))
+    return _edit(Scheduler, "schedule", ("while not out.preempted and self.waiting", "while self.waiting"))
 
 
 def cache_stats_first_admission_only() -> ContextManager:
     """The prefix-cache counters count a request's first admission only, not its re-admissions."""
-    return _edit(Scheduler, "schedule", (
-        "seq.num_cached_tokens = num_cached\n        self.num_cache_hit_tokens += num_cached\n"
-        "        self.num_cache_query_tokens += seq.num_tokens\n",
-        "seq.num_cached_tokens = num_cached\n            self.num_cache_hit_tokens += num_cached\n"
-        "            self.num_cache_query_tokens += seq.num_tokens\n"))
+    return _edit(
+        Scheduler,
+        "schedule",
+        (
+            "seq.num_cached_tokens = num_cached\n        self.num_cache_hit_tokens += num_cached\n"
+            "        self.num_cache_query_tokens += seq.num_tokens\n",
+            "seq.num_cached_tokens = num_cached\n            self.num_cache_hit_tokens += num_cached\n"
+            "            self.num_cache_query_tokens += seq.num_tokens\n",
+        ),
+    )
 
 
 def num_cached_tokens_every_admission() -> ContextManager:
@@ -329,15 +367,37 @@ def preemptions_not_per_request() -> ContextManager:
 
 
 MUTANTS: dict[str, Callable[[], ContextManager]] = {
-    f.__name__: f for f in (
-        free_no_decref, publish_before_compute, hit_skips_token_check, full_hit_skips_last_token,
-        stale_hash_after_eviction, hit_left_in_free_queue, failed_alloc_not_atomic, hash_not_chained,
-        hash_uses_python_hash, budget_off_by_one, max_num_seqs_off_by_one, chunk_boundary_off_by_one,
-        preempt_keeps_block_table, preempt_oldest, chunked_off_recompute_stuck, position_after_preemption,
-        free_head_block_first, freed_cached_block_to_head, evict_newest_first, hits_only_prompt_blocks,
-        generated_blocks_never_cached, evictions_not_counted, twin_block_stops_chain,
-        twin_block_chains_from_own_copy, twin_check_skips_parent, preempted_to_queue_back,
-        admit_in_preempting_step, cache_stats_first_admission_only, num_cached_tokens_every_admission,
+    f.__name__: f
+    for f in (
+        free_no_decref,
+        publish_before_compute,
+        hit_skips_token_check,
+        full_hit_skips_last_token,
+        stale_hash_after_eviction,
+        hit_left_in_free_queue,
+        failed_alloc_not_atomic,
+        hash_not_chained,
+        hash_uses_python_hash,
+        budget_off_by_one,
+        max_num_seqs_off_by_one,
+        chunk_boundary_off_by_one,
+        preempt_keeps_block_table,
+        preempt_oldest,
+        chunked_off_recompute_stuck,
+        position_after_preemption,
+        free_head_block_first,
+        freed_cached_block_to_head,
+        evict_newest_first,
+        hits_only_prompt_blocks,
+        generated_blocks_never_cached,
+        evictions_not_counted,
+        twin_block_stops_chain,
+        twin_block_chains_from_own_copy,
+        twin_check_skips_parent,
+        preempted_to_queue_back,
+        admit_in_preempting_step,
+        cache_stats_first_admission_only,
+        num_cached_tokens_every_admission,
         preemptions_not_per_request,
     )
 }
@@ -345,30 +405,39 @@ MUTANTS: dict[str, Callable[[], ContextManager]] = {
 # the negative-control tests (under tests/properties/) that prove each mutant is caught; under the quick
 # profile the positive property tests of both files catch every mutant too (see the module docstring)
 NEGATIVE_CONTROLS: dict[str, list[str]] = {
-    "free_no_decref": ["test_block_manager_properties.py::test_negative_block_manager_machine[free_no_decref]",
-                       "test_scheduler_properties.py::test_negative_scheduler_machine[free_no_decref]"],
+    "free_no_decref": [
+        "test_block_manager_properties.py::test_negative_block_manager_machine[free_no_decref]",
+        "test_scheduler_properties.py::test_negative_scheduler_machine[free_no_decref]",
+    ],
     "publish_before_compute": [
-        "test_block_manager_properties.py::test_negative_block_manager_machine[publish_before_compute]"],
+        "test_block_manager_properties.py::test_negative_block_manager_machine[publish_before_compute]"
+    ],
     "hit_skips_token_check": ["test_block_manager_properties.py::test_negative_collision_safety"],
     "full_hit_skips_last_token": ["test_block_manager_properties.py::test_negative_cached_tokens"],
     "stale_hash_after_eviction": [
         "test_block_manager_properties.py::test_negative_block_manager_machine[stale_hash_after_eviction]",
-        "test_scheduler_properties.py::test_negative_preemption_exactness[stale_hash_after_eviction]"],
+        "test_scheduler_properties.py::test_negative_preemption_exactness[stale_hash_after_eviction]",
+    ],
     "hit_left_in_free_queue": [
-        "test_block_manager_properties.py::test_negative_block_manager_machine[hit_left_in_free_queue]"],
+        "test_block_manager_properties.py::test_negative_block_manager_machine[hit_left_in_free_queue]"
+    ],
     "failed_alloc_not_atomic": ["test_block_manager_properties.py::test_negative_failed_allocation"],
     "hash_not_chained": ["test_block_manager_properties.py::test_negative_hash_locality"],
     "hash_uses_python_hash": ["test_block_manager_properties.py::test_negative_hash_cross_process"],
     "budget_off_by_one": ["test_scheduler_properties.py::test_negative_scheduler_machine[budget_off_by_one]"],
     "max_num_seqs_off_by_one": [
-        "test_scheduler_properties.py::test_negative_scheduler_machine[max_num_seqs_off_by_one]"],
+        "test_scheduler_properties.py::test_negative_scheduler_machine[max_num_seqs_off_by_one]"
+    ],
     "chunk_boundary_off_by_one": ["test_scheduler_properties.py::test_negative_chunk_coverage"],
     "preempt_keeps_block_table": [
-        "test_scheduler_properties.py::test_negative_scheduler_machine[preempt_keeps_block_table]"],
+        "test_scheduler_properties.py::test_negative_scheduler_machine[preempt_keeps_block_table]"
+    ],
     "preempt_oldest": ["test_scheduler_properties.py::test_negative_scheduler_machine[preempt_oldest]"],
     "chunked_off_recompute_stuck": [
         "test_scheduler_properties.py::test_negative_scheduler_machine[chunked_off_recompute_stuck]",
-        "test_scheduler_properties.py::test_negative_chunked_prefill_off_recompute"],
+        "test_scheduler_properties.py::test_negative_chunked_prefill_off_recompute",
+    ],
     "position_after_preemption": [
-        "test_scheduler_properties.py::test_negative_preemption_exactness[position_after_preemption]"],
+        "test_scheduler_properties.py::test_negative_preemption_exactness[position_after_preemption]"
+    ],
 }

@@ -3,6 +3,7 @@ API, tensor parallelism and CUDA graphs. Each function returns a context manager
 monkeypatches nanovllm in this process and restores it on exit. The registry, with the checks
 expected to catch each one, is in ``tests/mutants/runner.py``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +14,7 @@ from tests.mutants.core import _edit, _edited, _patched  # noqa: F401  (_patched
 
 def _modules(*names: str) -> list:
     import importlib
+
     return [importlib.import_module(n) for n in names]
 
 
@@ -26,8 +28,10 @@ def slot_mapping_off_by_one() -> ContextManager:
         mi, plan = orig(out, block_size, finished_seq_ids)
         mi.slot_mapping = [s - s % block_size + (s % block_size + 1) % block_size for s in mi.slot_mapping]
         return mi, plan
-    return _patched((mi_mod, "build_model_input", build_model_input),
-                    (engine_mod, "build_model_input", build_model_input))
+
+    return _patched(
+        (mi_mod, "build_model_input", build_model_input), (engine_mod, "build_model_input", build_model_input)
+    )
 
 
 def min_tokens_ignored() -> ContextManager:
@@ -39,8 +43,10 @@ def min_tokens_ignored() -> ContextManager:
         mi, plan = orig(out, block_size, finished_seq_ids)
         mi.banned_token_ids = [[] for _ in mi.banned_token_ids]
         return mi, plan
-    return _patched((mi_mod, "build_model_input", build_model_input),
-                    (engine_mod, "build_model_input", build_model_input))
+
+    return _patched(
+        (mi_mod, "build_model_input", build_model_input), (engine_mod, "build_model_input", build_model_input)
+    )
 
 
 # ----------------------------------------------------------------- attention
@@ -53,6 +59,7 @@ def decode_drops_last_key() -> ContextManager:
         lens = (meta.seq_lens - 1).clamp(min=1)
         meta = dataclasses.replace(meta, seq_lens=lens, seq_lens_cpu=[max(1, s - 1) for s in meta.seq_lens_cpu])
         return orig(q, k_cache, v_cache, meta, scale)
+
     return _patched((torch_ref, "paged_decode_batched", paged_decode_batched))
 
 
@@ -70,8 +77,9 @@ def prefill_mask_top_left() -> ContextManager:
             return orig(q, k, v, scale)
         out = torch.empty_like(q)
         for j in range(n_q):  # query j sees keys 0..j only (should be 0..n_k - n_q + j)
-            out[j:j + 1] = orig(q[j:j + 1], k[:j + 1], v[:j + 1], scale)
+            out[j : j + 1] = orig(q[j : j + 1], k[: j + 1], v[: j + 1], scale)
         return out
+
     return _patched((torch_ref, "attention_one_seq", attention_one_seq))
 
 
@@ -92,6 +100,7 @@ def top_p_one_too_few() -> ContextManager:
         drop = (mass >= top_p.unsqueeze(1)) & (ranks > 0)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
     return _patched((sampler, "apply_top_k_top_p", apply_top_k_top_p))
 
 
@@ -102,6 +111,7 @@ def top_k_one_too_many() -> ContextManager:
 
     def apply_top_k_top_p(logits, top_k, top_p):
         return orig(logits, top_k + (top_k > 0).to(top_k.dtype), top_p)
+
     return _patched((sampler, "apply_top_k_top_p", apply_top_k_top_p))
 
 
@@ -113,6 +123,7 @@ def min_p_absolute() -> ContextManager:
     def apply_min_p(logits, min_p):
         probs = torch.softmax(logits, dim=-1)
         return logits.masked_fill(probs < min_p.unsqueeze(1), float("-inf"))
+
     return _patched((sampler, "apply_min_p", apply_min_p))
 
 
@@ -124,6 +135,7 @@ def temperature_ignored() -> ContextManager:
     def _sample(self, logits, meta, rows):
         meta = dataclasses.replace(meta, temperatures=[1.0 if t >= 1e-5 else t for t in meta.temperatures])
         return orig(self, logits, meta, rows)
+
     return _patched((sampler.Sampler, "_sample", _sample))
 
 
@@ -147,6 +159,7 @@ def logprobs_after_temperature() -> ContextManager:
             top = list(zip(ids[:k].tolist(), vals[:k].tolist())) if k else []
             out.logprobs[row] = (float(lp[tok]), int((lp > lp[tok]).sum()) + 1, top)
         return out
+
     return _patched((sampler.Sampler, "__call__", __call__))
 
 
@@ -159,6 +172,7 @@ def seed_ignored() -> ContextManager:
         meta = orig(self, mi)
         meta.generators = [None] * len(meta.generators)
         return meta
+
     return _patched((runner.ModelRunner, "_sampling_metadata", _sampling_metadata))
 
 
@@ -170,6 +184,7 @@ def prompt_logprobs_shifted() -> ContextManager:
     def _prompt_logprobs(self, hidden, mi):
         results = orig(self, hidden, mi)
         return [rows[1:] + rows[-1:] for rows in results]
+
     return _patched((runner.ModelRunner, "_prompt_logprobs", _prompt_logprobs))
 
 
@@ -181,6 +196,7 @@ def repetition_penalty_ignores_prompt() -> ContextManager:
 
     def apply_penalties(x, rows):
         return orig(x, [(i, dataclasses.replace(p, prompt_token_ids=[])) for i, p in rows])
+
     return _patched((lp, "apply_penalties", apply_penalties))
 
 
@@ -190,8 +206,19 @@ def presence_penalty_per_occurrence() -> ContextManager:
     orig = lp.apply_penalties
 
     def apply_penalties(x, rows):
-        return orig(x, [(i, dataclasses.replace(p, frequency_penalty=p.frequency_penalty + p.presence_penalty,
-                                                presence_penalty=0.0)) for i, p in rows])
+        return orig(
+            x,
+            [
+                (
+                    i,
+                    dataclasses.replace(
+                        p, frequency_penalty=p.frequency_penalty + p.presence_penalty, presence_penalty=0.0
+                    ),
+                )
+                for i, p in rows
+            ],
+        )
+
     return _patched((lp, "apply_penalties", apply_penalties))
 
 
@@ -201,8 +228,14 @@ def frequency_penalty_counts_prompt() -> ContextManager:
     orig = lp.apply_penalties
 
     def apply_penalties(x, rows):
-        return orig(x, [(i, dataclasses.replace(p, output_token_ids=(p.prompt_token_ids or []) + p.output_token_ids))
-                        for i, p in rows])
+        return orig(
+            x,
+            [
+                (i, dataclasses.replace(p, output_token_ids=(p.prompt_token_ids or []) + p.output_token_ids))
+                for i, p in rows
+            ],
+        )
+
     return _patched((lp, "apply_penalties", apply_penalties))
 
 
@@ -213,6 +246,7 @@ def logit_bias_subtracted() -> ContextManager:
 
     def apply_logit_bias(x, rows):
         return orig(x, [(i, {t: -v for t, v in bias.items()}) for i, bias in rows])
+
     return _patched((lp, "apply_logit_bias", apply_logit_bias))
 
 
@@ -223,6 +257,7 @@ def allowed_token_ids_last_dropped() -> ContextManager:
 
     def apply_allowed_token_ids(x, rows):
         return orig(x, [(i, ids[:-1] or ids) for i, ids in rows])
+
     return _patched((lp, "apply_allowed_token_ids", apply_allowed_token_ids))
 
 
@@ -232,8 +267,10 @@ def bad_words_prefix_ignored() -> ContextManager:
 
     def banned_by_bad_words(bad_words, output_ids):
         return [w[-1] for w in bad_words if len(w) - 1 <= len(output_ids)]
-    return _patched((bw, "banned_by_bad_words", banned_by_bad_words),
-                    (mi_mod, "banned_by_bad_words", banned_by_bad_words))
+
+    return _patched(
+        (bw, "banned_by_bad_words", banned_by_bad_words), (mi_mod, "banned_by_bad_words", banned_by_bad_words)
+    )
 
 
 def n_children_share_seed() -> ContextManager:
@@ -242,6 +279,7 @@ def n_children_share_seed() -> ContextManager:
 
     def child_params(self, index):
         return dataclasses.replace(self.params, n=1)
+
     return _patched((ps.ParentRequest, "child_params", child_params))
 
 
@@ -252,6 +290,7 @@ def fused_sampler_skips_processing() -> ContextManager:
 
     def general_path_rows(meta):
         return orig(dataclasses.replace(meta, processing={}))
+
     return _patched((sampler, "general_path_rows", general_path_rows))
 
 
@@ -268,6 +307,7 @@ def stop_string_kept() -> ContextManager:
             orig(seq, tokenizer, max_model_len)
         finally:
             seq.params.include_stop_str_in_output = saved
+
     return _patched((stop_mod, "check_stop", check_stop), (engine_mod, "check_stop", check_stop))
 
 
@@ -280,6 +320,7 @@ def eos_ignored() -> ContextManager:
         seq = orig(self, request_id, prompt, params, *args, **kwargs)
         seq.stop_token_ids = frozenset(seq.params.stop_token_ids)
         return seq
+
     return _patched((engine_mod.LLMEngine, "make_sequence", make_sequence))
 
 
@@ -290,6 +331,7 @@ def outputs_in_finish_order() -> ContextManager:
 
     def generate(self, *args, **kwargs):
         return sorted(orig(self, *args, **kwargs), key=lambda o: len(o.outputs[0].token_ids))
+
     return _patched((llm_mod.LLM, "generate", generate))
 
 
@@ -322,6 +364,7 @@ def cuda_graph_padding_writes_kv() -> ContextManager:
         if pad_to is not None and pad_to > n:
             self._dev(out[0], "slot_mapping", torch.int64)[n:pad_to].fill_(0)
         return out
+
     return _patched((si.StepInputs, "_write", _write))
 
 
@@ -337,6 +380,7 @@ def async_input_from_wrong_row() -> ContextManager:
             orig(self, input_ids, mi)
         finally:
             self.prev_tokens = saved
+
     return _patched((runner.ModelRunner, "_fill_pending", _fill_pending))
 
 
@@ -352,12 +396,14 @@ def tp_ranks_sample_apart() -> ContextManager:
         if pending is not None:
             return pending.tokens
         meta = self._sampling_metadata(mi)
-        meta.generators = [None if s is None else torch.Generator(device=logits.device).manual_seed(s + self.rank)
-                           for s in mi.seeds]
-        if meta.row_seeds is not None:   # CUDA: Philox keys instead of generators
+        meta.generators = [
+            None if s is None else torch.Generator(device=logits.device).manual_seed(s + self.rank) for s in mi.seeds
+        ]
+        if meta.row_seeds is not None:  # CUDA: Philox keys instead of generators
             meta.row_seeds = [s + self.rank for s in meta.row_seeds]
         gen = torch.Generator(device=logits.device).manual_seed(self.config.seed + self.rank)
         return runner.Sampler(gen).launch(logits, meta).tokens
+
     return _patched((runner.ModelRunner, "_share_sampled", _share_sampled))
 
 
@@ -369,6 +415,7 @@ def tp_result_ignores_ticket() -> ContextManager:
 
     def _take_result(launched, ticket):
         return launched.popleft()[1].result()
+
     return _patched((dist_mod, "_take_result", _take_result))
 
 
@@ -380,6 +427,7 @@ def fused_sampler_temperature_ignored() -> ContextManager:
 
     def sample(logits, inv_temp, seeds, block=None):
         return orig(logits, (inv_temp > 0).to(inv_temp.dtype), seeds, block)
+
     return _patched((fused, "sample", sample))
 
 
@@ -392,6 +440,7 @@ def philox_seed_ignored() -> ContextManager:
     def _philox_sampling_metadata(self, mi):
         mi = dataclasses.replace(mi, seeds=[None] * len(mi.seeds))
         return orig(self, mi)
+
     return _patched((runner.ModelRunner, "_philox_sampling_metadata", _philox_sampling_metadata))
 
 
@@ -402,6 +451,7 @@ def triton_decode_drops_last_key() -> ContextManager:
 
     def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, **kw):
         return orig(q, k_cache, v_cache, block_tables, (seq_lens - 1).clamp(min=0), scale, **kw)
+
     return _patched((triton_ops, "paged_decode", paged_decode))
 
 
@@ -417,44 +467,61 @@ def prompt_logprobs_reappended_on_recompute() -> ContextManager:
         mi.prompt_logprob_jobs, plan.prompt_logprob_jobs = [], []
         for j, (seq, start, num_new) in enumerate(zip(out.seqs, plan.starts, out.num_new_tokens)):
             last = min(start + num_new, seq.num_prompt_tokens - 1)
-            if seq.params.prompt_logprobs is not None and start < last:   # the old rule: from start
-                mi.prompt_logprob_jobs.append((mi.query_start_loc[j], seq.token_ids[start + 1:last + 1],
-                                               seq.params.prompt_logprobs))
+            if seq.params.prompt_logprobs is not None and start < last:  # the old rule: from start
+                mi.prompt_logprob_jobs.append(
+                    (mi.query_start_loc[j], seq.token_ids[start + 1 : last + 1], seq.params.prompt_logprobs)
+                )
                 plan.prompt_logprob_jobs.append((seq, seq.num_prompt_logprobs_recorded))  # appended as new
         return mi, plan
-    return _patched((mi_mod, "build_model_input", build_model_input),
-                    (engine_mod, "build_model_input", build_model_input))
+
+    return _patched(
+        (mi_mod, "build_model_input", build_model_input), (engine_mod, "build_model_input", build_model_input)
+    )
 
 
 def output_logprobs_cleared_on_preemption() -> ContextManager:
     """Preemption clears the logprobs recorded so far (as if the recompute recorded them again)."""
     (sched,) = _modules("nanovllm.core.scheduler")
-    return _edit(sched.Scheduler, "_preempt", (
-        "seq.num_computed_tokens = 0",
-        "seq.num_computed_tokens = 0\n    if seq.output_logprobs is not None:\n        seq.output_logprobs.clear()"))
+    return _edit(
+        sched.Scheduler,
+        "_preempt",
+        (
+            "seq.num_computed_tokens = 0",
+            "seq.num_computed_tokens = 0\n    if seq.output_logprobs is not None:\n        seq.output_logprobs.clear()",
+        ),
+    )
 
 
 def cumulative_logprob_reset_on_preemption() -> ContextManager:
     """Preemption resets the request's cumulative logprob (a reset in the wrong place)."""
     (sched,) = _modules("nanovllm.core.scheduler")
-    return _edit(sched.Scheduler, "_preempt", ("seq.num_computed_tokens = 0",
-                                               "seq.num_computed_tokens = 0\n    seq.cumulative_logprob = 0.0"))
+    return _edit(
+        sched.Scheduler,
+        "_preempt",
+        ("seq.num_computed_tokens = 0", "seq.num_computed_tokens = 0\n    seq.cumulative_logprob = 0.0"),
+    )
 
 
 def seeded_generator_dropped_on_preemption() -> ContextManager:
     """A preempted request's sampler state is dropped like a finished one's: a seeded request
     re-admitted after a preemption draws its noise from the start of its stream again (CPU)."""
     (engine_mod,) = _modules("nanovllm.engine.engine")
-    return _edit(engine_mod.LLMEngine, "_launch_next", (
-        "self._finished_seq_ids = []", "self._finished_seq_ids = [s.seq_id for s in sched.preempted]"))
+    return _edit(
+        engine_mod.LLMEngine,
+        "_launch_next",
+        ("self._finished_seq_ids = []", "self._finished_seq_ids = [s.seq_id for s in sched.preempted]"),
+    )
 
 
 # -------------------------------------------------------- exact contract boundaries (class 4)
 def min_tokens_ban_off_by_one() -> ContextManager:
     """Stop tokens stay banned one token too long: the token at output index min_tokens cannot stop."""
     mi_mod, engine_mod = _modules("nanovllm.core.model_input", "nanovllm.engine.engine")
-    new = _edited(mi_mod, "build_model_input", ("seq.num_output_tokens < params.min_tokens",
-                                                "seq.num_output_tokens <= params.min_tokens"))
+    new = _edited(
+        mi_mod,
+        "build_model_input",
+        ("seq.num_output_tokens < params.min_tokens", "seq.num_output_tokens <= params.min_tokens"),
+    )
     return _patched((mi_mod, "build_model_input", new), (engine_mod, "build_model_input", new))
 
 
@@ -462,52 +529,71 @@ def stop_string_window_too_narrow() -> ContextManager:
     """Stop strings are searched only in the characters the newest token added: a stop string
     that spans a token boundary is never found."""
     (stop_mod,) = _modules("nanovllm.core.stop")
-    return _edit(stop_mod, "find_stop_string", ("max(len(text) - num_new_chars - len(stop) + 1, 0)",
-                                                "max(len(text) - num_new_chars, 0)"))
+    return _edit(
+        stop_mod,
+        "find_stop_string",
+        ("max(len(text) - num_new_chars - len(stop) + 1, 0)", "max(len(text) - num_new_chars, 0)"),
+    )
 
 
 def stop_string_counts_at_min_tokens() -> ContextManager:
     """A stop string completed by the min_tokens-th token already stops (vLLM: only past min_tokens)."""
     stop_mod, engine_mod = _modules("nanovllm.core.stop", "nanovllm.engine.engine")
-    new = _edited(stop_mod, "check_stop", ("if n_out > params.min_tokens else None",
-                                           "if n_out >= params.min_tokens else None"))
+    new = _edited(
+        stop_mod, "check_stop", ("if n_out > params.min_tokens else None", "if n_out >= params.min_tokens else None")
+    )
     return _patched((stop_mod, "check_stop", new), (engine_mod, "check_stop", new))
 
 
 def prompt_logprobs_chunk_offset_lost() -> ContextManager:
     """The runner's 512-row chunks of prompt logprobs all read the hidden states of the first chunk."""
     (runner,) = _modules("nanovllm.worker.model_runner")
-    return _edit(runner.ModelRunner, "_prompt_logprobs", (
-        "hidden[first_row + s:first_row + s + len(chunk)]", "hidden[first_row:first_row + len(chunk)]"))
+    return _edit(
+        runner.ModelRunner,
+        "_prompt_logprobs",
+        ("hidden[first_row + s : first_row + s + len(chunk)]", "hidden[first_row : first_row + len(chunk)]"),
+    )
 
 
 def logprobs_zero_treated_as_none() -> ContextManager:
     """logprobs=0 (only the sampled token's logprob) is taken for "no logprobs"."""
     (seq_mod,) = _modules("nanovllm.core.sequence")
-    return _edit(seq_mod.Sequence, "__init__", ("[] if params.logprobs is not None else None",
-                                                "[] if params.logprobs else None"))
+    return _edit(
+        seq_mod.Sequence, "__init__", ("[] if params.logprobs is not None else None", "[] if params.logprobs else None")
+    )
 
 
 # ----------------------------------------------------- sampling parameter interplay (class 5)
 def filters_before_temperature() -> ContextManager:
     """min_p, top_k and top_p are applied to the raw logits, the temperature after them."""
     (sampler,) = _modules("nanovllm.layers.sampler")
-    scale = ("    if len(set(temps)) == 1:  # one temperature for all: a scalar, no host->device copy\n"
-             "        logits = logits / temps[0]\n"
-             "    else:\n"
-             "        logits = logits / torch.tensor(temps, device=device, dtype=torch.float32).unsqueeze(1)\n")
-    return _edit(sampler.Sampler, "_sample", (scale, ""),
-                 ("    probs = torch.softmax(logits, dim=-1)\n", scale + "    probs = torch.softmax(logits, dim=-1)\n"))
+    scale = (
+        "    if len(set(temps)) == 1:  # one temperature for all: a scalar, no host->device copy\n"
+        "        logits = logits / temps[0]\n"
+        "    else:\n"
+        "        logits = logits / torch.tensor(temps, device=device, dtype=torch.float32).unsqueeze(1)\n"
+    )
+    return _edit(
+        sampler.Sampler,
+        "_sample",
+        (scale, ""),
+        ("    probs = torch.softmax(logits, dim=-1)\n", scale + "    probs = torch.softmax(logits, dim=-1)\n"),
+    )
 
 
 def top_p_mass_before_top_k() -> ContextManager:
     """top_p measures the mass of the distribution before top_k, not of the top_k survivors."""
     (sampler,) = _modules("nanovllm.layers.sampler")
-    return _edit(sampler, "apply_top_k_top_p", (
-        "    sorted_logits = sorted_logits.masked_fill(ranks >= k, float(\"-inf\"))\n"
-        "    probs = torch.softmax(sorted_logits, dim=-1)\n",
-        "    probs = torch.softmax(sorted_logits, dim=-1)\n"
-        "    sorted_logits = sorted_logits.masked_fill(ranks >= k, float(\"-inf\"))\n"))
+    return _edit(
+        sampler,
+        "apply_top_k_top_p",
+        (
+            '    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))\n'
+            "    probs = torch.softmax(sorted_logits, dim=-1)\n",
+            "    probs = torch.softmax(sorted_logits, dim=-1)\n"
+            '    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))\n',
+        ),
+    )
 
 
 def first_row_temperature_for_all() -> ContextManager:
@@ -520,16 +606,20 @@ def first_row_temperature_for_all() -> ContextManager:
 def top_p_by_position() -> ContextManager:
     """The random rows read the top_p of the batch's first rows (greedy ones included), not their own."""
     (sampler,) = _modules("nanovllm.layers.sampler")
-    return _edit(sampler.Sampler, "_sample", ("top_ps = [meta.top_ps[r] for r in rows]",
-                                              "top_ps = meta.top_ps[:len(rows)]"))
+    return _edit(
+        sampler.Sampler, "_sample", ("top_ps = [meta.top_ps[r] for r in rows]", "top_ps = meta.top_ps[:len(rows)]")
+    )
 
 
 def seeded_generator_not_kept() -> ContextManager:
     """A seeded request's generator is made afresh from its seed at every step (not kept): every
     token of the request reuses the noise of its first one (CPU)."""
     (runner,) = _modules("nanovllm.worker.model_runner")
-    return _edit(runner.ModelRunner, "_sampling_metadata", (
-        "gen = self.generators[seq_id] = torch.Generator", "gen = torch.Generator"))
+    return _edit(
+        runner.ModelRunner,
+        "_sampling_metadata",
+        ("gen = self.generators[seq_id] = torch.Generator", "gen = torch.Generator"),
+    )
 
 
 def seed_zero_unseeded() -> ContextManager:
@@ -542,30 +632,48 @@ def seed_zero_unseeded() -> ContextManager:
 def chat_always_adds_generation_prompt() -> ContextManager:
     """LLM.chat applies the template with add_generation_prompt=True whatever the caller asked."""
     (llm_mod,) = _modules("nanovllm.llm")
-    return _edit(llm_mod.LLM, "chat", ("add_generation_prompt=add_generation_prompt, tokenize=True",
-                                       "add_generation_prompt=True, tokenize=True"))
+    return _edit(
+        llm_mod.LLM,
+        "chat_prompts",
+        ("add_generation_prompt=add_generation_prompt,", "add_generation_prompt=True,"),
+    )
 
 
 def skip_special_tokens_ignored() -> ContextManager:
     """Output text always skips special tokens, whatever skip_special_tokens says."""
     (op,) = _modules("nanovllm.engine.output_processor")
-    return _edit(op, "final_text", ("decode(tokenizer, seq.output_token_ids, seq.params.skip_special_tokens)",
-                                    "decode(tokenizer, seq.output_token_ids, True)"))
+    return _edit(
+        op,
+        "final_text",
+        (
+            "decode(tokenizer, seq.output_token_ids, seq.params.skip_special_tokens)",
+            "decode(tokenizer, seq.output_token_ids, True)",
+        ),
+    )
 
 
 def stop_text_skips_specials() -> ContextManager:
     """The text that stop strings are searched in (and cut from) always skips special tokens."""
     stop_mod, engine_mod = _modules("nanovllm.core.stop", "nanovllm.engine.engine")
-    new = _edited(stop_mod, "check_stop", ("decode(tokenizer, seq.output_token_ids, params.skip_special_tokens)",
-                                           "decode(tokenizer, seq.output_token_ids, True)"))
+    new = _edited(
+        stop_mod,
+        "check_stop",
+        (
+            "decode(tokenizer, seq.output_token_ids, params.skip_special_tokens)",
+            "decode(tokenizer, seq.output_token_ids, True)",
+        ),
+    )
     return _patched((stop_mod, "check_stop", new), (engine_mod, "check_stop", new))
 
 
 def decoded_token_of_sampled() -> ContextManager:
     """Every top-k logprob entry carries the decoded text of the sampled token, not its own."""
     (op,) = _modules("nanovllm.engine.output_processor")
-    return _edit(op, "_logprob_dict", ("lp.decoded_token = tokenizer.decode([tok])",
-                                       "lp.decoded_token = tokenizer.decode([sampled])"))
+    return _edit(
+        op,
+        "_logprob_dict",
+        ("lp.decoded_token = tokenizer.decode([tok])", "lp.decoded_token = tokenizer.decode([sampled])"),
+    )
 
 
 # ------------------------------------------------------------------ accounting (class 9)
@@ -573,14 +681,18 @@ def prompt_tokens_skip_recompute_tail() -> ContextManager:
     """The counting bug fixed with issue 10: a recompute's last chunk that starts past the prompt
     is not counted in prompt_tokens_computed."""
     (engine_mod,) = _modules("nanovllm.engine.engine")
-    return _edit(engine_mod.LLMEngine, "_postprocess", (
-        "if not (num_new == 1 and id(seq) in sampling and start >= seq.num_prompt_tokens):",
-        "if id(seq) not in sampling or start < seq.num_prompt_tokens:"))
+    return _edit(
+        engine_mod.LLMEngine,
+        "_postprocess",
+        (
+            "if not (num_new == 1 and id(seq) in sampling and start >= seq.num_prompt_tokens):",
+            "if id(seq) not in sampling or start < seq.num_prompt_tokens:",
+        ),
+    )
 
 
 def first_scheduled_time_every_admission() -> ContextManager:
     """metrics.first_scheduled_time is set at every admission: a preempted request reports its
     re-admission (after its first tokens) as its first scheduling."""
     (engine_mod,) = _modules("nanovllm.engine.engine")
-    return _edit(engine_mod.LLMEngine, "_launch_next", ("if seq.metrics.first_scheduled_time is None:",
-                                                        "if True:"))
+    return _edit(engine_mod.LLMEngine, "_launch_next", ("if seq.metrics.first_scheduled_time is None:", "if True:"))

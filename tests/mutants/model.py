@@ -8,6 +8,7 @@ Each one sits where the suite did not look before (issue 10, class 6 and 8): tes
 had one EOS id, no ``rope_scaling``, ``rms_norm_eps=1e-6`` and no bias but Qwen2's, a GGUF
 conversion cached by file hash and never re-run, and tensor parallelism only at TP=2.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -29,6 +30,7 @@ def rms_norm_eps_ignored() -> ContextManager:
 
     def __init__(self, hidden_size, eps=1e-6):
         orig(self, hidden_size)
+
     return _patched((layernorm.RMSNorm, "__init__", __init__))
 
 
@@ -41,6 +43,7 @@ def qk_norm_eps_ignored() -> ContextManager:
         orig(self, config, *args, **kwargs)
         if self.qk_norm:
             self.q_norm.eps = self.k_norm.eps = 1e-6
+
     return _patched((llama.LlamaAttention, "__init__", __init__))
 
 
@@ -53,6 +56,7 @@ def rope_linear_factor_ignored() -> ContextManager:
         if (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type")) == "linear":
             rope_scaling = None
         return orig(head_dim, base, rope_scaling)
+
     return _patched((rope, "_inv_freq", _inv_freq))
 
 
@@ -78,6 +82,7 @@ def rope_llama3_smoothing_swapped() -> ContextManager:
         smoothed = smooth * scaled / factor + (1 - smooth) * scaled  # the bug
         medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
         return torch.where(medium, smoothed, scaled)
+
     return _patched((rope, "_inv_freq", _inv_freq))
 
 
@@ -100,6 +105,7 @@ def o_proj_bias_dropped() -> ContextManager:
 
         def biases(klass, config, _orig=orig):
             return dataclasses.replace(_orig(klass, config), o=False)
+
         patches.append((cls, "biases", classmethod(biases)))
     return _patched(*patches)
 
@@ -113,6 +119,7 @@ def mlp_bias_ignored() -> ContextManager:
 
     def biases(klass, config):
         return dataclasses.replace(orig(klass, config), mlp=False)
+
     return _patched((llama.LlamaForCausalLM, "biases", classmethod(biases)))
 
 
@@ -123,6 +130,7 @@ def only_first_eos_id() -> ContextManager:
 
     def eos_token_ids(model_dir, hf_config, tokenizer):
         return orig(model_dir, hf_config, tokenizer)[:1]
+
     return _patched((engine, "eos_token_ids", eos_token_ids))
 
 
@@ -137,6 +145,7 @@ def max_model_len_ignores_model_limit() -> ContextManager:
         orig(self, hf_config, model_dir)
         if default:
             self.max_model_len = 8192
+
     return _patched((config.EngineConfig, "resolve", resolve))
 
 
@@ -152,6 +161,7 @@ def gguf_eps_key_wrong() -> ContextManager:
         arch = gguf_loader._field(reader, "general.architecture")
         config["rms_norm_eps"] = float(gguf_loader._field(reader, f"{arch}.attention.layer_norm_epsilon", 1e-6))
         return config
+
     return _patched((gguf_loader, "read_config", read_config))
 
 
@@ -184,6 +194,7 @@ def tp_replicated_kv_head_wrong_rank() -> ContextManager:
         size = self.num_kv_heads * hd
         start = (rank % self.total_num_kv_heads) * size  # the bug
         linear._copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, start, size), name)
+
     return _patched((linear.QKVParallelLinear, "weight_loader", weight_loader))
 
 
@@ -193,28 +204,47 @@ GGUF = "tests/test_gguf_converter.py"
 
 # name -> (mutant, the checks that should catch it)
 MUTANTS: dict[str, tuple[Callable[[], ContextManager], list[str]]] = {
-    "rms_norm_eps_ignored": (rms_norm_eps_ignored, [
-        f"{REF}::test_greedy_matches_reference[qwen3-eps-rope-linear]",
-        f"{REF}::test_prompt_logprobs_match_reference[qwen3-eps-rope-linear]"]),
-    "qk_norm_eps_ignored": (qk_norm_eps_ignored, [
-        f"{REF}::test_greedy_matches_reference[qwen3-eps-rope-linear]",
-        f"{REF}::test_prompt_logprobs_match_reference[qwen3-eps-rope-linear]"]),
-    "rope_linear_factor_ignored": (rope_linear_factor_ignored, [
-        f"{REF}::test_greedy_matches_reference[qwen3-eps-rope-linear]"]),
-    "rope_llama3_smoothing_swapped": (rope_llama3_smoothing_swapped, [
-        f"{REF}::test_greedy_matches_reference[llama-rope3-bias]",
-        f"{REF}::test_prompt_logprobs_match_reference[llama-rope3-bias]"]),
-    "rope_scaling_checked_late": (rope_scaling_checked_late, [
-        "tests/test_loader_and_layers.py::test_unsupported_rope_scaling_refused_at_load"]),
-    "o_proj_bias_dropped": (o_proj_bias_dropped, [
-        f"{REF}::test_greedy_matches_reference[llama-rope3-bias]"]),
+    "rms_norm_eps_ignored": (
+        rms_norm_eps_ignored,
+        [
+            f"{REF}::test_greedy_matches_reference[qwen3-eps-rope-linear]",
+            f"{REF}::test_prompt_logprobs_match_reference[qwen3-eps-rope-linear]",
+        ],
+    ),
+    "qk_norm_eps_ignored": (
+        qk_norm_eps_ignored,
+        [
+            f"{REF}::test_greedy_matches_reference[qwen3-eps-rope-linear]",
+            f"{REF}::test_prompt_logprobs_match_reference[qwen3-eps-rope-linear]",
+        ],
+    ),
+    "rope_linear_factor_ignored": (
+        rope_linear_factor_ignored,
+        [f"{REF}::test_greedy_matches_reference[qwen3-eps-rope-linear]"],
+    ),
+    "rope_llama3_smoothing_swapped": (
+        rope_llama3_smoothing_swapped,
+        [
+            f"{REF}::test_greedy_matches_reference[llama-rope3-bias]",
+            f"{REF}::test_prompt_logprobs_match_reference[llama-rope3-bias]",
+        ],
+    ),
+    "rope_scaling_checked_late": (
+        rope_scaling_checked_late,
+        ["tests/test_loader_and_layers.py::test_unsupported_rope_scaling_refused_at_load"],
+    ),
+    "o_proj_bias_dropped": (o_proj_bias_dropped, [f"{REF}::test_greedy_matches_reference[llama-rope3-bias]"]),
     "mlp_bias_ignored": (mlp_bias_ignored, [f"{REF}::test_greedy_matches_reference[llama-rope3-bias]"]),
     "only_first_eos_id": (only_first_eos_id, [f"{MODEL_CFG}::test_every_eos_id_stops"]),
-    "max_model_len_ignores_model_limit": (max_model_len_ignores_model_limit, [
-        f"{MODEL_CFG}::test_prompt_longer_than_the_model_context"]),
+    "max_model_len_ignores_model_limit": (
+        max_model_len_ignores_model_limit,
+        [f"{MODEL_CFG}::test_prompt_longer_than_the_model_context"],
+    ),
     "gguf_eps_key_wrong": (gguf_eps_key_wrong, [GGUF]),
     "gguf_qk_unpermute_skipped": (gguf_qk_unpermute_skipped, [GGUF]),
     "gguf_cache_key_file_only": (gguf_cache_key_file_only, [GGUF]),
-    "tp_replicated_kv_head_wrong_rank": (tp_replicated_kv_head_wrong_rank, [
-        "conformance/test_tensor_parallel.py::test_tp4_replicated_kv_heads_gloo_cpu"]),
+    "tp_replicated_kv_head_wrong_rank": (
+        tp_replicated_kv_head_wrong_rank,
+        ["conformance/test_tensor_parallel.py::test_tp4_replicated_kv_heads_gloo_cpu"],
+    ),
 }

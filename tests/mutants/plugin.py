@@ -4,6 +4,7 @@ Switches one named bug on in nanovllm for the whole pytest run (TP workers inclu
 ``NANOVLLM_MUTANT``) and skips hypothesis's shrinking: under a mutant only *whether* a check
 fails matters. The conformance suite knows nothing of mutants; this plugin is nanovllm's.
 """
+
 from __future__ import annotations
 
 import os
@@ -11,8 +12,10 @@ import os
 
 def pytest_addoption(parser):
     parser.getgroup("nanovllm mutants").addoption(
-        "--mutant", default=os.environ.get("NANOVLLM_MUTANT") or None,
-        help="activate one named nanovllm mutant for the run (see python -m tests.mutants.runner --list)")
+        "--mutant",
+        default=os.environ.get("NANOVLLM_MUTANT") or None,
+        help="activate one named nanovllm mutant for the run (see python -m tests.mutants.runner --list)",
+    )
 
 
 def _no_shrinking() -> None:
@@ -20,8 +23,9 @@ def _no_shrinking() -> None:
         from hypothesis import Phase, settings
     except ImportError:
         return
-    settings.register_profile("mutant-run", settings(settings.default, phases=[
-        Phase.explicit, Phase.reuse, Phase.generate]))
+    settings.register_profile(
+        "mutant-run", settings(settings.default, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+    )
     settings.load_profile("mutant-run")
 
 

@@ -15,6 +15,7 @@ runs, for each mutant, a targeted subset of the checks with ``--mutant NAME``
 included) and prints a table: mutant, checks that caught it. Exit status 1 when
 a mutant survives. GPU-only mutants are reported "not run" without a GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,9 +77,9 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 class Mutant:
     name: str
     make: Callable[[], ContextManager]
-    checks: list[str]                 # pytest selections (node ids under conformance/) that should catch it
-    gpu_only: bool = False            # patches a CUDA-only path (needs a GPU)
-    cpu_only: bool = False            # patches a path the CUDA engine does not take (not applicable there)
+    checks: list[str]  # pytest selections (node ids under conformance/) that should catch it
+    gpu_only: bool = False  # patches a CUDA-only path (needs a GPU)
+    cpu_only: bool = False  # patches a path the CUDA engine does not take (not applicable there)
     doc: str = field(default="")
 
 
@@ -93,77 +94,149 @@ GREEDY_OPTS = OPTS + "::test_greedy_with_option_matches_transformers_processors"
 PAR = "tests/test_parallel_sampling.py"
 
 ENGINE_MUTANTS: list[Mutant] = [
-    Mutant("slot_mapping_off_by_one", slot_mapping_off_by_one,
-           [f"{REF}::test_greedy_matches_reference[qwen3-gqa4-hd128]",
-            f"{REF}::test_prompt_logprobs_match_reference[llama-1kv-hd128]"]),
-    Mutant("decode_drops_last_key", decode_drops_last_key,  # the CPU attention (torch_ref)
-           [f"{REF}::test_greedy_matches_reference[qwen2-gqa2-hd64]",
-            f"{REF}::test_prefill_decode_consistency[qwen3-gqa4-hd128]"], cpu_only=True),
-    Mutant("prefill_mask_top_left", prefill_mask_top_left,  # invisible without chunks or cache hits
-           [f"{REF}::test_greedy_matches_reference[llama-mha-hd64]",
-            f"{SELF}::test_chunked_prefill_equivalence[17]", f"{SELF}::test_prefix_cache_on_off"],
-           cpu_only=True),
+    Mutant(
+        "slot_mapping_off_by_one",
+        slot_mapping_off_by_one,
+        [
+            f"{REF}::test_greedy_matches_reference[qwen3-gqa4-hd128]",
+            f"{REF}::test_prompt_logprobs_match_reference[llama-1kv-hd128]",
+        ],
+    ),
+    Mutant(
+        "decode_drops_last_key",
+        decode_drops_last_key,  # the CPU attention (torch_ref)
+        [
+            f"{REF}::test_greedy_matches_reference[qwen2-gqa2-hd64]",
+            f"{REF}::test_prefill_decode_consistency[qwen3-gqa4-hd128]",
+        ],
+        cpu_only=True,
+    ),
+    Mutant(
+        "prefill_mask_top_left",
+        prefill_mask_top_left,  # invisible without chunks or cache hits
+        [
+            f"{REF}::test_greedy_matches_reference[llama-mha-hd64]",
+            f"{SELF}::test_chunked_prefill_equivalence[17]",
+            f"{SELF}::test_prefix_cache_on_off",
+        ],
+        cpu_only=True,
+    ),
     Mutant("top_p_one_too_few", top_p_one_too_few, [f"{SAMP}::test_sampling_distribution[top_p]"]),
     Mutant("top_k_one_too_many", top_k_one_too_many, [f"{SAMP}::test_sampling_distribution[top_k]"]),
     Mutant("min_p_absolute", min_p_absolute, [f"{SAMP}::test_sampling_distribution[min_p]"]),
     # the PyTorch sampler's temperature, its synchronous entry point, its per-request generators:
     # on CUDA plain rows take the fused kernel, async scheduling launches, seeds are Philox keys
-    Mutant("temperature_ignored", temperature_ignored, [f"{SAMP}::test_sampling_distribution[temperature]"],
-           cpu_only=True),
-    Mutant("logprobs_after_temperature", logprobs_after_temperature,
-           [f"{CONTRACTS}::test_logprobs_sampled_are_raw_distribution",
-            f"{CONTRACTS}::test_logprobs_greedy_match_reference"], cpu_only=True),
-    Mutant("seed_ignored", seed_ignored,
-           [f"{SAMP}::test_seeded_requests_reproducible_and_batch_independent"], cpu_only=True),
-    Mutant("prompt_logprobs_shifted", prompt_logprobs_shifted,
-           [f"{REF}::test_prompt_logprobs_match_reference[qwen2-gqa2-hd64]",
-            f"{REF}::test_prefill_decode_consistency[llama-1kv-hd128]"]),
+    Mutant(
+        "temperature_ignored", temperature_ignored, [f"{SAMP}::test_sampling_distribution[temperature]"], cpu_only=True
+    ),
+    Mutant(
+        "logprobs_after_temperature",
+        logprobs_after_temperature,
+        [
+            f"{CONTRACTS}::test_logprobs_sampled_are_raw_distribution",
+            f"{CONTRACTS}::test_logprobs_greedy_match_reference",
+        ],
+        cpu_only=True,
+    ),
+    Mutant(
+        "seed_ignored",
+        seed_ignored,
+        [f"{SAMP}::test_seeded_requests_reproducible_and_batch_independent"],
+        cpu_only=True,
+    ),
+    Mutant(
+        "prompt_logprobs_shifted",
+        prompt_logprobs_shifted,
+        [
+            f"{REF}::test_prompt_logprobs_match_reference[qwen2-gqa2-hd64]",
+            f"{REF}::test_prefill_decode_consistency[llama-1kv-hd128]",
+        ],
+    ),
     Mutant("stop_string_kept", stop_string_kept, [CONTRACTS]),
     Mutant("min_tokens_ignored", min_tokens_ignored, [CONTRACTS]),
     Mutant("eos_ignored", eos_ignored, [CONTRACTS]),
-    Mutant("outputs_in_finish_order", outputs_in_finish_order,
-           [f"{SELF}::test_outputs_in_input_order", CONTRACTS]),
+    Mutant("outputs_in_finish_order", outputs_in_finish_order, [f"{SELF}::test_outputs_in_input_order", CONTRACTS]),
     Mutant("admission_check_skipped", admission_check_skipped, [CORE_DIR + "test_admission.py"]),
-    Mutant("tp_allreduce_skipped", tp_allreduce_skipped,
-           [CORE_DIR + "test_tensor_parallel.py::test_tp2_equals_tp1_gloo_cpu"]),
-    Mutant("async_input_from_wrong_row", async_input_from_wrong_row,
-           [f"{SELF}::test_async_scheduling_equivalence"]),
-    Mutant("tp_ranks_sample_apart", tp_ranks_sample_apart,
-           ["tests/test_tp_async.py::test_tp2_async_equals_sync_and_tp1"]),
-    Mutant("tp_result_ignores_ticket", tp_result_ignores_ticket,
-           ["tests/test_tp_async.py::test_tp2_step_abandoned_by_an_interrupt"]),
-    Mutant("cuda_graph_padding_writes_kv", cuda_graph_padding_writes_kv,
-           [CORE_DIR + "test_cuda_graph.py"], gpu_only=True),
-    Mutant("fused_sampler_temperature_ignored", fused_sampler_temperature_ignored,
-           [f"{SAMP}::test_sampling_distribution[temperature]"], gpu_only=True),
-    Mutant("philox_seed_ignored", philox_seed_ignored,
-           [f"{SAMP}::test_seeded_requests_reproducible_and_batch_independent"], gpu_only=True),
-    Mutant("triton_decode_drops_last_key", triton_decode_drops_last_key,
-           [f"{REF}::test_greedy_matches_reference[qwen2-gqa2-hd64]",
-            f"{REF}::test_prefill_decode_consistency[qwen3-gqa4-hd128]"], gpu_only=True),
+    Mutant(
+        "tp_allreduce_skipped",
+        tp_allreduce_skipped,
+        [CORE_DIR + "test_tensor_parallel.py::test_tp2_equals_tp1_gloo_cpu"],
+    ),
+    Mutant("async_input_from_wrong_row", async_input_from_wrong_row, [f"{SELF}::test_async_scheduling_equivalence"]),
+    Mutant(
+        "tp_ranks_sample_apart", tp_ranks_sample_apart, ["tests/test_tp_async.py::test_tp2_async_equals_sync_and_tp1"]
+    ),
+    Mutant(
+        "tp_result_ignores_ticket",
+        tp_result_ignores_ticket,
+        ["tests/test_tp_async.py::test_tp2_step_abandoned_by_an_interrupt"],
+    ),
+    Mutant(
+        "cuda_graph_padding_writes_kv", cuda_graph_padding_writes_kv, [CORE_DIR + "test_cuda_graph.py"], gpu_only=True
+    ),
+    Mutant(
+        "fused_sampler_temperature_ignored",
+        fused_sampler_temperature_ignored,
+        [f"{SAMP}::test_sampling_distribution[temperature]"],
+        gpu_only=True,
+    ),
+    Mutant(
+        "philox_seed_ignored",
+        philox_seed_ignored,
+        [f"{SAMP}::test_seeded_requests_reproducible_and_batch_independent"],
+        gpu_only=True,
+    ),
+    Mutant(
+        "triton_decode_drops_last_key",
+        triton_decode_drops_last_key,
+        [
+            f"{REF}::test_greedy_matches_reference[qwen2-gqa2-hd64]",
+            f"{REF}::test_prefill_decode_consistency[qwen3-gqa4-hd128]",
+        ],
+        gpu_only=True,
+    ),
     # logits processing and parallel sampling (tests/: against transformers' processors, chi-square)
-    Mutant("repetition_penalty_ignores_prompt", repetition_penalty_ignores_prompt,
-           [f"{LP}::test_repetition_penalty_matches_transformers", GREEDY_OPTS]),
-    Mutant("presence_penalty_per_occurrence", presence_penalty_per_occurrence,
-           [f"{LP}::test_frequency_and_presence_penalties_follow_the_openai_definition",
-            GREEDY_OPTS]),
-    Mutant("frequency_penalty_counts_prompt", frequency_penalty_counts_prompt,
-           [f"{LP}::test_frequency_and_presence_penalties_follow_the_openai_definition",
-            GREEDY_OPTS]),
-    Mutant("logit_bias_subtracted", logit_bias_subtracted,
-           [f"{LP}::test_logit_bias_matches_sequence_bias",
-            GREEDY_OPTS]),
-    Mutant("allowed_token_ids_last_dropped", allowed_token_ids_last_dropped,
-           [f"{LP}::test_allowed_token_ids_match_prefix_constrained",
-            GREEDY_OPTS]),
-    Mutant("bad_words_prefix_ignored", bad_words_prefix_ignored,
-           [f"{LP}::test_bad_words_match_no_bad_words_processor",
-            GREEDY_OPTS]),
-    Mutant("n_children_share_seed", n_children_share_seed,
-           [f"{PAR}::test_n_completions_follow_the_distribution",
-            f"{PAR}::test_seeded_n_is_reproducible_and_child_i_draws_with_seed_plus_i"]),
-    Mutant("fused_sampler_skips_processing", fused_sampler_skips_processing,
-           [f"{LP}::test_rows_with_processing_take_the_general_path_of_the_fused_sampler"]),
+    Mutant(
+        "repetition_penalty_ignores_prompt",
+        repetition_penalty_ignores_prompt,
+        [f"{LP}::test_repetition_penalty_matches_transformers", GREEDY_OPTS],
+    ),
+    Mutant(
+        "presence_penalty_per_occurrence",
+        presence_penalty_per_occurrence,
+        [f"{LP}::test_frequency_and_presence_penalties_follow_the_openai_definition", GREEDY_OPTS],
+    ),
+    Mutant(
+        "frequency_penalty_counts_prompt",
+        frequency_penalty_counts_prompt,
+        [f"{LP}::test_frequency_and_presence_penalties_follow_the_openai_definition", GREEDY_OPTS],
+    ),
+    Mutant(
+        "logit_bias_subtracted", logit_bias_subtracted, [f"{LP}::test_logit_bias_matches_sequence_bias", GREEDY_OPTS]
+    ),
+    Mutant(
+        "allowed_token_ids_last_dropped",
+        allowed_token_ids_last_dropped,
+        [f"{LP}::test_allowed_token_ids_match_prefix_constrained", GREEDY_OPTS],
+    ),
+    Mutant(
+        "bad_words_prefix_ignored",
+        bad_words_prefix_ignored,
+        [f"{LP}::test_bad_words_match_no_bad_words_processor", GREEDY_OPTS],
+    ),
+    Mutant(
+        "n_children_share_seed",
+        n_children_share_seed,
+        [
+            f"{PAR}::test_n_completions_follow_the_distribution",
+            f"{PAR}::test_seeded_n_is_reproducible_and_child_i_draws_with_seed_plus_i",
+        ],
+    ),
+    Mutant(
+        "fused_sampler_skips_processing",
+        fused_sampler_skips_processing,
+        [f"{LP}::test_rows_with_processing_take_the_general_path_of_the_fused_sampler"],
+    ),
 ]
 
 # issue 10: mutants of the classes the held-out mutants survived in, each with the checks aimed at its class
@@ -259,8 +332,10 @@ def _model_mutants() -> list[Mutant]:
     """The model-reading mutants of tests/mutants/model.py (config fields, GGUF, TP sharding)."""
     from tests.mutants import model as mutants_model
 
-    return [Mutant(name, make, checks, doc=(make.__doc__ or "").strip())
-            for name, (make, checks) in mutants_model.MUTANTS.items()]
+    return [
+        Mutant(name, make, checks, doc=(make.__doc__ or "").strip())
+        for name, (make, checks) in mutants_model.MUTANTS.items()
+    ]
 
 
 def registry() -> dict[str, Mutant]:
@@ -284,6 +359,7 @@ def activate(name: str):
     patches = [reg[name].make()]
     try:
         from nanovllm.worker import distributed
+
         patches.append(_patched((distributed, "_worker_main", _mutant_worker_main)))
     except ImportError:
         pass
@@ -320,21 +396,42 @@ def _expand(selection: str) -> list[str]:
     return [selection]
 
 
-def run_mutant(m: Mutant, python: str, timeout: float, extra: list[str],
-               threads: int = 1, device: str = "cpu") -> tuple[str, list[str], float, str]:
+def run_mutant(
+    m: Mutant, python: str, timeout: float, extra: list[str], threads: int = 1, device: str = "cpu"
+) -> tuple[str, list[str], float, str]:
     """(status, checks that failed, seconds, note) for one mutant."""
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"mutant-{m.name}-") as tmp:
         xml = Path(tmp) / "junit.xml"
-        args = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                "-p", "tests.mutants.plugin", "--mutant", m.name, f"--junitxml={xml}",
-                "-o", "junit_family=xunit1", "--basetemp", str(Path(tmp) / "pt")]
+        args = [
+            python,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+            "-p",
+            "tests.mutants.plugin",
+            "--mutant",
+            m.name,
+            f"--junitxml={xml}",
+            "-o",
+            "junit_family=xunit1",
+            "--basetemp",
+            str(Path(tmp) / "pt"),
+        ]
         if any(sel.startswith(CORE_DIR) for sel in m.checks):  # the conformance suite's own options
             args += ["--engine", "nanovllm", "--device", device, "--check-timeout", str(int(timeout * 0.8))]
         for sel in dict.fromkeys(m.checks):
             args += _expand(sel)
-        env = dict(os.environ, PYTHONPATH=str(ROOT), HYPOTHESIS_PROFILE=os.environ.get("HYPOTHESIS_PROFILE", "quick"),
-                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(threads)))
+        env = dict(
+            os.environ,
+            PYTHONPATH=str(ROOT),
+            HYPOTHESIS_PROFILE=os.environ.get("HYPOTHESIS_PROFILE", "quick"),
+            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(threads)),
+        )
         env.pop(ENV, None)
         try:
             proc = subprocess.run(args + extra, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -365,6 +462,7 @@ def _failed_tests(xml: Path) -> tuple[list[str], int, int]:
 def _gpu_available() -> bool:
     try:
         import torch
+
         return torch.cuda.is_available()
     except ImportError:
         return False
@@ -377,9 +475,12 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per mutant")
     ap.add_argument("--list", action="store_true", help="list the mutants and their targeted checks")
     ap.add_argument("--markdown", type=Path, help="also write the table to this file")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                    help="device of the conformance checks' engines (cuda: mutants of CPU-only paths are "
-                         "reported not applicable)")
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="device of the conformance checks' engines (cuda: mutants of CPU-only paths are reported not applicable)",
+    )
     args, extra = ap.parse_known_args(argv)
     reg = registry()
     names = args.only or list(reg)
@@ -397,12 +498,23 @@ def main(argv=None) -> int:
         if m.cpu_only and args.device == "cuda":
             return "not applicable on cuda: patches a path the CUDA engine does not take"
         return None
+
     rows = {n: ("not run", [], 0.0, applies(reg[n])) for n in names}
     todo = [reg[n] for n in names if applies(reg[n]) is None]
     start = time.perf_counter()
     with ThreadPoolExecutor(args.jobs) as pool:
-        futures = {m.name: pool.submit(run_mutant, m, sys.executable, args.timeout, extra,
-                                         max(1, (os.cpu_count() or 1) // args.jobs), args.device) for m in todo}
+        futures = {
+            m.name: pool.submit(
+                run_mutant,
+                m,
+                sys.executable,
+                args.timeout,
+                extra,
+                max(1, (os.cpu_count() or 1) // args.jobs),
+                args.device,
+            )
+            for m in todo
+        }
         for name, fut in futures.items():
             rows[name] = fut.result()
             status, caught, secs, note = rows[name]
@@ -415,8 +527,10 @@ def main(argv=None) -> int:
     table = "\n".join(lines)
     print(table)
     survived = [n for n in names if rows[n][0] not in ("caught", "not run")]
-    print(f"\n{len(names) - len(survived)}/{len(names)} caught or not applicable here; "
-          f"wall time {time.perf_counter() - start:.0f} s" + (f"; SURVIVED: {survived}" if survived else ""))
+    print(
+        f"\n{len(names) - len(survived)}/{len(names)} caught or not applicable here; "
+        f"wall time {time.perf_counter() - start:.0f} s" + (f"; SURVIVED: {survived}" if survived else "")
+    )
     if args.markdown:
         args.markdown.write_text(table + "\n")
     return 1 if survived else 0

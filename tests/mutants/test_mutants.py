@@ -1,5 +1,6 @@
 """The mutant machinery works: a mutant switched on in this process breaks the engine, switched off
 the engine is right again; (slow) the whole table: every mutant is caught by at least one check."""
+
 from __future__ import annotations
 
 import pytest

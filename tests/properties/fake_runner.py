@@ -33,6 +33,7 @@ sees).
 
 Pure Python: importing this module imports no torch.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -44,7 +45,7 @@ from nanovllm.engine.engine import LLMEngine
 
 MASK64 = (1 << 64) - 1
 KV_ROOT = 0x5EED_0F_C0FFEE  # the "K/V" before position 0
-INF_BUDGET = 1 << 30        # "unlimited" max_num_batched_tokens
+INF_BUDGET = 1 << 30  # "unlimited" max_num_batched_tokens
 
 
 def _mix(x: int) -> int:
@@ -80,8 +81,15 @@ def next_token(values, vocab_size: int) -> int:
     return (attend(values) >> 7) % vocab_size
 
 
-def reference_generate(prompt: list[int], max_tokens: int, vocab_size: int, *, max_model_len: int = 1 << 30,
-                       stop_token_ids=(), min_tokens: int = 0) -> list[int]:
+def reference_generate(
+    prompt: list[int],
+    max_tokens: int,
+    vocab_size: int,
+    *,
+    max_model_len: int = 1 << 30,
+    stop_token_ids=(),
+    min_tokens: int = 0,
+) -> list[int]:
     """What the fake model outputs for ``prompt`` when paging is right: f(all previous tokens).
 
     The stop rules written out independently of the engine's: a stop token ends the request once
@@ -112,17 +120,18 @@ class ModelInputError(AssertionError):
 class FakeExecutor:
     """The executor interface over the fake paged model (see the module docstring)."""
 
-    def __init__(self, block_size: int, vocab_size: int, *, strict: bool = True,
-                 profiled_num_blocks: int | None = None):
+    def __init__(
+        self, block_size: int, vocab_size: int, *, strict: bool = True, profiled_num_blocks: int | None = None
+    ):
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.strict = strict
         self.profiled_num_blocks = profiled_num_blocks
-        self.kv: list[tuple[int, int] | None] = []   # slot -> (position, K/V value)
-        self.tokens: dict[int, list[int]] = {}        # seq_id -> prompt + every token sampled for it
-        self.names: dict[int, str] = {}               # seq_id -> request id (for messages)
-        self._chains: dict[int, list[int]] = {}       # seq_id -> true K/V chain of its tokens
-        self.prev_tokens: list[int] | None = None     # the last launched step's sampled tokens
+        self.kv: list[tuple[int, int] | None] = []  # slot -> (position, K/V value)
+        self.tokens: dict[int, list[int]] = {}  # seq_id -> prompt + every token sampled for it
+        self.names: dict[int, str] = {}  # seq_id -> request id (for messages)
+        self._chains: dict[int, list[int]] = {}  # seq_id -> true K/V chain of its tokens
+        self.prev_tokens: list[int] | None = None  # the last launched step's sampled tokens
         self.num_steps = 0
         self.closed = False
 
@@ -174,8 +183,10 @@ class FakeExecutor:
         slot = self._slot(table, pos)
         entry = self.kv[slot] if slot is not None and 0 <= slot < len(self.kv) else None
         if truth is not None and entry != (pos, truth[pos]):
-            raise KVCacheError(f"{self.names[seq_id]} (seq_id {seq_id}): position {pos} reads slot {slot} "
-                               f"holding {entry}, expected ({pos}, {truth[pos]})")
+            raise KVCacheError(
+                f"{self.names[seq_id]} (seq_id {seq_id}): position {pos} reads slot {slot} "
+                f"holding {entry}, expected ({pos}, {truth[pos]})"
+            )
         if entry is None or entry[0] != pos:
             return 0  # missing or misplaced K/V: contributes garbage
         return entry[1]
@@ -186,8 +197,10 @@ class FakeExecutor:
             raise RuntimeError("a step has placeholder inputs but no step was launched before it")
         for row, src in zip(mi.pending_rows, mi.pending_src, strict=True):
             if not 0 <= src < len(self.prev_tokens):
-                raise ModelInputError(f"placeholder row {row} reads sample row {src} of a step that "
-                                      f"sampled {len(self.prev_tokens)} tokens")
+                raise ModelInputError(
+                    f"placeholder row {row} reads sample row {src} of a step that "
+                    f"sampled {len(self.prev_tokens)} tokens"
+                )
             input_ids[row] = self.prev_tokens[src]
 
     def _check_rows(self, j: int, seq_id: int, input_ids: list[int], mi: ModelInput, samples: bool) -> None:
@@ -202,17 +215,21 @@ class FakeExecutor:
         start, n = mi.positions[lo], hi - lo
         if mi.positions[lo:hi] != list(range(start, start + n)):
             raise ModelInputError(f"{name}: positions {mi.positions[lo:hi]} are not consecutive")
-        if input_ids[lo:hi] != tokens[start:start + n]:
-            raise ModelInputError(f"{name}: input ids {input_ids[lo:hi]} at positions [{start}, {start + n}) "
-                                  f"!= its tokens {tokens[start:start + n]}")
+        if input_ids[lo:hi] != tokens[start : start + n]:
+            raise ModelInputError(
+                f"{name}: input ids {input_ids[lo:hi]} at positions [{start}, {start + n}) "
+                f"!= its tokens {tokens[start : start + n]}"
+            )
         slots = [self._slot(mi.block_tables[j], p) for p in range(start, start + n)]
         if mi.slot_mapping[lo:hi] != slots:
             raise ModelInputError(f"{name}: slot_mapping {mi.slot_mapping[lo:hi]} != {slots} of its block table")
         if mi.seq_lens[j] != start + n:
             raise ModelInputError(f"{name}: seq_len {mi.seq_lens[j]} != {start + n}")
         if samples != (start + n == len(tokens)):
-            raise ModelInputError(f"{name}: {'samples' if samples else 'does not sample'} at the end of a "
-                                  f"chunk ending at {start + n} of its {len(tokens)} tokens")
+            raise ModelInputError(
+                f"{name}: {'samples' if samples else 'does not sample'} at the end of a "
+                f"chunk ending at {start + n} of its {len(tokens)} tokens"
+            )
 
     def _run(self, mi: ModelInput) -> ModelOutput:
         if self.closed:
@@ -236,8 +253,9 @@ class FakeExecutor:
             if self.strict:
                 self._check_rows(j, seq_id, input_ids, mi, k is not None)
                 if k is not None and mi.sample_seq_ids[k] != seq_id:
-                    raise ModelInputError(f"sample row {hi - 1} is seq_id {mi.sample_seq_ids[k]}'s, "
-                                          f"but its rows are seq_id {seq_id}'s")
+                    raise ModelInputError(
+                        f"sample row {hi - 1} is seq_id {mi.sample_seq_ids[k]}'s, but its rows are seq_id {seq_id}'s"
+                    )
                 truth = self._truth(seq_id)
                 for pos in range(mi.positions[lo]):  # attention reads all earlier K/V through the table
                     self._read(seq_id, table, pos, truth)
@@ -267,17 +285,34 @@ class FakeExecutor:
         return ModelOutput(sampler, prompt_logprobs)
 
 
-def make_engine(*, num_blocks: int, block_size: int = 4, max_num_seqs: int = 8,
-                max_num_batched_tokens: int = 64, max_model_len: int = 1024, enable_prefix_caching: bool = True,
-                enable_chunked_prefill: bool = True, async_scheduling: bool = False, vocab_size: int = 11,
-                strict: bool = True, trace=False) -> tuple[LLMEngine, FakeExecutor]:
+def make_engine(
+    *,
+    num_blocks: int,
+    block_size: int = 4,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 64,
+    max_model_len: int = 1024,
+    enable_prefix_caching: bool = True,
+    enable_chunked_prefill: bool = True,
+    async_scheduling: bool = False,
+    vocab_size: int = 11,
+    strict: bool = True,
+    trace=False,
+) -> tuple[LLMEngine, FakeExecutor]:
     """The real LLMEngine over a FakeExecutor, from a resolved EngineConfig without a model: a
     minimal HF config (vocab_size, max_position_embeddings) and ``device="cpu"`` (no torch)."""
-    config = EngineConfig(device="cpu", block_size=block_size, num_kvcache_blocks=num_blocks,
-                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
-                          enable_chunked_prefill=enable_chunked_prefill, async_scheduling=async_scheduling,
-                          skip_tokenizer_init=True)
+    config = EngineConfig(
+        device="cpu",
+        block_size=block_size,
+        num_kvcache_blocks=num_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_prefix_caching=enable_prefix_caching,
+        enable_chunked_prefill=enable_chunked_prefill,
+        async_scheduling=async_scheduling,
+        skip_tokenizer_init=True,
+    )
     config.resolve(SimpleNamespace(vocab_size=vocab_size, max_position_embeddings=max_model_len), "fake-model")
     executor = FakeExecutor(block_size, vocab_size, strict=strict)
     return LLMEngine(config, executor, trace=trace), executor

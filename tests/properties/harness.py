@@ -16,6 +16,7 @@ Usage::
 
 Pure Python: importing this module imports no torch.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -36,8 +37,8 @@ class SchedulerStuck(AssertionError):
 @dataclass
 class StepRecord:
     index: int
-    scheduled: list[tuple[str, int, int]]          # (request_id, first position, num_new_tokens)
-    admitted: list[tuple[str, int]]                 # (request_id, prefix-cache hit tokens)
+    scheduled: list[tuple[str, int, int]]  # (request_id, first position, num_new_tokens)
+    admitted: list[tuple[str, int]]  # (request_id, prefix-cache hit tokens)
     preempted: list[str]
     finished: list[str] = field(default_factory=list)
 
@@ -50,8 +51,9 @@ def check_step(scheduler: Scheduler, out: SchedulerOutput) -> None:
     """Step-level scheduler properties (catalogue item 6), checked right after ``schedule()``."""
     sched = scheduler
     bs = sched.block_manager.block_size
-    assert out.num_tokens <= sched.max_num_batched_tokens, \
+    assert out.num_tokens <= sched.max_num_batched_tokens, (
         f"token budget exceeded: {out.num_tokens} > max_num_batched_tokens={sched.max_num_batched_tokens}"
+    )
     assert len(out.seqs) <= sched.max_num_seqs, f"{len(out.seqs)} sequences > max_num_seqs={sched.max_num_seqs}"
     assert len(sched.running) <= sched.max_num_seqs, f"{len(sched.running)} running > max_num_seqs"
     assert len({id(s) for s in out.seqs}) == len(out.seqs), "a sequence scheduled twice in one step"
@@ -75,8 +77,9 @@ def check_step(scheduler: Scheduler, out: SchedulerOutput) -> None:
             n = out.num_new_tokens[out.seqs.index(seq)]
             remaining = seq.num_tokens - seq.num_computed_tokens
             # whole, unless it could never be taken whole (a recompute longer than the budget)
-            assert n == remaining or remaining > sched.max_num_batched_tokens, \
+            assert n == remaining or remaining > sched.max_num_batched_tokens, (
                 f"chunked prefill is off but {seq} was admitted with a chunk of {n} of {remaining}"
+            )
 
 
 class EngineHarness:
@@ -88,54 +91,77 @@ class EngineHarness:
     block hash (a weak one makes collisions).
     """
 
-    def __init__(self, *, num_blocks: int, block_size: int = 4, max_num_seqs: int = 8,
-                 max_num_batched_tokens: int = 64, max_model_len: int = 1024,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 async_scheduling: bool = False, hash_fn=None, vocab_size: int = 11,
-                 strict: bool = True, check: bool = True):
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int = 4,
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int = 64,
+        max_model_len: int = 1024,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        async_scheduling: bool = False,
+        hash_fn=None,
+        vocab_size: int = 11,
+        strict: bool = True,
+        check: bool = True,
+    ):
         self.engine, self.executor = make_engine(
-            num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
-            async_scheduling=async_scheduling, vocab_size=vocab_size, strict=strict, trace=self._record)
-        self.engine.tracer.max_events = 1   # the records below are what is kept
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
+            async_scheduling=async_scheduling,
+            vocab_size=vocab_size,
+            strict=strict,
+            trace=self._record,
+        )
+        self.engine.tracer.max_events = 1  # the records below are what is kept
         self.scheduler = self.engine.scheduler
         self.block_manager = self.engine.block_manager
         if hash_fn is not None:
             self.block_manager.hash_fn = hash_fn
-        self.scheduler.schedule = self._schedule   # this scheduler's steps are checked as they are made
+        self.scheduler.schedule = self._schedule  # this scheduler's steps are checked as they are made
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.async_scheduling = async_scheduling
         self.check = check
-        self.requests: dict[str, Sequence] = {}       # every request added, finished or not
-        self.outputs: dict[str, list[int]] = {}       # finished (not aborted) requests
+        self.requests: dict[str, Sequence] = {}  # every request added, finished or not
+        self.outputs: dict[str, list[int]] = {}  # finished (not aborted) requests
         self.finish_reasons: dict[str, str] = {}
         self.history: list[StepRecord] = []
         # per request: computed position ranges in order; ("preempted", -1) marks a preemption
         self.computed: dict[str, list[tuple[int, int] | tuple[str, int]]] = {}
-        self.admissions: dict[str, list[int]] = {}   # per request: prefix-cache hit tokens at each admission
+        self.admissions: dict[str, list[int]] = {}  # per request: prefix-cache hit tokens at each admission
         self._expected: dict[str, list[int]] = {}
         self._ids = itertools.count()
 
     # ------------------------------------------------------------- records
     def _schedule(self) -> SchedulerOutput:
-        out = Scheduler.schedule(self.scheduler)   # looked up per call: mutants patch the class
+        out = Scheduler.schedule(self.scheduler)  # looked up per call: mutants patch the class
         if self.check:
             check_step(self.scheduler, out)
         if out.is_empty and self.scheduler.has_unfinished():
-            raise SchedulerStuck(f"scheduler produced an empty step with requests pending: "
-                                 f"waiting={list(self.scheduler.waiting)} running={self.scheduler.running}")
+            raise SchedulerStuck(
+                f"scheduler produced an empty step with requests pending: "
+                f"waiting={list(self.scheduler.waiting)} running={self.scheduler.running}"
+            )
         return out
 
     def _record(self, event: StepEvent) -> None:
         """The engine's tracer callback: one StepEvent per completed step, in step order."""
-        record = StepRecord(len(self.history),
-                            [(s.request_id, s.num_computed_before, s.num_new_tokens) for s in event.seqs],
-                            [(s.request_id, s.num_cached_tokens) for s in event.seqs
-                             if s.num_cached_tokens is not None],
-                            list(event.preempted), [rid for rid, _ in event.finished])
+        record = StepRecord(
+            len(self.history),
+            [(s.request_id, s.num_computed_before, s.num_new_tokens) for s in event.seqs],
+            [(s.request_id, s.num_cached_tokens) for s in event.seqs if s.num_cached_tokens is not None],
+            list(event.preempted),
+            [rid for rid, _ in event.finished],
+        )
         self.history.append(record)
         for rid in record.preempted:
             self.computed[rid].append(("preempted", -1))
@@ -155,12 +181,20 @@ class EngineHarness:
         return [out.request_id for out in finished]
 
     # --------------------------------------------------------------- requests
-    def add_request(self, prompt: list[int], max_tokens: int = 8, *, request_id: str | None = None,
-                    min_tokens: int = 0, stop_token_ids=None) -> Sequence:
+    def add_request(
+        self,
+        prompt: list[int],
+        max_tokens: int = 8,
+        *,
+        request_id: str | None = None,
+        min_tokens: int = 0,
+        stop_token_ids=None,
+    ) -> Sequence:
         """Add a request to the engine; raises ValueError where the engine refuses it."""
         request_id = f"r{next(self._ids)}" if request_id is None else request_id
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=min_tokens,
-                                stop_token_ids=stop_token_ids)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, min_tokens=min_tokens, stop_token_ids=stop_token_ids
+        )
         self.engine.add_request(request_id, list(prompt), params)
         seq = self.engine.requests[request_id]
         self.executor.add_sequence(seq.seq_id, seq.prompt_token_ids, request_id)
@@ -181,8 +215,13 @@ class EngineHarness:
             seq = self.requests[request_id]
             p = seq.params
             self._expected[request_id] = reference_generate(
-                seq.prompt_token_ids, p.max_tokens, self.vocab_size, max_model_len=self.max_model_len,
-                stop_token_ids=seq.stop_token_ids, min_tokens=p.min_tokens)
+                seq.prompt_token_ids,
+                p.max_tokens,
+                self.vocab_size,
+                max_model_len=self.max_model_len,
+                stop_token_ids=seq.stop_token_ids,
+                min_tokens=p.min_tokens,
+            )
         return self._expected[request_id]
 
     @property
@@ -225,6 +264,8 @@ class EngineHarness:
                 break
             self.step()
         if self.has_unfinished:
-            raise SchedulerStuck(f"requests still unfinished after {bound} steps: "
-                                 f"waiting={list(self.scheduler.waiting)} running={self.scheduler.running}")
+            raise SchedulerStuck(
+                f"requests still unfinished after {bound} steps: "
+                f"waiting={list(self.scheduler.waiting)} running={self.scheduler.running}"
+            )
         return self.outputs

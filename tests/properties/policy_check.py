@@ -9,6 +9,7 @@ without the model: it needs only who arrived when, and what each step did.
 
 Pure Python: no torch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ class Req:
 @dataclass
 class StepView:
     """What one step did, as an observer of the trace sees it."""
+
     scheduled: list[str]
     admitted: list[str]
     preempted: list[str]
@@ -54,15 +56,18 @@ def check_fcfs(steps: list[StepView], arrived_before: dict[str, int]) -> None:
         assert ranks == sorted(ranks), f"{where}: served out of arrival order: {step.scheduled}"
         for victim in step.preempted:
             assert victim in running, f"{where}: preempted {victim} was not running"
-            assert order[victim] == max(order[r] for r in running), \
+            assert order[victim] == max(order[r] for r in running), (
                 f"{where}: preempted {victim} but later arrivals {[r for r in running if order[r] > order[victim]]} kept running"
+            )
             running.remove(victim)
         if step.preempted:
             assert not step.admitted, f"{where}: admitted {step.admitted} in a step that preempted {step.preempted}"
-        waiting = sorted((r for r, s in arrived_before.items() if s <= t and r not in done and r not in running),
-                         key=order.get)
-        assert step.admitted == waiting[:len(step.admitted)], \
+        waiting = sorted(
+            (r for r, s in arrived_before.items() if s <= t and r not in done and r not in running), key=order.get
+        )
+        assert step.admitted == waiting[: len(step.admitted)], (
             f"{where}: admitted {step.admitted} while the queue in arrival order is {waiting}"
+        )
         running += step.admitted
         for rid in step.finished:
             assert rid in running, f"{where}: {rid} finished but was not running"
@@ -71,8 +76,10 @@ def check_fcfs(steps: list[StepView], arrived_before: dict[str, int]) -> None:
 
 
 def fake_views(eng: EngineHarness) -> list[StepView]:
-    return [StepView([r for r, _, _ in h.scheduled], [r for r, _ in h.admitted], list(h.preempted), list(h.finished))
-            for h in eng.history]
+    return [
+        StepView([r for r, _, _ in h.scheduled], [r for r, _ in h.admitted], list(h.preempted), list(h.finished))
+        for h in eng.history
+    ]
 
 
 def run_against_model(cfg: dict, batches, *, vocab_size: int = 3, hash_fn=None, compare: bool = True):
@@ -96,25 +103,29 @@ def run_against_model(cfg: dict, batches, *, vocab_size: int = 3, hash_fn=None, 
         assert want is not None, f"{where}: the engine ran a step the model did not expect"
         assert got.scheduled == want.scheduled, f"{where}: scheduled {got.scheduled}, model {want.scheduled}"
         assert got.preempted == want.preempted, f"{where}: preempted {got.preempted}, model {want.preempted}"
-        assert got.admitted == want.admitted, \
+        assert got.admitted == want.admitted, (
             f"{where}: admitted (request, cached tokens) {got.admitted}, model {want.admitted}"
+        )
         finished = [(rid, eng.finish_reasons[rid]) for rid in got.finished]
         assert finished == want.finished, f"{where}: finished {finished}, model {want.finished}"
         free = eng.block_manager.num_free_blocks
         assert free == want.num_free_blocks, f"{where}: {free} free blocks, model {want.num_free_blocks}"
-        assert eng.block_manager.num_evictions == model.counters["evictions"], \
+        assert eng.block_manager.num_evictions == model.counters["evictions"], (
             f"{where}: {eng.block_manager.num_evictions} evictions so far, model {model.counters['evictions']}"
+        )
 
     for requests, num_steps in batches:
         for r in requests:
             try:
-                seq = eng.add_request(list(r.prompt), r.max_tokens, min_tokens=r.min_tokens,
-                                      stop_token_ids=list(r.stop_token_ids))
+                seq = eng.add_request(
+                    list(r.prompt), r.max_tokens, min_tokens=r.min_tokens, stop_token_ids=list(r.stop_token_ids)
+                )
             except ValueError:
                 continue  # refused by admission control (checked elsewhere)
             arrived_before[seq.request_id] = len(eng.history)
-            model.add(ModelRequest(seq.request_id, list(r.prompt), r.max_tokens, frozenset(r.stop_token_ids),
-                                   r.min_tokens))
+            model.add(
+                ModelRequest(seq.request_id, list(r.prompt), r.max_tokens, frozenset(r.stop_token_ids), r.min_tokens)
+            )
         for _ in range(num_steps):
             if not eng.has_unfinished:
                 break
@@ -133,9 +144,11 @@ def run_against_model(cfg: dict, batches, *, vocab_size: int = 3, hash_fn=None, 
         assert stats[name] == value, f"stats()[{name!r}] = {stats[name]}, the model expects {value}"
     for rid, req in model.requests.items():
         seq = eng.requests[rid]
-        assert seq.num_cached_tokens == req.num_cached_tokens, \
+        assert seq.num_cached_tokens == req.num_cached_tokens, (
             f"{rid}: num_cached_tokens {seq.num_cached_tokens}, model {req.num_cached_tokens} (its first admission)"
-        assert seq.num_preemptions == req.num_preemptions, \
+        )
+        assert seq.num_preemptions == req.num_preemptions, (
             f"{rid}: num_preemptions {seq.num_preemptions}, model {req.num_preemptions}"
-        assert eng.outputs[rid] == req.tokens[len(req.prompt):], f"{rid}: tokens differ from the model's"
+        )
+        assert eng.outputs[rid] == req.tokens[len(req.prompt) :], f"{rid}: tokens differ from the model's"
     return eng, model, arrived_before

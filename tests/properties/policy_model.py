@@ -38,6 +38,7 @@ newest token of a request past its prompt); generation tokens are the tokens sam
 Pure Python, no torch. ``next_token(request_id, tokens)`` supplies the model's tokens (the fake
 runner's reference function, or a real engine's tokens from an ample run).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -52,7 +53,7 @@ class ModelRequest:
     max_tokens: int
     stop_token_ids: frozenset[int] = frozenset()
     min_tokens: int = 0
-    no_prefix_cache: bool = False      # requests with prompt logprobs neither hit nor publish
+    no_prefix_cache: bool = False  # requests with prompt logprobs neither hit nor publish
     tokens: list[int] = field(init=False)
     computed: int = 0
     table: list[tuple | None] = field(default_factory=list)  # per block: the published prefix it holds, or None
@@ -81,18 +82,27 @@ class _Published:
 
 @dataclass
 class ModelStep:
-    scheduled: list[tuple[str, int, int]]        # (request, first position, tokens) in order
-    phases: list[str]                             # "prefill" | "decode", per scheduled entry
-    admitted: list[tuple[str, int]]               # (request, prefix-cache hit tokens)
+    scheduled: list[tuple[str, int, int]]  # (request, first position, tokens) in order
+    phases: list[str]  # "prefill" | "decode", per scheduled entry
+    admitted: list[tuple[str, int]]  # (request, prefix-cache hit tokens)
     preempted: list[str]
-    finished: list[tuple[str, str]]               # (request, finish reason)
+    finished: list[tuple[str, str]]  # (request, finish reason)
     num_free_blocks: int
 
 
 class PolicyModel:
-    def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 next_token: Callable[[str, list[int]], int]):
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        next_token: Callable[[str, list[int]], int],
+    ):
         self.num_blocks = num_blocks
         self.bs = block_size
         self.max_num_seqs = max_num_seqs
@@ -101,17 +111,23 @@ class PolicyModel:
         self.caching = enable_prefix_caching
         self.chunked = enable_chunked_prefill
         self.next_token = next_token
-        self.published: dict[tuple, _Published] = {}   # token prefix (whole blocks) -> publication
-        self.free_plain = num_blocks                     # free blocks holding nothing published
-        self.free_published: list[tuple] = []            # free published prefixes, least recently released first
+        self.published: dict[tuple, _Published] = {}  # token prefix (whole blocks) -> publication
+        self.free_plain = num_blocks  # free blocks holding nothing published
+        self.free_published: list[tuple] = []  # free published prefixes, least recently released first
         self._serials = itertools.count()
         self.waiting: list[ModelRequest] = []
         self.running: list[ModelRequest] = []
         self.requests: dict[str, ModelRequest] = {}
         self.steps: list[ModelStep] = []
-        self.counters = {"steps": 0, "preemptions": 0, "prefix_cache_hit_tokens": 0,
-                         "prefix_cache_query_tokens": 0, "prompt_tokens_computed": 0,
-                         "generation_tokens": 0, "evictions": 0}
+        self.counters = {
+            "steps": 0,
+            "preemptions": 0,
+            "prefix_cache_hit_tokens": 0,
+            "prefix_cache_query_tokens": 0,
+            "prompt_tokens_computed": 0,
+            "generation_tokens": 0,
+            "evictions": 0,
+        }
 
     # ---------------------------------------------------------------- requests
     def add(self, req: ModelRequest) -> None:
@@ -124,7 +140,7 @@ class PolicyModel:
 
     # ------------------------------------------------------------ prefix cache
     def _prefix(self, req: ModelRequest, i: int) -> tuple:
-        return tuple(req.tokens[:(i + 1) * self.bs])
+        return tuple(req.tokens[: (i + 1) * self.bs])
 
     def _hits(self, req: ModelRequest) -> list[tuple]:
         if not self.caching or req.no_prefix_cache:
@@ -268,8 +284,9 @@ class PolicyModel:
                 self._release(req)
                 finished.append((req.request_id, req.finish_reason))
         self.counters["steps"] += 1
-        record = ModelStep([(r.request_id, s, n) for r, s, n in scheduled], phases, admitted, preempted,
-                           finished, self.num_free_blocks)
+        record = ModelStep(
+            [(r.request_id, s, n) for r, s, n in scheduled], phases, admitted, preempted, finished, self.num_free_blocks
+        )
         self.steps.append(record)
         return record
 
@@ -280,4 +297,4 @@ class PolicyModel:
         raise AssertionError(f"the policy model did not finish within {max_steps} steps")
 
     def outputs(self) -> dict[str, list[int]]:
-        return {rid: r.tokens[len(r.prompt):] for rid, r in self.requests.items()}
+        return {rid: r.tokens[len(r.prompt) :] for rid, r in self.requests.items()}

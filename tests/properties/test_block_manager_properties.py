@@ -16,6 +16,7 @@ Items 3 and 4 run the real ``LLMEngine`` over a fake executor
 Each property has a negative control: a mutant from ``tests.mutants.core``
 under which the property check fails.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -62,15 +63,25 @@ def make_seq(seq_id: int, tokens) -> Sequence:
 
 def snapshot(bm: BlockManager) -> tuple:
     """Everything an allocation may change: ref counts, hashes, free queue order, hash map."""
-    return ([(b.ref_count, b.block_hash, b.token_ids) for b in bm.blocks], list(bm.free_blocks),
-            {h: b.block_id for h, b in bm.cached.items()}, bm.num_evictions)
+    return (
+        [(b.ref_count, b.block_hash, b.token_ids) for b in bm.blocks],
+        list(bm.free_blocks),
+        {h: b.block_id for h, b in bm.cached.items()},
+        bm.num_evictions,
+    )
 
 
 def negative_settings() -> settings:
     """For negative controls: stop at the first failure, no shrinking, no example database."""
-    return settings(settings.default, max_examples=max(settings.default.max_examples, 200),
-                    phases=[Phase.explicit, Phase.generate], database=None, derandomize=True,
-                    report_multiple_bugs=False, print_blob=False)
+    return settings(
+        settings.default,
+        max_examples=max(settings.default.max_examples, 200),
+        phases=[Phase.explicit, Phase.generate],
+        database=None,
+        derandomize=True,
+        report_multiple_bugs=False,
+        print_blob=False,
+    )
 
 
 tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=14)
@@ -91,17 +102,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
     waiting = Bundle("waiting")
     freed = Bundle("freed")  # sequences that ended: their cached blocks may still be findable
 
-    @initialize(block_size=st.integers(1, 4), num_blocks=st.integers(1, 12),
-                hash_kind=st.sampled_from(["xxhash", "weak4"]),
-                prefix_caching=st.sampled_from([True, True, True, False]))
+    @initialize(
+        block_size=st.integers(1, 4),
+        num_blocks=st.integers(1, 12),
+        hash_kind=st.sampled_from(["xxhash", "weak4"]),
+        prefix_caching=st.sampled_from([True, True, True, False]),
+    )
     def setup(self, block_size, num_blocks, hash_kind, prefix_caching):
         kwargs = {"hash_fn": weak_hash} if hash_kind == "weak4" else {}
         self.bm = BlockManager(num_blocks, block_size, prefix_caching, **kwargs)
         self.bs = block_size
         self.weak = hash_kind == "weak4"
-        self.seqs: dict[int, Sequence] = {}      # live: seq_id -> seq
-        self.pending: dict[int, int] = {}        # live: allocated, not yet computed tokens
-        self.tables: dict[int, list[int]] = {}   # model: expected block table of each live seq
+        self.seqs: dict[int, Sequence] = {}  # live: seq_id -> seq
+        self.pending: dict[int, int] = {}  # live: allocated, not yet computed tokens
+        self.tables: dict[int, list[int]] = {}  # model: expected block table of each live seq
         self.kv: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
         self.ids = itertools.count()
 
@@ -121,13 +135,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert len({b.block_id for b in hits}) == len(hits), "a hit block repeats"
         truth = self._truth(seq)
         for i, block in enumerate(hits):
-            want = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            want = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             assert block.token_ids == want, f"hit {block} holds tokens {block.token_ids}, sequence has {want}"
             for off in range(bs):
                 pos = i * bs + off
                 slot = block.block_id * bs + off
-                assert self.kv[slot] == (pos, truth[pos]), \
+                assert self.kv[slot] == (pos, truth[pos]), (
                     f"hit {block} serves K/V {self.kv[slot]} at position {pos}, the sequence needs {truth[pos]}"
+                )
 
     def _allocate(self, seq: Sequence, num_new: int, hits=()) -> bool:
         before = snapshot(self.bm)
@@ -142,15 +157,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not ok:
             assert need > available, f"allocation of {need} blocks failed with {available} available"
             assert snapshot(self.bm) == before, "a failed allocation changed the block manager"
-            assert seq.block_table == table_before and seq.num_computed_tokens == computed_before, \
+            assert seq.block_table == table_before and seq.num_computed_tokens == computed_before, (
                 "a failed allocation changed the sequence"
+            )
             return False
         assert need <= available, f"allocation of {need} blocks succeeded with {available} available"
-        assert seq.block_table[:len(table_before)] == table_before, "block table is not append-only"
-        assert seq.block_table[len(table_before):len(table_before) + len(hits)] == [b.block_id for b in hits], \
+        assert seq.block_table[: len(table_before)] == table_before, "block table is not append-only"
+        assert seq.block_table[len(table_before) : len(table_before) + len(hits)] == [b.block_id for b in hits], (
             "cache hits are not the first blocks of the table"
-        assert len(seq.block_table) == self.bm.blocks_needed(computed_before + cached + num_new), \
+        )
+        assert len(seq.block_table) == self.bm.blocks_needed(computed_before + cached + num_new), (
             f"{seq} got {len(seq.block_table)} blocks for {computed_before + cached + num_new} tokens"
+        )
         self.tables[seq.seq_id] = list(seq.block_table)
         return True
 
@@ -177,15 +195,25 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def admit(self, tokens, chunk):
         return self._admit(make_seq(next(self.ids), tokens), chunk)
 
-    @rule(target=live, parent=live, cut=st.integers(0, 16), suffix=st.lists(st.integers(0, 2), max_size=5),
-          chunk=st.integers(0, 20))
+    @rule(
+        target=live,
+        parent=live,
+        cut=st.integers(0, 16),
+        suffix=st.lists(st.integers(0, 2), max_size=5),
+        chunk=st.integers(0, 20),
+    )
     def share_prefix(self, parent, cut, suffix, chunk):
         """A new sequence that shares a prefix with a live one (a prefix-cache hit, when published)."""
         tokens = parent.token_ids[:cut] + suffix or [0]
         return self._admit(make_seq(next(self.ids), tokens), chunk)
 
-    @rule(target=live, parent=freed, cut=st.integers(0, 16), suffix=st.lists(st.integers(0, 2), max_size=5),
-          chunk=st.integers(0, 20))
+    @rule(
+        target=live,
+        parent=freed,
+        cut=st.integers(0, 16),
+        suffix=st.lists(st.integers(0, 2), max_size=5),
+        chunk=st.integers(0, 20),
+    )
     def share_prefix_of_freed(self, parent, cut, suffix, chunk):
         """A new sequence sharing a prefix with one that ended (hits on free cached blocks)."""
         tokens = parent.token_ids[:cut] + suffix or [0]
@@ -210,8 +238,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         start = seq.num_computed_tokens
         truth = self._truth(seq)
         for pos in range(start):  # attention reads every earlier position through the block table
-            assert self.kv[self._slot(seq, pos)] == (pos, truth[pos]), \
+            assert self.kv[self._slot(seq, pos)] == (pos, truth[pos]), (
                 f"{seq}: K/V of position {pos} was overwritten while in use"
+            )
         for pos in range(start, start + n):
             prev = truth[pos - 1] if pos else KV_ROOT
             self.kv[self._slot(seq, pos)] = (pos, kv_value(prev, pos, seq.token_ids[pos]))
@@ -274,8 +303,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule()
     def reset_prefix_cache(self):
         assert self.bm.reset_prefix_cache()
-        assert not self.bm.cached and all(b.block_hash is None for b in self.bm.blocks), \
+        assert not self.bm.cached and all(b.block_hash is None for b in self.bm.blocks), (
             "reset_prefix_cache left published blocks"
+        )
 
     # ---------------------------------------------------------- invariants
     @invariant()
@@ -290,14 +320,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert seq.block_table == self.tables[sid], f"{seq} table changed behind the model's back"
             for bid in seq.block_table:
                 used[bid] = used.get(bid, 0) + 1
-        assert bm.num_free_blocks == bm.num_blocks - len(used), \
+        assert bm.num_free_blocks == bm.num_blocks - len(used), (
             f"free count {bm.num_free_blocks} != {bm.num_blocks} - {len(used)} used"
+        )
         for b in bm.blocks:
             assert b.ref_count == used.get(b.block_id, 0), f"{b} ref_count != {used.get(b.block_id, 0)}"
         for b in bm.cached.values():  # published = full and computed: its K/V are written
             assert b.token_ids is not None and len(b.token_ids) == self.bs
-            assert all(self.kv[b.block_id * self.bs + off] is not None for off in range(self.bs)), \
+            assert all(self.kv[b.block_id * self.bs + off] is not None for off in range(self.bs)), (
                 f"{b} is published but its K/V were never written"
+            )
 
     @invariant()
     def live_kv_intact(self):
@@ -305,8 +337,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for seq in self.seqs.values():
             truth = self._truth(seq)
             for pos in range(seq.num_computed_tokens):
-                assert self.kv[self._slot(seq, pos)] == (pos, truth[pos]), \
+                assert self.kv[self._slot(seq, pos)] == (pos, truth[pos]), (
                     f"{seq}: K/V of position {pos} lost while in use"
+                )
 
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
@@ -314,8 +347,10 @@ TestBlockManagerMachine = BlockManagerMachine.TestCase
 
 def _machine_without_kv_model():
     """The same machine but relying on BlockManager.check_invariants only (what the engine itself checks)."""
+
     class Machine(BlockManagerMachine):
         pass
+
     Machine.matches_model = invariant()(lambda self: None)
     Machine.live_kv_intact = invariant()(lambda self: None)
     return Machine
@@ -323,13 +358,19 @@ def _machine_without_kv_model():
 
 def narrowed(**fixed) -> type[BlockManagerMachine]:
     """The same machine, rules and invariants, with some setup arguments narrowed to a corner."""
-    args = {"block_size": st.integers(1, 4), "num_blocks": st.integers(1, 12),
-            "hash_kind": st.sampled_from(["xxhash", "weak4"]), "prefix_caching": st.just(True), **fixed}
+    args = {
+        "block_size": st.integers(1, 4),
+        "num_blocks": st.integers(1, 12),
+        "hash_kind": st.sampled_from(["xxhash", "weak4"]),
+        "prefix_caching": st.just(True),
+        **fixed,
+    }
 
     class Narrowed(BlockManagerMachine):
         @initialize(**args)
         def setup(self, block_size, num_blocks, hash_kind, prefix_caching):
             BlockManagerMachine.setup(self, block_size, num_blocks, hash_kind, prefix_caching)
+
     return Narrowed
 
 
@@ -379,10 +420,11 @@ def check_hash_locality(tokens, bs, p, new_token) -> None:
             assert h1[i] != h2[i], f"token {p} did not change the hash of block {i} >= {p // bs}"
 
 
-locality_st = st.integers(1, 6).flatmap(lambda bs: st.tuples(
-    st.just(bs), st.lists(st.integers(0, 2**31), min_size=1, max_size=6 * bs)).flatmap(
-    lambda t: st.tuples(st.just(t[1]), st.just(t[0]), st.integers(0, len(t[1]) - 1),
-                        st.integers(0, 2**31))))
+locality_st = st.integers(1, 6).flatmap(
+    lambda bs: st.tuples(st.just(bs), st.lists(st.integers(0, 2**31), min_size=1, max_size=6 * bs)).flatmap(
+        lambda t: st.tuples(st.just(t[1]), st.just(t[0]), st.integers(0, len(t[1]) - 1), st.integers(0, 2**31))
+    )
+)
 
 
 @given(locality_st)
@@ -399,6 +441,7 @@ def test_negative_hash_locality():
         tokens, bs, p, new = case
         assume(tokens[p] != new)
         check_hash_locality(tokens, bs, p, new)
+
     with MUTANTS["hash_not_chained"](), pytest.raises(AssertionError, match="did not change the hash"):
         prop()
 
@@ -454,8 +497,15 @@ def hashes_in_subprocesses(seeds=("0", "12345", "4242"), mutant: str = "") -> li
     procs = []
     for seed in seeds:
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        procs.append(subprocess.Popen([sys.executable, "-c", _HASH_SCRIPT, str(REPO), mutant, json.dumps(HASH_CASES)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", _HASH_SCRIPT, str(REPO), mutant, json.dumps(HASH_CASES)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     results = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=60)
@@ -487,13 +537,16 @@ def test_negative_hash_cross_process():
 
 # ======================================================= 3. collision safety
 workload_st = st.tuples(
-    st.integers(1, 4),                                                    # block size
-    st.lists(st.integers(0, 1), min_size=0, max_size=12),                 # a shared stem
-    st.lists(st.tuples(st.integers(0, 12), st.lists(st.integers(0, 1), max_size=8), st.integers(1, 6)),
-             min_size=1, max_size=8),                                     # (cut of stem, suffix, max_tokens)
-    st.integers(0, 6),                                                    # extra KV blocks beyond the minimum
-    st.integers(1, 4),                                                    # max_num_seqs
-    st.booleans(),                                                        # async scheduling
+    st.integers(1, 4),  # block size
+    st.lists(st.integers(0, 1), min_size=0, max_size=12),  # a shared stem
+    st.lists(
+        st.tuples(st.integers(0, 12), st.lists(st.integers(0, 1), max_size=8), st.integers(1, 6)),
+        min_size=1,
+        max_size=8,
+    ),  # (cut of stem, suffix, max_tokens)
+    st.integers(0, 6),  # extra KV blocks beyond the minimum
+    st.integers(1, 4),  # max_num_seqs
+    st.booleans(),  # async scheduling
 )
 
 
@@ -502,9 +555,17 @@ def run_workload(case, *, hash_fn=None, strict=True, check=True, ample=False):
     prompts = [(stem[:cut] + suffix) or [0] for cut, suffix, _ in reqs]
     need = max(-(-(len(p) + m - 1) // bs) for p, (_, _, m) in zip(prompts, reqs))
     num_blocks = 200 if ample else need + extra
-    eng = EngineHarness(num_blocks=num_blocks, block_size=bs, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=8, async_scheduling=async_scheduling, hash_fn=hash_fn,
-                        vocab_size=2, strict=strict, check=check)
+    eng = EngineHarness(
+        num_blocks=num_blocks,
+        block_size=bs,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=8,
+        async_scheduling=async_scheduling,
+        hash_fn=hash_fn,
+        vocab_size=2,
+        strict=strict,
+        check=check,
+    )
     for prompt, (_, _, max_tokens) in zip(prompts, reqs):
         eng.add_request(prompt, max_tokens)
     eng.run()
@@ -519,9 +580,11 @@ def check_collision_safety(case) -> None:
         hits = orig(self, seq)
         bs = self.block_size
         for i, b in enumerate(hits):
-            assert b.token_ids == tuple(seq.token_ids[i * bs:(i + 1) * bs]), \
+            assert b.token_ids == tuple(seq.token_ids[i * bs : (i + 1) * bs]), (
                 f"cache hit {b} holds tokens {b.token_ids}, not the sequence's block {i}"
+            )
         return hits
+
     BlockManager.get_computed_blocks = spy
     try:
         eng = run_workload(case, hash_fn=weak_hash)
@@ -541,6 +604,7 @@ def test_negative_collision_safety():
     @given(workload_st)
     def prop(case):
         check_collision_safety(case)
+
     with MUTANTS["hit_skips_token_check"](), pytest.raises(AssertionError):
         prop()
 
@@ -555,15 +619,16 @@ def test_collision_of_parent_hash_never_serves_wrong_kv(async_scheduling):
     """
     bs = 2
     colliding = lambda parent, tokens: 0 if parent is None else hash_block_tokens(parent, tokens)  # noqa: E731
-    eng = EngineHarness(num_blocks=16, block_size=bs, max_num_seqs=1, async_scheduling=async_scheduling,
-                        hash_fn=colliding, vocab_size=5)
+    eng = EngineHarness(
+        num_blocks=16, block_size=bs, max_num_seqs=1, async_scheduling=async_scheduling, hash_fn=colliding, vocab_size=5
+    )
     a, b, t = [1, 1], [2, 2], [3, 3]
-    eng.add_request(b + [4], 1)      # publishes block [2 2] under hash 0
+    eng.add_request(b + [4], 1)  # publishes block [2 2] under hash 0
     eng.run()
     eng.add_request(a + t + [4], 1)  # block [1 1] collides with it (stays private)
-    eng.run()                        # ... so [3 3]-after-[1 1] must not be findable as [3 3]-after-[2 2]
+    eng.run()  # ... so [3 3]-after-[1 1] must not be findable as [3 3]-after-[2 2]
     eng.add_request(b + t + [4], 1)  # block 0 hits [2 2]; block 1 must not hit [3 3]-after-[1 1]
-    eng.run()                        # strict fake K/V: a wrong hit raises KVCacheError
+    eng.run()  # strict fake K/V: a wrong hit raises KVCacheError
     for rid in eng.outputs:
         assert eng.outputs[rid] == eng.expected_output(rid)
 
@@ -581,17 +646,24 @@ def common_prefix(a, b) -> int:
 def check_cached_tokens(bs, prompts, async_scheduling=False) -> None:
     """Requests run one after another with an ample cache: each hits exactly the full blocks it shares."""
     vocab_size = max(3, 1 + max(t for prompt, _ in prompts for t in prompt))
-    eng = EngineHarness(num_blocks=400, block_size=bs, max_num_seqs=1, max_num_batched_tokens=1000,
-                        async_scheduling=async_scheduling, vocab_size=vocab_size)
+    eng = EngineHarness(
+        num_blocks=400,
+        block_size=bs,
+        max_num_seqs=1,
+        max_num_batched_tokens=1000,
+        async_scheduling=async_scheduling,
+        vocab_size=vocab_size,
+    )
     computed: list[list[int]] = []  # token sequences whose K/V were computed (all but the last sampled)
     for prompt, max_tokens in prompts:
         seq = eng.add_request(prompt, max_tokens)
         common = max((common_prefix(prompt, c) for c in computed), default=0)
         expect = bs * (min(common, len(prompt) - 1) // bs)
         hits = eng.block_manager.get_computed_blocks(seq)
-        assert len(hits) * bs == expect, \
-            f"prompt {prompt}: {len(hits) * bs} cached tokens, expected bs*floor(min({common}, {len(prompt) - 1})/bs)" \
+        assert len(hits) * bs == expect, (
+            f"prompt {prompt}: {len(hits) * bs} cached tokens, expected bs*floor(min({common}, {len(prompt) - 1})/bs)"
             f" = {expect}"
+        )
         eng.run()
         assert eng.admissions[seq.request_id] == [expect], f"admitted with {eng.admissions[seq.request_id]} cached"
         assert seq.num_cached_tokens == expect
@@ -600,9 +672,17 @@ def check_cached_tokens(bs, prompts, async_scheduling=False) -> None:
     assert eng.block_manager.num_evictions == 0
 
 
-cached_st = st.integers(1, 5).flatmap(lambda bs: st.tuples(st.just(bs), st.lists(
-    st.tuples(st.lists(st.integers(0, 1), min_size=1, max_size=4 * bs + 2), st.integers(1, 2 * bs)),
-    min_size=1, max_size=6), st.booleans()))
+cached_st = st.integers(1, 5).flatmap(
+    lambda bs: st.tuples(
+        st.just(bs),
+        st.lists(
+            st.tuples(st.lists(st.integers(0, 1), min_size=1, max_size=4 * bs + 2), st.integers(1, 2 * bs)),
+            min_size=1,
+            max_size=6,
+        ),
+        st.booleans(),
+    )
+)
 
 
 @given(cached_st)
@@ -622,6 +702,7 @@ def test_negative_cached_tokens():
     @given(cached_st)
     def prop(case):
         check_cached_tokens(*case)
+
     with MUTANTS["full_hit_skips_last_token"](), pytest.raises(AssertionError):
         prop()
 
@@ -637,11 +718,11 @@ def test_blocks_in_use_never_evicted(case):
 
 # ========================================================= 5. failed allocation
 failed_alloc_st = st.tuples(
-    st.integers(1, 4),                                                    # block size
-    st.integers(2, 10),                                                   # num blocks
+    st.integers(1, 4),  # block size
+    st.integers(2, 10),  # num blocks
     st.lists(st.tuples(st.lists(st.integers(0, 1), min_size=1, max_size=12), st.booleans()), max_size=6),
-    st.lists(st.integers(0, 1), min_size=1, max_size=16),                 # the new sequence
-    st.integers(0, 3),                                                    # tokens beyond the limit
+    st.lists(st.integers(0, 1), min_size=1, max_size=16),  # the new sequence
+    st.integers(0, 3),  # tokens beyond the limit
 )
 
 
@@ -662,7 +743,7 @@ def check_failed_allocation(case) -> None:
     hits = bm.get_computed_blocks(seq)
     revived = sum(1 for b in hits if b.ref_count == 0)
     available = bm.num_free_blocks - revived
-    fits = available * bs   # new tokens that fit in the available blocks (hits are whole blocks)
+    fits = available * bs  # new tokens that fit in the available blocks (hits are whole blocks)
     before, table = snapshot(bm), list(seq.block_table)
     assert not bm.allocate_slots(seq, fits + 1 + over * bs, hits), "allocated beyond the free blocks"
     assert snapshot(bm) == before, "a failed allocation changed ref counts, free queue or hash map"
@@ -684,5 +765,6 @@ def test_negative_failed_allocation():
     @given(failed_alloc_st)
     def prop(case):
         check_failed_allocation(case)
+
     with MUTANTS["failed_alloc_not_atomic"](), pytest.raises(AssertionError, match="failed allocation changed"):
         prop()

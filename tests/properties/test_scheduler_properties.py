@@ -18,6 +18,7 @@ Each property has a negative control: a mutant from ``tests.mutants.core``
 under which the property check fails (and the async pipeline one: placeholders
 reading the wrong sample row).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -43,15 +44,21 @@ from tests.properties.harness import EngineHarness
 
 def negative_settings() -> settings:
     """For negative controls: stop at the first failure, no shrinking, no example database."""
-    return settings(settings.default, max_examples=max(settings.default.max_examples, 200),
-                    phases=[Phase.explicit, Phase.generate], database=None, derandomize=True,
-                    report_multiple_bugs=False, print_blob=False)
+    return settings(
+        settings.default,
+        max_examples=max(settings.default.max_examples, 200),
+        phases=[Phase.explicit, Phase.generate],
+        database=None,
+        derandomize=True,
+        report_multiple_bugs=False,
+        print_blob=False,
+    )
 
 
 STEMS = [[0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2], [1, 1, 1, 1, 1, 1, 1, 1], [2, 0, 2, 0, 2, 0]]
 prompt_st = st.tuples(st.sampled_from(STEMS), st.integers(0, 12), st.lists(st.integers(0, 2), max_size=4)).map(
-    lambda t: (t[0][:t[1]] + t[2]) or [0])
-
+    lambda t: (t[0][: t[1]] + t[2]) or [0]
+)
 
 
 @st.composite
@@ -60,18 +67,22 @@ def config_st(draw, **fixed) -> dict:
 
     ``fixed`` narrows a field to a strategy (negative controls aim at a corner this way).
     """
+
     def pick(name, default):
         return draw(fixed.get(name, default))
+
     bs = pick("block_size", st.integers(1, 4))
     max_model_len = pick("max_model_len", st.sampled_from([8, 12, 16, 24]))
     one_request = -(-(max_model_len - 1) // bs)
     return {
         "block_size": bs,
-        "num_blocks": pick("num_blocks", st.one_of(st.integers(one_request, one_request + 3),
-                                                   st.integers(1, 2 * one_request))),
+        "num_blocks": pick(
+            "num_blocks", st.one_of(st.integers(one_request, one_request + 3), st.integers(1, 2 * one_request))
+        ),
         "max_num_seqs": pick("max_num_seqs", st.integers(1, 4)),
-        "max_num_batched_tokens": pick("max_num_batched_tokens",
-                                       st.sampled_from([1, 2, 3, 4, 5, 7, 8, 12, 16, INF_BUDGET])),
+        "max_num_batched_tokens": pick(
+            "max_num_batched_tokens", st.sampled_from([1, 2, 3, 4, 5, 7, 8, 12, 16, INF_BUDGET])
+        ),
         "max_model_len": max_model_len,
         "enable_chunked_prefill": pick("enable_chunked_prefill", st.booleans()),
         "enable_prefix_caching": pick("enable_prefix_caching", st.booleans()),
@@ -208,8 +219,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(waiting) + len(running) == len(set(waiting) | set(running)), "a request queued twice"
         # finished in a drain: out of the scheduler, its output not returned by a step yet
         done = {rid for rid in self.live if h.requests[rid].finish_reason is not None}
-        assert set(waiting) | set(running) == self.live - done, \
+        assert set(waiting) | set(running) == self.live - done, (
             f"scheduler holds {set(waiting) | set(running)}, the model expects {self.live - done}"
+        )
         assert len(running) <= sched.max_num_seqs
         for seq in sched.waiting:
             assert not seq.block_table and seq.num_computed_tokens == 0, f"waiting {seq} holds blocks"
@@ -221,8 +233,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.clean and hasattr(self, "harness"):
             self._run_to_end()
             sched = self.harness.scheduler
-            mode = (f"chunked={sched.enable_chunked_prefill} prefix={self.harness.block_manager.enable_prefix_caching}"
-                    f" async={self.harness.async_scheduling}")
+            mode = (
+                f"chunked={sched.enable_chunked_prefill} prefix={self.harness.block_manager.enable_prefix_caching}"
+                f" async={self.harness.async_scheduling}"
+            )
             event(f"{mode}: {'preempted' if sched.num_preemptions else 'no preemption'}")
             event("cache hits" if sched.num_cache_hit_tokens else "no cache hits")
             if self.harness.async_scheduling:
@@ -234,16 +248,22 @@ TestSchedulerMachine = SchedulerMachine.TestCase
 
 def narrowed(**fixed) -> type[SchedulerMachine]:
     """The same machine, rules and invariants, with some config fields narrowed to a corner."""
+
     class Narrowed(SchedulerMachine):
         @initialize(cfg=config_st(**fixed))
         def setup(self, cfg):
             SchedulerMachine.setup(self, cfg)
+
     return Narrowed
 
 
 # one request of max_model_len 8 fits in 7 blocks of 1 token; two running ones soon do not: preemption
-TINY = {"max_num_seqs": st.integers(2, 4), "max_model_len": st.just(8), "block_size": st.just(1),
-        "num_blocks": st.integers(7, 8)}
+TINY = {
+    "max_num_seqs": st.integers(2, 4),
+    "max_model_len": st.just(8),
+    "block_size": st.just(1),
+    "num_blocks": st.integers(7, 8),
+}
 # mutant -> the corner its negative control searches (the full space finds it too, in more examples)
 SCHEDULER_NEGATIVE_CORNERS = {
     "free_no_decref": {},
@@ -251,8 +271,11 @@ SCHEDULER_NEGATIVE_CORNERS = {
     "max_num_seqs_off_by_one": {},
     "preempt_keeps_block_table": TINY,
     "preempt_oldest": TINY,
-    "chunked_off_recompute_stuck": {**TINY, "enable_chunked_prefill": st.just(False),
-                                    "max_num_batched_tokens": st.integers(1, 4)},
+    "chunked_off_recompute_stuck": {
+        **TINY,
+        "enable_chunked_prefill": st.just(False),
+        "max_num_batched_tokens": st.integers(1, 4),
+    },
 }
 
 
@@ -274,23 +297,32 @@ def test_negative_async_placeholder_row(monkeypatch):
 
 # ===================================================== 7. preemption exactness
 workload_st = st.tuples(
-    st.integers(1, 4),                                                            # block size
-    st.lists(st.tuples(prompt_st, st.integers(1, 12)), min_size=1, max_size=6),   # (prompt, max_tokens)
-    st.integers(1, 4),                                                            # max_num_seqs
-    st.sampled_from([1, 3, 8, INF_BUDGET]),                                       # token budget
-    st.booleans(),                                                                # prefix caching
-    st.integers(0, 2),                                                            # blocks beyond the minimum
-    st.tuples(st.booleans(), st.booleans()),                                      # async: (ample, starved)
+    st.integers(1, 4),  # block size
+    st.lists(st.tuples(prompt_st, st.integers(1, 12)), min_size=1, max_size=6),  # (prompt, max_tokens)
+    st.integers(1, 4),  # max_num_seqs
+    st.sampled_from([1, 3, 8, INF_BUDGET]),  # token budget
+    st.booleans(),  # prefix caching
+    st.integers(0, 2),  # blocks beyond the minimum
+    st.tuples(st.booleans(), st.booleans()),  # async: (ample, starved)
 )
 
 
-def run_workload(case, num_blocks: int | None = None, *, async_scheduling=False, strict=True,
-                 check=True) -> EngineHarness:
+def run_workload(
+    case, num_blocks: int | None = None, *, async_scheduling=False, strict=True, check=True
+) -> EngineHarness:
     bs, reqs, max_num_seqs, budget, prefix, extra, _ = case
     need = max(-(-(len(p) + m - 1) // bs) for p, m in reqs)
-    eng = EngineHarness(num_blocks=need + extra if num_blocks is None else num_blocks, block_size=bs,
-                        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_prefix_caching=prefix,
-                        async_scheduling=async_scheduling, vocab_size=3, strict=strict, check=check)
+    eng = EngineHarness(
+        num_blocks=need + extra if num_blocks is None else num_blocks,
+        block_size=bs,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=prefix,
+        async_scheduling=async_scheduling,
+        vocab_size=3,
+        strict=strict,
+        check=check,
+    )
     for prompt, max_tokens in reqs:
         eng.add_request(prompt, max_tokens)
     eng.run()
@@ -304,9 +336,10 @@ def check_preemption_exactness(case, *, strict=True, check=True) -> int:
     ample = run_workload(case, num_blocks=1000, async_scheduling=async_ample, strict=strict, check=check)
     starved = run_workload(case, async_scheduling=async_starved, strict=strict, check=check)
     assert ample.scheduler.num_preemptions == 0
-    assert starved.outputs == ample.outputs, \
-        f"outputs differ under a starved KV cache ({starved.scheduler.num_preemptions} preemptions): " \
+    assert starved.outputs == ample.outputs, (
+        f"outputs differ under a starved KV cache ({starved.scheduler.num_preemptions} preemptions): "
         f"{starved.outputs} != {ample.outputs}"
+    )
     return starved.scheduler.num_preemptions
 
 
@@ -329,10 +362,12 @@ def test_preemption_exactness_forced():
 @pytest.mark.parametrize("mutant", ["stale_hash_after_eviction", "position_after_preemption"])
 def test_negative_preemption_exactness(mutant):
     """The output comparison alone (no invariants, no strict K/V reads) catches wrong K/V after preemption."""
+
     @negative_settings()
     @given(workload_st)
     def prop(case):
         check_preemption_exactness(case, strict=False, check=False)
+
     with MUTANTS[mutant](), pytest.raises(AssertionError, match="outputs differ under a starved KV cache"):
         prop()
 
@@ -357,31 +392,41 @@ def check_chunk_coverage(eng: EngineHarness) -> None:
         assert cached % eng.block_size == 0 and cached < seq.num_prompt_tokens
         positions = list(range(cached))  # prefix-cache hits: computed before, by another request
         for start, end in ranges:
-            assert start == len(positions), \
+            assert start == len(positions), (
                 f"{rid}: chunk [{start}, {end}) does not start where the last one ended ({len(positions)})"
+            )
             positions.extend(range(start, end))
         # every token but the last sampled one has its K/V computed, once, in order
-        assert positions == list(range(seq.num_tokens - 1)), \
+        assert positions == list(range(seq.num_tokens - 1)), (
             f"{rid}: computed positions {positions} != 0..{seq.num_tokens - 2} exactly once"
+        )
         prompt_chunks = [(s, e) for s, e in ranges if s < seq.num_prompt_tokens]
         assert prompt_chunks and prompt_chunks[-1][1] >= seq.num_prompt_tokens, f"{rid}: prompt never completed"
 
 
 chunk_case_st = st.tuples(
-    st.integers(1, 6),                                                            # block size
+    st.integers(1, 6),  # block size
     st.lists(st.tuples(prompt_st, st.integers(1, 6)), min_size=1, max_size=5),
-    st.integers(1, 4),                                                            # max_num_seqs
-    st.booleans(),                                                                # prefix caching
-    st.booleans(),                                                                # async scheduling
+    st.integers(1, 4),  # max_num_seqs
+    st.booleans(),  # prefix caching
+    st.booleans(),  # async scheduling
 )
 
 
 def run_chunk_case(case, budget_kind: str, *, strict=True, check=True) -> EngineHarness:
     bs, reqs, max_num_seqs, prefix, async_scheduling = case
-    eng = EngineHarness(num_blocks=1000, block_size=bs, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=budget_of(budget_kind, bs), enable_prefix_caching=prefix,
-                        enable_chunked_prefill=True, async_scheduling=async_scheduling, vocab_size=3,
-                        strict=strict, check=check)
+    eng = EngineHarness(
+        num_blocks=1000,
+        block_size=bs,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget_of(budget_kind, bs),
+        enable_prefix_caching=prefix,
+        enable_chunked_prefill=True,
+        async_scheduling=async_scheduling,
+        vocab_size=3,
+        strict=strict,
+        check=check,
+    )
     for prompt, max_tokens in reqs:
         eng.add_request(prompt, max_tokens)
     eng.run()
@@ -399,10 +444,12 @@ def test_chunk_coverage(budget_kind, case):
 
 def test_negative_chunk_coverage():
     """The coverage check alone (no strict K/V reads, no invariants) catches an off-by-one chunk boundary."""
+
     @negative_settings()
     @given(case=chunk_case_st, budget_kind=st.sampled_from(BUDGETS))
     def prop(case, budget_kind):
         check_chunk_coverage(run_chunk_case(case, budget_kind, strict=False, check=False))
+
     with MUTANTS["chunk_boundary_off_by_one"](), pytest.raises(AssertionError, match="does not start where"):
         prop()
 
@@ -411,9 +458,17 @@ def test_negative_chunk_coverage():
 def check_chunked_prefill_off_recompute(async_scheduling: bool) -> None:
     """Prompts fit the budget, but after decoding a preempted request has more tokens than
     max_num_batched_tokens; it must resume (not wait forever: an empty step)."""
-    eng = EngineHarness(num_blocks=7, block_size=1, max_num_seqs=2, max_num_batched_tokens=2, max_model_len=8,
-                        enable_chunked_prefill=False, enable_prefix_caching=False,
-                        async_scheduling=async_scheduling, vocab_size=3)
+    eng = EngineHarness(
+        num_blocks=7,
+        block_size=1,
+        max_num_seqs=2,
+        max_num_batched_tokens=2,
+        max_model_len=8,
+        enable_chunked_prefill=False,
+        enable_prefix_caching=False,
+        async_scheduling=async_scheduling,
+        vocab_size=3,
+    )
     eng.add_request([0], 4)
     eng.add_request([0], 4)
     eng.run()
@@ -436,8 +491,7 @@ def test_negative_chunked_prefill_off_recompute(async_scheduling):
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_engine_stop_rules_match_reference(async_scheduling):
     """The engine's stop rules agree with the reference's (stop token, min_tokens, max_model_len)."""
-    eng = EngineHarness(num_blocks=64, block_size=2, max_model_len=12, async_scheduling=async_scheduling,
-                        vocab_size=3)
+    eng = EngineHarness(num_blocks=64, block_size=2, max_model_len=12, async_scheduling=async_scheduling, vocab_size=3)
     for i, prompt in enumerate(([0, 1], [1, 2, 0], [2, 2, 2, 2, 2])):
         eng.add_request(prompt, 9, stop_token_ids=[i], min_tokens=i)
     eng.add_request([0] * 10, 16)  # ends at max_model_len

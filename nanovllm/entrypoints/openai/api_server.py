@@ -7,6 +7,7 @@ names the field: malformed JSON and wrong types (400, the field's path), bad val
 unknown model (404), missing or wrong API key (401), a dead engine (503). A client that
 disconnects has its request aborted, streaming or not.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,15 +37,19 @@ from nanovllm.entrypoints.openai.serving_completion import create_completion
 
 logger = logging.getLogger(__name__)
 DEV_MODE_ENV = "NANOVLLM_SERVER_DEV_MODE"
-OPEN_PATHS = ("/health", "/metrics")   # answered without the API key (load balancers, scrapers)
+OPEN_PATHS = ("/health", "/metrics")  # answered without the API key (load balancers, scrapers)
 
 
 def error_response(e: OpenAIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-_REQUEST_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | set(
-    TokenizeRequest.model_fields) | {"role", "content", "include_usage", "continuous_usage_stats", "tokens"}
+_REQUEST_FIELDS = (
+    set(CompletionRequest.model_fields)
+    | set(ChatCompletionRequest.model_fields)
+    | set(TokenizeRequest.model_fields)
+    | {"role", "content", "include_usage", "continuous_usage_stats", "tokens"}
+)
 
 
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
@@ -79,7 +84,7 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
             await asyncio.gather(streamer, listener, return_exceptions=True)
             await self.body_iterator.aclose()  # type: ignore[attr-defined]  # our body is an async generator
         if streamer.done() and not streamer.cancelled() and streamer.exception() is not None:
-            if not isinstance(streamer.exception(), OSError):   # OSError: the client went away
+            if not isinstance(streamer.exception(), OSError):  # OSError: the client went away
                 raise streamer.exception()
 
 
@@ -93,8 +98,14 @@ class APIKeyMiddleware:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                response = error_response(OpenAIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                                                      "Authorization", "invalid_api_key"))
+                response = error_response(
+                    OpenAIError(
+                        401,
+                        "invalid or missing API key (Authorization: Bearer KEY)",
+                        "Authorization",
+                        "invalid_api_key",
+                    )
+                )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -120,13 +131,15 @@ def with_cancellation(handler):
             if not task.done():
                 task.cancel()
         if task.cancelled():
-            return Response(status_code=499)   # nobody reads it: the client is gone
+            return Response(status_code=499)  # nobody reads it: the client is gone
         return task.result()
+
     return wrapper
 
 
-def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
-              dev_mode: bool | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None, dev_mode: bool | None = None
+) -> FastAPI:
     app = FastAPI(title="nanovllm OpenAI-compatible server", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine, served_model_names[0])
     max_model_len = engine.engine.config.max_model_len
@@ -147,7 +160,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         return error_response(OpenAIError(exc.status_code, str(exc.detail)))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_, exc: Exception):   # logged with its traceback here, never sent to the client
+    async def _unexpected(_, exc: Exception):  # logged with its traceback here, never sent to the client
         logger.exception("unexpected error while serving a request")
         return error_response(OpenAIError(500, f"internal error: {type(exc).__name__}"))
 
@@ -177,10 +190,20 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "nanovllm",
-             "root": engine.engine.config.model_dir, "max_model_len": max_model_len}
-            for name in served_model_names]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "nanovllm",
+                    "root": engine.engine.config.model_dir,
+                    "max_model_len": max_model_len,
+                }
+                for name in served_model_names
+            ],
+        }
 
     @app.get("/health")
     async def health():
@@ -197,8 +220,9 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(400, "give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
-            ids = apply_chat_template(tok, ChatCompletionRequest(
-                messages=body.messages, add_generation_prompt=body.add_generation_prompt))["prompt_token_ids"]
+            ids = apply_chat_template(
+                tok, ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
+            )["prompt_token_ids"]
         else:
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
@@ -219,12 +243,15 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     if dev_mode:
+
         @app.get("/debug/engine")
         async def debug_engine():
             """Checks the engine's invariants between steps; returns its stats and live requests."""
+
             def check(e):
                 e.check_invariants()
                 return {"stats": e.stats(), "requests": sorted(e.requests)}
+
             return await engine.call(check)
 
     return app
@@ -244,12 +271,17 @@ async def serve(args, engine_kwargs: dict) -> None:
     import uvicorn
 
     loop = asyncio.get_running_loop()
-    engine = await loop.run_in_executor(None, functools.partial(
-        AsyncLLM.from_engine_args, args.model, load_format=getattr(args, "load_format", "auto"), **engine_kwargs))
+    engine = await loop.run_in_executor(
+        None,
+        functools.partial(
+            AsyncLLM.from_engine_args, args.model, load_format=getattr(args, "load_format", "auto"), **engine_kwargs
+        ),
+    )
     try:
         app = build_app(engine, served_names(args), api_key=args.api_key)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5
+        )
         await uvicorn.Server(config).serve()
     finally:
         engine.shutdown()

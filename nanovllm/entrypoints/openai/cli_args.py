@@ -2,6 +2,7 @@
 
 Imports nothing heavy: the CLI's --help does not load torch or FastAPI.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,18 +13,35 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     from nanovllm.entrypoints.cli import add_engine_args
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (streaming, /metrics)")
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct); same as --model")
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct); same as --model",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $NANOVLLM_API_KEY; none: open)")
-    p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) the API accepts (default: MODEL as given, or SmolLM2-135M-Instruct)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="dummy: random weights (benchmarks of a model shape)")
-    p.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("NANOVLLM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $NANOVLLM_API_KEY; none: open)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) the API accepts (default: MODEL as given, or SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="dummy: random weights (benchmarks of a model shape)",
+    )
+    p.add_argument(
+        "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]
+    )
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
     return p

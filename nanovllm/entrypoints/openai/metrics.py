@@ -6,6 +6,7 @@ end, whichever caller consumes it; engine-wide ones (running / waiting requests,
 usage, preemptions, prefix-cache queries and hits) are read from the engine's stats snapshot at
 scrape time. Each app has its own registry (several servers can live in one process).
 """
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -14,8 +15,28 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from nanovllm.engine.async_llm import AsyncLLM
 from nanovllm.outputs import RequestOutput
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                   10.0, 20.0, 40.0, 80.0, 160.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 
@@ -43,14 +64,20 @@ class EngineStatsCollector:
         queries, hits = s["prefix_cache_query_tokens"], s["prefix_cache_hit_tokens"]
         yield gauge("nanovllm:num_requests_running", "Requests in the running batch.", s["running"])
         yield gauge("nanovllm:num_requests_waiting", "Requests waiting to be scheduled.", s["waiting"])
-        yield gauge("nanovllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
-                    (total - s["num_free_kv_blocks"]) / total if total else 0.0)
+        yield gauge(
+            "nanovllm:kv_cache_usage_perc",
+            "Fraction of KV-cache blocks in use (1 = full).",
+            (total - s["num_free_kv_blocks"]) / total if total else 0.0,
+        )
         yield gauge("nanovllm:num_kv_cache_blocks", "KV-cache blocks in all.", total)
         yield counter("nanovllm:num_preemptions", "Preemptions (recompute).", s["preemptions"])
         yield counter("nanovllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries)
         yield counter("nanovllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
-        yield gauge("nanovllm:prefix_cache_hit_rate", "Prefix-cache hits / queries (tokens), since start.",
-                    hits / queries if queries else 0.0)
+        yield gauge(
+            "nanovllm:prefix_cache_hit_rate",
+            "Prefix-cache hits / queries (tokens), since start.",
+            hits / queries if queries else 0.0,
+        )
         yield counter("nanovllm:engine_steps", "Engine steps.", s["steps"])
 
 
@@ -60,31 +87,66 @@ class ServerMetrics:
     def __init__(self, engine: AsyncLLM, model_name: str):
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
-        self.requests = Counter("nanovllm:request_success", "Finished requests, by finish reason.",
-                                ["model_name", "finished_reason"], registry=r)
-        self.prompt_tokens = Counter("nanovllm:prompt_tokens", "Prompt tokens of finished requests.", labels,
-                                     registry=r)
+        self.requests = Counter(
+            "nanovllm:request_success",
+            "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "nanovllm:prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r
+        )
         self.generation_tokens = Counter("nanovllm:generation_tokens", "Generated tokens.", labels, registry=r)
-        self.ttft = Histogram("nanovllm:time_to_first_token_seconds", "Arrival to first token.", labels,
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("nanovllm:inter_token_latency_seconds", "Time between consecutive output tokens.",
-                             labels, buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("nanovllm:e2e_request_latency_seconds", "Arrival to finish.", labels,
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("nanovllm:request_queue_time_seconds", "Arrival to first scheduled.", labels,
-                               buckets=LATENCY_BUCKETS, registry=r)
-        self.prompt_len = Histogram("nanovllm:request_prompt_tokens", "Prompt length.", labels,
-                                    buckets=TOKEN_BUCKETS, registry=r)
-        self.gen_len = Histogram("nanovllm:request_generation_tokens", "Generated tokens per request.", labels,
-                                 buckets=TOKEN_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "nanovllm:time_to_first_token_seconds",
+            "Arrival to first token.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "nanovllm:inter_token_latency_seconds",
+            "Time between consecutive output tokens.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "nanovllm:e2e_request_latency_seconds", "Arrival to finish.", labels, buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.queue = Histogram(
+            "nanovllm:request_queue_time_seconds",
+            "Arrival to first scheduled.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_len = Histogram(
+            "nanovllm:request_prompt_tokens", "Prompt length.", labels, buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.gen_len = Histogram(
+            "nanovllm:request_generation_tokens",
+            "Generated tokens per request.",
+            labels,
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
         # every per-model series exists from start-up, at zero: a scrape before the first request
         # sees the metrics (a labelled metric shows no sample until its label values are used)
-        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue,
-                       self.prompt_len, self.gen_len):
+        for metric in (
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.queue,
+            self.prompt_len,
+            self.gen_len,
+        ):
             metric.labels(model_name)
         r.register(EngineStatsCollector(engine, model_name))
         self.model_name = model_name
-        self._last: dict[str, tuple[float | None, int]] = {}   # request -> (last token time, tokens so far)
+        self._last: dict[str, tuple[float | None, int]] = {}  # request -> (last token time, tokens so far)
         engine.output_observers.append(self.observe)
 
     def observe(self, out: RequestOutput) -> None:

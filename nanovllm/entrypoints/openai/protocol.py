@@ -4,6 +4,7 @@ Requests are pydantic models in strict mode: a wrong type ("max_tokens": "5") is
 coerced, and the error names the field. Unknown fields are ignored (as OpenAI and vLLM do).
 Responses are built as plain dicts in the serving modules (their shapes are OpenAI's).
 """
+
 from __future__ import annotations
 
 from typing import Annotated
@@ -16,26 +17,38 @@ NonEmptyIds = Annotated[list[int], Field(min_length=1)]
 class OpenAIError(Exception):
     """An error answered as OpenAI's error object: ``{"error": {message, type, param, code}}``."""
 
-    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-             422: "invalid_request_error", 503: "service_unavailable_error"}
+    TYPES = {
+        400: "invalid_request_error",
+        401: "invalid_request_error",
+        404: "invalid_request_error",
+        422: "invalid_request_error",
+        503: "service_unavailable_error",
+    }
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.TYPES.get(self.status, "server_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
     include_usage: bool = False
-    continuous_usage_stats: bool = False   # vLLM: usage in every chunk
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
 class SamplingFields(BaseModel):
     """Fields shared by both endpoints: OpenAI's, then vLLM's extras (same names as SamplingParams)."""
+
     model_config = ConfigDict(strict=True)
     model: str | None = None
     max_tokens: int | None = None
@@ -62,7 +75,7 @@ class SamplingFields(BaseModel):
     prompt_logprobs: int | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
-    return_tokens_as_token_ids: bool = False   # logprob tokens as "token_id:N" (vLLM's extra)
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (vLLM's extra)
     request_id: str | None = None
 
 
@@ -102,4 +115,3 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(strict=True)
     model: str | None = None
     tokens: list[int]
-

@@ -2,6 +2,7 @@
 plain JSON or server-sent events (``chat.completion.chunk``: per choice a role chunk, content
 deltas, the finish reason; then a usage chunk with ``stream_options.include_usage``, then
 ``[DONE]``)."""
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -24,7 +25,7 @@ from nanovllm.entrypoints.openai.serving_common import (
 from nanovllm.entrypoints.openai.serving_completion import LOGPROB_FLOOR, token_name
 from nanovllm.outputs import CompletionOutput
 
-MAX_TOP_LOGPROBS = 20   # OpenAI's limit
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 
 def conversation(req_messages) -> list[dict]:
@@ -37,8 +38,11 @@ def conversation(req_messages) -> list[dict]:
             texts = []
             for j, part in enumerate(content):
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise OpenAIError(400, f"only text content parts are supported, got type "
-                                           f"{part.get('type')!r}", f"messages[{i}].content[{j}]")
+                    raise OpenAIError(
+                        400,
+                        f"only text content parts are supported, got type {part.get('type')!r}",
+                        f"messages[{i}].content[{j}]",
+                    )
                 texts.append(part["text"])
             d["content"] = "\n".join(texts)
         elif content is None:
@@ -52,8 +56,13 @@ def apply_chat_template(tokenizer, req: ChatCompletionRequest) -> dict:
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
         raise OpenAIError(400, "this model has no chat template: use /v1/completions", "messages")
     try:
-        ids = tokenizer.apply_chat_template(conversation(req.messages), add_generation_prompt=req.add_generation_prompt,
-                                            tokenize=True, return_dict=False, **(req.chat_template_kwargs or {}))
+        ids = tokenizer.apply_chat_template(
+            conversation(req.messages),
+            add_generation_prompt=req.add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
+            **(req.chat_template_kwargs or {}),
+        )
     except OpenAIError:
         raise
     except Exception as e:  # noqa: BLE001 - a template error (jinja raise_exception, bad kwargs) is the caller's
@@ -71,17 +80,25 @@ def chat_logprobs(c: CompletionOutput, top: int, as_ids: bool = False) -> dict |
     for token_id, entry in zip(c.token_ids, c.logprobs):
         sampled = entry[token_id]
         best = sorted(((t, lp) for t, lp in entry.items() if lp.rank <= top), key=lambda kv: kv[1].rank)[:top]
-        content.append({"token": token_name(token_id, sampled.decoded_token, as_ids),
-                        "logprob": max(sampled.logprob, LOGPROB_FLOOR),
-                        "bytes": list((sampled.decoded_token or "").encode()),
-                        "top_logprobs": [{"token": token_name(t, lp.decoded_token, as_ids),
-                                          "logprob": max(lp.logprob, LOGPROB_FLOOR),
-                                          "bytes": list((lp.decoded_token or "").encode())} for t, lp in best]})
+        content.append(
+            {
+                "token": token_name(token_id, sampled.decoded_token, as_ids),
+                "logprob": max(sampled.logprob, LOGPROB_FLOOR),
+                "bytes": list((sampled.decoded_token or "").encode()),
+                "top_logprobs": [
+                    {
+                        "token": token_name(t, lp.decoded_token, as_ids),
+                        "logprob": max(lp.logprob, LOGPROB_FLOOR),
+                        "bytes": list((lp.decoded_token or "").encode()),
+                    }
+                    for t, lp in best
+                ],
+            }
+        )
     return {"content": content}
 
 
-async def create_chat_completion(engine: AsyncLLM, req: ChatCompletionRequest, served: list[str],
-                                 max_model_len: int):
+async def create_chat_completion(engine: AsyncLLM, req: ChatCompletionRequest, served: list[str], max_model_len: int):
     """The JSON response (a dict) or an async iterator of SSE lines."""
     check_model(req.model, served)
     top = req.top_logprobs
@@ -91,9 +108,16 @@ async def create_chat_completion(engine: AsyncLLM, req: ChatCompletionRequest, s
         raise OpenAIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     prompt = apply_chat_template(engine.tokenizer, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(req, prompt_len=len(prompt["prompt_token_ids"]), max_model_len=max_model_len,
-                             logprobs=(top or 0) if req.logprobs else None, max_tokens=max_tokens,
-                             default_max_tokens=None, stream=req.stream, prompt_param="messages")
+    params = sampling_params(
+        req,
+        prompt_len=len(prompt["prompt_token_ids"]),
+        max_model_len=max_model_len,
+        logprobs=(top or 0) if req.logprobs else None,
+        max_tokens=max_tokens,
+        default_max_tokens=None,
+        stream=req.stream,
+        prompt_param="messages",
+    )
     request_id = random_id("chatcmpl")
     started = await start(engine, [prompt] * req.n, choices(params, req.n), request_id, "messages")
     model = req.model or served[0]
@@ -105,13 +129,25 @@ async def create_chat_completion(engine: AsyncLLM, req: ChatCompletionRequest, s
             if not out.finished:
                 continue
             c = out.outputs[0]
-            results.append({"index": i, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": chat_logprobs(c, top or 0, req.return_tokens_as_token_ids),
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            results.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": chat_logprobs(c, top or 0, req.return_tokens_as_token_ids),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
             completion_tokens += len(c.token_ids)
     results.sort(key=lambda ch: ch["index"])
-    response = {"id": request_id, "object": "chat.completion", "created": now(), "model": model,
-                "choices": results, "usage": usage(len(out.prompt_token_ids), completion_tokens)}
+    response = {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": now(),
+        "model": model,
+        "choices": results,
+        "usage": usage(len(out.prompt_token_ids), completion_tokens),
+    }
     if out.prompt_logprobs is not None:
         response["prompt_logprobs"] = prompt_logprobs_json(out)
     return response
@@ -123,14 +159,25 @@ async def _stream(req: ChatCompletionRequest, started, request_id: str, model: s
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(opts and opts.continuous_usage_stats)
     prompt_tokens = 0
-    completion_tokens = [0] * len(started)   # per choice
+    completion_tokens = [0] * len(started)  # per choice
     as_ids = req.return_tokens_as_token_ids
 
     def chunk(i: int, delta: dict, c: CompletionOutput | None = None) -> dict:
-        d = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": i, "delta": delta, "logprobs": chat_logprobs(c, top, as_ids) if c else None,
-                          "finish_reason": c.finish_reason if c else None,
-                          "stop_reason": c.stop_reason if c else None}]}
+        d = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": i,
+                    "delta": delta,
+                    "logprobs": chat_logprobs(c, top, as_ids) if c else None,
+                    "finish_reason": c.finish_reason if c else None,
+                    "stop_reason": c.stop_reason if c else None,
+                }
+            ],
+        }
         if continuous:
             d["usage"] = usage(prompt_tokens, completion_tokens[i])
         return d
@@ -148,8 +195,16 @@ async def _stream(req: ChatCompletionRequest, started, request_id: str, model: s
                 if c.text or c.finish_reason is not None or c.logprobs:
                     yield sse(chunk(i, {"content": c.text} if c.text else {}, c))
         if include_usage:
-            yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                       "choices": [], "usage": usage(prompt_tokens, sum(completion_tokens))})
+            yield sse(
+                {
+                    "id": request_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": usage(prompt_tokens, sum(completion_tokens)),
+                }
+            )
     except Exception as e:  # noqa: BLE001 - the response has started: the error goes in the stream
         yield stream_error(e)
     yield sse("[DONE]")

@@ -10,6 +10,7 @@ OpenAI allows) gives n equal choices. Each choice is an engine request of its ow
 /metrics figures count choices (finished requests, generated tokens, and the prompt tokens of
 each), as vLLM's do for its child requests; a response's usage counts each prompt once and the
 tokens of every choice."""
+
 from __future__ import annotations
 
 import asyncio
@@ -30,8 +31,8 @@ from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 # OpenAI's and vLLM's names -> the value that means "off" (passed through once SamplingParams has them)
 _PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
-MAX_N = 128            # OpenAI's limit on n
-LOGIT_BIAS_LIMIT = 100.0   # OpenAI's range; vLLM clamps a bias into it
+MAX_N = 128  # OpenAI's limit on n
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range; vLLM clamps a bias into it
 
 
 def random_id(prefix: str) -> str:
@@ -45,41 +46,65 @@ def now() -> int:
 def param_of(message: str, default: str | None) -> str | None:
     """The request field an error message names (messages start with the field), else ``default``."""
     m = re.match(r"(\w+)", message)
-    if m and (m.group(1) in SamplingFields.model_fields or m.group(1) in ("prompt", "messages", "logprobs",
-                                                                             "best_of")):
+    if m and (m.group(1) in SamplingFields.model_fields or m.group(1) in ("prompt", "messages", "logprobs", "best_of")):
         return m.group(1)
     return default
 
 
 def check_model(req_model: str | None, served: list[str]) -> None:
     if req_model is not None and req_model not in served:
-        raise OpenAIError(404, f"The model `{req_model}` does not exist. Served: {', '.join(served)}.",
-                          "model", "model_not_found")
+        raise OpenAIError(
+            404, f"The model `{req_model}` does not exist. Served: {', '.join(served)}.", "model", "model_not_found"
+        )
 
 
-def sampling_params(req: SamplingFields, *, prompt_len: int, max_model_len: int, logprobs: int | None,
-                    max_tokens: int | None, default_max_tokens: int | None, stream: bool,
-                    prompt_param: str) -> SamplingParams:
+def sampling_params(
+    req: SamplingFields,
+    *,
+    prompt_len: int,
+    max_model_len: int,
+    logprobs: int | None,
+    max_tokens: int | None,
+    default_max_tokens: int | None,
+    stream: bool,
+    prompt_param: str,
+) -> SamplingParams:
     """SamplingParams for one prompt (with n = 1: ``choices`` fans out n), or OpenAIError(400)
     naming the field."""
     check_n(req.n)
     if prompt_len >= max_model_len:
-        raise OpenAIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
-                               f"request has {prompt_len} input tokens. Please reduce the length of the input.",
-                          prompt_param)
+        raise OpenAIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"request has {prompt_len} input tokens. Please reduce the length of the input.",
+            prompt_param,
+        )
     if max_tokens is None:
         max_tokens = default_max_tokens if default_max_tokens is not None else max_model_len - prompt_len
     elif isinstance(max_tokens, int) and max_tokens >= 1 and prompt_len + max_tokens > max_model_len:
-        raise OpenAIError(400, f"max_tokens={max_tokens} is too large: this model's maximum context length is "
-                               f"{max_model_len} tokens and your request has {prompt_len} input tokens "
-                               f"({prompt_len + max_tokens} > {max_model_len})", "max_tokens")
-    kwargs: dict = dict(max_tokens=max_tokens, logprobs=logprobs, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
-                  stop=req.stop, stop_token_ids=req.stop_token_ids, seed=req.seed,
-                  include_stop_str_in_output=req.include_stop_str_in_output,
-                  skip_special_tokens=req.skip_special_tokens, prompt_logprobs=req.prompt_logprobs,
-                  logit_bias=logit_bias(req.logit_bias), bad_words=req.bad_words,
-                  allowed_token_ids=req.allowed_token_ids,
-                  output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
+        raise OpenAIError(
+            400,
+            f"max_tokens={max_tokens} is too large: this model's maximum context length is "
+            f"{max_model_len} tokens and your request has {prompt_len} input tokens "
+            f"({prompt_len + max_tokens} > {max_model_len})",
+            "max_tokens",
+        )
+    kwargs: dict = dict(
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        min_tokens=req.min_tokens,
+        ignore_eos=req.ignore_eos,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        seed=req.seed,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        prompt_logprobs=req.prompt_logprobs,
+        logit_bias=logit_bias(req.logit_bias),
+        bad_words=req.bad_words,
+        allowed_token_ids=req.allowed_token_ids,
+        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+    )
     for name in ("temperature", "top_p", "top_k", "min_p"):
         if getattr(req, name) is not None:
             kwargs[name] = getattr(req, name)
@@ -111,8 +136,9 @@ def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     out = {}
     for key, value in bias.items():
         if not re.fullmatch(r"\d+", key.strip()):
-            raise OpenAIError(400, f"logit_bias keys must be token ids (non-negative integers as strings), "
-                                   f"got {key!r}", "logit_bias")
+            raise OpenAIError(
+                400, f"logit_bias keys must be token ids (non-negative integers as strings), got {key!r}", "logit_bias"
+            )
         if not math.isfinite(value):
             raise OpenAIError(400, f"logit_bias[{key!r}] must be a finite number, got {value!r}", "logit_bias")
         out[int(key)] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(value)))
@@ -126,8 +152,9 @@ def choices(params: SamplingParams, n: int) -> list[SamplingParams]:
     return [dataclasses.replace(params, seed=None if params.seed is None else params.seed + j) for j in range(n)]
 
 
-async def start(engine: AsyncLLM, prompts: list, params: list[SamplingParams], request_id: str,
-                prompt_param: str) -> list[tuple[AsyncIterator[RequestOutput], RequestOutput]]:
+async def start(
+    engine: AsyncLLM, prompts: list, params: list[SamplingParams], request_id: str, prompt_param: str
+) -> list[tuple[AsyncIterator[RequestOutput], RequestOutput]]:
     """Add every prompt's request and wait for its first output, so a request the engine refuses
     is a 400 (naming the field) before the response starts; on any error none is left running."""
     gens = [engine.generate(p, sp, f"{request_id}-{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
@@ -160,7 +187,7 @@ async def _merged(started) -> AsyncIterator[tuple[int, RequestOutput]]:
                 async for out in gen:
                     yield 0, out
         finally:
-            await gen.aclose()   # at once, not when collected: closing aborts an unfinished request
+            await gen.aclose()  # at once, not when collected: closing aborts an unfinished request
         return
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -195,8 +222,11 @@ async def _merged(started) -> AsyncIterator[tuple[int, RequestOutput]]:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def sse(data: dict | str) -> str:
@@ -212,6 +242,11 @@ def prompt_logprobs_json(out: RequestOutput) -> list | None:
     """vLLM's ``prompt_logprobs``: per prompt position, {token id: {logprob, rank, decoded_token}}."""
     if out.prompt_logprobs is None:
         return None
-    return [None if d is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
-                                             "decoded_token": lp.decoded_token} for t, lp in d.items()}
-            for d in out.prompt_logprobs]
+    return [
+        None
+        if d is None
+        else {
+            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token} for t, lp in d.items()
+        }
+        for d in out.prompt_logprobs
+    ]

@@ -1,6 +1,7 @@
 """POST /v1/completions: text or token-id prompts (one or a list), ``n`` choices each (choice
 ``i * n + j``: prompt i, completion j), plain JSON or server-sent events (``text_completion``
 chunks, then a usage chunk with ``stream_options.include_usage``, then ``[DONE]``)."""
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -23,7 +24,7 @@ from nanovllm.entrypoints.openai.serving_common import (
 )
 from nanovllm.outputs import CompletionOutput
 
-LOGPROB_FLOOR = -9999.0   # -inf is not JSON: vLLM's floor
+LOGPROB_FLOOR = -9999.0  # -inf is not JSON: vLLM's floor
 
 
 def _prompts(req: CompletionRequest) -> list:
@@ -53,8 +54,12 @@ def completion_logprobs(c: CompletionOutput, offset: int, as_ids: bool = False) 
         text = sampled.decoded_token or ""
         tokens.append(token_name(token_id, text, as_ids))
         token_logprobs.append(max(sampled.logprob, LOGPROB_FLOOR))
-        top.append({token_name(t, lp.decoded_token, as_ids): max(lp.logprob, LOGPROB_FLOOR)
-                    for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)})
+        top.append(
+            {
+                token_name(t, lp.decoded_token, as_ids): max(lp.logprob, LOGPROB_FLOOR)
+                for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)
+            }
+        )
         offsets.append(offset)
         offset += len(text)
     return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top}
@@ -67,21 +72,44 @@ async def create_completion(engine: AsyncLLM, req: CompletionRequest, served: li
     if req.best_of is not None and req.best_of < req.n:
         raise OpenAIError(400, f"best_of must be >= n, got best_of={req.best_of}, n={req.n}", "best_of")
     if req.best_of is not None and req.best_of > req.n:
-        raise OpenAIError(400, f"best_of={req.best_of} > n={req.n} is not supported: this engine does not rank "
-                               f"completions (best_of = n, or no best_of, returns every completion)", "best_of")
+        raise OpenAIError(
+            400,
+            f"best_of={req.best_of} > n={req.n} is not supported: this engine does not rank "
+            f"completions (best_of = n, or no best_of, returns every completion)",
+            "best_of",
+        )
     for name, ok in (("suffix", req.suffix is None), ("echo", not (req.echo and req.logprobs is not None))):
         if not ok:
-            raise OpenAIError(400, f"{name}={getattr(req, name)!r} is not supported"
-                                   + (" together with logprobs" if name == "echo" else ""), name)
+            raise OpenAIError(
+                400,
+                f"{name}={getattr(req, name)!r} is not supported"
+                + (" together with logprobs" if name == "echo" else ""),
+                name,
+            )
     prompts = [engine.encode_prompt(p) for p in _prompts(req)]
     lens = [len(p["prompt_token_ids"]) if isinstance(p, dict) else len(p) for p in prompts]
-    params = [sampling_params(req, prompt_len=n, max_model_len=max_model_len, logprobs=req.logprobs,
-                              max_tokens=req.max_tokens, default_max_tokens=16, stream=req.stream,
-                              prompt_param="prompt") for n in lens]
+    params = [
+        sampling_params(
+            req,
+            prompt_len=n,
+            max_model_len=max_model_len,
+            logprobs=req.logprobs,
+            max_tokens=req.max_tokens,
+            default_max_tokens=16,
+            stream=req.stream,
+            prompt_param="prompt",
+        )
+        for n in lens
+    ]
     request_id = random_id("cmpl")
     # choice i * n + j: prompt i, completion j
-    started = await start(engine, [p for p in prompts for _ in range(req.n)],
-                          [c for sp in params for c in choices(sp, req.n)], request_id, "prompt")
+    started = await start(
+        engine,
+        [p for p in prompts for _ in range(req.n)],
+        [c for sp in params for c in choices(sp, req.n)],
+        request_id,
+        "prompt",
+    )
     model = req.model or served[0]
     if req.stream:
         return _stream(req, started, request_id, model, engine.tokenizer)
@@ -94,16 +122,28 @@ async def create_completion(engine: AsyncLLM, req: CompletionRequest, served: li
             text = c.text
             if req.echo:
                 text = (out.prompt or engine.tokenizer.decode(out.prompt_token_ids)) + text
-            results.append({"index": i, "text": text,
-                            "logprobs": completion_logprobs(c, 0, req.return_tokens_as_token_ids),
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                            "prompt_logprobs": prompt_logprobs_json(out)})
-            if i % req.n == 0:   # a prompt counts once, whatever its n
+            results.append(
+                {
+                    "index": i,
+                    "text": text,
+                    "logprobs": completion_logprobs(c, 0, req.return_tokens_as_token_ids),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                    "prompt_logprobs": prompt_logprobs_json(out),
+                }
+            )
+            if i % req.n == 0:  # a prompt counts once, whatever its n
                 prompt_tokens += len(out.prompt_token_ids)
             completion_tokens += len(c.token_ids)
     results.sort(key=lambda ch: ch["index"])
-    return {"id": request_id, "object": "text_completion", "created": now(), "model": model,
-            "choices": results, "usage": usage(prompt_tokens, completion_tokens)}
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": now(),
+        "model": model,
+        "choices": results,
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
 
 
 async def _stream(req: CompletionRequest, started, request_id: str, model: str, tokenizer) -> AsyncIterator[str]:
@@ -129,17 +169,37 @@ async def _stream(req: CompletionRequest, started, request_id: str, model: str, 
                 offsets[i] += len(text)
                 if not text and not c.token_ids and c.finish_reason is None:
                     continue
-                chunk: dict = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-                         "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                                      "stop_reason": c.stop_reason}]}
+                chunk: dict = {
+                    "id": request_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": i,
+                            "text": text,
+                            "logprobs": logprobs,
+                            "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason,
+                        }
+                    ],
+                }
                 if out.prompt_logprobs is not None:
                     chunk["choices"][0]["prompt_logprobs"] = prompt_logprobs_json(out)
                 if continuous:
                     chunk["usage"] = usage(prompt_tokens[i], completion_tokens[i])
                 yield sse(chunk)
         if include_usage:
-            yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                       "choices": [], "usage": usage(sum(prompt_tokens[::req.n]), sum(completion_tokens))})
+            yield sse(
+                {
+                    "id": request_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": usage(sum(prompt_tokens[:: req.n]), sum(completion_tokens)),
+                }
+            )
     except Exception as e:  # noqa: BLE001 - the response has started: the error goes in the stream
         yield stream_error(e)
     yield sse("[DONE]")
