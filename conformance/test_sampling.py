@@ -14,7 +14,7 @@ import torch
 
 import golden
 from conformance.adapters import Sampling
-from conformance.adapters.base import GREEDY, MIN_P, SAMPLING, SEED, TOP_K, TOP_P
+from conformance.adapters.base import GREEDY, MIN_P, MIN_TOKENS, SAMPLING, SEED, TOP_K, TOP_P
 from conformance.harness import generate, require, tokens
 from conformance.stats import chi_square, filtered_distribution
 
@@ -178,8 +178,13 @@ def test_mixed_rows_in_one_batch(engines, figure):
     require(engine, GREEDY, SAMPLING, TOP_K, TOP_P)
     cold = {"temperature": 0.6, "top_k": s["top_k"] + 2}
     hot = _filter_case(s["logprobs"], "top_p", 1.6)
+    # where the engine takes min_tokens, the greedy rows ban EOS for their one token (the golden
+    # prompt's argmax is not an EOS id): an engine that samples plain rows in a fused kernel and
+    # sends rows with banned tokens to a general path then mixes greedy and random rows on that
+    # path too, so "each row's own parameters" is checked there as well
+    greedy = Sampling.greedy(1, min_tokens=1) if MIN_TOKENS in engine.capabilities else Sampling.greedy(1)
     groups = [
-        Sampling.greedy(1),
+        greedy,
         Sampling(max_tokens=1, ignore_eos=True, **cold),
         Sampling(max_tokens=1, ignore_eos=True, **hot),
     ]

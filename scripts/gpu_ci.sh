@@ -21,7 +21,7 @@ export PYTHONUNBUFFERED=1
 LOG="${OUT:-gpu_ci_logs}"
 PY="${PYTHON:-python3}"
 WHEELS="${NANOVLLM_WHEELS:-.whl}"
-JOBS="${NANOVLLM_GPU_CI_JOBS:-8}"
+JOBS="${NANOVLLM_GPU_CI_JOBS:-$(nproc)}"   # conformance and mutant processes
 read -r L_WARM L_PYTEST L_CONF L_MUT <<< "${NANOVLLM_GPU_CI_LIMITS:-150 330 150 240}"
 mkdir -p "$LOG"
 t0=$(date +%s)
