@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+
+import torch
+
 from nanovllm.config import EngineConfig
 from nanovllm.core.model_input import ModelInput
 from nanovllm.core.model_output import ModelOutput
@@ -26,3 +30,9 @@ class LocalExecutor:
 
     def close(self) -> None:
         self.runner.free_kv_cache()
+        if self.runner.device.type == "cuda":
+            # the weights and graphs go with the runner; give their memory back to the device
+            # (other processes see it free; an engine made next in this process can take it)
+            self.runner.model = None  # type: ignore[assignment]  # the runner is not used after close
+            gc.collect()
+            torch.cuda.empty_cache()

@@ -118,6 +118,9 @@ class ModelRunner:
         Returns the bytes PyTorch has reserved in this process before the engine's own."""
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
+        # memory this process's caching allocator holds but no tensor uses (an engine closed
+        # earlier in this process, e.g. between benchmark repeats) is free for this engine
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         if self.config.kv_cache_memory_gib is None and self.config.num_kvcache_blocks is None:
             requested = total * self.config.gpu_memory_utilization
             if requested > free:
