@@ -182,7 +182,9 @@ def test_mixed_rows_in_one_batch(engines, figure):
     # prompt's argmax is not an EOS id): an engine that samples plain rows in a fused kernel and
     # sends rows with banned tokens to a general path then mixes greedy and random rows on that
     # path too, so "each row's own parameters" is checked there as well
-    greedy = Sampling.greedy(1, min_tokens=1) if MIN_TOKENS in engine.capabilities else Sampling.greedy(1)
+    greedy = (
+        Sampling.greedy(1, ignore_eos=False, min_tokens=1) if MIN_TOKENS in engine.capabilities else Sampling.greedy(1)
+    )
     groups = [
         greedy,
         Sampling(max_tokens=1, ignore_eos=True, **cold),

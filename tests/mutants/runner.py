@@ -80,6 +80,7 @@ class Mutant:
     checks: list[str]  # pytest selections (node ids under conformance/) that should catch it
     gpu_only: bool = False  # patches a CUDA-only path (needs a GPU)
     cpu_only: bool = False  # patches a path the CUDA engine does not take (not applicable there)
+    cuda_na: str = ""  # why the mutant is not applicable on CUDA, where the reason is not cpu_only's
     doc: str = field(default="")
 
 
@@ -338,12 +339,24 @@ def _model_mutants() -> list[Mutant]:
     ]
 
 
+# mutants the CUDA table does not apply, with the reason (the CPU table checks each of them)
+_NOT_ON_CUDA = {
+    "seed_zero_unseeded": "the CPU's per-request generators; CUDA rows take their seeds in the fused "
+    "sampler (seed 0 there: test_seed_zero_is_a_seed runs on CUDA too)",
+    "gguf_eps_key_wrong": "the GGUF conversion runs on the host before any device is used",
+    "gguf_qk_unpermute_skipped": "the GGUF conversion runs on the host before any device is used",
+    "gguf_cache_key_file_only": "the GGUF conversion cache is the host's",
+}
+
+
 def registry() -> dict[str, Mutant]:
     reg = {m.name: m for m in ENGINE_MUTANTS}
     for m in ENGINE_MUTANTS:
         m.doc = (m.make.__doc__ or "").strip()
     for m in _core_mutants() + _model_mutants():
         reg.setdefault(m.name, m)
+    for name, why in _NOT_ON_CUDA.items():
+        reg[name].cuda_na = why
     return reg
 
 
@@ -495,8 +508,8 @@ def main(argv=None) -> int:
     def applies(m: Mutant) -> str | None:
         if m.gpu_only and not gpu:
             return "GPU-only mutant: needs a CUDA GPU"
-        if m.cpu_only and args.device == "cuda":
-            return "not applicable on cuda: patches a path the CUDA engine does not take"
+        if (m.cpu_only or m.cuda_na) and args.device == "cuda":
+            return "not applicable on cuda: " + (m.cuda_na or "patches a path the CUDA engine does not take")
         return None
 
     rows = {n: ("not run", [], 0.0, applies(reg[n])) for n in names}
