@@ -29,6 +29,19 @@ def test_help_imports_no_torch(argv):
     assert _modules_after(code)["torch"] is False
 
 
+def test_generate_help_builds_no_serving_benchmark():
+    """Building the CLI parser leaves out `bench serve`'s asyncio and HTTP client (every command
+    pays for what the parser imports); `bench serve` itself still runs them."""
+    code = (
+        "import contextlib, io, sys\nfrom nanovllm.entrypoints.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit): main(['generate', '--help'])\n"
+        "print('asyncio' in sys.modules, 'nanovllm.bench.serve' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"], f"asyncio, bench.serve imported: {out.stdout}"
+
+
 def test_cpu_engine_imports_neither_transformers_nor_triton():
     model = zoo_model("qwen3-gqa2-hd64-tied")
     code = (

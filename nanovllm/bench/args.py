@@ -124,15 +124,42 @@ def _run_latency(args: argparse.Namespace) -> int:
     return run_latency(args)
 
 
+def _run_serve(args: argparse.Namespace) -> int:
+    # imported when the command runs: asyncio and the HTTP client cost every other command's start-up
+    from nanovllm.bench.serve import run_bench_serve
+
+    return run_bench_serve(args)
+
+
+def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", choices=("cpu", "gpu"), default="cpu", help="the dataset (the standard workloads)")
+    p.add_argument("--shape", default="qwen3-0.6b", help="random-weight model shape for the gpu workload")
+    p.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="requests per second (Poisson); inf: all at once"
+    )
+    p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    p.add_argument("--base-url", default=None, help="benchmark this running server instead of starting one")
+    p.add_argument("--api-key", default=None, help="API key of the --base-url server")
+    p.add_argument(
+        "--peer", action="append", choices=("vllm",), default=[], help="also start and measure vllm serve (repeatable)"
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of vLLM's virtual env (default: $NANOVLLM_VLLM_PYTHON or ./.venv-vllm)",
+    )
+    p.add_argument("--vllm-arg", action="append", default=[], help="extra argument for vllm serve (repeatable)")
+    p.add_argument("--offline", action="store_true", help="also run the workload offline (LLM.generate)")
+    p.add_argument("--json-out", default=None, help="write the measurements as JSON here")
+
+
 def add_bench_subcommands(bench: argparse.ArgumentParser) -> None:
     """`nanovllm bench serve ...` and `nanovllm bench latency ...` beside the offline `nanovllm bench ...`."""
-    from nanovllm.bench.serve import add_bench_serve_args, run_bench_serve
-
     subs = bench.add_subparsers(dest="bench_command", required=False, metavar="{serve,latency}")
     p = subs.add_parser("serve", help="serving benchmark over HTTP (TTFT, ITL, end-to-end; vs vllm serve)")
     add_bench_serve_args(p)
     add_engine_args(p)
-    p.set_defaults(func=run_bench_serve)
+    p.set_defaults(func=_run_serve)
     p = subs.add_parser(
         "latency",
         help="latency at batch 1 and 8: time to first token, time per output token",

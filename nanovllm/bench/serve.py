@@ -170,28 +170,6 @@ def measure(url: str, model: str, w: Workload, args) -> ServeMeasurement:
     return asyncio.run(run_requests(url, model, w, args.request_rate, args.max_concurrency, api_key=args.api_key))
 
 
-def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", choices=("cpu", "gpu"), default="cpu", help="the dataset (the standard workloads)")
-    p.add_argument("--shape", default="qwen3-0.6b", help="random-weight model shape for the gpu workload")
-    p.add_argument(
-        "--request-rate", type=float, default=float("inf"), help="requests per second (Poisson); inf: all at once"
-    )
-    p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
-    p.add_argument("--base-url", default=None, help="benchmark this running server instead of starting one")
-    p.add_argument("--api-key", default=None, help="API key of the --base-url server")
-    p.add_argument(
-        "--peer", action="append", choices=("vllm",), default=[], help="also start and measure vllm serve (repeatable)"
-    )
-    p.add_argument(
-        "--vllm-python",
-        default=None,
-        help="python of vLLM's virtual env (default: $NANOVLLM_VLLM_PYTHON or ./.venv-vllm)",
-    )
-    p.add_argument("--vllm-arg", action="append", default=[], help="extra argument for vllm serve (repeatable)")
-    p.add_argument("--offline", action="store_true", help="also run the workload offline (LLM.generate)")
-    p.add_argument("--json-out", default=None, help="write the measurements as JSON here")
-
-
 def run_bench_serve(args: argparse.Namespace) -> int:
     from nanovllm.entrypoints.args import engine_kwargs
     from nanovllm.loader.model_loader import resolve_model_dir
