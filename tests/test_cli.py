@@ -281,6 +281,26 @@ def test_trace_lines_never_share_a_line_with_the_progress_bar():
     assert steps >= 3 and "Generating" in r.stderr and "stats: {" in r.stderr
 
 
+def test_results_never_run_on_from_the_progress_bar():
+    """Results (stdout) and the bar (stderr) share a terminal: written in one stream, as a
+    terminal shows them, every result line starts on a line of its own (the bar is cleared first)."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    args = ["generate", "--model", zoo_model(MODEL), "w10 w20 w30", "w5 w6", "--max-tokens", "4"]
+    r = subprocess.run(
+        [sys.executable, "-m", "nanovllm.entrypoints.cli", *args, "--temperature", "0", "--ignore-eos"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stdout[-2000:]
+    shown = [line.rsplit("\r", 1)[-1] for line in r.stdout.split("\n")]  # what a terminal shows
+    headers = [line for line in shown if "=== [" in line]
+    assert len(headers) == 2 and all(h.startswith("=== [") for h in headers), f"results glued to the bar: {headers}"
+
+
 # ------------------------------------------------------------------ Ctrl-C
 def test_sigint_prints_the_finished_results_and_exits_130():
     """A real SIGINT to a real CLI process: many long prompts, two at a time; after the first

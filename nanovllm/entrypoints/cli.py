@@ -114,20 +114,32 @@ class ResultPrinter:
     def _print(self, index: int, out) -> None:
         self.printed += 1
         if self.args.json:
-            print(json.dumps(dataclasses.asdict(out), ensure_ascii=False), flush=True)
+            self._emit(json.dumps(dataclasses.asdict(out), ensure_ascii=False))
             return
+        lines = []
         several = len(out.outputs) > 1
         if len(self.prompts) > 1 or self.args.verbose or several:
-            print(f"=== [{index}] {self.prompts[index]}")
+            lines.append(f"=== [{index}] {self.prompts[index]}")
         for c in out.outputs:
             if len(self.prompts) > 1 or self.args.verbose or several:
                 label = f"completion {c.index}, " if several else ""
-                print(f"--- ({label}{c.finish_reason}, {len(c.token_ids)} tokens)")
-            print(c.text)
+                lines.append(f"--- ({label}{c.finish_reason}, {len(c.token_ids)} tokens)")
+            lines.append(c.text)
             if c.logprobs is not None:
-                print("logprobs:")
-                print("\n".join(_format_logprobs(c, self.args.sampling_logprobs)))
-        sys.stdout.flush()
+                lines.append("logprobs:")
+                lines.extend(_format_logprobs(c, self.args.sampling_logprobs))
+        self._emit("\n".join(lines))
+
+    def _emit(self, text: str) -> None:
+        """A result on stdout; with the progress bar (stderr) shown, above it (tqdm.write clears
+        the bar, writes, redraws it), so a result never runs on from the bar's line."""
+        if getattr(self.args, "no_progress", True):
+            print(text, flush=True)
+        else:
+            from tqdm.auto import tqdm
+
+            tqdm.write(text, file=sys.stdout)
+            sys.stdout.flush()
 
 
 def add_generate_args(gen: argparse.ArgumentParser) -> None:
