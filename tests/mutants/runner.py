@@ -79,8 +79,7 @@ class Mutant:
     make: Callable[[], ContextManager]
     checks: list[str]  # pytest selections (node ids under conformance/) that should catch it
     gpu_only: bool = False  # patches a CUDA-only path (needs a GPU)
-    cpu_only: bool = False  # patches a path the CUDA engine does not take (not applicable there)
-    cuda_na: str = ""  # why the mutant is not applicable on CUDA, where the reason is not cpu_only's
+    not_on_cuda: str = ""  # why the mutant does not apply on CUDA ("": it does)
     doc: str = field(default="")
 
 
@@ -93,6 +92,8 @@ LP = "tests/test_logits_processing.py"
 OPTS = "tests/test_sampling_options.py"
 GREEDY_OPTS = OPTS + "::test_greedy_with_option_matches_transformers_processors"  # ids gain [cuda] on GPU hosts
 PAR = "tests/test_parallel_sampling.py"
+
+CPU_PATH = "patches a path the CUDA engine does not take"
 
 ENGINE_MUTANTS: list[Mutant] = [
     Mutant(
@@ -110,7 +111,7 @@ ENGINE_MUTANTS: list[Mutant] = [
             f"{REF}::test_greedy_matches_reference[qwen2-gqa2-hd64]",
             f"{REF}::test_prefill_decode_consistency[qwen3-gqa4-hd128]",
         ],
-        cpu_only=True,
+        not_on_cuda=CPU_PATH,
     ),
     Mutant(
         "prefill_mask_top_left",
@@ -120,7 +121,7 @@ ENGINE_MUTANTS: list[Mutant] = [
             f"{SELF}::test_chunked_prefill_equivalence[17]",
             f"{SELF}::test_prefix_cache_on_off",
         ],
-        cpu_only=True,
+        not_on_cuda=CPU_PATH,
     ),
     Mutant("top_p_one_too_few", top_p_one_too_few, [f"{SAMP}::test_sampling_distribution[top_p]"]),
     Mutant("top_k_one_too_many", top_k_one_too_many, [f"{SAMP}::test_sampling_distribution[top_k]"]),
@@ -128,7 +129,10 @@ ENGINE_MUTANTS: list[Mutant] = [
     # the PyTorch sampler's temperature, its synchronous entry point, its per-request generators:
     # on CUDA plain rows take the fused kernel, async scheduling launches, seeds are Philox keys
     Mutant(
-        "temperature_ignored", temperature_ignored, [f"{SAMP}::test_sampling_distribution[temperature]"], cpu_only=True
+        "temperature_ignored",
+        temperature_ignored,
+        [f"{SAMP}::test_sampling_distribution[temperature]"],
+        not_on_cuda=CPU_PATH,
     ),
     Mutant(
         "logprobs_after_temperature",
@@ -137,13 +141,13 @@ ENGINE_MUTANTS: list[Mutant] = [
             f"{CONTRACTS}::test_logprobs_sampled_are_raw_distribution",
             f"{CONTRACTS}::test_logprobs_greedy_match_reference",
         ],
-        cpu_only=True,
+        not_on_cuda=CPU_PATH,
     ),
     Mutant(
         "seed_ignored",
         seed_ignored,
         [f"{SAMP}::test_seeded_requests_reproducible_and_batch_independent"],
-        cpu_only=True,
+        not_on_cuda=CPU_PATH,
     ),
     Mutant(
         "prompt_logprobs_shifted",
@@ -356,7 +360,7 @@ def registry() -> dict[str, Mutant]:
     for m in _core_mutants() + _model_mutants():
         reg.setdefault(m.name, m)
     for name, why in _NOT_ON_CUDA.items():
-        reg[name].cuda_na = why
+        reg[name].not_on_cuda = why
     return reg
 
 
@@ -508,8 +512,8 @@ def main(argv=None) -> int:
     def applies(m: Mutant) -> str | None:
         if m.gpu_only and not gpu:
             return "GPU-only mutant: needs a CUDA GPU"
-        if (m.cpu_only or m.cuda_na) and args.device == "cuda":
-            return "not applicable on cuda: " + (m.cuda_na or "patches a path the CUDA engine does not take")
+        if m.not_on_cuda and args.device == "cuda":
+            return "not applicable on cuda: " + m.not_on_cuda
         return None
 
     rows = {n: ("not run", [], 0.0, applies(reg[n])) for n in names}
