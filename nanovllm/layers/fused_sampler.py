@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import torch
 
-from nanovllm.layers.seeds import mix_seed  # noqa: F401 - its home before seeds.py
 from nanovllm.layers.triton_switch import triton_path
 
 try:

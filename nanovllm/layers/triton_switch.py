@@ -33,9 +33,12 @@ class LazyKernels:
 
     def __init__(self, module: str, switch: str):
         self._name, self._switch = module, switch
+        self._loaded = None  # the module, once imported
 
     def _module(self):
-        return importlib.import_module(self._name)
+        if self._loaded is None:
+            self._loaded = importlib.import_module(self._name)
+        return self._loaded
 
     def enabled(self, x: torch.Tensor) -> bool:
         return triton_path(x, self._switch) and self._module().enabled(x)
