@@ -67,3 +67,20 @@ def test_two_engines_share_a_gpu_at_their_fraction_each():
             LLM(zoo_model(MODEL), **{**args, "gpu_memory_utilization": too_much})
         got = [o.outputs[0].token_ids for o in a.generate(prompts, greedy, use_tqdm=False)]
         assert got == want, "the first engine stopped working after a refused start-up"
+
+
+def test_a_closed_engine_gives_its_memory_back():
+    """close() returns the engine's weights, KV cache and graphs to the device: PyTorch's cache in
+    this process ends no larger than before the engine (an engine made next, e.g. a benchmark's
+    next repeat, and other processes can take it)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    llm = LLM(
+        zoo_model(MODEL), device="cuda", dtype="float32", block_size=16, max_model_len=256, kv_cache_memory_gib=0.25
+    )
+    assert torch.cuda.memory_reserved() > before + (200 << 20), "the engine should hold its KV cache"
+    llm.close()
+    del llm
+    assert torch.cuda.memory_reserved() <= before + (64 << 20), (
+        f"after close, {(torch.cuda.memory_reserved() - before) / 2**20:.0f} MiB more are cached than before"
+    )
