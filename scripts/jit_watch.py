@@ -19,8 +19,8 @@ import torch
 import triton
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.bench.peers import _warmup_prompts
 from nanovllm.bench.datasets import build_workload
+from nanovllm.bench.peers import _warmup_prompts
 from nanovllm.bench.workloads import shape_config_dir
 
 
