@@ -53,8 +53,16 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+# Metadata pointers (block tables, lengths, slots) point into the per-step staging buffer at
+# offsets whose 16-byte alignment changes with the batch; Triton would compile one variant per
+# alignment pattern, some of them mid-run. They are read as scalars, so alignment buys nothing:
+# never specialise on it (tests/gpu/test_no_jit_after_startup.py checks no kernel compiles after
+# start-up).
+METADATA_PTRS = ["slot_ptr", "block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"]
+
+
 # --------------------------------------------------------------------- store K/V
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=METADATA_PTRS)
 def _store_kv_kernel(
     k_ptr,
     v_ptr,
@@ -132,7 +140,7 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 
 
 # ------------------------------------------------------------------------ decode
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=METADATA_PTRS)
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -349,7 +357,10 @@ def paged_decode(
 
 
 # ----------------------------------------------------------------------- prefill
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])  # both change every step: one variant
+@triton.jit(
+    do_not_specialize=["num_seqs", "stride_bt"],  # both change every step: one variant
+    do_not_specialize_on_alignment=METADATA_PTRS,
+)
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,

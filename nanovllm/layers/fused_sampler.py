@@ -39,8 +39,9 @@ def enabled(x: torch.Tensor) -> bool:
 
 
 if triton is not None:
-
-    @triton.jit
+    # the per-row pointers are slices of step buffers whose alignment changes with the batch:
+    # one compiled variant, not one per alignment pattern (compiled mid-run otherwise)
+    @triton.jit(do_not_specialize_on_alignment=["inv_temp_ptr", "seed_ptr", "token_ptr", "nonfinite_ptr"])
     def _sample_kernel(
         logits_ptr,
         stride_row,

@@ -21,7 +21,7 @@ from nanovllm.core.utils import cdiv
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.cpu_linear import pack_linear_weights
 from nanovllm.layers.parallel import tp_rank, tp_size
-from nanovllm.layers.sampler import Sampler, SamplingMetadata
+from nanovllm.layers.sampler import Sampler, SamplingMetadata, fused_sampler
 from nanovllm.layers.seeds import mix_seed
 from nanovllm.loader.model_loader import init_dummy_weights, iter_safetensors, load_weights
 from nanovllm.models.registry import get_model_class
@@ -223,6 +223,9 @@ class ModelRunner:
                     [1.0] * n, [50] * n, [0.9] * n, [0.0] * n, [None] * n, [[] for _ in range(n)], [None] * n
                 ),
             )
+            if fused_sampler.enabled(logits):  # compiled here, not by the first request that samples
+                ones = torch.ones(n, dtype=torch.float32, device=self.device)
+                fused_sampler.sample(logits, ones, torch.zeros(n, dtype=torch.int64, device=self.device))
             del hidden, logits
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before

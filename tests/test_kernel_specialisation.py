@@ -1,0 +1,51 @@
+"""Kernels never specialise on the alignment of metadata pointers (block tables, lengths, slots,
+per-row sampling parameters): those point into per-step buffers at offsets whose 16-byte
+alignment changes with the batch, and every alignment pattern would be one more compile, some of
+them in the middle of a run. The GPU test tests/gpu/test_no_jit_after_startup.py checks the
+outcome (nothing compiles after start-up); this checks the decorators on any machine with Triton."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+triton = pytest.importorskip("triton", reason="the kernels need triton")
+
+from nanovllm.attention import triton_ops  # noqa: E402
+from nanovllm.layers import fused_sampler  # noqa: E402
+
+PER_ROW = {"inv_temp_ptr", "seed_ptr", "token_ptr", "nonfinite_ptr"}
+
+
+def _kernels():
+    for module in (triton_ops, fused_sampler):
+        for name, obj in vars(module).items():
+            if isinstance(obj, triton.runtime.JITFunction):
+                yield f"{module.__name__}.{name}", obj
+
+
+def _unspecialised_params(kernel) -> set[str]:
+    return {p.name for p in kernel.params if p.do_not_specialize_on_alignment}
+
+
+def test_metadata_pointers_are_not_aligned_specialisations():
+    kernels = dict(_kernels())
+    assert {"nanovllm.attention.triton_ops._prefill_kernel", "nanovllm.layers.fused_sampler._sample_kernel"} <= set(
+        kernels
+    ), sorted(kernels)
+    for name, kernel in kernels.items():
+        params = set(inspect.signature(kernel.fn).parameters)
+        metadata = params & (set(triton_ops.METADATA_PTRS) | PER_ROW)
+        missing = metadata - _unspecialised_params(kernel)
+        assert not missing, f"{name} specialises on the alignment of {sorted(missing)}"
+
+
+def test_the_check_sees_a_specialised_pointer():
+    """Negative control: a kernel that does specialise on a metadata pointer is reported."""
+
+    @triton.jit
+    def bad(seq_lens_ptr, out_ptr):
+        pass
+
+    assert "seq_lens_ptr" not in _unspecialised_params(bad)
