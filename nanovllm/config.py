@@ -9,6 +9,7 @@ from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
+_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 def _int_field(name: str, value, minimum: int, allow_none: bool = False) -> None:
@@ -62,6 +63,9 @@ class EngineConfig:
     """auto ($NANOVLLM_DEVICE if set, else CUDA when torch sees a GPU, else CPU), cpu or cuda."""
     dtype: str = "auto"
     """Weights and activations: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16 or float16."""
+    kv_cache_dtype: str = "auto"
+    """KV-cache storage: auto (the model's dtype) or fp8 / fp8_e4m3 (float8 e4m3, each layer's K and
+    V divided by their scale on store and multiplied back on load; half the bytes of bfloat16)."""
     block_size: int | None = None
     """Tokens per KV-cache block (None: 16 on CPU, 256 on GPU)."""
     num_kvcache_blocks: int | None = None
@@ -126,6 +130,8 @@ class EngineConfig:
             raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _int_field("block_size", self.block_size, 1, allow_none=True)
         _int_field("num_kvcache_blocks", self.num_kvcache_blocks, 1, allow_none=True)
         _int_field("max_num_seqs", self.max_num_seqs, 1)
@@ -210,3 +216,10 @@ class EngineConfig:
         import torch
 
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+
+    @property
+    def kv_cache_torch_dtype(self):
+        """What the KV cache stores: the model's dtype, or float8 e4m3 for ``fp8``."""
+        import torch
+
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn

@@ -14,16 +14,22 @@ class TorchBackend:
     name = "torch"
 
     @staticmethod
-    def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-        torch_ref.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        torch_ref.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     @staticmethod
     def forward(
-        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         if meta.is_decode_only:
-            return torch_ref.paged_decode_batched(q, k_cache, v_cache, meta, scale)
-        return torch_ref.paged_attention(q, k_cache, v_cache, meta, scale)
+            return torch_ref.paged_decode_batched(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        return torch_ref.paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
 
 def get_backend(name: str):

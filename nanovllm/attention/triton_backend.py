@@ -59,11 +59,18 @@ class TritonBackend:
 
     # ------------------------------------------------------------ interface
     @staticmethod
-    def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-        triton_ops.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        triton_ops.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def forward(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         if meta.is_decode_only:
             num_seqs, num_heads, head_dim = q.shape
@@ -72,8 +79,25 @@ class TritonBackend:
             if splits > 1:
                 workspace = self._workspace(num_seqs * num_heads * splits, head_dim, q.device)
             return triton_ops.paged_decode(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, num_splits=splits, workspace=workspace
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                scale,
+                num_splits=splits,
+                workspace=workspace,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         return triton_ops.paged_prefill(
-            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale
+            q,
+            k_cache,
+            v_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )

@@ -14,6 +14,9 @@ Invariants every kernel keeps:
   nothing and gets zeros, never NaN; slot -1 writes nothing.
 - Query rows are packed with their KV head's whole query-head group, so each
   K/V tile is read once per group, not once per query head.
+- An FP8 cache (float8 e4m3, ``KV_FP8``) holds ``clamp(x / scale, +-448)``: stores divide by
+  the layer's ``k_scale``/``v_scale``, loads convert to the query dtype; ``k_scale`` is folded
+  into the score scale and ``v_scale`` multiplies the output (the same values as ``torch_ref``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
+FP8_MAX = tl.constexpr(448.0)  # the largest finite float8 e4m3fn value (a constexpr: kernels read it)
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,8 @@ def _store_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    k_scale,
+    v_scale,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -81,6 +87,7 @@ def _store_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -96,12 +103,21 @@ def _store_kv_kernel(
     )
     k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    if KV_FP8:
+        k = tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -FP8_MAX), FP8_MAX).to(k_cache_ptr.dtype.element_ty)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX).to(v_cache_ptr.dtype.element_ty)
     tl.store(k_cache_ptr + dst, k, mask=mask)
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
 def store_kv(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """key, value: [T, num_kv_heads, head_dim] (last dim contiguous); slot -1 writes nothing."""
     num_tokens = key.shape[0]
@@ -115,6 +131,8 @@ def store_kv(
         k_cache,
         v_cache,
         slot_mapping,
+        k_scale,
+        v_scale,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -127,8 +145,13 @@ def store_kv(
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
+        KV_FP8=is_fp8(k_cache),
         num_warps=4,
     )
+
+
+def is_fp8(cache: torch.Tensor) -> bool:
+    return cache.dtype == torch.float8_e4m3fn
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -137,6 +160,8 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
             f"k_cache and v_cache need equal strides with a contiguous last dim, got "
             f"{k_cache.stride()} and {v_cache.stride()}"
         )
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache and v_cache need one dtype, got {k_cache.dtype} and {v_cache.dtype}")
 
 
 # ------------------------------------------------------------------------ decode
@@ -151,6 +176,7 @@ def _decode_kernel(
     part_ptr,
     lse_ptr,
     qk_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -167,6 +193,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Program (seq, kv head, split): the group's query heads against keys of one split."""
     seq = tl.program_id(0)
@@ -199,6 +226,8 @@ def _decode_kernel(
         off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds a valid key
@@ -206,11 +235,13 @@ def _decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty range leaves acc = 0 -> zeros
-    out = acc / l_safe[:, None]
+    out = acc * (v_scale / l_safe)[:, None]
     mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
         tl.store(
@@ -279,6 +310,8 @@ def paged_decode(
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
     config: KernelConfig | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One query token per sequence: q [S, num_heads, d] -> [S, num_heads, d].
 
@@ -320,7 +353,8 @@ def paged_decode(
         out,
         part,
         lse,
-        scale * LOG2E,
+        scale * LOG2E * k_scale,
+        v_scale,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -337,6 +371,7 @@ def paged_decode(
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
         DOT_PRECISION=_dot_precision(q.dtype),
+        KV_FP8=is_fp8(k_cache),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -371,6 +406,7 @@ def _prefill_kernel(
     query_start_loc_ptr,
     num_seqs,
     qk_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -387,6 +423,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Program (query tile, kv head): BLOCK_Q tokens x the group's heads of one sequence.
 
@@ -437,6 +474,8 @@ def _prefill_kernel(
         off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -444,9 +483,11 @@ def _prefill_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-    out = acc / l_i[:, None]
+    out = acc * (v_scale / l_i)[:, None]
     tl.store(
         out_ptr + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -464,6 +505,8 @@ def paged_prefill(
     scale: float,
     out: torch.Tensor | None = None,
     config: KernelConfig | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Packed queries of any lengths (prefill, chunks, decodes): q [T, num_heads, d] -> same.
 
@@ -494,7 +537,8 @@ def paged_prefill(
         seq_lens,
         query_start_loc,
         num_seqs,
-        scale * LOG2E,
+        scale * LOG2E * k_scale,
+        v_scale,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -511,6 +555,7 @@ def paged_prefill(
         BLOCK_N=cfg.block_n,
         BLOCK_SIZE=block_size,
         DOT_PRECISION=_dot_precision(q.dtype),
+        KV_FP8=is_fp8(k_cache),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -11,6 +11,16 @@ from nanovllm.bench.workloads import SHAPES
 from nanovllm.entrypoints.args import add_engine_args
 
 PEERS = ("hf", "hf-cb", "vllm")
+SELF_PEER = "nanovllm:"  # nanovllm:KEY=VALUE,...: nanovllm with these engine arguments changed
+
+
+def peer_name(text: str) -> str:
+    """A --peer value: a known peer, or nanovllm:KEY=VALUE[,KEY=VALUE] (checked when it runs)."""
+    if text in PEERS or (text.startswith(SELF_PEER) and "=" in text):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: not one of {', '.join(PEERS)} and not nanovllm:KEY=VALUE (e.g. nanovllm:kv_cache_dtype=fp8)"
+    )
 
 
 def positive_int(text: str) -> int:
@@ -79,9 +89,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--peer",
         action="append",
-        choices=PEERS,
+        type=peer_name,
         default=[],
-        help="also run this peer on the same workload (repeatable) (default: none)",
+        help="also run this peer on the same workload (repeatable): hf, hf-cb, vllm, or nanovllm:KEY=VALUE[,KEY=VALUE] "
+        "(nanovllm itself with engine arguments changed, e.g. nanovllm:kv_cache_dtype=fp8; run --repeat times) "
+        "(default: none)",
     )
     p.add_argument(
         "--repeat", type=positive_int, default=1, help="timed runs of nanovllm; the median is reported (default: 1)"

@@ -35,7 +35,10 @@ def roofline(
     flops: float = H200_BF16_FLOPS,
     bandwidth: float = H200_HBM_BYTES_PER_S,
     tp: int = 1,
+    kv_bytes_per_elem: int | None = None,
 ) -> Roofline:
+    """``kv_bytes_per_elem``: what the KV cache stores per element (1 for an FP8 cache; default:
+    the weights' ``dtype_bytes``)."""
     H, L, I, V = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"], shape["vocab_size"]  # noqa: E741
     q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
     layer_params = H * (q + 2 * kv) + q * H + 3 * H * I
@@ -44,7 +47,7 @@ def roofline(
     prefill = sum(2 * body * len(p) + 4 * L * q * len(p) * (len(p) + 1) / 2 + 2 * head for p in w.prompts)
     steps = max(w.max_tokens) - 1  # the first output token comes from the prefill
     weight_bytes = (body + head) * dtype_bytes * steps
-    kv_per_token = 2 * L * kv * dtype_bytes
+    kv_per_token = 2 * L * kv * (dtype_bytes if kv_bytes_per_elem is None else kv_bytes_per_elem)
     kv_bytes = sum(kv_per_token * sum(len(p) + t for t in range(1, n)) for p, n in zip(w.prompts, w.max_tokens))
     seconds = prefill / (flops * tp) + (weight_bytes + kv_bytes) / (bandwidth * tp)
     return Roofline(prefill, weight_bytes, kv_bytes, seconds, w.num_output_tokens / seconds)

@@ -9,6 +9,7 @@ roofline on GPU shapes, ``--json-out``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import logging
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanovllm.bench import peers
-from nanovllm.bench.args import PEERS, add_bench_args  # noqa: F401  (re-exported)
+from nanovllm.bench.args import PEERS, SELF_PEER, add_bench_args  # noqa: F401  (re-exported)
 from nanovllm.bench.datasets import build_workload, resolve_name
 from nanovllm.bench.roofline import Roofline, roofline
 from nanovllm.bench.workloads import SHAPES, Workload, shape_config_dir
@@ -148,10 +149,52 @@ def run_peer(peer: str, target: Target, args: argparse.Namespace) -> PeerResult:
             if python is None:
                 return PeerResult(peer, skipped="no vLLM virtual env found; pass --vllm-python")
             return PeerResult(peer, peers.run_vllm(w, t.model_dir, python, dtype=str(t.dtype).removeprefix("torch.")))
+        if peer.startswith(SELF_PEER):
+            return PeerResult(peer, run_self_peer(peer, target, args))
         raise ValueError(f"--peer {peer!r}: not one of {', '.join(PEERS)}")
     except Exception as e:
         logger.info("peer %s failed", peer, exc_info=True)  # the whole message (--log-level INFO)
         return PeerResult(peer, failed=one_line(f"{type(e).__name__}: {e}"))
+
+
+def engine_overrides(peer: str) -> dict:
+    """``nanovllm:kv_cache_dtype=fp8,max_num_seqs=128`` -> {"kv_cache_dtype": "fp8", "max_num_seqs": 128}:
+    keys are engine arguments, values JSON (numbers, true/false, null) or else strings."""
+    from nanovllm.config import EngineConfig
+
+    names = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "hf_config", "model_dir"}
+    out: dict = {}
+    for item in peer.removeprefix(SELF_PEER).split(","):
+        key, sep, value = item.partition("=")
+        if not sep or key not in names:
+            raise ValueError(
+                f"--peer {peer!r}: {item!r} is not ENGINE_ARG=VALUE (engine arguments: {', '.join(sorted(names))})"
+            )
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def run_self_peer(peer: str, target: Target, args: argparse.Namespace) -> list[peers.Measurement]:
+    """nanovllm with some engine arguments changed, ``--repeat`` times (the median), in this process."""
+    overrides = engine_overrides(peer)
+    eargs = {**target.engine_args, **overrides}
+    runs = []
+    for i in range(args.repeat):
+        m = peers.run_nanovllm(target.workload, target.model_dir, eargs, target.load_format)[0]
+        runs.append(m)
+        print(f"  {peer} run {i + 1}: {m.tokens_per_s:.1f} tok/s", file=sys.stderr)
+    label = "nanovllm (" + ", ".join(f"{k}={v}" for k, v in overrides.items()) + ")"
+    note = f"median of {len(runs)}" if len(runs) > 1 else ""
+    if target.shape and str(overrides.get("kv_cache_dtype", "auto")).startswith("fp8"):
+        tp = eargs.get("tensor_parallel_size", 1)
+        print(
+            f"  {label} roofline: {roofline(target.workload, target.shape, tp=tp, kv_bytes_per_elem=1).describe()}",
+            file=sys.stderr,
+        )
+    return [peers.Measurement(label, runs[0].output_tokens, statistics.median(m.seconds for m in runs), note)]
 
 
 def one_line(text: str) -> str:
@@ -175,7 +218,9 @@ def run_bench(args: argparse.Namespace) -> int:
         for line in outcome.lines():
             print(line, file=sys.stderr)
         outcomes.append(outcome)
-    limit = roofline(w, target.shape, tp=target.engine_args.get("tensor_parallel_size", 1)) if target.shape else None
+    fp8 = str(target.engine_args.get("kv_cache_dtype", "auto")).startswith("fp8")
+    tp = target.engine_args.get("tensor_parallel_size", 1)
+    limit = roofline(w, target.shape, tp=tp, kv_bytes_per_elem=1 if fp8 else None) if target.shape else None
     report(target, ours, outcomes, limit, args.json_out)
     return 0
 

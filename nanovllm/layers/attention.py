@@ -23,9 +23,13 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.k_cache = torch.tensor([])
         self.v_cache = torch.tensor([])
+        # an FP8 cache stores x / scale (vLLM's per-layer k_scale, v_scale); 1.0 as in vLLM when the
+        # checkpoint gives none. Python floats: constant for the engine's life, so graphs keep them.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         self.backend: Any = None  # the runner sets it
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, heads, d]; k, v: [T, kv_heads, d] -> [T, heads, d]."""
-        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        return self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale)
+        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        return self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)

@@ -50,6 +50,15 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device if config.device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         self.dtype = config.torch_dtype
+        self.kv_dtype = config.kv_cache_torch_dtype
+        if self.kv_dtype == torch.float8_e4m3fn and self.device.type == "cuda":
+            cap = torch.cuda.get_device_capability(self.device)
+            if cap < (8, 9):
+                raise ValueError(
+                    f"kv_cache_dtype={config.kv_cache_dtype!r} needs a GPU with float8 support (compute "
+                    f"capability 8.9 or newer); {torch.cuda.get_device_name(self.device)} has {cap[0]}.{cap[1]}: "
+                    f"use kv_cache_dtype='auto'"
+                )
         self.block_size = config.block_size
         self.rank = tp_rank()
         hf = config.hf_config
@@ -103,7 +112,7 @@ class ModelRunner:
     # ---------------------------------------------------------------- KV cache
     def kv_bytes_per_block(self) -> int:
         a = self.attn_layers[0]
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * elem
 
     def max_useful_blocks(self) -> int:
@@ -235,8 +244,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         for layer in self.attn_layers:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            layer.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-            layer.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            layer.k_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+            layer.v_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
             layer.backend = self.backend
         if hasattr(self.backend, "reserve"):
             a = self.attn_layers[0]
