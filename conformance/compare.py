@@ -36,6 +36,21 @@ LOGPROB_TOL[Q4_1] = 0.3
 LOGPROB_RTOL[Q4_1] = 0.0
 MAX_DIVERGED_FRAC[Q4_1] = 1.0
 
+# An FP8 KV cache (float8 e4m3, per-layer scales 1.0 as vLLM's default) on real weights, judged
+# against the float32 reference. Measured on SmolLM2-135M (scripts/kv_fp8_margins.py,
+# docs/conformance/kv-fp8.md): float32 weights + FP8 cache leave the reference in 10 of the 11
+# golden sequences, at reference margins up to 1.32 (never outside its top-5), prompt logprobs
+# within 0.50; bfloat16 weights + FP8 cache: margins up to 0.76, prompt logprobs within 0.50 (the
+# bfloat16 engine alone: 0.26 and 0.25). So: delta 1.5, every sequence may diverge once, prompt
+# logprobs within 0.75 (absolute). At delta 1.5 the rule still checks the ~45 % of golden steps
+# whose top-1 beats the top-2 by more; the engine that forgets the scale on load fails it (3
+# sequences leave at margins above 1.5 or outside the top-5; prompt logprobs off by 6.6).
+FP8_KV = "fp8 KV cache"
+DELTA[FP8_KV] = 1.5
+LOGPROB_TOL[FP8_KV] = 0.75
+LOGPROB_RTOL[FP8_KV] = 0.0
+MAX_DIVERGED_FRAC[FP8_KV] = 1.0
+
 
 @dataclass
 class Divergence:

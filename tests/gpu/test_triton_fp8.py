@@ -1,0 +1,108 @@
+"""The Triton kernels on an FP8 KV cache (float8 e4m3 with per-layer K and V scales) against
+attention/torch_ref.py reading the very same FP8 cache.
+
+The reference dequantizes exactly (e4m3 x a power-of-two scale is exact in bfloat16 and float32),
+so the kernels are held to the bfloat16 tolerance of test_triton_kernels.py: what FP8 loses is
+judged end to end (tests/test_kv_cache_fp8.py), not here. Each check has a negative control: the
+same kernel told the wrong scale misses the reference by far more than the tolerance.
+GPU only: Triton's CPU interpreter has no float8 arithmetic."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+if torch.cuda.get_device_capability() < (8, 9):
+    pytest.skip("float8 needs compute capability 8.9 or newer", allow_module_level=True)
+
+from nanovllm.attention import torch_ref  # noqa: E402
+from tests.gpu.test_triton_kernels import SHAPES, PagedCase, _lengths, _meta_cpu, assert_close, triton_ops  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+K_SCALE, V_SCALE = 0.5, 2.0  # powers of two: dequantized values are exact in bfloat16
+
+
+class Fp8Case:
+    def __init__(self, case: PagedCase):
+        self.case = case
+        # the NaN-poisoned slots stay NaN in e4m3 (a stray read still shows up)
+        self.k_cache = torch_ref.quantize_fp8(case.k_cache.cpu(), K_SCALE).to("cuda")
+        self.v_cache = torch_ref.quantize_fp8(case.v_cache.cpu(), V_SCALE).to("cuda")
+
+    def reference(self) -> torch.Tensor:
+        c = self.case
+        return torch_ref.paged_attention(
+            c.q.cpu().float(), self.k_cache.cpu(), self.v_cache.cpu(), _meta_cpu(c.meta), c.scale, K_SCALE, V_SCALE
+        )
+
+
+def _far(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    out = out.cpu().float()
+    return bool(((out - ref).norm() / ref.norm()).item() > 0.1)
+
+
+def test_store_kv_fp8_equals_reference_bytes():
+    gen = torch.Generator().manual_seed(3)
+    block_size, num_blocks, t, heads, d = 16, 6, 40, 2, 128
+    shape = (num_blocks, block_size, heads, d)
+    k = (torch.randn(t, heads, d, generator=gen) * 4).to(torch.bfloat16)
+    v = (torch.randn(t, heads, d, generator=gen) * 4).to(torch.bfloat16)
+    k[0, 0, :4] = torch.tensor([1000.0, -1000.0, 1e-6, 0.0])  # saturates at +-448 * scale; tiny; zero
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:t]
+    slots[::3] = -1
+    ref_k, ref_v = torch.zeros(shape, dtype=FP8), torch.zeros(shape, dtype=FP8)
+    torch_ref.store_kv(k, v, ref_k, ref_v, slots, K_SCALE, V_SCALE)
+    dev_k, dev_v = torch.zeros(shape, dtype=FP8, device="cuda"), torch.zeros(shape, dtype=FP8, device="cuda")
+    triton_ops.store_kv(k.cuda(), v.cuda(), dev_k, dev_v, slots.cuda(), K_SCALE, V_SCALE)
+    assert torch.equal(dev_k.cpu().view(torch.uint8), ref_k.view(torch.uint8))
+    assert torch.equal(dev_v.cpu().view(torch.uint8), ref_v.view(torch.uint8))
+    assert not torch.isnan(dev_k.cpu().float()).any(), "out-of-range values must saturate, not become NaN"
+    # control: stored at the wrong scale, the bytes differ
+    triton_ops.store_kv(k.cuda(), v.cuda(), dev_k, dev_v, slots.cuda(), 1.0, V_SCALE)
+    assert not torch.equal(dev_k.cpu().view(torch.uint8), ref_k.view(torch.uint8))
+
+
+@pytest.mark.parametrize("block_size,group,head_dim", SHAPES[::3])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_fp8_matches_reference(block_size, group, head_dim, splits):
+    rng = random.Random(block_size * 1000 + group * 10 + head_dim + splits)
+    lens = _lengths(block_size, rng, 9, 4096)
+    fc = Fp8Case(PagedCase([(n - 1, 1) for n in lens], block_size, group, head_dim, seed=rng.randint(0, 1 << 30)))
+    c = fc.case
+
+    def run(v_scale: float) -> torch.Tensor:
+        out = torch.full_like(c.q, float("nan"))
+        triton_ops.paged_decode(
+            c.q, fc.k_cache, fc.v_cache, c.meta.block_tables, c.meta.seq_lens, c.scale,
+            num_splits=splits, out=out, k_scale=K_SCALE, v_scale=v_scale,
+        )  # fmt: skip
+        return out
+
+    ref = fc.reference()
+    assert_close(run(V_SCALE), ref, f"fp8 decode bs={block_size} g={group} d={head_dim} splits={splits}")
+    assert _far(run(1.0), ref), "control: the wrong v_scale must miss the reference"
+
+
+@pytest.mark.parametrize("block_size,group,head_dim", SHAPES[1::4])
+def test_prefill_fp8_matches_reference(block_size, group, head_dim):
+    rng = random.Random(block_size * 31 + group * 7 + head_dim)
+    specs = [(0, 1), (0, rng.randint(2, 600)), (block_size, rng.randint(1, 600)), (rng.randint(1, 3000), 300)]
+    fc = Fp8Case(PagedCase(specs, block_size, group, head_dim, seed=rng.randint(0, 1 << 30)))
+    c = fc.case
+
+    def run(k_scale: float) -> torch.Tensor:
+        out = torch.full_like(c.q, float("nan"))
+        triton_ops.paged_prefill(
+            c.q, fc.k_cache, fc.v_cache, c.meta.query_start_loc, c.meta.seq_lens, c.meta.block_tables, c.scale,
+            out=out, k_scale=k_scale, v_scale=V_SCALE,
+        )  # fmt: skip
+        return out
+
+    ref = fc.reference()
+    assert_close(run(K_SCALE), ref, f"fp8 prefill bs={block_size} g={group} d={head_dim}")
+    assert _far(run(4 * K_SCALE), ref), "control: the wrong k_scale must miss the reference"

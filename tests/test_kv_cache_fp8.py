@@ -1,0 +1,133 @@
+"""The FP8 KV cache (``kv_cache_dtype="fp8"``: float8 e4m3, per-layer K and V scales).
+
+- storage: what the cache returns is the nearest e4m3 value of x / scale, times the scale (within
+  half a step of e4m3's 3-bit mantissa), out-of-range values saturate instead of becoming NaN,
+  and the scale keeps small values out of e4m3's subnormals; a coarser format fails the bound
+  (negative control);
+- capacity: the same KV memory holds as many times more blocks as the element is smaller (4x a
+  float32 cache, 2x a bfloat16 one);
+- accuracy, end to end on the default model (real weights) against the golden transformers
+  float32 reference, by the conformance greedy rule at the delta measured for the FP8 cache
+  (conformance/compare.py, scripts/kv_fp8_margins.py), prompt logprobs within its tolerance; an
+  engine that forgets the scale on load is rejected by the same rule (negative control).
+  (Random-weight zoo models are not used: their greedy tokens sit on near-ties that bfloat16
+  already flips, so FP8 moves them everywhere and no delta would check anything.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import golden
+from conformance.compare import DELTA, FP8_KV, LOGPROB_TOL, MAX_DIVERGED_FRAC, compare_greedy
+from conformance.harness import golden_step_logprobs
+from nanovllm import LLM, SamplingParams
+from nanovllm.attention import torch_ref
+from tests.conftest import require_default_model
+
+E4M3_HALF_STEP = 2.0**-4  # relative: 3 mantissa bits -> steps of 2^-3 of the binade
+
+
+def _round_trip(x: torch.Tensor, scale: float, quantize=torch_ref.quantize_fp8) -> torch.Tensor:
+    cache = torch.zeros(1, x.shape[0], 1, x.shape[-1], dtype=torch_ref.FP8)
+    if quantize is torch_ref.quantize_fp8:
+        torch_ref.store_kv(x[:, None], x[:, None], cache, cache.clone(), torch.arange(x.shape[0]), scale, scale)
+        return torch_ref.gather_kv(cache, torch.tensor([0]), x.shape[0], scale)[:, 0]
+    return quantize(x / scale).float() * scale
+
+
+def _within_half_step(back: torch.Tensor, x: torch.Tensor) -> bool:
+    return bool(((back - x).abs() <= E4M3_HALF_STEP * x.abs() + 1e-12).all())
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25, 8.0])
+def test_round_trip_is_the_nearest_e4m3_value(scale):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 32, generator=gen) * 20 * scale  # normal range of e4m3 at this scale
+    x = x[(x.abs() / scale > 2.0**-6).all(1)]
+    back = _round_trip(x, scale)
+    assert _within_half_step(back, x)
+    assert not torch.equal(back, x), "float8 must round (a cache that kept float32 would pass the bound vacuously)"
+
+
+def test_coarser_format_fails_the_bound():
+    """Negative control: e5m2 (2 mantissa bits) breaks the half-step bound of e4m3."""
+    x = torch.linspace(1.0, 2.0, 97)[None].repeat(2, 1)
+    e5m2 = _round_trip(x, 1.0, quantize=lambda t: t.to(torch.float8_e5m2))
+    assert not _within_half_step(e5m2, x)
+    assert _within_half_step(_round_trip(x, 1.0), x)
+
+
+def test_out_of_range_saturates_and_the_scale_keeps_small_values():
+    big = torch.tensor([[1e4, -1e4, 447.0, 449.0]])
+    back = _round_trip(big, 1.0)
+    assert torch.isfinite(back).all() and back.abs().max() == 448.0
+    small = torch.full((1, 8), 3e-4)  # below e4m3's smallest normal (2^-6) at scale 1
+    assert not _within_half_step(_round_trip(small, 1.0), small)
+    assert _within_half_step(_round_trip(small, 2.0**-12), small)
+
+
+def test_bad_kv_cache_dtype_names_the_field():
+    for bad in ("int8", "fp8_e5m2", 8):
+        with pytest.raises(ValueError, match="kv_cache_dtype"):
+            LLM(None, device="cpu", kv_cache_dtype=bad)
+
+
+def test_fp8_cache_holds_more_blocks_in_the_same_memory():
+    from conformance.zoo import zoo_model
+
+    blocks = {}
+    for kv in ("auto", "fp8"):
+        llm = LLM(zoo_model("qwen3-gqa2-hd64-tied"), device="cpu", kv_cache_memory_gib=0.01, kv_cache_dtype=kv)
+        blocks[kv] = llm.stats()["num_kv_blocks"]
+        llm.close()
+    # float32 model: 4 bytes -> 1 per element; each count is floor(budget / block bytes)
+    assert 4 * blocks["auto"] <= blocks["fp8"] < 4 * (blocks["auto"] + 1), blocks
+
+
+def _golden_run(kv: str, forget_scale: bool = False):
+    require_default_model()
+    g = golden.load(golden.SMOLLM)
+    llm = LLM(golden.model_dir(g), device="cpu", dtype="float32", kv_cache_dtype=kv)
+    load = torch_ref._load
+    if forget_scale:  # the wrong engine: K stored at scale 0.5, read back at 1.0
+        for layer in llm.llm_engine.executor.runner.attn_layers:
+            layer.k_scale = 0.5
+        torch_ref._load = lambda t, cache_dtype, scale: load(t, cache_dtype, 1.0)
+    try:
+        prompts = [{"prompt_token_ids": c["prompt"]} for c in g["cases"]]
+        outs = llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=g["max_tokens"], ignore_eos=True), use_tqdm=False
+        )
+        scored = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    finally:
+        torch_ref._load = load
+        llm.close()
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    report = compare_greedy(
+        [c["greedy"] for c in g["cases"]],
+        [golden_step_logprobs(c) for c in g["cases"]],
+        got,
+        DELTA[FP8_KV],
+        MAX_DIVERGED_FRAC[FP8_KV],
+    )
+    diffs = [
+        abs(s.prompt_logprobs[p][c["prompt"][p]].logprob - c["prompt_lps"][p - 1])
+        for c, s in zip(g["cases"], scored)
+        for p in range(1, len(c["prompt"]))
+    ]
+    return report, max(diffs)
+
+
+def test_fp8_cache_passes_the_greedy_rule_on_the_default_model():
+    report, lp_diff = _golden_run("fp8")
+    assert report.ok, report.summary()
+    assert report.num_exact >= 1, report.summary()
+    assert lp_diff <= LOGPROB_TOL[FP8_KV], f"prompt logprobs differ by {lp_diff:.4f} > {LOGPROB_TOL[FP8_KV]}"
+
+
+def test_an_fp8_cache_that_forgets_its_scale_is_rejected():
+    report, lp_diff = _golden_run("fp8", forget_scale=True)
+    assert not report.ok or lp_diff > LOGPROB_TOL[FP8_KV], report.summary()
+    assert not report.ok, f"the greedy rule at delta {DELTA[FP8_KV]} accepts a wrong engine: {report.summary()}"
