@@ -29,6 +29,7 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
+FP8_DECODE_VARIANT = (True, True)  # (prefetch the next tile, widen to float16): see KERNEL_NOTES
 FP8_MAX = tl.constexpr(448.0)  # the largest finite float8 e4m3fn value (a constexpr: kernels read it)
 
 
@@ -255,6 +256,115 @@ def _decode_kernel(
         tl.store(lse_ptr + row, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=g_mask)
 
 
+@triton.jit(do_not_specialize_on_alignment=METADATA_PTRS)
+def _decode_fp8_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_ptr,
+    lse_ptr,
+    qk_scale,
+    v_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    F16: tl.constexpr,
+):
+    """``_decode_kernel`` on an FP8 cache: the next tile's K/V bytes are loaded while this tile
+    is computed (PREFETCH), and the tiles are widened to float16 (F16: one conversion
+    instruction per two elements) or to the query's dtype."""
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    q = tl.load(
+        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    if F16:
+        q = q.to(tl.float16)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    pos = start + offs_n
+    n_mask = pos < end
+    block = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+    k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    for n0 in range(start, end, BLOCK_N):
+        if PREFETCH:
+            pos_next = n0 + BLOCK_N + offs_n
+            next_mask = pos_next < end
+            block_next = tl.load(table + pos_next // BLOCK_SIZE, mask=next_mask, other=0).to(tl.int64)
+            off_next = block_next * stride_cb + (pos_next % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+            next_kv_mask = next_mask[:, None] & d_mask[None, :]
+            k_next = tl.load(k_cache_ptr + off_next[:, None] + offs_d[None, :], mask=next_kv_mask, other=0.0)
+            v_next = tl.load(v_cache_ptr + off_next[:, None] + offs_d[None, :], mask=next_kv_mask, other=0.0)
+        else:
+            pos = n0 + offs_n
+            n_mask = pos < end
+            block = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+            off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+            k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        n_mask = (n0 + offs_n) < end
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
+        if PREFETCH:
+            k = k_next
+            v = v_next
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc * (v_scale / l_safe)[:, None]
+    mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
+    else:
+        row = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
+        tl.store(part_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask)
+        tl.store(lse_ptr + row, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=g_mask)
+
+
 @triton.jit
 def _merge_kernel(
     out_ptr,
@@ -344,7 +454,13 @@ def paged_decode(
             raise ValueError(f"decode workspace too small: {rows} rows of {head_dim} needed, have {lse.numel()} rows")
     else:
         part = lse = out  # unused by the kernel
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+    fp8 = is_fp8(k_cache)
+    if fp8:
+        prefetch, f16 = FP8_DECODE_VARIANT
+        kernel, extra = _decode_fp8_kernel, dict(PREFETCH=prefetch, F16=f16 and q.dtype != torch.float32)
+    else:
+        kernel, extra = _decode_kernel, dict(KV_FP8=False)
+    kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
         v_cache,
@@ -371,9 +487,9 @@ def paged_decode(
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
         DOT_PRECISION=_dot_precision(q.dtype),
-        KV_FP8=is_fp8(k_cache),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **extra,
     )
     if num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](
