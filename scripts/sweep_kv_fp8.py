@@ -19,7 +19,6 @@ from scripts.bench_kernels import HBM, KVH, D, H, paged_cache
 
 FP8 = torch.float8_e4m3fn
 DECODE_CONFIGS = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (64, 8, 2)]
-VARIANTS = [(False, False), (True, False), (False, True), (True, True)]  # (prefetch, float16)
 
 
 def decode(batch: int, ctx: int, fp8: bool, cfg: ops.KernelConfig | None) -> tuple[float, float]:
@@ -72,18 +71,14 @@ def main() -> None:
     print(f"{'decode b256 c1024 bf16 (default config)':48s} {ms * 1e3:8.0f} us {bw / 1e12:8.2f} TB/s ({bw / HBM:.0%})")
     ms, bw = decode(256, 1024, True, None)
     print(f"{'decode b256 c1024 fp8 (default config)':48s} {ms * 1e3:8.0f} us {bw / 1e12:8.2f} TB/s ({bw / HBM:.0%})")
-    default = ops.FP8_DECODE_VARIANT
-    for variant in VARIANTS:
-        ops.FP8_DECODE_VARIANT = variant
-        for n, w, s in DECODE_CONFIGS:
-            cfg = ops.KernelConfig(16, n, w, s)
-            name = f"decode fp8 prefetch={int(variant[0])} f16={int(variant[1])} N{n} w{w} s{s}"
-            try:
-                ms, bw = decode(256, 1024, True, cfg)
-                print(f"{name:48s} {ms * 1e3:8.0f} us {bw / 1e12:8.2f} TB/s ({bw / HBM:.0%})", flush=True)
-            except Exception as e:  # a config that does not fit shared memory
-                print(f"{name}: failed: {type(e).__name__}: {str(e)[:120]}")
-    ops.FP8_DECODE_VARIANT = default
+    for n, w, s in DECODE_CONFIGS:
+        cfg = ops.KernelConfig(16, n, w, s)
+        name = f"decode fp8 N{n} w{w} s{s}"
+        try:
+            ms, bw = decode(256, 1024, True, cfg)
+            print(f"{name:48s} {ms * 1e3:8.0f} us {bw / 1e12:8.2f} TB/s ({bw / HBM:.0%})", flush=True)
+        except Exception as e:  # a config that does not fit shared memory
+            print(f"{name}: failed: {type(e).__name__}: {str(e)[:120]}")
     for fp8 in (False, True):
         print(f"{'prefill 8 x 1024 ' + ('fp8' if fp8 else 'bf16'):48s} {prefill(fp8) * 1e3:8.0f} us")
         print(f"{'store_kv 8192 tokens ' + ('fp8' if fp8 else 'bf16'):48s} {store(fp8) * 1e3:8.1f} us")

@@ -29,7 +29,6 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
-FP8_DECODE_VARIANT = (True, True)  # (prefetch the next tile, widen to float16): see KERNEL_NOTES
 FP8_MAX = tl.constexpr(448.0)  # the largest finite float8 e4m3fn value (a constexpr: kernels read it)
 
 
@@ -41,9 +40,11 @@ class KernelConfig:
     num_stages: int
 
 
-def decode_config(head_dim: int, dtype: torch.dtype) -> KernelConfig:
+def decode_config(head_dim: int, dtype: torch.dtype, fp8: bool = False) -> KernelConfig:
     if dtype == torch.float32 or head_dim > 128:
         return KernelConfig(16, 32, 4, 2)
+    if fp8:  # half the bytes per key: twice the keys per tile (sweep on the H200, KERNEL_NOTES)
+        return KernelConfig(16, 128, 4, 3)
     return KernelConfig(16, 64, 4, 3)
 
 
@@ -51,6 +52,14 @@ def prefill_config(head_dim: int, dtype: torch.dtype) -> KernelConfig:
     if dtype == torch.float32 or head_dim > 128:
         return KernelConfig(64, 32, 4, 2)
     return KernelConfig(128, 64, 8, 2)
+
+
+def _widen(dtype: torch.dtype) -> bool:
+    """FP8 tiles of a bfloat16 model are widened to float16 (with the query): the conversion is
+    one instruction per pair instead of four, +20 % decode bandwidth on the H200 (KERNEL_NOTES);
+    float16 keeps more of the query's mantissa, and attention queries sit far inside its range.
+    float32 models widen to float32 (the exact-greedy tests)."""
+    return dtype == torch.bfloat16
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -195,6 +204,7 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):
     """Program (seq, kv head, split): the group's query heads against keys of one split."""
     seq = tl.program_id(0)
@@ -216,6 +226,8 @@ def _decode_kernel(
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
+    if KV_FP8 and WIDEN:
+        q = q.to(tl.float16)  # FP8 tiles widen to float16 in one instruction per pair (bfloat16: four)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -242,115 +254,6 @@ def _decode_kernel(
         m_i = m_new
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty range leaves acc = 0 -> zeros
-    out = acc * (v_scale / l_safe)[:, None]
-    mask = g_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
-        tl.store(
-            out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=mask,
-        )
-    else:
-        row = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
-        tl.store(part_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask)
-        tl.store(lse_ptr + row, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=g_mask)
-
-
-@triton.jit(do_not_specialize_on_alignment=METADATA_PTRS)
-def _decode_fp8_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    out_ptr,
-    part_ptr,
-    lse_ptr,
-    qk_scale,
-    v_scale,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    stride_bt,
-    GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    F16: tl.constexpr,
-):
-    """``_decode_kernel`` on an FP8 cache: the next tile's K/V bytes are loaded while this tile
-    is computed (PREFETCH), and the tiles are widened to float16 (F16: one conversion
-    instruction per two elements) or to the query's dtype."""
-    seq = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
-    start = split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
-
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    g_mask = offs_g < GROUP
-    d_mask = offs_d < HEAD_DIM
-    heads = kvh * GROUP + offs_g
-    q = tl.load(
-        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-    if F16:
-        q = q.to(tl.float16)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    table = block_tables_ptr + seq * stride_bt
-    pos = start + offs_n
-    n_mask = pos < end
-    block = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-    off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
-    k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-    v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-    for n0 in range(start, end, BLOCK_N):
-        if PREFETCH:
-            pos_next = n0 + BLOCK_N + offs_n
-            next_mask = pos_next < end
-            block_next = tl.load(table + pos_next // BLOCK_SIZE, mask=next_mask, other=0).to(tl.int64)
-            off_next = block_next * stride_cb + (pos_next % BLOCK_SIZE) * stride_cs + kvh * stride_ch
-            next_kv_mask = next_mask[:, None] & d_mask[None, :]
-            k_next = tl.load(k_cache_ptr + off_next[:, None] + offs_d[None, :], mask=next_kv_mask, other=0.0)
-            v_next = tl.load(v_cache_ptr + off_next[:, None] + offs_d[None, :], mask=next_kv_mask, other=0.0)
-        else:
-            pos = n0 + offs_n
-            n_mask = pos < end
-            block = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-            off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
-            k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-            v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        n_mask = (n0 + offs_n) < end
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-        m_i = m_new
-        if PREFETCH:
-            k = k_next
-            v = v_next
-
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc * (v_scale / l_safe)[:, None]
     mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
@@ -438,7 +341,7 @@ def paged_decode(
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     group = num_heads // num_kv_heads
-    cfg = config or decode_config(head_dim, q.dtype)
+    cfg = config or decode_config(head_dim, q.dtype, is_fp8(k_cache))
     out = torch.empty_like(q) if out is None else out
     if num_seqs == 0:
         return out
@@ -454,13 +357,7 @@ def paged_decode(
             raise ValueError(f"decode workspace too small: {rows} rows of {head_dim} needed, have {lse.numel()} rows")
     else:
         part = lse = out  # unused by the kernel
-    fp8 = is_fp8(k_cache)
-    if fp8:
-        prefetch, f16 = FP8_DECODE_VARIANT
-        kernel, extra = _decode_fp8_kernel, dict(PREFETCH=prefetch, F16=f16 and q.dtype != torch.float32)
-    else:
-        kernel, extra = _decode_kernel, dict(KV_FP8=False)
-    kernel[(num_seqs, num_kv_heads, num_splits)](
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
         v_cache,
@@ -489,7 +386,8 @@ def paged_decode(
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **extra,
+        KV_FP8=is_fp8(k_cache),
+        WIDEN=_widen(q.dtype),
     )
     if num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](
@@ -540,6 +438,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):
     """Program (query tile, kv head): BLOCK_Q tokens x the group's heads of one sequence.
 
@@ -577,6 +476,8 @@ def _prefill_kernel(
         mask=row_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
+    if KV_FP8 and WIDEN:
+        q = q.to(tl.float16)
     q_pos = ctx + tl.minimum(tok, q_len - 1)  # bottom-right causal; padding rows clamped
     kv_end = ctx + tl.minimum((tile + 1) * BLOCK_Q, q_len)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -672,6 +573,7 @@ def paged_prefill(
         BLOCK_SIZE=block_size,
         DOT_PRECISION=_dot_precision(q.dtype),
         KV_FP8=is_fp8(k_cache),
+        WIDEN=_widen(q.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
