@@ -42,7 +42,7 @@ MAX_DIVERGED_FRAC[Q4_1] = 1.0
 # golden sequences, at reference margins up to 1.32 (never outside its top-5), prompt logprobs
 # within 0.50; bfloat16 weights + FP8 cache: margins up to 0.76, prompt logprobs within 0.50 (the
 # bfloat16 engine alone: 0.26 and 0.25). So: delta 1.5, every sequence may diverge once, prompt
-# logprobs within 0.75 (absolute). At delta 1.5 the rule still checks the ~45 % of golden steps
+# logprobs within 0.75 (absolute). At delta 1.5 the rule still checks the 42 % of golden steps
 # whose top-1 beats the top-2 by more; the engine that forgets the scale on load fails it (3
 # sequences leave at margins above 1.5 or outside the top-5; prompt logprobs off by 6.6).
 FP8_KV = "fp8 KV cache"

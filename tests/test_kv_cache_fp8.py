@@ -123,7 +123,6 @@ def _golden_run(kv: str, forget_scale: bool = False):
 def test_fp8_cache_passes_the_greedy_rule_on_the_default_model():
     report, lp_diff = _golden_run("fp8")
     assert report.ok, report.summary()
-    assert report.num_exact >= 1, report.summary()
     assert lp_diff <= LOGPROB_TOL[FP8_KV], f"prompt logprobs differ by {lp_diff:.4f} > {LOGPROB_TOL[FP8_KV]}"
 
 
