@@ -78,3 +78,23 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[LogprobsDict | None] | None = None
     metrics: RequestMetrics | None = None
+
+    def add(self, later: RequestOutput, delta: bool) -> RequestOutput:
+        """This output followed by ``later`` of the same request, as one output (what a caller
+        that fell behind gets: vLLM's merging of a slow consumer's outputs). ``delta``: both are
+        DELTA pieces, concatenated; otherwise ``later`` already holds everything."""
+        if not delta:
+            return later
+        for mine, new in zip(self.outputs, later.outputs):
+            mine.text += new.text
+            mine.token_ids = mine.token_ids + new.token_ids
+            if mine.logprobs is not None and new.logprobs is not None:
+                mine.logprobs = mine.logprobs + new.logprobs
+            mine.cumulative_logprob = new.cumulative_logprob
+            mine.finish_reason, mine.stop_reason = new.finish_reason, new.stop_reason
+        self.finished = later.finished
+        self.num_cached_tokens = later.num_cached_tokens
+        self.metrics = later.metrics
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
+        return self

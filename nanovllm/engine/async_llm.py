@@ -6,7 +6,8 @@
 
 One background thread owns the LLMEngine: it takes commands (add, abort, call) from a queue
 between steps, runs ``step()`` while requests are unfinished, and hands each step's outputs to
-the event loop, which routes them to the callers' queues. So every concurrent caller is batched
+the event loop, which routes them to the callers' queues (a caller that fell behind gets what
+queued up merged into one output: ``RequestOutput.add``). So every concurrent caller is batched
 into the same steps, the event loop never blocks on the model, and the engine (and its
 tokenizer) is only ever touched by one thread. The front end has its own copy of the tokenizer
 (``get_tokenizer()``: text prompts, chat templates, /tokenize), used on the event loop's thread.
@@ -27,7 +28,7 @@ from collections.abc import AsyncGenerator, Callable
 
 from nanovllm.engine.engine import LLMEngine
 from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +100,14 @@ class AsyncLLM:
             added = self._loop.create_future()  # type: ignore[union-attr]  # set by the first call
             self._commands.put(("add", request_id, self.encode_prompt(prompt), sampling_params, added))
             await added
+            delta = sampling_params is not None and sampling_params.output_kind == RequestOutputKind.DELTA
             while True:
                 out = await outputs.get()
+                # a caller that fell behind gets what queued up as one output (fewer, larger
+                # stream chunks under load instead of a growing backlog)
+                while not outputs.empty() and not isinstance(out, BaseException) and not out.finished:
+                    later = outputs.get_nowait()
+                    out = later if isinstance(later, BaseException) else out.add(later, delta)
                 if isinstance(out, BaseException):
                     raise out
                 finished = out.finished
