@@ -55,7 +55,7 @@ if [ -n "$need" ]; then
 fi
 echo "installed: ${need:-nothing}" >> "$LOG/env.txt"
 
-timeout "$L_WARM" "$PY" scripts/warm_triton.py --jobs 4 >> "$LOG/env.txt" 2>&1
+timeout "$L_WARM" "$PY" scripts/warm_triton.py --jobs "${NANOVLLM_WARM_JOBS:-8}" >> "$LOG/env.txt" 2>&1
 
 tw=$(date +%s)
 
