@@ -430,7 +430,8 @@ def test_bench_serve_client(url):
     assert all(r.ok for r in m.results), [r.error for r in m.results]
     assert [r.output_tokens for r in m.results] == w.max_tokens and m.output_tokens == sum(w.max_tokens)
     for r, n in zip(m.results, w.max_tokens):
-        assert 0 < r.ttft <= r.e2e and len(r.itl) == n - 1 and all(x >= 0 for x in r.itl)
+        # a chunk holds one token, or several when the server merged them for a client behind
+        assert 0 < r.ttft <= r.e2e and len(r.itl) <= n - 1 and all(x >= 0 for x in r.itl)
     s = m.summary()
     assert s["completed"] == 6 and s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"]
     bad = asyncio.run(run_requests(url, "zoo", w, rate=float("inf"), max_concurrency=None, api_key="wrong"))

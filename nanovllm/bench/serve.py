@@ -4,7 +4,8 @@ Each request is a streaming ``/v1/completions`` call with the workload's prompt 
 max_tokens, temperature and ``ignore_eos`` (vLLM's extra field). Requests arrive at
 ``--request-rate`` per second (Poisson; ``inf`` = all at once) with at most ``--max-concurrency``
 in flight. Measured on the client, as vLLM's ``bench serve`` does: TTFT (send -> first chunk),
-inter-token latency (the gaps between chunks: one token each), end-to-end latency, output throughput (usage tokens / wall
+inter-token latency (the gaps between chunks: one token each, several when the server merged them
+for a client that fell behind), end-to-end latency, output throughput (usage tokens / wall
 time of the run). Targets: the nanovllm server (started here with the engine flags, or
 ``--base-url``), ``--peer vllm`` (``vllm serve`` from vLLM's own virtual env, started here), and
 ``--offline`` (the same workload through ``LLM.generate`` in this process, for served / offline).
@@ -114,7 +115,8 @@ async def one_request(
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                     continue
                 # as vLLM's benchmark: every chunk is a token event, with or without text (a
-                # model without a tokenizer, text held back until a character is whole)
+                # model without a tokenizer, text held back until a character is whole); a
+                # chunk may carry several tokens when the server merged them for a client behind
                 now = time.perf_counter()
                 if last is None:
                     result.ttft = now - start
