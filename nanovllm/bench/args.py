@@ -144,7 +144,19 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", choices=("cpu", "gpu"), default="cpu", help="the dataset (the standard workloads)")
+    p.add_argument(
+        "--workload",
+        "--dataset",
+        dest="workload",
+        choices=("cpu", "gpu", "random"),
+        default="cpu",
+        help="the requests: the standard cpu or gpu workload, or random (--num-prompts prompts of --input-len "
+        "random ids, --output-len tokens each) (default: cpu)",
+    )
+    p.add_argument(
+        "--num-prompts", type=positive_int, default=None, help="requests (random: default 32; others: the first N)"
+    )
+    add_length_args(p, "128", "128")
     p.add_argument("--shape", default="qwen3-0.6b", help="random-weight model shape for the gpu workload")
     p.add_argument(
         "--request-rate", type=float, default=float("inf"), help="requests per second (Poisson); inf: all at once"
