@@ -29,9 +29,10 @@ from tests.conftest import require_default_model
 E4M3_HALF_STEP = 2.0**-4  # relative: 3 mantissa bits -> steps of 2^-3 of the binade
 
 
-def _round_trip(x: torch.Tensor, scale: float, quantize=torch_ref.quantize_fp8) -> torch.Tensor:
+def _round_trip(x: torch.Tensor, scale: float, quantize=None) -> torch.Tensor:
+    """Through the engine's store and load (or, for the control, through ``quantize``)."""
     cache = torch.zeros(1, x.shape[0], 1, x.shape[-1], dtype=torch_ref.FP8)
-    if quantize is torch_ref.quantize_fp8:
+    if quantize is None:
         torch_ref.store_kv(x[:, None], x[:, None], cache, cache.clone(), torch.arange(x.shape[0]), scale, scale)
         return torch_ref.gather_kv(cache, torch.tensor([0]), x.shape[0], scale)[:, 0]
     return quantize(x / scale).float() * scale

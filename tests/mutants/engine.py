@@ -455,6 +455,26 @@ def triton_decode_drops_last_key() -> ContextManager:
     return _patched((triton_ops, "paged_decode", paged_decode))
 
 
+# ------------------------------------------------------------------- FP8 KV cache
+def fp8_load_ignores_scale() -> ContextManager:
+    """The PyTorch path reads an FP8 cache back without its scale (stored x / scale, read x / scale)."""
+    (torch_ref,) = _modules("nanovllm.attention.torch_ref")
+    orig = torch_ref._load
+    return _patched((torch_ref, "_load", lambda t, cache_dtype, scale: orig(t, cache_dtype, 1.0)))
+
+
+def triton_fp8_v_scale_ignored() -> ContextManager:
+    """The Triton decode kernel is not given the layer's V scale on an FP8 cache."""
+    (triton_ops,) = _modules("nanovllm.attention.triton_ops")
+    orig = triton_ops.paged_decode
+
+    def paged_decode(*args, **kw):
+        kw["v_scale"] = 1.0
+        return orig(*args, **kw)
+
+    return _patched((triton_ops, "paged_decode", paged_decode))
+
+
 # ------------------------------------------------ per-request fields under preemption (class 3)
 def prompt_logprobs_reappended_on_recompute() -> ContextManager:
     """The bug of issue 10: a recompute after a preemption scores every prompt row of its chunks

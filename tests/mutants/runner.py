@@ -42,6 +42,7 @@ from tests.mutants.engine import (
     cuda_graph_padding_writes_kv,
     decode_drops_last_key,
     eos_ignored,
+    fp8_load_ignores_scale,
     frequency_penalty_counts_prompt,
     fused_sampler_skips_processing,
     fused_sampler_temperature_ignored,
@@ -66,6 +67,7 @@ from tests.mutants.engine import (
     tp_ranks_sample_apart,
     tp_result_ignores_ticket,
     triton_decode_drops_last_key,
+    triton_fp8_v_scale_ignored,
 )
 
 ENV = "NANOVLLM_MUTANT"
@@ -92,6 +94,7 @@ LP = "tests/test_logits_processing.py"
 OPTS = "tests/test_sampling_options.py"
 GREEDY_OPTS = OPTS + "::test_greedy_with_option_matches_transformers_processors"  # ids gain [cuda] on GPU hosts
 PAR = "tests/test_parallel_sampling.py"
+FP8 = "tests/test_kv_cache_fp8.py"
 
 CPU_PATH = "patches a path the CUDA engine does not take"
 
@@ -177,6 +180,21 @@ ENGINE_MUTANTS: list[Mutant] = [
         ["tests/test_tp_async.py::test_tp2_step_abandoned_by_an_interrupt"],
     ),
     Mutant(
+        "fp8_load_ignores_scale",
+        fp8_load_ignores_scale,
+        [
+            f"{FP8}::test_round_trip_is_the_nearest_e4m3_value",
+            f"{FP8}::test_an_fp8_cache_that_forgets_its_scale_is_rejected",
+        ],
+        not_on_cuda=CPU_PATH,
+    ),
+    Mutant(
+        "triton_fp8_v_scale_ignored",
+        triton_fp8_v_scale_ignored,
+        ["tests/gpu/test_kv_cache_fp8_gpu.py", "tests/gpu/test_triton_fp8.py::test_decode_fp8_matches_reference"],
+        gpu_only=True,
+    ),
+    Mutant(
         "cuda_graph_padding_writes_kv", cuda_graph_padding_writes_kv, [CORE_DIR + "test_cuda_graph.py"], gpu_only=True
     ),
     Mutant(
@@ -239,6 +257,7 @@ ENGINE_MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "fused_sampler_skips_processing",
+        fp8_load_ignores_scale,
         fused_sampler_skips_processing,
         [f"{LP}::test_rows_with_processing_take_the_general_path_of_the_fused_sampler"],
     ),
