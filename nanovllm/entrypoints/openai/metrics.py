@@ -146,6 +146,9 @@ class ServerMetrics:
             metric.labels(model_name)
         r.register(EngineStatsCollector(engine, model_name))
         self.model_name = model_name
+        # the series touched on every output, looked up once (labels() locks and hashes each call)
+        self._ttft, self._itl = self.ttft.labels(model_name), self.itl.labels(model_name)
+        self._generation_tokens = self.generation_tokens.labels(model_name)
         self._last: dict[str, tuple[float | None, int]] = {}  # request -> (last token time, tokens so far)
         engine.output_observers.append(self.observe)
 
@@ -157,17 +160,17 @@ class ServerMetrics:
         n = m.num_generation_tokens
         if n > last_n:
             if last_n == 0 and m.first_token_latency is not None:
-                self.ttft.labels(name).observe(m.first_token_latency)
+                self._ttft.observe(m.first_token_latency)
                 # a request seen first when several tokens are out (FINAL_ONLY): their mean gap
                 if n > 1 and m.last_token_time is not None:
                     gap = (m.last_token_time - m.first_token_time) / (n - 1)  # type: ignore[operator]
                     for _ in range(n - 1):
-                        self.itl.labels(name).observe(gap)
+                        self._itl.observe(gap)
             elif last_time is not None and m.last_token_time is not None:
                 gap = (m.last_token_time - last_time) / (n - last_n)
                 for _ in range(n - last_n):
-                    self.itl.labels(name).observe(gap)
-            self.generation_tokens.labels(name).inc(n - last_n)
+                    self._itl.observe(gap)
+            self._generation_tokens.inc(n - last_n)
         if not out.finished:
             self._last[out.request_id] = (m.last_token_time, n)
             return
