@@ -362,3 +362,32 @@ def test_bench_latency(model, capsys, tmp_path):
         r"^\| 1 \| [\d,.]+ \| [\d,.]+ \| [\d,.]+ \| [\d,.]+ \| [\d,.]+ \| [\d,.]+ \|$", captured.out, re.MULTILINE
     ), captured.out
     assert re.search(r"^\| 3 \| ", captured.out, re.MULTILINE)
+
+
+# ------------------------------------------------------------------ nanovllm as its own peer
+def test_self_peer_parses_engine_arguments_and_refuses_others():
+    from nanovllm.bench.run import engine_overrides
+
+    assert engine_overrides("nanovllm:kv_cache_dtype=fp8,max_num_seqs=128,enforce_eager=true") == {
+        "kv_cache_dtype": "fp8",
+        "max_num_seqs": 128,
+        "enforce_eager": True,
+    }
+    for bad in ("nanovllm:bogus=1", "nanovllm:kv_cache_dtype"):
+        with pytest.raises(ValueError, match="is not ENGINE_ARG=VALUE"):
+            engine_overrides(bad)
+
+
+def test_self_peer_runs_side_by_side(model, capsys):
+    """nanovllm with an FP8 KV cache as a peer of nanovllm: its own progress line and table row,
+    with the figures of its own run (an unknown peer is refused by the parser)."""
+    argv = ["bench", "--model", model, "--dataset", "random", "--num-prompts", "2", "--input-len", "6"]
+    rc = cli.main(argv + ["--output-len", "4", "--peer", "nanovllm:kv_cache_dtype=fp8"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "  nanovllm:kv_cache_dtype=fp8 run 1: " in captured.err
+    rows = [line for line in captured.out.splitlines() if line.startswith("| nanovllm (kv_cache_dtype=fp8) |")]
+    assert len(rows) == 1 and rows[0].endswith("x |"), captured.out
+    with pytest.raises(SystemExit):
+        cli.main(argv + ["--peer", "nanovllm-fp8"])
+    assert "not nanovllm:KEY=VALUE" in capsys.readouterr().err
