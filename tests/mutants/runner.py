@@ -257,7 +257,6 @@ ENGINE_MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "fused_sampler_skips_processing",
-        fp8_load_ignores_scale,
         fused_sampler_skips_processing,
         [f"{LP}::test_rows_with_processing_take_the_general_path_of_the_fused_sampler"],
     ),
