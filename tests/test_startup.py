@@ -83,3 +83,35 @@ def test_physical_cores_counts_cores_not_hyperthreads(tmp_path):
     assert physical_cores({0, 1, 2, 3}, sysfs=tmp_path) == 2
     assert physical_cores({0, 2}, sysfs=tmp_path) == 1
     assert physical_cores({0, 1, 2, 3}, sysfs=tmp_path / "absent") == 4  # no topology: the CPU count
+
+
+def _generate_then_exit(main_call: str) -> list[str]:
+    """stdout of a process that runs ``generate`` through ``main_call``, with an atexit function
+    and an object whose finaliser reports the interpreter's shutdown."""
+    model = zoo_model("qwen3-gqa2-hd64-tied")
+    code = (
+        "import atexit, sys\nfrom nanovllm.entrypoints.cli import main\n"
+        "atexit.register(lambda: print('atexit ran', flush=True))\n"
+        "class Witness:\n    def __del__(self):\n        print('finalised', flush=True)\n"
+        "witness = Witness()\n"
+        f"argv = ['generate', '--model', {model!r}, '--no-progress', '--threads', '1', '--max-tokens', '2', 'w5 w6']\n"
+        f"sys.argv = ['nanovllm', *argv]\nsys.exit({main_call})"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
+
+
+def test_generate_command_exits_without_finalisation():
+    """The `nanovllm generate` command (main() without argv) ends the process once its results are
+    printed: the atexit functions run, the interpreter's tear-down of every object does not."""
+    lines = _generate_then_exit("main()")
+    assert len(lines) == 2 and lines[0], lines  # the completion, then the atexit line
+    assert lines[1] == "atexit ran"
+
+
+def test_main_with_argv_returns():
+    """Negative control: main(argv) (a caller in Python: the tests, an embedding program) returns,
+    and the process exits normally: the finaliser runs."""
+    lines = _generate_then_exit("main(argv)")
+    assert lines[-2:] == ["atexit ran", "finalised"], lines
