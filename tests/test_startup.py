@@ -115,3 +115,25 @@ def test_main_with_argv_returns():
     and the process exits normally: the finaliser runs."""
     lines = _generate_then_exit("main(argv)")
     assert lines[-2:] == ["atexit ran", "finalised"], lines
+
+
+def test_file_hash_is_remembered_until_the_file_changes(tmp_path, monkeypatch):
+    """The GGUF cache key's hash is computed once per file version: a second start-up reads the
+    remembered digest; a changed file (new size and modification time) is hashed again."""
+    import hashlib
+    import os
+
+    from nanovllm.loader import cache
+
+    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path / "cache"))
+    hashed = []
+    real = cache.sha256_file
+    monkeypatch.setattr(cache, "sha256_file", lambda p: hashed.append(p) or real(p))
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"first")
+    assert cache.remembered_sha256(f) == hashlib.sha256(b"first").hexdigest() and len(hashed) == 1
+    assert cache.remembered_sha256(f) == hashlib.sha256(b"first").hexdigest() and len(hashed) == 1
+    f.write_bytes(b"second version")
+    st = os.stat(f)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # a later mtime even on a coarse clock
+    assert cache.remembered_sha256(f) == hashlib.sha256(b"second version").hexdigest() and len(hashed) == 2
