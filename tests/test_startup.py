@@ -137,3 +137,38 @@ def test_file_hash_is_remembered_until_the_file_changes(tmp_path, monkeypatch):
     st = os.stat(f)
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # a later mtime even on a coarse clock
     assert cache.remembered_sha256(f) == hashlib.sha256(b"second version").hexdigest() and len(hashed) == 2
+
+
+def _mapped_file(address: int) -> str | None:
+    """The file whose mapping holds ``address`` in this process ('' for anonymous memory)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return fields[5].strip() if len(fields) > 5 else ""
+    return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_cpu_weights_are_not_copied_from_the_checkpoint():
+    """A whole parameter with the checkpoint's dtype takes the safetensors file's mapping itself
+    (no allocation, no copy); a merged one (q/k/v in one matrix) is assembled in memory."""
+    from nanovllm.config import EngineConfig
+    from nanovllm.loader.model_loader import load_hf_config, resolve_model_dir
+    from nanovllm.worker.model_runner import ModelRunner
+
+    config = EngineConfig.from_kwargs(zoo_model("qwen3-gqa2-hd64-tied"), device="cpu", dtype="float32", threads=1)
+    model_dir = resolve_model_dir(config.model)
+    config.resolve(load_hf_config(model_dir), model_dir)
+    runner = ModelRunner(config)
+    layer = runner.model.model.layers[0]
+    weights = {
+        "o_proj": layer.self_attn.o_proj.weight,
+        "down_proj": layer.mlp.down_proj.weight,
+        "embedding": runner.model.model.embed_tokens.weight,
+        "qkv_proj (merged)": layer.self_attn.qkv_proj.weight,
+    }
+    where = {name: _mapped_file(w.data_ptr()) for name, w in weights.items()}
+    assert all(str(where[n]).endswith(".safetensors") for n in ("o_proj", "down_proj", "embedding")), where
+    assert not str(where["qkv_proj (merged)"]).endswith(".safetensors"), where  # the check tells them apart
