@@ -172,3 +172,22 @@ def test_cpu_weights_are_not_copied_from_the_checkpoint():
     where = {name: _mapped_file(w.data_ptr()) for name, w in weights.items()}
     assert all(str(where[n]).endswith(".safetensors") for n in ("o_proj", "down_proj", "embedding")), where
     assert not str(where["qkv_proj (merged)"]).endswith(".safetensors"), where  # the check tells them apart
+
+
+def test_parser_reads_each_dataclass_source_once(monkeypatch):
+    """Building the CLI parser parses EngineConfig's and SamplingParams' sources once each (their
+    field docstrings are every flag's help), not once per subcommand that adds their flags."""
+    import inspect
+
+    from nanovllm.entrypoints import args as cli_args
+    from nanovllm.entrypoints.cli import build_parser
+
+    read = []
+    real = inspect.getsource
+    monkeypatch.setattr(inspect, "getsource", lambda obj: read.append(obj) or real(obj))
+    cli_args._field_docs.cache_clear()
+    build_parser()
+    assert sorted(c.__name__ for c in read) == ["EngineConfig", "SamplingParams"]
+    cli_args._field_docs.cache_clear()  # negative control: a cleared cache reads the source again
+    cli_args.field_docs(cli_args.EngineConfig)
+    assert len(read) == 3
