@@ -191,3 +191,59 @@ def test_parser_reads_each_dataclass_source_once(monkeypatch):
     cli_args._field_docs.cache_clear()  # negative control: a cleared cache reads the source again
     cli_args.field_docs(cli_args.EngineConfig)
     assert len(read) == 3
+
+
+def test_busy_cpu_seconds_reads_the_usable_cpus(tmp_path):
+    import os
+
+    from nanovllm.cpu_threads import busy_cpu_seconds
+
+    hz = os.sysconf("SC_CLK_TCK")
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal: busy = all but idle and iowait
+    stat.write_text(
+        f"cpu  {9 * hz} 0 0 0 0 0 0 0\ncpu0 {hz} {hz} {hz} {50 * hz} {7 * hz} 0 0 {hz}\ncpu1 {5 * hz} 0 0 0 0 0 0 0\n"
+    )
+    assert busy_cpu_seconds({0}, stat) == 4.0
+    assert busy_cpu_seconds({0, 1}, stat) == 9.0
+    assert busy_cpu_seconds({0}, tmp_path / "absent") is None
+
+
+@pytest.mark.parametrize(("others_busy", "threads"), [(0.9, 1), (0.2, 2), (None, 2)])
+def test_default_threads_leaves_out_cores_busy_elsewhere(monkeypatch, others_busy, threads):
+    """Over a 1 s watch, other processes used ``others_busy`` of 2 CPUs (this process 1 CPU):
+    a busy core is left out; a little background use is not (the negative control); unwatched,
+    the physical cores as before."""
+    from nanovllm import cpu_threads as ct
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(ct, "usable_cpus", lambda: {0, 1})
+    monkeypatch.setattr(ct, "physical_cores", lambda cpus=None: 2)
+    clock = {"now": 100.0, "busy": 500.0, "own": 3.0}
+    monkeypatch.setattr(ct.time, "monotonic", lambda: clock["now"])
+    monkeypatch.setattr(ct, "busy_cpu_seconds", lambda cpus: clock["busy"])
+    monkeypatch.setattr(ct, "_own_cpu_seconds", lambda: clock["own"])
+    monkeypatch.setattr(ct, "_watch", None)
+    if others_busy is not None:
+        ct.watch_other_load()
+        clock.update(now=101.0, busy=500.0 + 1.0 + others_busy, own=4.0)
+    assert ct.default_threads() == threads
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # an explicit setting wins over the measurement
+    assert ct.default_threads() == 3
+
+
+def test_generate_watches_the_load_before_importing_torch():
+    """The watch spans torch's import (the start-up's longest second), so it starts before it."""
+    model = zoo_model("qwen3-gqa2-hd64-tied")
+    code = (
+        "import contextlib, io, sys\nfrom nanovllm.entrypoints.cli import main\nimport nanovllm.cpu_threads as ct\n"
+        "real, seen = ct.watch_other_load, []\n"
+        "def spy():\n    seen.append('torch' in sys.modules)\n    real()\n"
+        "ct.watch_other_load = spy\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        f"    main(['generate', '--model', {model!r}, '--no-progress', '--max-tokens', '1', 'w5'])\n"
+        "print('torch imported before the watch:', seen, 'after:', 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "torch imported before the watch: [False] after: True", out.stdout

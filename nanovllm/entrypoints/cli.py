@@ -174,6 +174,9 @@ def add_generate_args(gen: argparse.ArgumentParser) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     prompts = _read_prompts(args)
     params = sampling_params(args)  # bad sampling flags fail before the model loads
+    from nanovllm.cpu_threads import watch_other_load
+
+    watch_other_load()  # over torch's import: the default thread count leaves out busy cores
     from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
