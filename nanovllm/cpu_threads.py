@@ -9,7 +9,7 @@ Cores that other processes keep busy are left out when that was measured (``watc
 started by the ``generate`` command before torch is imported): OpenMP's threads spin while they
 wait for each other, so a thread sharing its core with another process stalls every one of the
 ~2,000 parallel regions of a decode step (BENCHMARKS.md, start-up: 16 decode steps of
-SmolLM2-135M took 2.5-4.8 s on 2 threads with one other busy process, ~1.3 s on one thread).
+SmolLM2-135M took 2.5-7.5 s on 2 threads next to one other busy process, 1.1-1.2 s on one).
 """
 
 from __future__ import annotations
