@@ -247,3 +247,21 @@ def test_generate_watches_the_load_before_importing_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "torch imported before the watch: [False] after: True", out.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "imported"), [(["generate", "--help"], False), (["bench", "--help"], True), (["--help"], True)]
+)
+def test_generate_builds_only_its_own_parser(argv, imported):
+    """`generate` builds its parser alone: the other subcommands' modules (their flags) are not
+    imported; a parser with every subcommand imports them (the check sees an import)."""
+    code = (
+        "import contextlib, io, sys\nfrom nanovllm.entrypoints.cli import main\n"
+        f"with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit): main({argv!r})\n"
+        "print(sorted(m for m in ('nanovllm.bench.args', 'nanovllm.experiments.runner', 'nanovllm.trace_html',"
+        " 'nanovllm.entrypoints.openai.cli_args') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    others = json.loads(out.stdout.strip().replace("'", '"'))
+    assert (len(others) == 4) if imported else (others == []), others
