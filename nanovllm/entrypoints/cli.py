@@ -15,10 +15,12 @@ interrupted (Ctrl-C: the finished results are printed, the other requests are ab
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -172,6 +174,9 @@ def add_generate_args(gen: argparse.ArgumentParser) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     prompts = _read_prompts(args)
     params = sampling_params(args)  # bad sampling flags fail before the model loads
+    from nanovllm.cpu_threads import watch_other_load
+
+    watch_other_load()  # over torch's import: the default thread count leaves out busy cores
     from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -312,16 +317,21 @@ def add_global_args(parser: argparse.ArgumentParser, top: bool) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; ``only="generate"``: that subcommand alone (what ``main`` builds
+    when the first argument names it: the other subcommands' flags import their modules, ~0.04 s)."""
     parser = argparse.ArgumentParser(prog="nanovllm", description="nanovllm: a compact LLM inference engine")
     add_global_args(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     parsers = {}
     for cmd in SUBCOMMANDS:
+        if only is not None and cmd.name != only:
+            continue
         p = parsers[cmd.name] = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
         cmd.add_args(p)
         p.set_defaults(func=cmd.run)
-    add_serve_commands(sub, parsers["bench"])
+    if "bench" in parsers:
+        add_serve_commands(sub, parsers["bench"])
     _add_global_args_everywhere(parser)
     return parser
 
@@ -347,16 +357,39 @@ def _add_global_args_everywhere(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit status. Without ``argv`` (the ``nanovllm`` command, ``python -m
+    nanovllm.entrypoints.cli``) a ``generate`` ends the process when it is done (``exit_now``)."""
+    args = None
     try:
-        args = build_parser().parse_args(argv)
+        first = (sys.argv[1:] if argv is None else argv)[:1]
+        args = build_parser(only="generate" if first == ["generate"] else None).parse_args(argv)
         logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s %(name)s: %(message)s")
-        return args.func(args)
+        status = args.func(args)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"nanovllm: error: {e}", file=sys.stderr)
-        return 2
+        status = 2
     except KeyboardInterrupt:
         print("nanovllm: interrupted", file=sys.stderr)
-        return 130
+        status = 130
+    if argv is None and args is not None and args.func is cmd_generate:
+        exit_now(status)
+    return status
+
+
+def exit_now(status: int) -> None:
+    """End the process without the interpreter's finalisation, which tears down every module and
+    object one by one: after torch and a model were loaded that takes about 0.4 s of a 3 s
+    ``generate`` (BENCHMARKS.md, start-up). The atexit functions still run (logging's flush, a
+    coverage collector's save), then stdout and stderr are flushed. Only for a command whose
+    results are all written and closed; returns (a normal exit follows) while another
+    non-daemon thread runs, since the interpreter's exit would wait for it."""
+    if any(t is not threading.main_thread() and not t.daemon for t in threading.enumerate()):
+        return
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe, a closed stream
+            stream.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":

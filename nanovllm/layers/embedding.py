@@ -10,6 +10,7 @@ from torch import nn
 from nanovllm.core.utils import cdiv
 from nanovllm.layers import cpu_linear
 from nanovllm.layers.parallel import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from nanovllm.loader.model_loader import set_weight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -29,7 +30,10 @@ class VocabParallelEmbedding(nn.Module):
                 f"weight {name}: checkpoint shape {tuple(loaded.shape)} does not match the model's {expected}"
             )
         n = self.vocab_end - self.vocab_start
-        param.data.zero_()
+        if n == param.shape[0]:  # no padding rows (one rank, or a vocabulary that divides evenly)
+            set_weight(param, loaded[self.vocab_start : self.vocab_end])
+            return
+        param.data[n:].zero_()
         param.data[:n].copy_(loaded[self.vocab_start : self.vocab_end])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -13,14 +13,17 @@ from torch import nn
 
 from nanovllm.layers import cpu_linear
 from nanovllm.layers.parallel import all_reduce, divide, tp_rank, tp_size
+from nanovllm.loader.model_loader import set_weight
 
 
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+    """``loaded`` into ``param`` (a whole Parameter: it may take the checkpoint tensor itself,
+    see ``set_weight``; a slice of a merged one: copied)."""
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(
             f"weight {what}: checkpoint shape {tuple(loaded.shape)} does not match the model's {tuple(param.shape)}"
         )
-    param.data.copy_(loaded)
+    set_weight(param, loaded)
 
 
 class LinearBase(nn.Module):

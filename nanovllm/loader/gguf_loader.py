@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nanovllm.loader.cache import build_once, cache_root, sha256_file
+from nanovllm.loader.cache import build_once, cache_root, remembered_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ def gguf_to_hf_dir(gguf_path: str | os.PathLike) -> str:
     path = Path(gguf_path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    dest = cache_root() / "gguf" / f"{path.stem}-{sha256_file(path)[:16]}-{converter_version()}"
+    dest = cache_root() / "gguf" / f"{path.stem}-{remembered_sha256(path)[:16]}-{converter_version()}"
 
     def build(tmp: Path) -> None:
         logger.info("converting %s to %s (once)", path, dest)

@@ -67,6 +67,24 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"weight file {str(file)!r} is unreadable or truncated: {e}") from None
 
 
+def set_weight(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Fill ``param`` with ``loaded`` (same shape, checked by the caller). Where the checkpoint
+    tensor already has the parameter's dtype and device and is contiguous, the parameter takes
+    it as its data instead of a copy: on a CPU the safetensors file's copy-on-write mapping
+    (the page cache; a write to the parameter changes a private copy, never the file), which
+    saves allocating and copying the weights (on SmolLM2-135M 0.26 of 0.54 GB, BENCHMARKS.md
+    start-up). Otherwise (another dtype or device, a strided shard) the values are copied."""
+    if (
+        loaded.dtype == param.dtype
+        and loaded.device == param.device
+        and loaded.is_contiguous()
+        and isinstance(param, nn.Parameter)
+    ):
+        param.data = loaded
+    else:
+        param.data.copy_(loaded)
+
+
 def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     mapping = getattr(model, "packed_modules_mapping", {})
@@ -98,7 +116,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
                         f"weight {name}: checkpoint shape {tuple(tensor.shape)} does not "
                         f"match the model's {tuple(param.shape)}"
                     )
-                param.data.copy_(tensor)
+                set_weight(param, tensor)
             loaded.add(name)
     if unexpected:
         logger.warning(
