@@ -188,9 +188,13 @@ def test_a_caller_that_falls_behind_gets_merged_outputs(engine, kind):
     tokens, and together (DELTA) or the last (CUMULATIVE) still exactly the offline result,
     text, token ids and logprobs aligned. Control: a consumer that keeps up gets one per token."""
     prompt = prompts_for(ZOO[MODEL].vocab_size, (9,), seed=4)[0]
-    offline = cached_llm(zoo_model(MODEL), block_size=16, seed=0).generate(
-        [prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1), use_tqdm=False
-    )[0].outputs[0]
+    offline = (
+        cached_llm(zoo_model(MODEL), block_size=16, seed=0)
+        .generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1), use_tqdm=False)[
+            0
+        ]
+        .outputs[0]
+    )
 
     async def consume(slow: bool):
         params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1, output_kind=kind)
