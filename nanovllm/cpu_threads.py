@@ -96,8 +96,10 @@ def default_threads() -> int:
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
     if env.isdigit() and int(env) > 0:
         return int(env)
+    global _watch
     cores = physical_cores()
     elsewhere = cpus_busy_elsewhere()
+    _watch = None  # one measurement for the one engine the command starts: never a stale window later
     if elsewhere is None:
         return cores
     threads = max(1, min(cores, round(len(usable_cpus()) - elsewhere)))

@@ -58,6 +58,7 @@ def test_the_check_sees_an_import():
 
 def test_threads_flag_and_default(monkeypatch):
     from nanovllm.config import EngineConfig
+    from nanovllm import cpu_threads
     from nanovllm.cpu_threads import default_threads, physical_cores
     from nanovllm.entrypoints.args import engine_kwargs
     from nanovllm.entrypoints.cli import build_parser
@@ -69,6 +70,7 @@ def test_threads_flag_and_default(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
     assert default_threads() == 5
     monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(cpu_threads, "_watch", None)  # no load watch running (a CLI test may have left one)
     assert default_threads() == physical_cores() >= 1
 
 
@@ -228,6 +230,7 @@ def test_default_threads_leaves_out_cores_busy_elsewhere(monkeypatch, others_bus
         ct.watch_other_load()
         clock.update(now=101.0, busy=500.0 + 1.0 + others_busy, own=4.0)
     assert ct.default_threads() == threads
+    assert ct.default_threads() == 2, "the watch serves one engine: a later one must not reuse a stale window"
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # an explicit setting wins over the measurement
     assert ct.default_threads() == 3
 
