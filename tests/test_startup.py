@@ -57,8 +57,8 @@ def test_the_check_sees_an_import():
 
 
 def test_threads_flag_and_default(monkeypatch):
-    from nanovllm.config import EngineConfig
     from nanovllm import cpu_threads
+    from nanovllm.config import EngineConfig
     from nanovllm.cpu_threads import default_threads, physical_cores
     from nanovllm.entrypoints.args import engine_kwargs
     from nanovllm.entrypoints.cli import build_parser
