@@ -173,6 +173,28 @@ def golden_step_logprobs(case: dict) -> list[dict[int, float]]:
     return [dict(zip(ids, lps)) for ids, lps in zip(case["top_ids"], case["top_lps"])]
 
 
+def golden_divergence(case: dict, tokens: list[int], prompt_logprobs) -> dict:
+    """How an engine's greedy tokens and prompt logprobs leave one golden case: the first step
+    where its tokens differ (None: none), the reference's margin there (its logprob of its own
+    token minus that of the engine's; None when the engine's token is outside the recorded top-k)
+    and the largest prompt-logprob difference. ``prompt_logprobs[p]`` maps token -> an object with
+    ``.logprob`` (vLLM's shape). What the margin scripts tabulate to choose a delta."""
+    ref = case["greedy"]
+    step = next((t for t, (a, b) in enumerate(zip(ref, tokens)) if a != b), None)
+    margin = None
+    if step is not None:
+        lps = golden_step_logprobs(case)[step]
+        margin = lps[ref[step]] - lps[tokens[step]] if tokens[step] in lps else None
+    prompt = case["prompt"]
+    diffs = [abs(prompt_logprobs[p][prompt[p]].logprob - case["prompt_lps"][p - 1]) for p in range(1, len(prompt))]
+    return {
+        "case": case["id"],
+        "first_divergence": step,
+        "ref_margin": margin,
+        "max_prompt_logprob_diff": max(diffs, default=0.0),
+    }
+
+
 def arithmetic(dtype: str, engine=None) -> str:
     """What the engine computed in: its adapter's ``arithmetic`` (quantized weights) or the dtype."""
     return getattr(engine, "arithmetic", None) or dtype

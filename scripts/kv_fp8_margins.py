@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import golden
 from conformance.compare import compare_greedy
-from conformance.harness import golden_step_logprobs
+from conformance.harness import golden_divergence, golden_step_logprobs
 
 CONFIGS = [("float32", "auto"), ("float32", "fp8"), ("bfloat16", "auto"), ("bfloat16", "fp8")]
 
@@ -67,24 +67,7 @@ def _nothing():
 
 
 def judge(g: dict, toks: list, plps: list) -> dict:
-    rows = []
-    for c, out, plp in zip(g["cases"], toks, plps):
-        ref = c["greedy"]
-        step = next((t for t, (a, b) in enumerate(zip(ref, out)) if a != b), None)
-        margin = None
-        if step is not None:
-            lps = golden_step_logprobs(c)[step]
-            margin = lps[ref[step]] - lps[out[step]] if out[step] in lps else None
-        diffs = [abs(plp[p][c["prompt"][p]].logprob - c["prompt_lps"][p - 1]) for p in range(1, len(c["prompt"]))]
-        rows.append(
-            {
-                "case": c["id"],
-                "first_divergence": step,
-                "ref_margin": margin,
-                "max_prompt_lp_diff": max(diffs, default=0.0),
-            }
-        )
-    return {"cases": rows}
+    return {"cases": [golden_divergence(c, out, plp) for c, out, plp in zip(g["cases"], toks, plps)]}
 
 
 def main(argv=None) -> int:
@@ -110,7 +93,7 @@ def main(argv=None) -> int:
             f"{dtype:8s} {kv:5s} KV: {len(div)}/{len(r['cases'])} diverge (steps "
             f"{sorted(x['first_divergence'] for x in div)}); margins there "
             f"{sorted(round(m, 3) for m in margins)}; outside the top-5: {sum(x['ref_margin'] is None for x in div)}; "
-            f"largest prompt-logprob diff {max(x['max_prompt_lp_diff'] for x in r['cases']):.4f}"
+            f"largest prompt-logprob diff {max(x['max_prompt_logprob_diff'] for x in r['cases']):.4f}"
         )
         if args.delta is not None:
             rep = compare_greedy(refs, ref_lps, toks, args.delta, args.max_diverged_frac)

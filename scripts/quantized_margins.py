@@ -22,7 +22,7 @@ import golden
 from conformance.adapters import Sampling
 from conformance.adapters.llama_cpp_adapter import LlamaCppAdapter
 from conformance.compare import compare_greedy
-from conformance.harness import golden_step_logprobs
+from conformance.harness import golden_divergence, golden_step_logprobs
 
 
 def run(engine, g) -> tuple[list, list]:
@@ -52,24 +52,12 @@ def main(argv=None) -> int:
     engine.close()
     rows = []
     for c, out, plp in zip(cases, toks, plps):
-        ref = c["greedy"]
-        step = next((t for t, (a, b) in enumerate(zip(ref, out)) if a != b), None)
-        margin = None
-        if step is not None:
-            lps = golden_step_logprobs(c)[step]
-            margin = lps[ref[step]] - lps[out[step]] if out[step] in lps else None
-        diffs = [abs(plp[p][c["prompt"][p]].logprob - c["prompt_lps"][p - 1]) for p in range(1, len(c["prompt"]))]
-        rows.append(
-            {
-                "case": c["id"],
-                "first_divergence": step,
-                "ref_margin": margin,
-                "max_prompt_logprob_diff": max(diffs, default=0.0),
-            }
-        )
+        row = golden_divergence(c, out, plp)
+        rows.append(row)
+        step, margin = row["first_divergence"], row["ref_margin"]
         print(
             f"{c['id']:16s} diverges at {step!s:>4s}  ref margin "
-            f"{'-' if margin is None else f'{margin:.4f}':>8s}  max prompt-logprob diff {max(diffs, default=0.0):.4f}"
+            f"{'-' if margin is None else f'{margin:.4f}':>8s}  max prompt-logprob diff {row['max_prompt_logprob_diff']:.4f}"
         )
     gaps = sorted(c["top_lps"][t][0] - c["top_lps"][t][1] for c in cases for t in range(len(c["greedy"])))
     above = {d: sum(x > d for x in gaps) / len(gaps) for d in (1e-4, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0)}

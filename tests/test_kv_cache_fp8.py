@@ -131,3 +131,28 @@ def test_an_fp8_cache_that_forgets_its_scale_is_rejected():
     report, lp_diff = _golden_run("fp8", forget_scale=True)
     assert not report.ok or lp_diff > LOGPROB_TOL[FP8_KV], report.summary()
     assert not report.ok, f"the greedy rule at delta {DELTA[FP8_KV]} accepts a wrong engine: {report.summary()}"
+
+
+def test_golden_divergence_row():
+    """The margin scripts' per-case row (conformance.harness.golden_divergence): the first step
+    that leaves the reference, the reference's margin there (None outside its top-k) and the
+    largest prompt-logprob difference; no divergence gives None."""
+    from types import SimpleNamespace
+
+    from conformance.harness import golden_divergence
+
+    case = {
+        "id": "c",
+        "prompt": [5, 6, 7],
+        "prompt_lps": [-1.0, -2.0],
+        "greedy": [1, 2, 3],
+        "top_ids": [[1, 9], [2, 8], [3, 4]],
+        "top_lps": [[-0.1, -0.5], [-0.2, -0.3], [-0.1, -2.0]],
+    }
+    plp = [None, {6: SimpleNamespace(logprob=-1.25)}, {7: SimpleNamespace(logprob=-2.0)}]
+    same = golden_divergence(case, [1, 2, 3], plp)
+    assert same["first_divergence"] is None and same["ref_margin"] is None
+    assert same["max_prompt_logprob_diff"] == pytest.approx(0.25)
+    row = golden_divergence(case, [1, 8, 3], plp)
+    assert row["first_divergence"] == 1 and row["ref_margin"] == pytest.approx(0.1)
+    assert golden_divergence(case, [1, 2, 99], plp)["ref_margin"] is None  # outside the top-k
