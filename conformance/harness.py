@@ -173,6 +173,13 @@ def golden_step_logprobs(case: dict) -> list[dict[int, float]]:
     return [dict(zip(ids, lps)) for ids, lps in zip(case["top_ids"], case["top_lps"])]
 
 
+def margin_shares(cases: list[dict], deltas=(1e-4, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 1.5)) -> tuple[int, dict]:
+    """(golden steps, {delta: share of them whose top-1 beats the top-2 by more than delta}): how
+    much a greedy rule at that delta still checks (a wrong token there fails)."""
+    gaps = [c["top_lps"][t][0] - c["top_lps"][t][1] for c in cases for t in range(len(c["greedy"]))]
+    return len(gaps), {d: sum(x > d for x in gaps) / len(gaps) for d in deltas}
+
+
 def golden_divergence(case: dict, tokens: list[int], prompt_logprobs) -> dict:
     """How an engine's greedy tokens and prompt logprobs leave one golden case: the first step
     where its tokens differ (None: none), the reference's margin there (its logprob of its own

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import golden
 from conformance.compare import compare_greedy
-from conformance.harness import golden_divergence, golden_step_logprobs
+from conformance.harness import golden_divergence, golden_step_logprobs, margin_shares
 
 CONFIGS = [("float32", "auto"), ("float32", "fp8"), ("bfloat16", "auto"), ("bfloat16", "fp8")]
 
@@ -99,11 +99,10 @@ def main(argv=None) -> int:
             rep = compare_greedy(refs, ref_lps, toks, args.delta, args.max_diverged_frac)
             print(f"    greedy rule at delta {args.delta}: {'passes' if rep.ok else 'FAILS'} ({rep.summary()})")
             r["rule"] = {"delta": args.delta, "ok": rep.ok, "summary": rep.summary()}
-    gaps = sorted(c["top_lps"][t][0] - c["top_lps"][t][1] for c in g["cases"] for t in range(len(c["greedy"])))
-    above = {d: sum(x > d for x in gaps) / len(gaps) for d in (1e-4, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0)}
+    num_steps, above = margin_shares(g["cases"])
     result["share_above"] = above
     print(
-        f"golden steps: {len(gaps)}; share with a top1-top2 margin above delta: "
+        f"golden steps: {num_steps}; share with a top1-top2 margin above delta: "
         + ", ".join(f"{d:g}: {v:.1%}" for d, v in above.items())
     )
     if args.json:

@@ -22,7 +22,7 @@ import golden
 from conformance.adapters import Sampling
 from conformance.adapters.llama_cpp_adapter import LlamaCppAdapter
 from conformance.compare import compare_greedy
-from conformance.harness import golden_divergence, golden_step_logprobs
+from conformance.harness import golden_divergence, golden_step_logprobs, margin_shares
 
 
 def run(engine, g) -> tuple[list, list]:
@@ -59,10 +59,9 @@ def main(argv=None) -> int:
             f"{c['id']:16s} diverges at {step!s:>4s}  ref margin "
             f"{'-' if margin is None else f'{margin:.4f}':>8s}  max prompt-logprob diff {row['max_prompt_logprob_diff']:.4f}"
         )
-    gaps = sorted(c["top_lps"][t][0] - c["top_lps"][t][1] for c in cases for t in range(len(c["greedy"])))
-    above = {d: sum(x > d for x in gaps) / len(gaps) for d in (1e-4, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0)}
+    num_steps, above = margin_shares(cases)
     print(
-        f"golden steps: {len(gaps)}; share with a top1-top2 margin above delta: "
+        f"golden steps: {num_steps}; share with a top1-top2 margin above delta: "
         + ", ".join(f"{d:g}: {v:.1%}" for d, v in above.items())
     )
     margins = [r["ref_margin"] for r in rows if r["ref_margin"] is not None]

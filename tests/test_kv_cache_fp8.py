@@ -156,3 +156,7 @@ def test_golden_divergence_row():
     row = golden_divergence(case, [1, 8, 3], plp)
     assert row["first_divergence"] == 1 and row["ref_margin"] == pytest.approx(0.1)
     assert golden_divergence(case, [1, 2, 99], plp)["ref_margin"] is None  # outside the top-k
+    from conformance.harness import margin_shares
+
+    # top-1 minus top-2 per step: 0.4, 0.1, 1.9
+    assert margin_shares([case], deltas=(0.05, 0.3, 1.5, 2.0)) == (3, {0.05: 1.0, 0.3: 2 / 3, 1.5: 1 / 3, 2.0: 0.0})

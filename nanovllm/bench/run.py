@@ -114,24 +114,42 @@ def setup_target(args: argparse.Namespace) -> Target:
     return Target(w, model_dir, label, load_format, eargs, device, dtype, shape)
 
 
-def run_ours(target: Target, args: argparse.Namespace) -> list[peers.Measurement]:
-    """nanovllm ``--repeat`` times: the median row first, then the ``--warm`` rows."""
+def run_repeated(
+    target: Target, engine_args: dict, args: argparse.Namespace, name: str, label: str, first_run: bool = False
+) -> list[peers.Measurement]:
+    """nanovllm with ``engine_args`` ``--repeat`` times: the median row (``label``) first, then
+    the ``--warm`` rows. ``first_run``: the first run also takes ``--warm`` and ``--profile-steps``."""
     runs, extra = [], []
     for i in range(args.repeat):
+        first = first_run and i == 0
         ms = peers.run_nanovllm(
             target.workload,
             target.model_dir,
-            target.engine_args,
+            engine_args,
             target.load_format,
-            warm_repeat=args.warm and i == 0,
-            profile=args.profile_steps and i == 0,
+            warm_repeat=first and args.warm,
+            profile=first and args.profile_steps,
         )
         runs.append(ms[0])
         extra += ms[1:]
-        print(f"  nanovllm run {i + 1}: {ms[0].tokens_per_s:.1f} tok/s", file=sys.stderr)
+        print(f"  {name} run {i + 1}: {ms[0].tokens_per_s:.1f} tok/s", file=sys.stderr)
     median_s = statistics.median(m.seconds for m in runs)
     note = f"median of {len(runs)}" if len(runs) > 1 else ""
-    return [peers.Measurement("nanovllm", runs[0].output_tokens, median_s, note)] + extra
+    return [peers.Measurement(label, runs[0].output_tokens, median_s, note)] + extra
+
+
+def run_ours(target: Target, args: argparse.Namespace) -> list[peers.Measurement]:
+    """nanovllm ``--repeat`` times: the median row first, then the ``--warm`` rows."""
+    return run_repeated(target, target.engine_args, args, "nanovllm", "nanovllm", first_run=True)
+
+
+def target_roofline(target: Target, engine_args: dict) -> Roofline | None:
+    """The workload's limit for these engine arguments (an FP8 KV cache reads one byte per element)."""
+    if not target.shape:
+        return None
+    fp8 = str(engine_args.get("kv_cache_dtype", "auto")).startswith("fp8")
+    tp = engine_args.get("tensor_parallel_size", 1)
+    return roofline(target.workload, target.shape, tp=tp, kv_bytes_per_elem=1 if fp8 else None)
 
 
 def run_peer(peer: str, target: Target, args: argparse.Namespace) -> PeerResult:
@@ -181,20 +199,12 @@ def run_self_peer(peer: str, target: Target, args: argparse.Namespace) -> list[p
     """nanovllm with some engine arguments changed, ``--repeat`` times (the median), in this process."""
     overrides = engine_overrides(peer)
     eargs = {**target.engine_args, **overrides}
-    runs = []
-    for i in range(args.repeat):
-        m = peers.run_nanovllm(target.workload, target.model_dir, eargs, target.load_format)[0]
-        runs.append(m)
-        print(f"  {peer} run {i + 1}: {m.tokens_per_s:.1f} tok/s", file=sys.stderr)
     label = "nanovllm (" + ", ".join(f"{k}={v}" for k, v in overrides.items()) + ")"
-    note = f"median of {len(runs)}" if len(runs) > 1 else ""
-    if target.shape and str(overrides.get("kv_cache_dtype", "auto")).startswith("fp8"):
-        tp = eargs.get("tensor_parallel_size", 1)
-        print(
-            f"  {label} roofline: {roofline(target.workload, target.shape, tp=tp, kv_bytes_per_elem=1).describe()}",
-            file=sys.stderr,
-        )
-    return [peers.Measurement(label, runs[0].output_tokens, statistics.median(m.seconds for m in runs), note)]
+    measured = run_repeated(target, eargs, args, peer, label)
+    limit = target_roofline(target, eargs)
+    if limit is not None and limit != target_roofline(target, target.engine_args):
+        print(f"  {label} roofline: {limit.describe()}", file=sys.stderr)
+    return measured
 
 
 def one_line(text: str) -> str:
@@ -218,10 +228,7 @@ def run_bench(args: argparse.Namespace) -> int:
         for line in outcome.lines():
             print(line, file=sys.stderr)
         outcomes.append(outcome)
-    fp8 = str(target.engine_args.get("kv_cache_dtype", "auto")).startswith("fp8")
-    tp = target.engine_args.get("tensor_parallel_size", 1)
-    limit = roofline(w, target.shape, tp=tp, kv_bytes_per_elem=1 if fp8 else None) if target.shape else None
-    report(target, ours, outcomes, limit, args.json_out)
+    report(target, ours, outcomes, target_roofline(target, target.engine_args), args.json_out)
     return 0
 
 
