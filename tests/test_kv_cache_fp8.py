@@ -160,3 +160,21 @@ def test_golden_divergence_row():
 
     # top-1 minus top-2 per step: 0.4, 0.1, 1.9
     assert margin_shares([case], deltas=(0.05, 0.3, 1.5, 2.0)) == (3, {0.05: 1.0, 0.3: 2 / 3, 1.5: 1 / 3, 2.0: 0.0})
+
+
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_attention_on_an_fp8_cache_reads_each_scale(decode_only):
+    """Both CPU attention paths (the per-sequence one, and batched decode) on an FP8 cache with
+    different K and V scales equal float32 attention on the dequantized cache. The engine runs
+    with scales of 1.0, so a path that used K's scale for V (or none) would pass every engine
+    test: here the scales differ. Control: the scales swapped miss the reference."""
+    from tests.test_attention_ref import _build
+
+    specs = [(1, 1), (15, 1), (16, 1), (40, 1)] if decode_only else [(1, 1), (17, 17), (40, 5)]
+    q, _, _, k_cache, v_cache, meta = _build(specs, 8, 2, 64, 16, seed=5)
+    k8, v8 = torch_ref.quantize_fp8(k_cache * 4, 0.5), torch_ref.quantize_fp8(v_cache, 2.0)
+    ref = torch_ref.paged_attention(q, k8.float() * 0.5, v8.float() * 2.0, meta, 0.125)
+    attend = torch_ref.paged_decode_batched if decode_only else torch_ref.paged_attention
+    torch.testing.assert_close(attend(q, k8, v8, meta, 0.125, 0.5, 2.0), ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(attend(q, k8, v8, meta, 0.125, 2.0, 0.5), ref, atol=1e-5, rtol=1e-5)
