@@ -223,3 +223,25 @@ def test_a_caller_that_falls_behind_gets_merged_outputs(engine, kind):
             assert len(outs) < 10, f"{len(outs)} outputs for 40 tokens: nothing was merged"
         else:
             assert len(outs) >= 20, f"a consumer that keeps up got only {len(outs)} outputs"
+
+
+def test_merging_keeps_what_only_the_first_piece_carries():
+    """RequestOutput.add on DELTA pieces: texts, ids and logprobs concatenate, the prompt logprobs
+    (only in a request's first piece) survive, finish fields and metrics come from the later
+    piece; CUMULATIVE takes the later output whole."""
+    from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
+
+    def piece(ids, text, finish=None, prompt_lps=None):
+        lps = [{t: Logprob(-0.5, 1)} for t in ids]
+        c = CompletionOutput(0, text, ids, -0.5 * len(ids), lps, finish, None)
+        return RequestOutput("r", None, [1, 2], [c], finish is not None, prompt_logprobs=prompt_lps)
+
+    prompt_lps = [None, {2: Logprob(-1.0, 1)}]
+    merged = piece([5], "a", prompt_lps=prompt_lps).add(piece([6, 7], "bc"), delta=True)
+    merged = merged.add(piece([8], "d", finish="length"), delta=True)
+    c = merged.outputs[0]
+    assert (c.token_ids, c.text, [next(iter(d)) for d in c.logprobs]) == ([5, 6, 7, 8], "abcd", [5, 6, 7, 8])
+    assert merged.prompt_logprobs == prompt_lps and merged.finished and c.finish_reason == "length"
+    assert c.cumulative_logprob == -0.5  # the later piece's (a DELTA piece carries the running total)
+    later = piece([5, 6], "ab", finish="stop")
+    assert piece([5], "a").add(later, delta=False) is later
