@@ -50,7 +50,13 @@ class AsyncLLM:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def from_engine_args(cls, model: str | None = None, **engine_args) -> AsyncLLM:
+    def from_engine_args(cls, model: str | None = None, engine_process: bool = False, **engine_args) -> AsyncLLM:
+        """``engine_process=True``: the engine runs in its own process, and this one keeps the
+        text work (``engine/async_llm_process.py``); else it runs on a thread of this process."""
+        if engine_process:
+            from nanovllm.engine.async_llm_process import ProcessAsyncLLM
+
+            return ProcessAsyncLLM.from_engine_args(model, **engine_args)
         return cls(LLMEngine.from_engine_args(model, **engine_args))
 
     # ------------------------------------------------------------ front end
@@ -98,7 +104,7 @@ class AsyncLLM:
         finished = False
         try:
             added = self._loop.create_future()  # type: ignore[union-attr]  # set by the first call
-            self._commands.put(("add", request_id, self.encode_prompt(prompt), sampling_params, added))
+            self._submit_add(request_id, self.encode_prompt(prompt), sampling_params, added)
             await added
             delta = sampling_params is not None and sampling_params.output_kind == RequestOutputKind.DELTA
             while True:
@@ -116,13 +122,32 @@ class AsyncLLM:
                     return
         finally:
             self._queues.pop(request_id, None)
-            if not finished and self._thread is not None and self._thread.is_alive():
-                self._commands.put(("abort", request_id))
+            if not finished and self.is_running:
+                self._submit_abort(request_id)
 
     async def abort(self, request_id: str) -> None:
         """End a request now (its generator gets the 'abort' output and ends)."""
         self._start()
+        self._submit_abort(request_id)
+
+    # what a back end implements: here, the engine thread's command queue
+    def _submit_add(self, request_id: str, prompt, params, added: asyncio.Future) -> None:
+        self._commands.put(("add", request_id, prompt, params, added))
+
+    def _submit_abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len  # type: ignore[return-value]  # resolved by from_engine_args
+
+    @property
+    def model_dir(self) -> str:
+        return self.engine.config.model_dir  # type: ignore[return-value]  # resolved by from_engine_args
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
 
     async def call(self, fn: Callable[[LLMEngine], object]):
         """Run ``fn(engine)`` on the engine thread between steps; return its result."""

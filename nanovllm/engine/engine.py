@@ -24,6 +24,7 @@ from nanovllm.core.model_output import ModelOutput, ReadyOutput
 from nanovllm.core.scheduler import Scheduler
 from nanovllm.core.sequence import Sequence, SequenceStatus
 from nanovllm.core.stop import check_stop, reaches_length_limit
+from nanovllm.engine.core_output import CoreStream, make_update
 from nanovllm.engine.executor import Executor, StepHandle
 from nanovllm.engine.output_processor import (
     StreamState,
@@ -134,7 +135,10 @@ class LLMEngine:
         # None, or called once per completed step with {phase: seconds} (engine/step_timing.py)
         self.step_profiler: Callable[[dict[str, float]], None] | None = None
         self.requests: dict[str, Sequence] = {}
-        self._streams: dict[str, StreamState] = {}  # requests whose output_kind is not FINAL_ONLY
+        self._streams: dict[str, StreamState | CoreStream] = {}  # requests whose output_kind is not FINAL_ONLY
+        # core mode (the engine in its own process, engine/core_process.py): report SequenceUpdates
+        # (token ids) instead of RequestOutputs; set before the first request
+        self.emit_updates = False
         self.parents: dict[str, ParentRequest] = {}  # n > 1: until every child has finished
         self._seq_ids = itertools.count()
         self._finished_seq_ids: list[int] = []
@@ -317,10 +321,12 @@ class LLMEngine:
             self.add_sequence(seq)
 
     def add_sequence(self, seq: Sequence) -> None:
+        if self.emit_updates and seq.parent is not None:
+            raise ValueError("an engine core takes n = 1 requests: its front end fans out n > 1 (ParentRequest)")
         self.scheduler.add(seq)
         self.requests[seq.request_id] = seq
         if seq.params.output_kind is not RequestOutputKind.FINAL_ONLY:
-            self._streams[seq.request_id] = StreamState(seq, self.tokenizer)
+            self._streams[seq.request_id] = CoreStream() if self.emit_updates else StreamState(seq, self.tokenizer)
         if seq.parent is not None:
             self.parents.setdefault(seq.parent.request_id, seq.parent)
 
@@ -360,6 +366,8 @@ class LLMEngine:
             state = self._streams.pop(seq.request_id, None)
         else:
             state = self._streams[seq.request_id]
+        if isinstance(state, CoreStream) or (state is None and self.emit_updates):
+            return make_update(seq, state)  # type: ignore[return-value]  # core mode: SequenceUpdates
         if state is None:
             return make_request_output(seq, self.tokenizer)
         return make_stream_output(seq, self.tokenizer, state)

@@ -35,7 +35,6 @@ import logging
 import os
 import pickle
 import signal
-import threading
 import time
 import traceback
 import weakref
@@ -49,6 +48,7 @@ import torch.multiprocessing as mp
 from nanovllm.config import EngineConfig
 from nanovllm.core.model_input import ModelInput
 from nanovllm.core.model_output import ModelOutput
+from nanovllm.engine.lifeline import watch_parent
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ def _shutdown(processes: list, conns: list, store) -> None:
 # ------------------------------------------------------------------ worker side
 def _worker_main(rank: int, port: int, parent_pid: int, config: EngineConfig, load_format: str, conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    watch_parent(parent_pid)  # leave if the parent dies while this worker is stuck (e.g. in a collective)
     try:
         executor = _init_worker(rank, port, config, load_format)
     except BaseException:
@@ -334,8 +334,3 @@ def _send(conn, message) -> None:
         pass  # the parent is gone; the worker is leaving anyway
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """Leave if the parent dies while this worker is stuck (e.g. inside a collective)."""
-    while os.getppid() == parent_pid:
-        time.sleep(1.0)
-    os._exit(1)

@@ -142,7 +142,7 @@ def build_app(
 ) -> FastAPI:
     app = FastAPI(title="nanovllm OpenAI-compatible server", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine, served_model_names[0])
-    max_model_len = engine.engine.config.max_model_len
+    max_model_len = engine.max_model_len
     created = int(time.time())
     dev_mode = os.environ.get(DEV_MODE_ENV) == "1" if dev_mode is None else dev_mode
     app.state.engine, app.state.metrics = engine, metrics
@@ -198,7 +198,7 @@ def build_app(
                     "object": "model",
                     "created": created,
                     "owned_by": "nanovllm",
-                    "root": engine.engine.config.model_dir,
+                    "root": engine.model_dir,
                     "max_model_len": max_model_len,
                 }
                 for name in served_model_names
@@ -230,7 +230,7 @@ def build_app(
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model, served_model_names)
-        vocab = engine.engine.vocab_size
+        vocab = engine.vocab_size
         for i, t in enumerate(body.tokens):
             if not 0 <= t < vocab:
                 raise OpenAIError(400, f"tokens[{i}]={t} is outside the vocabulary [0, {vocab})", f"tokens[{i}]")
@@ -247,14 +247,16 @@ def build_app(
         @app.get("/debug/engine")
         async def debug_engine():
             """Checks the engine's invariants between steps; returns its stats and live requests."""
-
-            def check(e):
-                e.check_invariants()
-                return {"stats": e.stats(), "requests": sorted(e.requests)}
-
-            return await engine.call(check)
+            return await engine.call(engine_state)
 
     return app
+
+
+def engine_state(engine) -> dict:
+    """/debug/engine: the engine's invariants checked, its stats and live requests (a module-level
+    function: it runs in the engine-core process)."""
+    engine.check_invariants()
+    return {"stats": engine.stats(), "requests": sorted(engine.requests)}
 
 
 def served_names(args) -> list[str]:
@@ -274,7 +276,11 @@ async def serve(args, engine_kwargs: dict) -> None:
     engine = await loop.run_in_executor(
         None,
         functools.partial(
-            AsyncLLM.from_engine_args, args.model, load_format=getattr(args, "load_format", "auto"), **engine_kwargs
+            AsyncLLM.from_engine_args,
+            args.model,
+            engine_process=getattr(args, "engine_process", True),
+            load_format=getattr(args, "load_format", "auto"),
+            **engine_kwargs,
         ),
     )
     try:

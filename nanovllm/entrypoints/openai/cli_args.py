@@ -40,6 +40,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         help="dummy: random weights (benchmarks of a model shape)",
     )
     p.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine core in its own process, so HTTP and text work never wait for the "
+        "model's step loop (default); --no-engine-process runs it on a thread of the server",
+    )
+    p.add_argument(
         "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]
     )
     add_engine_args(p)

@@ -1,0 +1,216 @@
+"""AsyncLLM with the engine core in its own process (vLLM's multiprocess front end).
+
+    engine = AsyncLLM.from_engine_args(model, engine_process=True, **engine_args)
+
+The core process runs the step loop and sends, per step, the new token ids of every request
+(``engine/core_output.py``); this process keeps a mirror ``Sequence`` of each request and does
+the text work: incremental detokenization, stop-string hold-back, logprob dicts, n > 1 fan-out
+(``ParentRequest``), building the ``RequestOutput``s. So the server's event loop and the step
+loop no longer share one interpreter lock, and the outputs are the in-process engine's (same
+functions, same mirror state).
+
+The core's messages are read on the event loop (``add_reader`` on the pipe); commands leave
+through the client's sender thread. If the core process dies, every caller gets
+``EngineDeadError`` and so does every later call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import pickle
+from collections.abc import Callable
+
+from nanovllm.core.sequence import Sequence
+from nanovllm.engine.async_llm import AsyncLLM, EngineDeadError
+from nanovllm.engine.core_client import EngineCoreClient
+from nanovllm.engine.core_output import apply_update
+from nanovllm.engine.engine import load_tokenizer
+from nanovllm.engine.output_processor import StreamState, make_request_output, make_stream_output
+from nanovllm.engine.parallel_sampling import ParentRequest
+from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class ProcessAsyncLLM(AsyncLLM):
+    def __init__(self, client: EngineCoreClient):  # noqa: D107 - the base's state, less the engine
+        self.client = client
+        self.engine = None  # type: ignore[assignment]  # lives in the core process
+        self.config = client.config
+        self.tokenizer = load_tokenizer(client.config)
+        self.stats = client.stats
+        self.output_observers: list[Callable[[RequestOutput], None]] = []
+        self.errored: BaseException | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._mirrors: dict[str, tuple[Sequence, StreamState | None]] = {}  # unfinished sequences
+        self._parents: dict[str, ParentRequest] = {}  # n > 1 requests with an unfinished child
+        self._pending: dict[int, tuple[asyncio.Future, ParentRequest | None]] = {}  # token -> (future, what it waits for)
+        self._tokens = itertools.count()
+        self._closed = False
+
+    @classmethod
+    def from_engine_args(cls, model: str | None = None, engine_process: bool = True, **engine_args) -> AsyncLLM:
+        return cls(EngineCoreClient(model, engine_args))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    @property
+    def model_dir(self) -> str:
+        return self.config.model_dir
+
+    @property
+    def vocab_size(self) -> int:
+        return self.client.vocab_size
+
+    @property
+    def is_running(self) -> bool:
+        return self._loop is not None and not self._closed and self.errored is None and self.client.is_alive
+
+    def _start(self) -> None:
+        if self.errored is not None:
+            raise EngineDeadError(f"the engine failed: {self.errored!r}") from self.errored
+        if self._closed:
+            raise EngineDeadError("the engine was shut down")
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+            loop.add_reader(self.client.conn.fileno(), self._on_readable)
+        elif loop is not self._loop:
+            raise RuntimeError("an AsyncLLM serves one event loop; this call came from another")
+
+    # ------------------------------------------------------------ commands
+    def _submit_add(self, request_id: str, prompt, params, added: asyncio.Future) -> None:
+        parent = None
+        if isinstance(params, SamplingParams) and isinstance(params.n, int) and params.n > 1:
+            parent = ParentRequest(request_id, params)  # the core sees its n children
+            items = [(cid, prompt, parent.child_params(i)) for i, cid in enumerate(parent.child_ids)]
+        else:
+            items = [(request_id, prompt, params)]
+        token = next(self._tokens)
+        self.client.send(("add", token, items))
+        self._pending[token] = (added, parent)
+
+    def _submit_abort(self, request_id: str) -> None:
+        parent = self._parents.get(request_id)
+        ids = [request_id] if parent is None else [c for c in parent.child_ids if c in self._mirrors]
+        if ids:
+            self.client.send(("abort", ids))
+
+    async def call(self, fn: Callable):
+        """Run ``fn(engine)`` in the core process between steps; ``fn`` must pickle (a
+        module-level function): a closure or lambda raises TypeError here."""
+        self._start()
+        try:
+            pickle.dumps(fn)
+        except Exception as e:  # noqa: BLE001 - pickle raises several kinds
+            raise TypeError(
+                f"with the engine in its own process, call() needs a function that pickles "
+                f"(a module-level def), got {fn!r}: {e}"
+            ) from None
+        done = self._loop.create_future()  # type: ignore[union-attr]  # set by _start
+        token = next(self._tokens)
+        self._pending[token] = (done, None)
+        self.client.send(("call", token, fn))
+        return await done
+
+    async def check_health(self) -> None:
+        if self.errored is None and not self._closed and not self.client.is_alive:
+            self._core_died(EngineDeadError(f"the engine-core process exited (code {self.client.process.exitcode})"))
+        await super().check_health()
+
+    def shutdown(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.remove_reader(self.client.conn.fileno())
+            except (ValueError, OSError):
+                pass
+        self._closed = True
+        self.client.shutdown()
+
+    # ------------------------------------------------------------ core -> here
+    def _on_readable(self) -> None:
+        conn = self.client.conn
+        try:
+            while conn.poll():
+                self._dispatch(conn.recv())
+        except (EOFError, OSError) as e:
+            self._core_died(EngineDeadError(f"the engine-core process is gone ({type(e).__name__})"))
+
+    def _dispatch(self, msg) -> None:
+        kind = msg[0]
+        if kind == "out":
+            self.stats = msg[2]
+            self._deliver(self._outputs(msg[1]))
+        elif kind == "added":
+            fut, parent = self._pending.pop(msg[1])
+            result = msg[2]
+            if isinstance(result, BaseException):
+                self._settle(fut, None, result)
+                return
+            if parent is not None:
+                self._parents[parent.request_id] = parent
+            for seq in result:
+                seq.parent = parent
+                kind_ = seq.params.output_kind
+                state = None if kind_ is RequestOutputKind.FINAL_ONLY else StreamState(seq, self.tokenizer)
+                self._mirrors[seq.request_id] = (seq, state)
+            self._settle(fut)
+        elif kind == "called":
+            fut, _ = self._pending.pop(msg[1])
+            result = msg[2]
+            if isinstance(result, BaseException):
+                self._settle(fut, None, result)
+            else:
+                self._settle(fut, result)
+        elif kind == "dead":
+            self._core_died(msg[1])
+        else:
+            raise RuntimeError(f"unknown message from the engine core: {kind!r}")
+
+    def _outputs(self, updates) -> list[RequestOutput]:
+        """The RequestOutputs the core's updates make (``LLMEngine._outputs``, here)."""
+        outs = []
+        tokenizer = self.tokenizer
+        for update in updates:
+            mirror = self._mirrors.get(update.request_id)
+            if mirror is None:
+                continue  # an abort raced a finish: the request already ended
+            seq, state = mirror
+            apply_update(seq, update)
+            if seq.finish_reason is not None:
+                del self._mirrors[seq.request_id]
+            out: RequestOutput | None
+            if state is None:
+                out = make_request_output(seq, tokenizer)
+            else:
+                out = make_stream_output(seq, tokenizer, state)
+            parent = seq.parent
+            if parent is not None:
+                out = parent.add_child_output(out)
+                if parent.num_unfinished == 0:
+                    del self._parents[parent.request_id]
+            if out is not None:
+                outs.append(out)
+        return outs
+
+    def _core_died(self, error: BaseException) -> None:
+        if self.errored is not None:
+            return
+        logger.error("the engine core failed: %r", error)
+        self.errored = error
+        if self._loop is not None:
+            try:
+                self._loop.remove_reader(self.client.conn.fileno())
+            except (ValueError, OSError):
+                pass
+        dead = error if isinstance(error, EngineDeadError) else EngineDeadError(f"the engine failed: {error!r}")
+        for fut, _ in self._pending.values():
+            self._settle(fut, None, dead)
+        self._pending.clear()
+        self._fail_all(error)

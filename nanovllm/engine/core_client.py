@@ -1,0 +1,126 @@
+"""The front end's handle on an engine-core process: start it, wait until its model is loaded,
+send it commands without blocking the caller, stop it.
+
+    client = EngineCoreClient(model, engine_args)   # returns once the core is ready
+    client.send(("add", token, items))               # queued; a sender thread writes the pipe
+    client.conn                                      # read the core's messages from it
+    client.shutdown()
+
+Commands go through a sender thread, so the event loop never blocks on a full pipe while the
+core is busy sending outputs (which it could not, the event loop being blocked: a deadlock).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import threading
+import weakref
+
+from nanovllm.engine.core_process import run_engine_core
+
+logger = logging.getLogger(__name__)
+_STOP_TIMEOUT_S = 30.0
+
+
+class EngineCoreError(RuntimeError):
+    """The engine-core process died or could not start."""
+
+
+class EngineCoreClient:
+    def __init__(self, model, engine_args: dict, start_timeout_s: float | None = None):
+        ctx = mp.get_context("spawn")  # CUDA and threads: never fork
+        self.conn, child = ctx.Pipe()
+        # not a daemon: a core with tensor parallelism starts worker processes of its own
+        self.process = ctx.Process(
+            target=run_engine_core, name="nanovllm-engine-core", args=(child, os.getpid(), model, engine_args)
+        )
+        self.process.start()
+        child.close()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender: list[threading.Thread] = []  # started once the core is ready
+        self._finalizer = weakref.finalize(self, _stop, self.process, self.conn, self._outbox, self._sender)
+        try:
+            info = self._wait_ready(start_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.config = info["config"]
+        self.vocab_size: int = info["vocab_size"]
+        self.stats: dict = info["stats"]
+        sender = threading.Thread(target=_send_loop, args=(self.conn, self._outbox), name="nanovllm-core-sender")
+        sender.daemon = True
+        sender.start()
+        self._sender.append(sender)
+        logger.info("engine core ready in process %d", self.process.pid)
+
+    def _wait_ready(self, timeout_s: float | None) -> dict:
+        waited = 0.0
+        while not self.conn.poll(1.0):
+            waited += 1.0
+            if not self.process.is_alive():
+                raise EngineCoreError(
+                    f"the engine-core process exited with code {self.process.exitcode} while loading the model"
+                )
+            if timeout_s is not None and waited >= timeout_s:
+                raise EngineCoreError(f"the engine core did not start within {timeout_s:.0f} s")
+        try:
+            kind, payload = self.conn.recv()
+        except EOFError:
+            raise EngineCoreError(
+                f"the engine-core process closed its pipe while loading the model (exit code {self.process.exitcode})"
+            ) from None
+        if kind == "failed":
+            raise payload  # the start-up error itself (a bad argument: ValueError naming it)
+        if kind != "ready":
+            raise EngineCoreError(f"the engine core sent {kind!r} before it was ready")
+        return payload
+
+    def send(self, message) -> None:
+        """Queue a command. It is pickled here, so what cannot cross the pipe (a lambda given to
+        ``call``) raises in the caller, not in the sender thread."""
+        self._outbox.put(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    @property
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def shutdown(self) -> None:
+        """Ask the core to stop (it aborts what runs), wait for it, then make sure it is gone."""
+        self._finalizer()
+
+
+def _send_loop(conn, outbox: queue.SimpleQueue) -> None:
+    while True:
+        data = outbox.get()
+        if data is None:
+            return
+        try:
+            conn.send_bytes(data)
+        except (OSError, ValueError):
+            return  # the core is gone; the reader side reports it
+
+
+def _stop(process, conn, outbox: queue.SimpleQueue, sender: list[threading.Thread]) -> None:
+    stop = pickle.dumps(("stop",))
+    if sender and sender[0].is_alive():  # after what is queued; the sender leaves then
+        outbox.put(stop)
+        outbox.put(None)
+        sender[0].join(5.0)
+    elif process.is_alive():
+        try:
+            conn.send_bytes(stop)
+        except (OSError, ValueError):
+            pass
+    process.join(_STOP_TIMEOUT_S)
+    if process.is_alive():
+        logger.warning("the engine core (pid %d) did not stop in %.0f s; terminating it", process.pid, _STOP_TIMEOUT_S)
+        process.terminate()
+        process.join(5.0)
+    if process.is_alive():
+        process.kill()
+        process.join()
+    conn.close()

@@ -1,0 +1,129 @@
+"""The engine core in its own process: the step loop, with nothing else competing for its
+interpreter (vLLM's EngineCore process).
+
+The front end (``engine/async_llm_process.py``) talks to it over one duplex pipe:
+
+    front end -> core   ("add", token, [(request_id, prompt, params), ...])   all or none
+                        ("abort", [request_id, ...])
+                        ("call", token, fn)          fn(engine) between steps; fn must pickle
+                        ("stop",)
+    core -> front end   ("ready", info)              once, after the model loaded
+                        ("failed", error)            instead of "ready": start-up failed
+                        ("added", token, sequences | error)
+                        ("out", [SequenceUpdate, ...], stats)   after a step or an abort
+                        ("called", token, result | error)
+                        ("dead", error)              a step raised: the core exits
+
+Commands are read between steps (without waiting while requests run), so a step never waits
+for the front end. The core leaves when told to stop, when the pipe closes, or when its
+parent process dies (``lifeline``).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import signal
+import traceback
+
+from nanovllm.engine.engine import LLMEngine
+from nanovllm.engine.lifeline import watch_parent
+
+logger = logging.getLogger(__name__)
+
+
+def picklable_error(e: BaseException) -> BaseException:
+    """``e`` if it crosses the pipe as it is, else a RuntimeError that names it."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - any pickling failure: send a description instead
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def run_engine_core(conn, parent_pid: int, model, engine_args: dict) -> None:
+    """The core process's main (a ``spawn`` target)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
+    watch_parent(parent_pid)
+    try:
+        engine = LLMEngine.from_engine_args(model, **engine_args)
+    except BaseException as e:  # noqa: BLE001 - the front end raises it
+        logger.debug("engine core start-up failed:\n%s", traceback.format_exc())
+        _send(conn, ("failed", picklable_error(e)))
+        return
+    engine.emit_updates = True
+    info = {"config": engine.config, "vocab_size": engine.vocab_size, "stats": engine.stats()}
+    try:
+        _send(conn, ("ready", info))
+        EngineCore(engine, conn).run()
+    finally:
+        engine.close()
+
+
+def _send(conn, message) -> None:
+    try:
+        conn.send(message)
+    except (OSError, ValueError):
+        pass  # the front end is gone; the core is leaving anyway
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine, conn):
+        self.engine = engine
+        self.conn = conn
+
+    def run(self) -> None:
+        engine, conn = self.engine, self.conn
+        try:
+            while True:
+                busy = engine.has_unfinished_requests()
+                if (not busy or conn.poll()) and not self._handle_commands(block=not busy):
+                    break
+                if engine.has_unfinished_requests():
+                    updates = engine.step()
+                    if updates:
+                        conn.send(("out", updates, engine.stats()))
+        except (EOFError, OSError, BrokenPipeError):
+            logger.info("the front end closed the pipe; the engine core leaves")
+        except BaseException as e:  # noqa: BLE001 - the engine is dead: say why, then leave
+            logger.exception("the engine core's step loop failed")
+            _send(conn, ("dead", picklable_error(e)))
+
+    def _handle_commands(self, block: bool) -> bool:
+        """Apply the commands waiting (the first one waited for when ``block``); False on stop."""
+        engine, conn = self.engine, self.conn
+        while block or conn.poll():
+            block = False
+            cmd = conn.recv()
+            kind = cmd[0]
+            if kind == "stop":
+                return False
+            if kind == "add":
+                conn.send(("added", cmd[1], self._add(cmd[2])))
+            elif kind == "abort":
+                updates = [u for u in (engine.abort_request(r) for r in cmd[1]) if u is not None]
+                conn.send(("out", updates, engine.stats()))
+            elif kind == "call":
+                try:
+                    result = cmd[2](engine)
+                except Exception as e:  # noqa: BLE001 - the caller gets it
+                    result = picklable_error(e)
+                conn.send(("called", cmd[1], result))
+            else:
+                raise ValueError(f"unknown engine-core command {kind!r}")
+        return True
+
+    def _add(self, items):
+        """Validate every sequence, then queue them all: a request's children go in together or
+        not at all. Returns the sequences (the front end's mirrors) or the error."""
+        engine = self.engine
+        try:
+            ids = [request_id for request_id, _, _ in items]
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"request ids {ids} repeat")
+            seqs = [engine.make_sequence(request_id, prompt, params) for request_id, prompt, params in items]
+        except Exception as e:  # noqa: BLE001 - a refused request is its caller's error
+            return picklable_error(e)
+        for seq in seqs:
+            engine.add_sequence(seq)
+        return seqs
