@@ -81,20 +81,31 @@ class RequestOutput:
 
     def add(self, later: RequestOutput, delta: bool) -> RequestOutput:
         """This output followed by ``later`` of the same request, as one output (what a caller
-        that fell behind gets: vLLM's merging of a slow consumer's outputs). ``delta``: both are
-        DELTA pieces, concatenated; otherwise ``later`` already holds everything."""
-        if not delta:
-            return later
-        for mine, new in zip(self.outputs, later.outputs):
+        that fell behind gets: vLLM's merging of a slow consumer's outputs). Completions pair up
+        by ``index`` (an n > 1 request streams one child's completion per output): ``delta``
+        pieces of the same completion are concatenated, otherwise the later one replaces it; a
+        completion only ``later`` has is added. Outputs stay in index order."""
+        mine_by_index = {c.index: i for i, c in enumerate(self.outputs)}
+        outputs = list(self.outputs)
+        for new in later.outputs:
+            i = mine_by_index.get(new.index)
+            if i is None:
+                outputs.append(new)
+                continue
+            if not delta:
+                outputs[i] = new
+                continue
+            mine = outputs[i]
             mine.text += new.text
             mine.token_ids = mine.token_ids + new.token_ids
             if mine.logprobs is not None and new.logprobs is not None:
                 mine.logprobs = mine.logprobs + new.logprobs
             mine.cumulative_logprob = new.cumulative_logprob
             mine.finish_reason, mine.stop_reason = new.finish_reason, new.stop_reason
+        self.outputs = sorted(outputs, key=lambda c: c.index)
         self.finished = later.finished
         self.num_cached_tokens = later.num_cached_tokens
         self.metrics = later.metrics
-        if self.prompt_logprobs is None:
-            self.prompt_logprobs = later.prompt_logprobs
+        if self.prompt_logprobs is None or not delta:
+            self.prompt_logprobs = later.prompt_logprobs if later.prompt_logprobs is not None else self.prompt_logprobs
         return self

@@ -17,23 +17,42 @@ MODEL = "qwen3-gqa2-hd64-tied"
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture
-def engine():
-    llm = LLM(zoo_model(MODEL), block_size=16, seed=0, max_model_len=256)
-    engine = AsyncLLM(llm.llm_engine)
+ENGINE_ARGS = dict(block_size=16, seed=0, max_model_len=256)
+
+
+@pytest.fixture(params=["thread", "process"])
+def engine(request):
+    """Both back ends: the engine on a thread of this process, and in its own process (the
+    front end then builds the outputs from the core's token ids)."""
+    if request.param == "thread":
+        engine = AsyncLLM(LLM(zoo_model(MODEL), **ENGINE_ARGS).llm_engine)
+    else:
+        engine = AsyncLLM.from_engine_args(zoo_model(MODEL), engine_process=True, **ENGINE_ARGS)
     yield engine
     engine.shutdown()
+    if request.param == "process":
+        assert not engine.client.is_alive, "the engine-core process outlived shutdown()"
 
 
-def _check_clean(engine: AsyncLLM) -> None:
-    async def check():
-        def inner(e):
-            e.check_invariants()
-            return e.block_manager.num_free_blocks, e.block_manager.num_blocks, sorted(e.requests)
+def blocks_and_requests(e):
+    """(free blocks, blocks, live request ids) after checking the invariants: module-level, so
+    it pickles to an engine-core process."""
+    e.check_invariants()
+    return e.block_manager.num_free_blocks, e.block_manager.num_blocks, sorted(e.requests)
 
-        return await engine.call(inner)
 
-    return check()
+def _broken_execute(mi):
+    raise RuntimeError("device lost")
+
+
+def break_executor(e):
+    """Every later step raises (as a lost device would)."""
+    e.executor.execute = _broken_execute
+    e.executor.launch = _broken_execute
+
+
+def _check_clean(engine: AsyncLLM):
+    return engine.call(blocks_and_requests)
 
 
 def test_concurrent_callers_are_batched_and_match_offline(engine):
@@ -54,7 +73,7 @@ def test_concurrent_callers_are_batched_and_match_offline(engine):
     async def main():
         kinds = [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY]
         results = await asyncio.gather(*(one(i, p, kinds[i % 3]) for i, p in enumerate(prompts)))
-        return results, engine.engine.num_steps, await _check_clean(engine)
+        return results, engine.stats["steps"], await _check_clean(engine)
 
     results, steps, (free, total, live) = asyncio.run(main())
     assert [r[0] for r in results] == expected
@@ -134,12 +153,8 @@ def test_a_failing_step_kills_the_engine_loudly(engine):
     every later call too; the server answers 503 then (see the server test below)."""
     from nanovllm.engine.async_llm import EngineDeadError
 
-    def broken(mi):
-        raise RuntimeError("device lost")
-
-    engine.engine.executor.execute = broken
-
     async def main():
+        await engine.call(break_executor)
         errors = []
         for rid in ("a", "b"):
             try:
@@ -163,13 +178,10 @@ def test_server_answers_503_once_the_engine_is_dead(engine):
     pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
     from nanovllm.entrypoints.openai.api_server import build_app
 
-    def broken(mi):
-        raise RuntimeError("device lost")
-
-    engine.engine.executor.execute = broken
     app = build_app(engine, ["zoo"])
 
     async def main():
+        await engine.call(break_executor)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
             first = await client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 3})
             second = await client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 3})
@@ -244,4 +256,23 @@ def test_merging_keeps_what_only_the_first_piece_carries():
     assert merged.prompt_logprobs == prompt_lps and merged.finished and c.finish_reason == "length"
     assert c.cumulative_logprob == -0.5  # the later piece's (a DELTA piece carries the running total)
     later = piece([5, 6], "ab", finish="stop")
-    assert piece([5], "a").add(later, delta=False) is later
+    merged = piece([5], "a").add(later, delta=False)
+    assert merged.outputs == later.outputs and merged.finished
+
+
+def test_merging_pairs_the_completions_of_an_n_request_by_index():
+    """An n > 1 request streams one child's completion per output: merged pieces pair up by
+    ``index``, so a slow consumer neither glues child 1's tokens onto child 0 (DELTA) nor loses
+    child 0's completion behind child 1's (CUMULATIVE)."""
+    from nanovllm.outputs import CompletionOutput, RequestOutput
+
+    def piece(index, ids, text, finished=False):
+        c = CompletionOutput(index, text, ids, None, None, "length" if finished else None, None)
+        return RequestOutput("r", None, [1, 2], [c], finished)
+
+    merged = piece(0, [5], "a").add(piece(1, [7], "x"), delta=True).add(piece(0, [6], "b"), delta=True)
+    merged = merged.add(piece(1, [8], "y", finished=True), delta=True)
+    assert [(c.index, c.token_ids, c.text) for c in merged.outputs] == [(0, [5, 6], "ab"), (1, [7, 8], "xy")]
+    assert merged.finished and merged.outputs[1].finish_reason == "length"
+    cumulative = piece(1, [7], "x").add(piece(0, [5, 6], "ab"), delta=False).add(piece(1, [7, 8], "xy"), delta=False)
+    assert [(c.index, c.token_ids) for c in cumulative.outputs] == [(0, [5, 6]), (1, [7, 8])]

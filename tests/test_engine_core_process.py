@@ -1,0 +1,232 @@
+"""The engine core in its own process (``AsyncLLM.from_engine_args(..., engine_process=True)``):
+its outputs equal the in-process engine's for every kind of request, a dead core fails every
+caller at once, a bad argument is the caller's error, and no core outlives its front end."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conformance.zoo import ZOO, zoo_model
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.async_llm import AsyncLLM, EngineDeadError
+from nanovllm.sampling_params import RequestOutputKind
+from tests.conftest import prompts_for
+from tests.test_async_llm import ENGINE_ARGS, MODEL, blocks_and_requests
+
+DELTA, CUMULATIVE, FINAL = RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY
+
+
+def _requests():
+    """Requests that exercise every field an output carries: logprobs and prompt logprobs, stop
+    strings (text cut by the core), stop token ids, n > 1 with seeds, min_tokens, each kind."""
+    vocab = ZOO[MODEL].vocab_size
+    prompts = prompts_for(vocab, (7, 19, 4, 33, 11, 9), seed=11)
+    base = dict(max_tokens=16, ignore_eos=True)
+    return [
+        (prompts[0], SamplingParams(temperature=0, logprobs=3, prompt_logprobs=2, **base)),
+        (prompts[1], SamplingParams(temperature=0.8, seed=7, n=3, logprobs=1, **base)),
+        (prompts[2], SamplingParams(temperature=0, stop_token_ids=[prompts[2][0]], min_tokens=2, **base)),
+        (prompts[3], SamplingParams(temperature=1.0, seed=3, top_k=20, top_p=0.9, **base)),
+        (prompts[4], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)),
+        (prompts[5], SamplingParams(temperature=0.7, seed=5, n=2, prompt_logprobs=1, **base)),
+    ]
+
+
+def _stop_string_request(engine_text: str, prompt):
+    """A request whose stop string is a piece of the text it will produce (found by a first run)."""
+    stop = engine_text[len(engine_text) // 2 : len(engine_text) // 2 + 3]
+    return prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop])
+
+
+def _lps(lps):
+    if lps is None:
+        return None
+    return [
+        None if d is None else sorted((t, round(lp.logprob, 5), lp.rank, lp.decoded_token) for t, lp in d.items())
+        for d in lps
+    ]
+
+
+async def _run_all(engine: AsyncLLM, requests, kind: RequestOutputKind):
+    async def one(i, prompt, params):
+        return [out async for out in engine.generate(prompt, _with_kind(params, kind), f"q{i}")]
+
+    return await asyncio.gather(*(one(i, p, sp) for i, (p, sp) in enumerate(requests)))
+
+
+def _final(pieces, kind):
+    """The request's whole result from its outputs (DELTA pieces added up per completion)."""
+    if kind is not DELTA:
+        last = {}
+        for out in pieces:  # n > 1 streams each child's latest output
+            for c in out.outputs:
+                last[c.index] = c
+        return pieces[-1], last
+    acc = {}
+    for out in pieces:
+        for c in out.outputs:
+            prev = acc.get(c.index)
+            acc[c.index] = c if prev is None else _concat(prev, c)
+    return pieces[-1], acc
+
+
+def _concat(a, b):
+    import dataclasses
+
+    return dataclasses.replace(
+        b,
+        text=a.text + b.text,
+        token_ids=list(a.token_ids) + list(b.token_ids),
+        logprobs=None if b.logprobs is None else list(a.logprobs or []) + list(b.logprobs),
+    )
+
+
+def _collect(make_engine, kind):
+    engine = make_engine()
+    try:
+
+        async def main():
+            first = await _run_all(engine, _requests(), kind)
+            # a stop-string request, from this engine's own greedy text
+            text = _final(first[0], kind)[1][0].text
+            stop_req = _stop_string_request(text, _requests()[0][0])
+            stopped = [out async for out in engine.generate(stop_req[0], _with_kind(stop_req[1], kind), "stop")]
+            return first + [stopped], await engine.call(blocks_and_requests)
+
+        results, (free, total, live) = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert free == total and live == [], "a finished request kept blocks or stayed in the engine"
+    finals = []
+    for pieces in results:
+        last, completions = _final(pieces, kind)
+        assert last.finished and not any(p.finished for p in pieces[:-1])
+        finals.append(
+            (
+                last.request_id,
+                last.prompt_token_ids,
+                _lps(pieces[0].prompt_logprobs),
+                [
+                    (i, c.text, list(c.token_ids), _lps(c.logprobs), c.finish_reason, c.stop_reason)
+                    for i, c in sorted(completions.items())
+                ],
+            )
+        )
+    return finals
+
+
+def _with_kind(params, kind):
+    import dataclasses
+
+    return dataclasses.replace(params, output_kind=kind)
+
+
+@pytest.mark.parametrize("kind", [DELTA, CUMULATIVE, FINAL], ids=lambda k: k.name)
+def test_process_outputs_equal_thread_outputs(kind):
+    """Same requests (logprobs, prompt logprobs, stop strings and ids, n > 1, seeds) through the
+    engine on a thread and in its own process: every output's text, ids, logprobs and finish
+    fields agree. The stop string's text is cut by the core and sent with its last update."""
+
+    def thread_engine():
+        return AsyncLLM(LLM(zoo_model(MODEL), **ENGINE_ARGS).llm_engine)
+
+    def process_engine():
+        return AsyncLLM.from_engine_args(zoo_model(MODEL), engine_process=True, **ENGINE_ARGS)
+
+    expected = _collect(thread_engine, kind)
+    got = _collect(process_engine, kind)
+    assert got == expected
+    stop_row = expected[-1][3][0]
+    assert stop_row[4] == "stop" and isinstance(stop_row[5], str), "the stop-string request did not stop on it"
+    assert any(len(row[3]) > 1 for row in expected), "no n > 1 request in the comparison"
+
+
+def test_a_killed_core_fails_every_caller_and_later_calls():
+    engine = AsyncLLM.from_engine_args(zoo_model(MODEL), engine_process=True, **ENGINE_ARGS)
+    pid = engine.client.process.pid
+    try:
+
+        async def main():
+            long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, output_kind=DELTA)
+            got, errors = [], []
+
+            async def consume(rid):
+                try:
+                    async for out in engine.generate([5, 6, 7], long, rid):
+                        got.append(out)
+                except EngineDeadError as e:
+                    errors.append(str(e))
+
+            tasks = [asyncio.create_task(consume(f"k{i}")) for i in range(3)]
+            while len(got) < 3:
+                await asyncio.sleep(0.01)
+            os.kill(pid, signal.SIGKILL)
+            await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
+            later = None
+            try:
+                async for _ in engine.generate([5], long, "later"):
+                    pass
+            except EngineDeadError as e:
+                later = str(e)
+            return errors, later
+
+        errors, later = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert len(errors) == 3, errors
+    assert later is not None and not engine.is_running
+
+
+def test_a_bad_engine_argument_is_the_callers_error_and_leaves_no_process():
+    import multiprocessing
+
+    before = {p.pid for p in multiprocessing.active_children()}
+    with pytest.raises(ValueError, match="block_size"):
+        AsyncLLM.from_engine_args(zoo_model(MODEL), engine_process=True, block_size=0, max_model_len=256)
+    assert {p.pid for p in multiprocessing.active_children()} <= before
+
+
+def test_the_core_leaves_when_its_front_end_is_killed(tmp_path):
+    """A front end killed with SIGKILL (no shutdown, no atexit) leaves no engine core behind."""
+    script = tmp_path / "front.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys, time
+            from nanovllm.engine.async_llm import AsyncLLM
+            if __name__ == "__main__":
+                e = AsyncLLM.from_engine_args({zoo_model(MODEL)!r}, engine_process=True, max_model_len=256)
+                print(e.client.process.pid, flush=True)
+                time.sleep(600)
+            """
+        )
+    )
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    front = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        core_pid = int(front.stdout.readline())  # type: ignore[union-attr]
+        assert _alive(core_pid)
+        front.kill()
+        front.wait(10)
+        deadline = time.monotonic() + 15
+        while _alive(core_pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(core_pid), f"the engine core (pid {core_pid}) outlived its front end"
+    finally:
+        front.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
