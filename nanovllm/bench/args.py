@@ -173,6 +173,14 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
         help="python of vLLM's virtual env (default: $NANOVLLM_VLLM_PYTHON or ./.venv-vllm)",
     )
     p.add_argument("--vllm-arg", action="append", default=[], help="extra argument for vllm serve (repeatable)")
+    p.add_argument(
+        "--serve-variant",
+        action="append",
+        default=None,
+        metavar="FLAGS",
+        help="also start nanovllm serve with these extra flags and measure it as its own row, side by "
+        "side (repeatable; e.g. --serve-variant=--no-engine-process)",
+    )
     p.add_argument("--offline", action="store_true", help="also run the workload offline (LLM.generate)")
     p.add_argument("--json-out", default=None, help="write the measurements as JSON here")
 

@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -227,11 +228,13 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     if args.base_url:
         rows.append(_measured("nanovllm serve (given URL)", args.base_url, None, w, args))
     else:
-        cmd = nanovllm_serve_command(
-            model_dir, "--served-model-name", "bench", "--uvicorn-log-level", "warning", *flags
-        )
-        with server(cmd, ready_timeout=900) as url:
-            rows.append(_measured("nanovllm serve", url, "bench", w, args))
+        for variant in [""] + list(args.serve_variant or []):
+            extra = shlex.split(variant)
+            cmd = nanovllm_serve_command(
+                model_dir, "--served-model-name", "bench", "--uvicorn-log-level", "warning", *flags, *extra
+            )
+            with server(cmd, ready_timeout=900) as url:
+                rows.append(_measured(" ".join(["nanovllm serve", *extra]), url, "bench", w, args))
     for _peer in args.peer:  # "vllm", the one choice
         from nanovllm.bench.peers import find_vllm_python, python_version_of
 

@@ -311,6 +311,38 @@ def stop_string_kept() -> ContextManager:
     return _patched((stop_mod, "check_stop", check_stop), (engine_mod, "check_stop", check_stop))
 
 
+def mirror_ignores_stop_text() -> ContextManager:
+    """The front end of an engine-core process drops the text the core cut at a stop string: its
+    mirror decodes every token, so the stop string shows in the output."""
+    (mod,) = _modules("nanovllm.engine.async_llm_process")
+    orig = mod.apply_update
+
+    def apply_update(seq, update):
+        orig(seq, update._replace(output_text=None))
+
+    return _patched((mod, "apply_update", apply_update))
+
+
+def merge_pairs_by_position() -> ContextManager:
+    """A slow consumer's outputs are merged completion by position, not by index: an n > 1
+    request's child 1 tokens are glued onto child 0 (and CUMULATIVE loses child 0)."""
+    (outputs_mod,) = _modules("nanovllm.outputs")
+
+    def add(self, later, delta):
+        if not delta:
+            return later
+        for mine, new in zip(self.outputs, later.outputs):
+            mine.text += new.text
+            mine.token_ids = mine.token_ids + new.token_ids
+            if mine.logprobs is not None and new.logprobs is not None:
+                mine.logprobs = mine.logprobs + new.logprobs
+            mine.finish_reason, mine.stop_reason = new.finish_reason, new.stop_reason
+        self.finished = later.finished
+        return self
+
+    return _patched((outputs_mod.RequestOutput, "add", add))
+
+
 def eos_ignored() -> ContextManager:
     """The model's EOS ids never stop a request (only explicit stop_token_ids do)."""
     (engine_mod,) = _modules("nanovllm.engine.engine")

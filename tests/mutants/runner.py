@@ -48,8 +48,10 @@ from tests.mutants.engine import (
     fused_sampler_temperature_ignored,
     logit_bias_subtracted,
     logprobs_after_temperature,
+    merge_pairs_by_position,
     min_p_absolute,
     min_tokens_ignored,
+    mirror_ignores_stop_text,
     n_children_share_seed,
     outputs_in_finish_order,
     philox_seed_ignored,
@@ -163,6 +165,16 @@ ENGINE_MUTANTS: list[Mutant] = [
     Mutant("stop_string_kept", stop_string_kept, [CONTRACTS]),
     Mutant("min_tokens_ignored", min_tokens_ignored, [CONTRACTS]),
     Mutant("eos_ignored", eos_ignored, [CONTRACTS]),
+    Mutant(
+        "mirror_ignores_stop_text",
+        mirror_ignores_stop_text,
+        ["tests/test_engine_core_process.py::test_process_outputs_equal_thread_outputs[FINAL_ONLY]"],
+    ),
+    Mutant(
+        "merge_pairs_by_position",
+        merge_pairs_by_position,
+        ["tests/test_async_llm.py::test_merging_pairs_the_completions_of_an_n_request_by_index"],
+    ),
     Mutant("outputs_in_finish_order", outputs_in_finish_order, [f"{SELF}::test_outputs_in_input_order", CONTRACTS]),
     Mutant("admission_check_skipped", admission_check_skipped, [CORE_DIR + "test_admission.py"]),
     Mutant(

@@ -278,7 +278,7 @@ async def serve(args, engine_kwargs: dict) -> None:
         functools.partial(
             AsyncLLM.from_engine_args,
             args.model,
-            engine_process=getattr(args, "engine_process", True),
+            engine_process=getattr(args, "core_process", True),
             load_format=getattr(args, "load_format", "auto"),
             **engine_kwargs,
         ),

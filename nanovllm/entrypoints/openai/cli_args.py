@@ -41,6 +41,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--engine-process",
+        dest="core_process",  # not engine_*: those are EngineConfig fields
         action=argparse.BooleanOptionalAction,
         default=True,
         help="run the engine core in its own process, so HTTP and text work never wait for the "
