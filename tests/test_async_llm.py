@@ -214,8 +214,12 @@ def test_a_caller_that_falls_behind_gets_merged_outputs(engine, kind):
         async for out in engine.generate(prompt, params, f"slow-{slow}-{kind.name}"):
             c = out.outputs[0]
             outs.append((list(c.token_ids), c.text, list(c.logprobs or []), out.finished))
-            if slow:
-                await asyncio.sleep(0.05)  # several steps' outputs queue up meanwhile
+            if slow:  # wait for several steps (not a fixed time: a loaded machine steps slower)
+                seen = engine.stats["steps"]
+                for _ in range(200):
+                    await asyncio.sleep(0.005)
+                    if engine.stats["steps"] >= seen + 5:
+                        break
         return outs
 
     async def both():

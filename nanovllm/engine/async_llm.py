@@ -37,6 +37,18 @@ class EngineDeadError(RuntimeError):
     """The engine's step loop failed; this AsyncLLM serves no more requests."""
 
 
+class PendingOutput:
+    """A queue entry whose output is built when its caller reads it (``build()``), so a caller
+    that falls behind costs one output for everything new, not one per step."""
+
+    def build(self) -> RequestOutput:
+        raise NotImplementedError
+
+
+def _ready(item):
+    return item.build() if isinstance(item, PendingOutput) else item
+
+
 class AsyncLLM:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -108,11 +120,11 @@ class AsyncLLM:
             await added
             delta = sampling_params is not None and sampling_params.output_kind == RequestOutputKind.DELTA
             while True:
-                out = await outputs.get()
+                out = _ready(await outputs.get())
                 # a caller that fell behind gets what queued up as one output (fewer, larger
                 # stream chunks under load instead of a growing backlog)
                 while not outputs.empty() and not isinstance(out, BaseException) and not out.finished:
-                    later = outputs.get_nowait()
+                    later = _ready(outputs.get_nowait())
                     out = later if isinstance(later, BaseException) else out.add(later, delta)
                 if isinstance(out, BaseException):
                     raise out
@@ -169,14 +181,17 @@ class AsyncLLM:
         self.engine.close()
 
     # -------------------------------------------------- event loop side of the handoff
+    def _observe(self, out: RequestOutput) -> None:
+        for observe in self.output_observers:
+            try:
+                observe(out)
+            except Exception:  # noqa: BLE001 - an observer must not break serving
+                logger.exception("output observer failed")
+
     def _deliver(self, outputs: list) -> None:
         for out in outputs:
             if isinstance(out, RequestOutput):
-                for observe in self.output_observers:
-                    try:
-                        observe(out)
-                    except Exception:  # noqa: BLE001 - an observer must not break serving
-                        logger.exception("output observer failed")
+                self._observe(out)
                 q = self._queues.get(out.request_id)
             else:  # (request_id, exception)
                 q = self._queues.get(out[0])

@@ -23,7 +23,7 @@ import pickle
 from collections.abc import Callable
 
 from nanovllm.core.sequence import Sequence
-from nanovllm.engine.async_llm import AsyncLLM, EngineDeadError
+from nanovllm.engine.async_llm import AsyncLLM, EngineDeadError, PendingOutput
 from nanovllm.engine.core_client import EngineCoreClient
 from nanovllm.engine.core_output import apply_update
 from nanovllm.engine.engine import load_tokenizer
@@ -48,7 +48,10 @@ class ProcessAsyncLLM(AsyncLLM):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._mirrors: dict[str, tuple[Sequence, StreamState | None]] = {}  # unfinished sequences
         self._parents: dict[str, ParentRequest] = {}  # n > 1 requests with an unfinished child
-        self._pending: dict[int, tuple[asyncio.Future, ParentRequest | None]] = {}  # token -> (future, what it waits for)
+        self._woken: set[str] = set()  # streaming requests with a _StreamReady in their queue
+        self._pending: dict[
+            int, tuple[asyncio.Future, ParentRequest | None]
+        ] = {}  # token -> (future, what it waits for)
         self._tokens = itertools.count()
         self._closed = False
 
@@ -174,7 +177,10 @@ class ProcessAsyncLLM(AsyncLLM):
             raise RuntimeError(f"unknown message from the engine core: {kind!r}")
 
     def _outputs(self, updates) -> list[RequestOutput]:
-        """The RequestOutputs the core's updates make (``LLMEngine._outputs``, here)."""
+        """The RequestOutputs the core's updates make (``LLMEngine._outputs``, here). A streaming
+        n = 1 request (what the server sends) gets a ``_StreamReady`` in its queue instead, once
+        until its caller reads it: the output is built then, from the mirror, with everything
+        new since the caller's last one."""
         outs = []
         tokenizer = self.tokenizer
         for update in updates:
@@ -185,6 +191,12 @@ class ProcessAsyncLLM(AsyncLLM):
             apply_update(seq, update)
             if seq.finish_reason is not None:
                 del self._mirrors[seq.request_id]
+            if state is not None and seq.parent is None:
+                q = self._queues.get(seq.request_id)
+                if q is not None and seq.request_id not in self._woken:
+                    self._woken.add(seq.request_id)
+                    q.put_nowait(_StreamReady(self, seq, state))
+                continue
             out: RequestOutput | None
             if state is None:
                 out = make_request_output(seq, tokenizer)
@@ -214,3 +226,19 @@ class ProcessAsyncLLM(AsyncLLM):
             self._settle(fut, None, dead)
         self._pending.clear()
         self._fail_all(error)
+
+
+class _StreamReady(PendingOutput):
+    """A streaming request has news: its output is built when its caller reads it."""
+
+    __slots__ = ("engine", "seq", "state")
+
+    def __init__(self, engine: ProcessAsyncLLM, seq: Sequence, state: StreamState):
+        self.engine, self.seq, self.state = engine, seq, state
+
+    def build(self) -> RequestOutput:
+        engine = self.engine
+        engine._woken.discard(self.seq.request_id)
+        out = make_stream_output(self.seq, engine.tokenizer, self.state)
+        engine._observe(out)
+        return out
