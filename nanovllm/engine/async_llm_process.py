@@ -191,12 +191,14 @@ class ProcessAsyncLLM(AsyncLLM):
             apply_update(seq, update)
             if seq.finish_reason is not None:
                 del self._mirrors[seq.request_id]
-            if state is not None and seq.parent is None:
-                q = self._queues.get(seq.request_id)
-                if q is not None and seq.request_id not in self._woken:
+            q = self._queues.get(seq.request_id)
+            if state is not None and seq.parent is None and q is not None:
+                if seq.request_id not in self._woken:
                     self._woken.add(seq.request_id)
                     q.put_nowait(_StreamReady(self, seq, state))
                 continue
+            # built now: FINAL_ONLY, an n > 1 child, or a request nobody listens to any more
+            # (its abort still reaches the observers: the server's metrics count it)
             out: RequestOutput | None
             if state is None:
                 out = make_request_output(seq, tokenizer)
