@@ -230,3 +230,17 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.parametrize("cores, expected", [(8, 7), (2, 1), (1, 1)])
+def test_the_core_leaves_a_cpu_core_to_the_front_end(monkeypatch, cores, expected):
+    """Unless the thread count was chosen, the core's torch threads leave one physical core for
+    the front end (at least one thread); a chosen count is kept."""
+    import nanovllm.engine.core_process as core_process
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(core_process, "default_threads", lambda: cores)
+    assert core_process.with_front_end_core({"seed": 0}) == {"seed": 0, "threads": expected}
+    assert core_process.with_front_end_core({"threads": cores}) == {"threads": cores}
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert core_process.with_front_end_core({"seed": 0}) == {"seed": 0}

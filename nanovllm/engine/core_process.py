@@ -22,10 +22,12 @@ parent process dies (``lifeline``).
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import signal
 import traceback
 
+from nanovllm.cpu_threads import default_threads
 from nanovllm.engine.engine import LLMEngine
 from nanovllm.engine.lifeline import watch_parent
 
@@ -45,6 +47,7 @@ def run_engine_core(conn, parent_pid: int, model, engine_args: dict) -> None:
     """The core process's main (a ``spawn`` target)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
     watch_parent(parent_pid)
+    engine_args = with_front_end_core(engine_args)
     try:
         engine = LLMEngine.from_engine_args(model, **engine_args)
     except BaseException as e:  # noqa: BLE001 - the front end raises it
@@ -58,6 +61,19 @@ def run_engine_core(conn, parent_pid: int, model, engine_args: dict) -> None:
         EngineCore(engine, conn).run()
     finally:
         engine.close()
+
+
+def with_front_end_core(engine_args: dict) -> dict:
+    """The engine args with one physical core left for the front end (HTTP, text), unless the
+    thread count was chosen (``threads``, ``$OMP_NUM_THREADS``): the model's OpenMP threads spin
+    while they wait for each other, so one that shares its core with the busy front end stalls
+    every parallel region of a CPU step (``cpu_threads.py``). vLLM's CPU back end reserves a
+    core for its front end likewise."""
+    if engine_args.get("threads") is not None or os.environ.get("OMP_NUM_THREADS", "").strip():
+        return engine_args
+    threads = max(1, default_threads() - 1)
+    logger.info("engine core: %d torch threads (one core left for the front end)", threads)
+    return {**engine_args, "threads": threads}
 
 
 def _send(conn, message) -> None:
