@@ -40,11 +40,11 @@ class KernelConfig:
     num_stages: int
 
 
-def decode_config(head_dim: int, dtype: torch.dtype, fp8: bool = False) -> KernelConfig:
+def decode_config(head_dim: int, dtype: torch.dtype) -> KernelConfig:
     if dtype == torch.float32 or head_dim > 128:
         return KernelConfig(16, 32, 4, 2)
-    if fp8:  # half the bytes per key: twice the keys per tile (sweep on the H200, KERNEL_NOTES)
-        return KernelConfig(16, 128, 4, 3)
+    # FP8 too: with one block-table entry per tile and the V widening in PTX, 64-key tiles (128
+    # registers, 4 CTAs per SM) beat 128-key ones (168 registers, 3 CTAs) on the H200 (KERNEL_NOTES)
     return KernelConfig(16, 64, 4, 3)
 
 
@@ -175,6 +175,18 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 
 
 # ------------------------------------------------------------------------ decode
+@triton.jit
+def _fp8_to_f16_asm(x):
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r",
+        [x],
+        dtype=tl.float16,
+        is_pure=True,
+        pack=4,
+    )
+
+
 @triton.jit(do_not_specialize_on_alignment=METADATA_PTRS)
 def _decode_kernel(
     q_ptr,
@@ -205,6 +217,8 @@ def _decode_kernel(
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
     WIDEN: tl.constexpr,
+    V_ASM: tl.constexpr = False,
+    TILE_BLOCK: tl.constexpr = False,
 ):
     """Program (seq, kv head, split): the group's query heads against keys of one split."""
     seq = tl.program_id(0)
@@ -232,13 +246,18 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq * stride_bt
+    tile_off = kvh * stride_ch + offs_n[:, None] * stride_cs + offs_d[None, :]
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if TILE_BLOCK:
+            base = tl.load(table + n0 // BLOCK_SIZE).to(tl.int64) * stride_cb + (n0 % BLOCK_SIZE) * stride_cs
+            k = tl.load(k_cache_ptr + base + tile_off, mask=kv_mask, other=0.0)
+        else:
+            block = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+            off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+            k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if KV_FP8:
             k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
@@ -247,9 +266,15 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if TILE_BLOCK:
+            v = tl.load(v_cache_ptr + base + tile_off, mask=kv_mask, other=0.0)
+        else:
+            v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if KV_FP8:
-            v = v.to(q.dtype)
+            if V_ASM:
+                v = _fp8_to_f16_asm(v)
+            else:
+                v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -302,6 +327,26 @@ def _merge_kernel(
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
+DECODE_FLAG_OVERRIDES: dict[str, bool] = {}  # tests and scripts/sweep_kv_fp8.py force a flag on or off
+
+
+def decode_tile_flags(block_size: int, block_n: int, kv_fp8: bool, dtype: torch.dtype) -> dict[str, bool]:
+    """How the decode kernel addresses and widens an FP8 K/V tile (both off for 16-bit caches,
+    where they measured no gain: the kernel is at ~98 % of bandwidth there, KERNEL_NOTES session 4).
+
+    TILE_BLOCK: a tile never straddles two cache blocks (``block_size % block_n == 0``, and tiles
+    start at multiples of ``block_n``), so one block-table entry per tile gives a scalar base and
+    the per-key offsets are one loop-invariant int32 tile: -13 % time on the H200 (128-key tiles).
+    V_ASM: FP8 V widens to float16 by inline PTX, four bytes per call; Triton still moves the
+    widening into the MMA operand layout but packs the bytes with ``prmt``: -13 %. Both, with
+    64-key tiles (``decode_config``): 231 -> 178 us at batch 256, context 1024.
+    """
+    return dict(
+        TILE_BLOCK=kv_fp8 and block_size % block_n == 0,
+        V_ASM=kv_fp8 and dtype in (torch.bfloat16, torch.float16),
+    )
+
+
 def num_decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     """Split-K factor: enough programs for about two waves of ``num_sms``; 1 for large batches.
 
@@ -341,7 +386,7 @@ def paged_decode(
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     group = num_heads // num_kv_heads
-    cfg = config or decode_config(head_dim, q.dtype, is_fp8(k_cache))
+    cfg = config or decode_config(head_dim, q.dtype)
     out = torch.empty_like(q) if out is None else out
     if num_seqs == 0:
         return out
@@ -388,6 +433,7 @@ def paged_decode(
         num_stages=cfg.num_stages,
         KV_FP8=is_fp8(k_cache),
         WIDEN=_widen(q.dtype),
+        **{**decode_tile_flags(block_size, cfg.block_n, is_fp8(k_cache), q.dtype), **DECODE_FLAG_OVERRIDES},
     )
     if num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](

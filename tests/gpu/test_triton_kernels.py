@@ -224,6 +224,32 @@ def test_decode_padding_rows_and_empty_splits_give_zeros(splits):
     assert torch.equal(out[3:].cpu(), torch.zeros_like(out[3:].cpu())), "padding rows must be zeros"
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_tile_block_addressing(splits, monkeypatch):
+    """TILE_BLOCK (one block-table entry per key tile, the FP8 cache's default in
+    decode_tile_flags) forced on for a 16-bit cache, so the interpreter checks its addressing too.
+    Control: forced on where a 64-key tile straddles 16-slot blocks, the output misses."""
+    monkeypatch.setitem(triton_ops.DECODE_FLAG_OVERRIDES, "TILE_BLOCK", True)
+
+    def run(block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rng = random.Random(block_size * 7 + splits)
+        lens = _lengths(block_size, rng, 5 if INTERPRET else 9, MAX_CTX)
+        case = PagedCase([(n - 1, 1) for n in lens], block_size, 2, 64, seed=rng.randint(0, 1 << 30))
+        pad = torch.full_like(case.k_cache[:4], float("nan"))  # a straddling tile reads past the last block
+        k, v = torch.cat([case.k_cache, pad]), torch.cat([case.v_cache, pad])
+        out = torch.full_like(case.q, float("nan"))
+        cfg = triton_ops.KernelConfig(16, 64, 4, 3)
+        tables, lens_t = case.meta.block_tables, case.meta.seq_lens
+        triton_ops.paged_decode(case.q, k, v, tables, lens_t, case.scale, num_splits=splits, out=out, config=cfg)
+        return out, case.reference()
+
+    out, ref = run(64)
+    assert_close(out, ref, f"decode, tile block forced, bs=64 splits={splits}")
+    out, ref = run(16)
+    with pytest.raises(AssertionError):
+        assert_close(out, ref, "control: tiles straddling blocks")
+
+
 # --------------------------------------------------------------------- prefill
 @pytest.mark.parametrize("block_size,group,head_dim", SHAPES)
 def test_prefill_with_cached_prefix_and_chunks(block_size, group, head_dim):

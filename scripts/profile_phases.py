@@ -1,0 +1,190 @@
+"""The three phases of the standard GPU run: prefill, steady decode, and the shrinking tail.
+
+Runs the workload of ``nanovllm bench --workload gpu`` once (Qwen3-0.6B shape, random weights,
+the bench's warm-up first) with the engine's ``step_profiler`` hook, and classifies each
+completed step by what it computed:
+
+    prefill   the step holds prompt work (a whole prompt or a chunk; decodes may ride along)
+    steady    decode only, at the full batch (the largest decode-only batch of the run)
+    tail      decode only, below the full batch, after the first steady step
+    ramp      decode only, below the full batch, before it (between prefill steps)
+
+Per phase: steps, wall seconds (between successive step completions), output tokens sampled,
+prompt tokens, output tok/s, mean batch, and the phase's share of the run's wall time.
+
+    PYTHONPATH=. python3 scripts/profile_phases.py [--kv-cache-dtype fp8] [--json-out F]
+
+Steps are matched to schedules in launch order: the engine completes steps in the order it
+launches them (one in flight under async scheduling), so the k-th ``step_profiler`` call is
+the k-th non-empty schedule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.bench.peers import _warmup_prompts
+from nanovllm.bench.workloads import gpu_workload, shape_config_dir
+
+PHASES = ("prefill", "ramp", "steady", "tail")
+
+
+@dataclass
+class StepRecord:
+    prompt_tokens: int  # prompt tokens computed in the step
+    samples: int  # sequences that sample a token in the step (output tokens)
+    batch: int  # sequences in the step
+    wall: float = 0.0  # seconds since the previous step completed (the first: since the run began)
+
+
+@dataclass
+class PhaseRow:
+    phase: str
+    steps: int
+    seconds: float
+    output_tokens: int
+    prompt_tokens: int
+    mean_batch: float
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def classify(steps: list[StepRecord]) -> list[str]:
+    """The phase of each step (see the module docstring)."""
+    decode_batches = [s.batch for s in steps if s.prompt_tokens == 0]
+    full = max(decode_batches, default=0)
+    phases, seen_steady = [], False
+    for s in steps:
+        if s.prompt_tokens > 0:
+            phases.append("prefill")
+        elif s.batch >= full:
+            phases.append("steady")
+            seen_steady = True
+        else:
+            phases.append("tail" if seen_steady else "ramp")
+    return phases
+
+
+def summarise(steps: list[StepRecord]) -> list[PhaseRow]:
+    phases = classify(steps)
+    rows = []
+    for name in PHASES:
+        mine = [s for s, p in zip(steps, phases) if p == name]
+        rows.append(
+            PhaseRow(
+                name,
+                len(mine),
+                sum(s.wall for s in mine),
+                sum(s.samples for s in mine),
+                sum(s.prompt_tokens for s in mine),
+                sum(s.batch for s in mine) / len(mine) if mine else 0.0,
+            )
+        )
+    return rows
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def profile_run(
+    kv_cache_dtype: str, limit: int | None = None, cap: int | None = None
+) -> tuple[list[StepRecord], float, int]:
+    """One timed run; ``limit`` requests and ``cap`` output tokens each only for smoke checks."""
+    w = gpu_workload()
+    if limit is not None:
+        w.prompts, w.max_tokens = w.prompts[:limit], w.max_tokens[:limit]
+    if cap is not None:
+        w.max_tokens = [min(n, cap) for n in w.max_tokens]
+    llm = LLM(shape_config_dir("qwen3-0.6b"), load_format="dummy", max_model_len=4096, kv_cache_dtype=kv_cache_dtype)
+    engine = llm.llm_engine
+    params = [SamplingParams(temperature=w.temperature, max_tokens=n, ignore_eos=True, seed=None) for n in w.max_tokens]
+    try:
+        llm.generate(_warmup_prompts(w), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        launched: list[StepRecord] = []
+        schedule = engine.scheduler.schedule
+
+        def recording_schedule():
+            sched = schedule()
+            if not sched.is_empty:
+                prompt = samples = 0
+                for seq, n in zip(sched.seqs, sched.num_new_tokens):
+                    todo = seq.num_prompt_tokens - seq.num_computed_tokens
+                    prompt += max(0, min(n, todo))
+                    samples += int(n >= todo)  # the step reaches the end of what is known: it samples
+                launched.append(StepRecord(prompt, samples, len(sched.seqs)))
+            return sched
+
+        completed: list[float] = []
+        engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+        engine.step_profiler = lambda phases: completed.append(time.perf_counter())
+        _sync()
+        start = time.perf_counter()
+        outs = llm.generate(w.prompts, params, use_tqdm=False)
+        _sync()
+        elapsed = time.perf_counter() - start
+        engine.step_profiler = None
+        engine.scheduler.schedule = schedule  # type: ignore[method-assign]
+    finally:
+        llm.close()
+    if len(completed) != len(launched):
+        raise RuntimeError(f"{len(completed)} steps completed but {len(launched)} were scheduled: cannot pair them")
+    prev = start
+    for rec, t in zip(launched, completed):
+        rec.wall, prev = t - prev, t
+    return launched, elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def report(rows: list[PhaseRow], elapsed: float, n_out: int, label: str) -> str:
+    lines = [
+        f"{label}: {sum(r.steps for r in rows)} steps, {elapsed:.2f} s, {n_out} output tokens, "
+        f"{n_out / elapsed:,.0f} tok/s",
+        "| phase | steps | seconds | share | output tokens | prompt tokens | output tok/s | mean batch |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.phase} | {r.steps} | {r.seconds:.2f} | {r.seconds / elapsed:.0%} | {r.output_tokens:,} | "
+            f"{r.prompt_tokens:,} | {r.tok_s:,.0f} | {r.mean_batch:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--json-out")
+    p.add_argument("--limit", type=int, help="smoke check only: the first LIMIT requests")
+    p.add_argument("--cap", type=int, help="smoke check only: at most CAP output tokens per request")
+    args = p.parse_args()
+    steps, elapsed, n_out = profile_run(args.kv_cache_dtype, args.limit, args.cap)
+    rows = summarise(steps)
+    counted = sum(r.output_tokens for r in rows)
+    if counted != n_out:  # e.g. a preempted sequence recomputed: the phases still stand, say so
+        print(f"warning: the steps sampled {counted} tokens, the run returned {n_out}", flush=True)
+    print(report(rows, elapsed, n_out, f"gpu workload, kv_cache_dtype={args.kv_cache_dtype}"), flush=True)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(
+                {
+                    "kv_cache_dtype": args.kv_cache_dtype,
+                    "seconds": elapsed,
+                    "output_tokens": n_out,
+                    "phases": [asdict(r) | {"tok_s": r.tok_s} for r in rows],
+                    "steps": [asdict(s) for s in steps],
+                },
+                f,
+            )
+
+
+if __name__ == "__main__":
+    main()

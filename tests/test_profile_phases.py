@@ -1,0 +1,41 @@
+"""scripts/profile_phases.py: how completed steps are classified into prefill, ramp, steady decode
+and the shrinking tail, and what each phase sums (the GPU run itself is on the H200 only)."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.profile_phases import StepRecord, classify, summarise
+
+
+def _steps() -> list[StepRecord]:
+    return [
+        StepRecord(prompt_tokens=8192, samples=3, batch=4, wall=0.5),  # prefill chunk + 3 prompts done
+        StepRecord(prompt_tokens=0, samples=3, batch=3, wall=0.1),  # decode before the full batch
+        StepRecord(prompt_tokens=100, samples=4, batch=4, wall=0.2),  # last prompt, decodes ride along
+        StepRecord(prompt_tokens=0, samples=4, batch=4, wall=0.3),
+        StepRecord(prompt_tokens=0, samples=4, batch=4, wall=0.3),
+        StepRecord(prompt_tokens=0, samples=2, batch=2, wall=0.1),
+        StepRecord(prompt_tokens=0, samples=1, batch=1, wall=0.05),
+    ]
+
+
+def test_classify_splits_prefill_ramp_steady_and_tail():
+    assert classify(_steps()) == ["prefill", "ramp", "prefill", "steady", "steady", "tail", "tail"]
+
+
+def test_a_full_batch_with_prompt_work_is_prefill_not_steady():
+    # control: the same full batch without its prompt tokens is steady decode
+    step = StepRecord(prompt_tokens=1, samples=4, batch=4)
+    assert classify([step, StepRecord(0, 4, 4)]) == ["prefill", "steady"]
+    assert classify([StepRecord(0, 4, 4), StepRecord(0, 4, 4)]) == ["steady", "steady"]
+
+
+def test_summarise_sums_each_phase():
+    rows = {r.phase: r for r in summarise(_steps())}
+    assert (rows["prefill"].steps, rows["prefill"].output_tokens, rows["prefill"].prompt_tokens) == (2, 7, 8292)
+    assert rows["steady"].seconds == pytest.approx(0.6)
+    assert rows["steady"].tok_s == pytest.approx(8 / 0.6)
+    assert rows["tail"].mean_batch == pytest.approx(1.5)
+    assert sum(r.steps for r in rows.values()) == len(_steps())
+    assert rows["ramp"].output_tokens == 3
