@@ -244,3 +244,35 @@ def test_the_core_leaves_a_cpu_core_to_the_front_end(monkeypatch, cores, expecte
     assert core_process.with_front_end_core({"threads": cores}) == {"threads": cores}
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert core_process.with_front_end_core({"seed": 0}) == {"seed": 0}
+
+
+def test_an_update_brings_the_mirror_to_the_core_sequence():
+    """make_update's plain tuple has SequenceUpdate's field order, and applying the updates of
+    successive reports to a mirror (a copy taken when the request was accepted) gives the core
+    sequence's tokens, logprobs, prompt logprobs, finish fields and times."""
+    import copy
+
+    from nanovllm.core.sequence import Sequence
+    from nanovllm.engine.core_output import CoreStream, SequenceUpdate, apply_update, make_update
+
+    params = SamplingParams(max_tokens=8, logprobs=1, prompt_logprobs=1, stop=["xy"])
+    core = Sequence(0, "r", [1, 2, 3], params)
+    mirror = copy.deepcopy(core)
+    state = CoreStream()
+    core.prompt_logprobs += [(2, (-0.5, 1, [(2, -0.5)])), (3, (-0.7, 2, [(9, -0.1)]))]
+    for step, token in enumerate([7, 8, 9]):
+        core.token_ids.append(token)
+        core.output_logprobs.append((token, (-0.1 * step, 1, [(token, -0.1 * step)])))
+        core.cumulative_logprob -= 0.1 * step
+        core.metrics.last_token_time = 100.0 + step
+        if token == 9:
+            core.finish_reason, core.stop_reason, core.output_text = "stop", "xy", "ab"
+        update = make_update(core, state)
+        assert SequenceUpdate(*update).new_token_ids == [token]
+        apply_update(mirror, update)
+    assert mirror.token_ids == core.token_ids and mirror.output_logprobs == core.output_logprobs
+    assert mirror.prompt_logprobs == core.prompt_logprobs and mirror.cumulative_logprob == core.cumulative_logprob
+    assert (mirror.finish_reason, mirror.stop_reason, mirror.output_text) == ("stop", "xy", "ab")
+    assert mirror.metrics.last_token_time == 102.0
+    with pytest.raises(ValueError, match="applied to"):
+        apply_update(Sequence(1, "other", [1], params), update)

@@ -184,7 +184,7 @@ class ProcessAsyncLLM(AsyncLLM):
         outs = []
         tokenizer = self.tokenizer
         for update in updates:
-            mirror = self._mirrors.get(update.request_id)
+            mirror = self._mirrors.get(update[0])  # SequenceUpdate.request_id
             if mirror is None:
                 continue  # an abort raced a finish: the request already ended
             seq, state = mirror

@@ -21,7 +21,8 @@ from nanovllm.core.sequence import Sequence
 
 
 class SequenceUpdate(NamedTuple):
-    """One sequence's news in one step (a tuple: cheap to pickle, hundreds per step)."""
+    """One sequence's news in one step. On the wire it is a plain tuple in this field order
+    (``make_update``): pickling 256 named tuples per step cost six times as much."""
 
     request_id: str
     new_token_ids: list[int]
@@ -46,9 +47,9 @@ class CoreStream:
         self.prompt_logprobs_sent = False
 
 
-def make_update(seq: Sequence, state: CoreStream | None) -> SequenceUpdate:
-    """The sequence's update: what is new since ``state`` (None: everything, for a request
-    reported once when it finishes)."""
+def make_update(seq: Sequence, state: CoreStream | None) -> tuple:
+    """The sequence's update, a SequenceUpdate as a plain tuple: what is new since ``state``
+    (None: everything, for a request reported once when it finishes)."""
     state = state if state is not None else CoreStream()
     outputs = seq.token_ids[seq.num_prompt_tokens + state.num_tokens_sent :]
     state.num_tokens_sent += len(outputs)
@@ -61,7 +62,7 @@ def make_update(seq: Sequence, state: CoreStream | None) -> SequenceUpdate:
         prompt_logprobs = seq.prompt_logprobs
         state.prompt_logprobs_sent = True
     m = seq.metrics
-    return SequenceUpdate(
+    return (
         seq.request_id,
         outputs,
         logprobs,
@@ -75,25 +76,24 @@ def make_update(seq: Sequence, state: CoreStream | None) -> SequenceUpdate:
     )
 
 
-def apply_update(seq: Sequence, update: SequenceUpdate) -> None:
-    """Bring the front end's mirror of a sequence to where the core's is."""
-    if update.request_id != seq.request_id:
-        raise ValueError(f"an update of {update.request_id!r} applied to {seq.request_id!r}")
-    new = update.new_token_ids
+def apply_update(seq: Sequence, update: tuple) -> None:
+    """Bring the front end's mirror of a sequence to where the core's is (``update``: a
+    SequenceUpdate, or the plain tuple of its fields)."""
+    request_id, new, logprobs, prompt_logprobs, finish_reason, stop_reason, text, cumulative, cached, times = update
+    if request_id != seq.request_id:
+        raise ValueError(f"an update of {request_id!r} applied to {seq.request_id!r}")
     seq.token_ids += new
-    if update.new_logprobs is not None and seq.output_logprobs is not None:
-        if len(update.new_logprobs) != len(new):
-            raise ValueError(
-                f"{seq.request_id!r}: {len(new)} new tokens but {len(update.new_logprobs)} logprob entries"
-            )
-        seq.output_logprobs += zip(new, update.new_logprobs)
-    if update.prompt_logprobs is not None:
-        seq.prompt_logprobs = update.prompt_logprobs
-    seq.finish_reason = update.finish_reason
-    seq.stop_reason = update.stop_reason
-    if update.output_text is not None:
-        seq.output_text = update.output_text
-    seq.cumulative_logprob = update.cumulative_logprob
-    seq.num_cached_tokens = update.num_cached_tokens
+    if logprobs is not None and seq.output_logprobs is not None:
+        if len(logprobs) != len(new):
+            raise ValueError(f"{request_id!r}: {len(new)} new tokens but {len(logprobs)} logprob entries")
+        seq.output_logprobs += zip(new, logprobs)
+    if prompt_logprobs is not None:
+        seq.prompt_logprobs = prompt_logprobs
+    seq.finish_reason = finish_reason
+    seq.stop_reason = stop_reason
+    if text is not None:
+        seq.output_text = text
+    seq.cumulative_logprob = cumulative
+    seq.num_cached_tokens = cached
     m = seq.metrics
-    m.first_scheduled_time, m.first_token_time, m.last_token_time, m.finished_time, seq.num_preemptions = update.times
+    m.first_scheduled_time, m.first_token_time, m.last_token_time, m.finished_time, seq.num_preemptions = times

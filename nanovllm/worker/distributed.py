@@ -332,5 +332,3 @@ def _send(conn, message) -> None:
         conn.send(message)
     except OSError:
         pass  # the parent is gone; the worker is leaving anyway
-
-

@@ -314,11 +314,11 @@ def stop_string_kept() -> ContextManager:
 def mirror_ignores_stop_text() -> ContextManager:
     """The front end of an engine-core process drops the text the core cut at a stop string: its
     mirror decodes every token, so the stop string shows in the output."""
-    (mod,) = _modules("nanovllm.engine.async_llm_process")
+    mod, wire = _modules("nanovllm.engine.async_llm_process", "nanovllm.engine.core_output")
     orig = mod.apply_update
 
     def apply_update(seq, update):
-        orig(seq, update._replace(output_text=None))
+        orig(seq, wire.SequenceUpdate(*update)._replace(output_text=None))
 
     return _patched((mod, "apply_update", apply_update))
 
