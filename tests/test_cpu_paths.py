@@ -129,3 +129,30 @@ def test_bfloat16_linear_is_packed_and_matches_f_linear():
     layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(-layer.weight.detach(), cpu_linear.PACK_BATCH_HINT)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(layer(x).float(), want, atol=0.3, rtol=2e-2)
+
+
+@pytest.mark.skipif(
+    torch.bfloat16 not in cpu_linear.packable_dtypes(), reason="this CPU's oneDNN has no native bfloat16"
+)
+def test_bfloat16_engine_packed_gives_the_tokens_of_f_linear(monkeypatch):
+    """The opt-in bfloat16 CPU engine with packed bfloat16 weights gives the greedy tokens of the
+    same engine on F.linear (the path before packing), on a zoo model."""
+    from conformance.zoo import ZOO, zoo_model
+    from nanovllm import LLM, SamplingParams
+    from tests.conftest import prompts_for, token_ids
+
+    path = zoo_model("llama-mha-hd64")
+    prompts = prompts_for(ZOO["llama-mha-hd64"].vocab_size, (1, 15, 17, 48, 83))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    runs = {}
+    for packed in (True, False):
+        if not packed:
+            monkeypatch.setattr(cpu_linear, "packable_dtypes", lambda: (torch.float32,))
+        llm = LLM(path, device="cpu", dtype="bfloat16", block_size=16, seed=0)
+        try:
+            layer = llm.llm_engine.executor.runner.model.model.layers[0].mlp.down_proj
+            assert (layer.packed_weight is not None) == packed
+            runs[packed] = token_ids(llm.generate(prompts, params, use_tqdm=False))
+        finally:
+            llm.close()
+    assert runs[True] == runs[False]
