@@ -20,10 +20,13 @@ bfloat16, so those weights keep ``F.linear``.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from nanovllm.cpu_threads import physical_cores
 
 logger = logging.getLogger(__name__)
 PACK_BATCH_HINT = 32  # decode-sized batches are where packing pays
@@ -47,16 +50,35 @@ def linear(
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
-def pack_linear_weights(model: nn.Module) -> int:
+def pack_linear_weights(model: nn.Module, threads: int | None = None) -> int:
     """Give every module with a ``packed_weight`` slot a oneDNN-packed copy of its weight (float32,
-    or bfloat16 where the CPU runs it natively: ``packable_dtypes``)."""
+    or bfloat16 where the CPU runs it natively: ``packable_dtypes``).
+
+    oneDNN packs one matrix on one thread, so the matrices are packed ``threads`` at a time
+    (default: the physical cores this process may use, even where torch was given fewer threads
+    because other processes keep cores busy: packing threads never wait for each other, so a
+    shared core still adds its share). Start-up packs SmolLM2-135M's 121 matrices in half the
+    time on 2 cores."""
     if not available():
         logger.info("oneDNN is not available: CPU linear layers use F.linear")
         return 0
-    count = 0
     dtypes = packable_dtypes()
-    for module in model.modules():
-        if hasattr(module, "packed_weight") and module.weight.dtype in dtypes and module.weight.device.type == "cpu":
-            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACK_BATCH_HINT)
-            count += 1
-    return count
+    modules = [
+        module
+        for module in model.modules()
+        if hasattr(module, "packed_weight") and module.weight.dtype in dtypes and module.weight.device.type == "cpu"
+    ]
+
+    def pack(module: nn.Module) -> torch.Tensor:
+        weight: torch.Tensor = module.weight  # type: ignore[assignment]
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+
+    threads = max(1, threads or physical_cores())
+    if threads == 1 or len(modules) < 2:
+        packed = [pack(m) for m in modules]
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            packed = list(pool.map(pack, modules))
+    for module, weight in zip(modules, packed):
+        module.packed_weight = weight
+    return len(modules)
