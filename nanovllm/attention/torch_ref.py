@@ -104,6 +104,29 @@ def paged_attention(
     return out
 
 
+def _decode_plan(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the blocks the sequences use (sequence 0's in order, then sequence 1's, ...): their cache
+    block ids, the sequence each belongs to, and which of its slots lie past the sequence's length.
+    Built once per step (every layer gets the same ``meta``)."""
+    if _plan_cache and _plan_cache[0] is meta:
+        return _plan_cache[1]
+    lens = meta.seq_lens_cpu
+    nbs = torch.tensor([cdiv(n, block_size) for n in lens])
+    nb = int(nbs.max())
+    used = torch.arange(nb).unsqueeze(0) < nbs.unsqueeze(1)  # [B, nb]
+    seq_of_block = torch.repeat_interleave(torch.arange(len(lens)), nbs)
+    first_pos = (torch.arange(nb) * block_size).unsqueeze(0).expand(len(lens), nb)[used]
+    pad = first_pos.unsqueeze(1) + torch.arange(block_size) >= torch.tensor(lens)[seq_of_block].unsqueeze(1)
+    device = meta.block_tables.device
+    table = meta.block_tables[:, :nb][used.to(device)].long()
+    plan = (table, seq_of_block.to(device), pad.to(device))
+    _plan_cache[:] = [meta, plan]
+    return plan
+
+
+_plan_cache: list = []  # [meta, plan] of the last decode step
+
+
 def paged_decode_batched(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -115,32 +138,39 @@ def paged_decode_batched(
 ) -> torch.Tensor:
     """One query per sequence, all sequences at once: the CPU decode path.
 
-    Each sequence's blocks (padded to the longest table) are gathered *and* transposed to
-    [block, kv_head, slot, d] in one copy, so both products are plain batched matmuls over
-    blocks: no further copy of K or V. Scores of all blocks of a sequence are joined for one
-    softmax; positions past ``seq_len`` are masked (and their V zeroed when they hold NaN or
-    inf: never-written slots may, and 0 * NaN is NaN).
+    Only the blocks a sequence uses are gathered (no padding to the longest sequence), each
+    transposed to [kv_head, slot, d] in the one copy, so both products are batched matmuls over
+    blocks. The softmax runs over each sequence's blocks: its maximum and denominator are
+    reduced per sequence (``scatter_reduce_``/``index_add_``, in block order), and the
+    unnormalised block outputs are summed per sequence, then divided by the denominator. A
+    sequence's result depends only on its own blocks, never on its batch-mates. Slots past
+    ``seq_len`` are masked (and their V zeroed when they hold NaN or inf: never-written slots
+    may, and 0 * NaN is NaN).
     """
     num_seqs, num_heads, d = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    nb = cdiv(meta.max_seq_len, block_size)
-    n = num_seqs * nb
-    table = meta.block_tables[:, :nb].reshape(-1).long()
+    table, seq_of_block, pad = _decode_plan(meta, block_size)
+    n = table.numel()
     k = _load(_bytes(k_cache).permute(0, 2, 1, 3).index_select(0, table), k_cache.dtype, k_scale)  # [n, kvh, bs, d]
     v = _load(_bytes(v_cache).permute(0, 2, 1, 3).index_select(0, table), v_cache.dtype, v_scale)
-    qg = q.float().view(num_seqs, 1, num_kv_heads, group, d).expand(num_seqs, nb, num_kv_heads, group, d)
-    scores = torch.matmul(qg.reshape(n, num_kv_heads, group, d), k.transpose(-1, -2)).mul_(scale)
-    scores = scores.view(num_seqs, nb, num_kv_heads, group, block_size).permute(0, 2, 3, 1, 4)
-    scores = scores.reshape(num_seqs, num_kv_heads, group, nb * block_size)
-    pad = torch.arange(nb * block_size, device=q.device).unsqueeze(0) >= meta.seq_lens.unsqueeze(1)  # [B, K]
+    qb = q.float().view(num_seqs, num_kv_heads, group, d).index_select(0, seq_of_block)  # [n, kvh, g, d]
+    scores = torch.matmul(qb, k.transpose(-1, -2)).mul_(scale)  # [n, kvh, g, bs]
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(num_seqs, num_kv_heads, group, nb, block_size)
-    probs = probs.permute(0, 3, 1, 2, 4).reshape(n, num_kv_heads, group, block_size)
-    out = torch.matmul(probs, v).view(num_seqs, nb, num_kv_heads, group, d).sum(dim=1)
+    by_seq = seq_of_block[:, None, None].expand(n, num_kv_heads, group)
+    peak = torch.full((num_seqs, num_kv_heads, group), float("-inf"), device=q.device)
+    peak.scatter_reduce_(0, by_seq, scores.amax(dim=-1), "amax")
+    weights = scores.sub_(peak.index_select(0, seq_of_block).unsqueeze(-1)).exp_()  # masked slots: 0
+    denom = torch.zeros_like(peak).index_add_(0, seq_of_block, weights.sum(dim=-1))
+
+    def combine(v: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(num_seqs, num_kv_heads, group, d, device=q.device)
+        return out.index_add_(0, seq_of_block, torch.matmul(weights, v)).div_(denom.unsqueeze(-1))
+
+    out = combine(v)
     if not bool(torch.isfinite(out).all()):
         # a padding slot held NaN/inf (0 * NaN = NaN): zero the padding and redo. Checking the
         # small output costs far less than zeroing the padding of V on every call.
-        v.view(num_seqs, nb, num_kv_heads, block_size, d).masked_fill_(pad.view(num_seqs, nb, 1, block_size, 1), 0.0)
-        out = torch.matmul(probs, v).view(num_seqs, nb, num_kv_heads, group, d).sum(dim=1)
+        v.masked_fill_(pad[:, None, :, None], 0.0)
+        out = combine(v)
     return out.reshape(num_seqs, num_heads, d).to(q.dtype)

@@ -10,15 +10,23 @@ batch, which keeps batch-invariance exact.
 The packed copy is made once, after the weights are loaded
 (``pack_linear_weights``); the plain weight stays the source of truth for
 loading and sharding. A layer without a packed weight uses ``F.linear``.
+
+bfloat16 weights are packed too where the CPU multiplies bfloat16 natively (oneDNN reports it:
+AVX-512 BF16 or AMX): there a bfloat16 matmul runs at about twice the float32 rate (2-core
+development machine, 4096x576 @ 576x1728: 186 -> 383 GFLOP/s). Elsewhere oneDNN would emulate
+bfloat16, so those weights keep ``F.linear``.
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from nanovllm.cpu_threads import physical_cores
 
 logger = logging.getLogger(__name__)
 PACK_BATCH_HINT = 32  # decode-sized batches are where packing pays
@@ -28,26 +36,49 @@ def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def packable_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes this CPU's oneDNN runs natively: float32, and bfloat16 where supported."""
+    bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
 ) -> torch.Tensor:
-    if packed is None or x.dim() != 2 or x.dtype != torch.float32:
+    if packed is None or x.dim() != 2 or x.dtype != packed.dtype:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
-def pack_linear_weights(model: nn.Module) -> int:
-    """Give every module with a ``packed_weight`` slot a oneDNN-packed copy of its float32 weight."""
+def pack_linear_weights(model: nn.Module, threads: int | None = None) -> int:
+    """Give every module with a ``packed_weight`` slot a oneDNN-packed copy of its weight (float32,
+    or bfloat16 where the CPU runs it natively: ``packable_dtypes``).
+
+    oneDNN packs one matrix on one thread, so the matrices are packed ``threads`` at a time
+    (default: the physical cores this process may use, even where torch was given fewer threads
+    because other processes keep cores busy: packing threads never wait for each other, so a
+    shared core still adds its share). Start-up packs SmolLM2-135M's 121 matrices in half the
+    time on 2 cores."""
     if not available():
         logger.info("oneDNN is not available: CPU linear layers use F.linear")
         return 0
-    count = 0
-    for module in model.modules():
-        if (
-            hasattr(module, "packed_weight")
-            and module.weight.dtype == torch.float32
-            and module.weight.device.type == "cpu"
-        ):
-            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACK_BATCH_HINT)
-            count += 1
-    return count
+    dtypes = packable_dtypes()
+    modules = [
+        module
+        for module in model.modules()
+        if hasattr(module, "packed_weight") and module.weight.dtype in dtypes and module.weight.device.type == "cpu"
+    ]
+
+    def pack(module: nn.Module) -> torch.Tensor:
+        weight: torch.Tensor = module.weight  # type: ignore[assignment]
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+
+    threads = max(1, threads or physical_cores())
+    if threads == 1 or len(modules) < 2:
+        packed = [pack(m) for m in modules]
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            packed = list(pool.map(pack, modules))
+    for module, weight in zip(modules, packed):
+        module.packed_weight = weight
+    return len(modules)

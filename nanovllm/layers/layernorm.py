@@ -21,6 +21,8 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if x.dtype == dtype:  # float32: the weight multiplies in place (one [T, hidden] tensor less)
+            return x.mul_(self.weight)
         return self.weight * x.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):

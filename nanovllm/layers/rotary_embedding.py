@@ -84,19 +84,43 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self._last: tuple | None = None  # (positions, dtype, cos, sin) of the last CPU step
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
 
+    def _half_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of ``positions``, first half only (the table repeats itself: cat(freqs, freqs)),
+        [T, 1, head_dim / 2]. On CPU the last step's pair is kept: every layer of a step passes the
+        same ``positions`` tensor, so the gather runs once per step, not once per layer."""
+        cached = self._last
+        if cached is not None and cached[0] is positions and cached[1] == dtype:
+            return cached[2], cached[3]
+        half = self.head_dim // 2
+        cos = self.cos[positions, :half].unsqueeze(1).to(dtype)
+        sin = self.sin[positions, :half].unsqueeze(1).to(dtype)
+        if positions.device.type == "cpu":
+            self._last = (positions, dtype, cos, sin)
+        return cos, sin
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x * cos + rotate_half(x) * sin`` half by half, into one new tensor: the same products and
+        sums (x1*cos + (-x2)*sin is x1*cos - x2*sin exactly), without the concatenated copies."""
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        o1, o2 = out[..., :half], out[..., half:]
+        torch.mul(x1, cos, out=o1).sub_(x2 * sin)
+        torch.mul(x2, cos, out=o2).add_(x1 * sin)
+        return out
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T]."""
         if fused_ops.enabled(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
             fused_ops.rotary_(positions, q, k, self.cos, self.sin)  # in place
             return q, k
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        q = q * cos + self._rotate_half(q) * sin
-        k = k * cos + self._rotate_half(k) * sin
-        return q, k
+        cos, sin = self._half_tables(positions, q.dtype)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
