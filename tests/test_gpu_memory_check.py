@@ -38,3 +38,25 @@ def test_memory_in_use_still_refuses(monkeypatch):
     # negative control: the same numbers with the memory in use by live tensors are refused
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.9 asks for 126.0 GiB .* only 16.5 GiB are free"):
         _check(monkeypatch, free_gib=16.5, reserved_gib=123.3, allocated_gib=123.3)
+
+
+def test_closing_a_cuda_executor_waits_for_the_device_before_freeing(monkeypatch):
+    """LocalExecutor.close on CUDA synchronizes the device before it frees the KV cache and the
+    weights (a step launched and then interrupted may still be running). Scripted runner: the
+    order of calls is what is checked; control: a CPU runner does not synchronize."""
+    from nanovllm.worker.local_executor import LocalExecutor
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    for device in ("cuda", "cpu"):
+        calls.clear()
+        executor = LocalExecutor.__new__(LocalExecutor)
+        executor.runner = SimpleNamespace(
+            device=torch.device(device), model=object(), free_kv_cache=lambda: calls.append("free_kv_cache")
+        )
+        executor.close()
+        if device == "cuda":
+            assert calls == ["synchronize", "free_kv_cache", "empty_cache"], calls
+        else:
+            assert calls == ["free_kv_cache"], calls

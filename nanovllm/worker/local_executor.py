@@ -29,6 +29,10 @@ class LocalExecutor:
         return self.runner.launch(mi)
 
     def close(self) -> None:
+        if self.runner.device.type == "cuda":
+            # a step may still run on the device (async scheduling, or a step interrupted by
+            # Ctrl-C after its launch): nothing it reads or writes is freed before it ends
+            torch.cuda.synchronize(self.runner.device)
         self.runner.free_kv_cache()
         if self.runner.device.type == "cuda":
             # the weights and graphs go with the runner; give their memory back to the device
