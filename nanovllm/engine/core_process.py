@@ -64,16 +64,20 @@ def run_engine_core(conn, parent_pid: int, model, engine_args: dict) -> None:
 
 
 def with_front_end_core(engine_args: dict) -> dict:
-    """The engine args with one physical core left for the front end (HTTP, text), unless the
-    thread count was chosen (``threads``, ``$OMP_NUM_THREADS``): the model's OpenMP threads spin
-    while they wait for each other, so one that shares its core with the busy front end stalls
-    every parallel region of a CPU step (``cpu_threads.py``). vLLM's CPU back end reserves a
-    core for its front end likewise."""
+    """The engine args with one core left for the front end (HTTP, text) where there are four or
+    more, unless the thread count was chosen (``threads``, ``$OMP_NUM_THREADS``). The model's
+    OpenMP threads spin while they wait for each other, so one that shares its core with a busy
+    front end stalls every parallel region of a CPU step (``cpu_threads.py``); vLLM's CPU back end
+    reserves a core for its front end likewise. On two cores the reserved core costs more than the
+    stalls: the CPU workload served 58.8 tok/s on one torch thread against 92.9 on two
+    (BENCHMARKS.md, 2026-12-02)."""
     if engine_args.get("threads") is not None or os.environ.get("OMP_NUM_THREADS", "").strip():
         return engine_args
-    threads = max(1, default_threads() - 1)
-    logger.info("engine core: %d torch threads (one core left for the front end)", threads)
-    return {**engine_args, "threads": threads}
+    cores = default_threads()
+    if cores < 4:
+        return engine_args
+    logger.info("engine core: %d torch threads (one core left for the front end)", cores - 1)
+    return {**engine_args, "threads": cores - 1}
 
 
 def _send(conn, message) -> None:
