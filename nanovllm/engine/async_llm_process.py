@@ -28,7 +28,7 @@ from nanovllm.engine.core_client import EngineCoreClient
 from nanovllm.engine.core_output import apply_update
 from nanovllm.engine.engine import load_tokenizer
 from nanovllm.engine.output_processor import StreamState, make_request_output, make_stream_output
-from nanovllm.engine.parallel_sampling import ParentRequest
+from nanovllm.engine.parallel_sampling import ParentRequest, report_through_parent
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -199,16 +199,8 @@ class ProcessAsyncLLM(AsyncLLM):
                 continue
             # built now: FINAL_ONLY, an n > 1 child, or a request nobody listens to any more
             # (its abort still reaches the observers: the server's metrics count it)
-            out: RequestOutput | None
-            if state is None:
-                out = make_request_output(seq, tokenizer)
-            else:
-                out = make_stream_output(seq, tokenizer, state)
-            parent = seq.parent
-            if parent is not None:
-                out = parent.add_child_output(out)
-                if parent.num_unfinished == 0:
-                    del self._parents[parent.request_id]
+            built = make_request_output(seq, tokenizer) if state is None else make_stream_output(seq, tokenizer, state)
+            out = report_through_parent(built, seq.parent, self._parents)
             if out is not None:
                 outs.append(out)
         return outs

@@ -33,7 +33,7 @@ from nanovllm.engine.output_processor import (
     record_logprobs,
     record_prompt_logprobs,
 )
-from nanovllm.engine.parallel_sampling import ParentRequest
+from nanovllm.engine.parallel_sampling import ParentRequest, report_through_parent
 from nanovllm.engine.step_timing import OFF, PhaseTimer, _Off
 from nanovllm.engine.trace import SeqStep, StepEvent, Tracer
 from nanovllm.outputs import RequestOutput
@@ -377,12 +377,7 @@ class LLMEngine:
         its parent (``ParentRequest.add_child_output``: FINAL_ONLY once all have finished)."""
         outs = []
         for seq in seqs:
-            out: RequestOutput | None = self._output(seq)
-            parent = seq.parent
-            if parent is not None:
-                out = parent.add_child_output(out)
-                if parent.num_unfinished == 0:
-                    del self.parents[parent.request_id]
+            out = report_through_parent(self._output(seq), seq.parent, self.parents)
             if out is not None:
                 outs.append(out)
         return outs

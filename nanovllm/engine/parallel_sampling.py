@@ -100,3 +100,15 @@ class ParentRequest:
             prompt_logprobs=first.prompt_logprobs,
             metrics=_merge_metrics([o.metrics for o, _ in reports]),
         )
+
+
+def report_through_parent(out: RequestOutput, parent: ParentRequest | None, parents: dict) -> RequestOutput | None:
+    """What a sequence's output makes its request report: the output itself, or for a child of
+    an n > 1 request its parent's output (None: nothing yet). A parent whose children have all
+    finished leaves ``parents`` (request id -> ParentRequest)."""
+    if parent is None:
+        return out
+    reported = parent.add_child_output(out)
+    if parent.num_unfinished == 0:
+        del parents[parent.request_id]
+    return reported
