@@ -106,6 +106,6 @@ class RequestOutput:
         self.finished = later.finished
         self.num_cached_tokens = later.num_cached_tokens
         self.metrics = later.metrics
-        if self.prompt_logprobs is None or not delta:
-            self.prompt_logprobs = later.prompt_logprobs if later.prompt_logprobs is not None else self.prompt_logprobs
+        if later.prompt_logprobs is not None and (self.prompt_logprobs is None or not delta):
+            self.prompt_logprobs = later.prompt_logprobs
         return self

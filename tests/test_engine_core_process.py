@@ -278,3 +278,33 @@ def test_an_update_brings_the_mirror_to_the_core_sequence():
     assert mirror.metrics.last_token_time == 102.0
     with pytest.raises(ValueError, match="applied to"):
         apply_update(Sequence(1, "other", [1], params), update)
+
+
+def test_a_request_id_is_usable_again_after_its_caller_left_with_news_unread():
+    """A streaming caller that leaves while an output waits unread in its queue, then a new
+    request with the same id: the new caller gets its outputs (the 'news waiting' mark belongs
+    to the old request, not to the id)."""
+    engine = AsyncLLM.from_engine_args(zoo_model(MODEL), engine_process=True, **ENGINE_ARGS)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, output_kind=DELTA)
+    try:
+
+        async def main():
+            gen = engine.generate([5, 6, 7], params, "same")
+            await anext(gen)
+            seen = engine.stats["steps"]
+            while engine.stats["steps"] < seen + 3:  # more news queues up, unread
+                await asyncio.sleep(0.005)
+            await gen.aclose()
+            short = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, output_kind=DELTA)
+
+            async def again():
+                return [out async for out in engine.generate([5, 6], short, "same")]
+
+            outs = await asyncio.wait_for(again(), timeout=30)
+            return outs, await engine.call(blocks_and_requests)
+
+        outs, (free, total, live) = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert outs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outs) == 5
+    assert free == total and live == []

@@ -46,12 +46,11 @@ class ProcessAsyncLLM(AsyncLLM):
         self.errored: BaseException | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._mirrors: dict[str, tuple[Sequence, StreamState | None]] = {}  # unfinished sequences
+        # unfinished sequences: (mirror, stream state, its queue entry) for a streaming one
+        self._mirrors: dict[str, tuple[Sequence, StreamState | None, _StreamReady | None]] = {}
         self._parents: dict[str, ParentRequest] = {}  # n > 1 requests with an unfinished child
-        self._woken: set[str] = set()  # streaming requests with a _StreamReady in their queue
-        self._pending: dict[
-            int, tuple[asyncio.Future, ParentRequest | None]
-        ] = {}  # token -> (future, what it waits for)
+        # command token -> (the future of its answer, the ParentRequest an "add" fans out)
+        self._pending: dict[int, tuple[asyncio.Future, ParentRequest | None]] = {}
         self._tokens = itertools.count()
         self._closed = False
 
@@ -160,9 +159,12 @@ class ProcessAsyncLLM(AsyncLLM):
                 self._parents[parent.request_id] = parent
             for seq in result:
                 seq.parent = parent
-                kind_ = seq.params.output_kind
-                state = None if kind_ is RequestOutputKind.FINAL_ONLY else StreamState(seq, self.tokenizer)
-                self._mirrors[seq.request_id] = (seq, state)
+                if seq.params.output_kind is RequestOutputKind.FINAL_ONLY:
+                    self._mirrors[seq.request_id] = (seq, None, None)
+                else:
+                    state = StreamState(seq, self.tokenizer)
+                    ready = _StreamReady(self, seq, state) if parent is None else None  # n > 1: built eagerly
+                    self._mirrors[seq.request_id] = (seq, state, ready)
             self._settle(fut)
         elif kind == "called":
             fut, _ = self._pending.pop(msg[1])
@@ -187,15 +189,15 @@ class ProcessAsyncLLM(AsyncLLM):
             mirror = self._mirrors.get(update[0])  # SequenceUpdate.request_id
             if mirror is None:
                 continue  # an abort raced a finish: the request already ended
-            seq, state = mirror
+            seq, state, ready = mirror
             apply_update(seq, update)
             if seq.finish_reason is not None:
                 del self._mirrors[seq.request_id]
             q = self._queues.get(seq.request_id)
-            if state is not None and seq.parent is None and q is not None:
-                if seq.request_id not in self._woken:
-                    self._woken.add(seq.request_id)
-                    q.put_nowait(_StreamReady(self, seq, state))
+            if ready is not None and q is not None:
+                if not ready.queued:
+                    ready.queued = True
+                    q.put_nowait(ready)
                 continue
             # built now: FINAL_ONLY, an n > 1 child, or a request nobody listens to any more
             # (its abort still reaches the observers: the server's metrics count it)
@@ -223,16 +225,18 @@ class ProcessAsyncLLM(AsyncLLM):
 
 
 class _StreamReady(PendingOutput):
-    """A streaming request has news: its output is built when its caller reads it."""
+    """A streaming request's one queue entry, in its queue (``queued``) while it has news its
+    caller has not read: its output is built when the caller reads it. One per request, not per
+    request id: a caller that leaves with news unread does not mute a later request of that id."""
 
-    __slots__ = ("engine", "seq", "state")
+    __slots__ = ("engine", "seq", "state", "queued")
 
     def __init__(self, engine: ProcessAsyncLLM, seq: Sequence, state: StreamState):
         self.engine, self.seq, self.state = engine, seq, state
+        self.queued = False
 
     def build(self) -> RequestOutput:
-        engine = self.engine
-        engine._woken.discard(self.seq.request_id)
-        out = make_stream_output(self.seq, engine.tokenizer, self.state)
-        engine._observe(out)
+        self.queued = False
+        out = make_stream_output(self.seq, self.engine.tokenizer, self.state)
+        self.engine._observe(out)
         return out
