@@ -308,3 +308,29 @@ def test_a_request_id_is_usable_again_after_its_caller_left_with_news_unread():
         engine.shutdown()
     assert outs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outs) == 5
     assert free == total and live == []
+
+
+def test_an_n_request_is_accepted_whole_or_not_at_all():
+    """The core validates every child of an n > 1 request before it queues any: when child 1's
+    id is taken, child 0 must not be left running either."""
+    engine = AsyncLLM.from_engine_args(zoo_model(MODEL), engine_process=True, **ENGINE_ARGS)
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, output_kind=DELTA)
+    try:
+
+        async def main():
+            holder = engine.generate([5, 6, 7], long, "1_x")  # the id child 1 of "x" would get
+            await anext(holder)
+            error = None
+            try:
+                await anext(engine.generate([8, 9], SamplingParams(n=2, max_tokens=4, seed=1), "x"))
+            except ValueError as e:
+                error = str(e)
+            live = (await engine.call(blocks_and_requests))[2]
+            await holder.aclose()
+            return error, live
+
+        error, live = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert error is not None and "1_x" in error, error
+    assert live == ["1_x"], f"a refused n = 2 request left {live}"
