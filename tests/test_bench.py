@@ -391,3 +391,36 @@ def test_self_peer_runs_side_by_side(model, capsys):
     with pytest.raises(SystemExit):
         cli.main(argv + ["--peer", "nanovllm-fp8"])
     assert "not nanovllm:KEY=VALUE" in capsys.readouterr().err
+
+
+def test_bench_serve_starts_one_server_per_variant(monkeypatch):
+    """`bench serve --serve-variant FLAGS` starts nanovllm serve once more per variant, with the
+    variant's flags last on its command line, and labels its row with them (scripted servers)."""
+    import contextlib
+
+    import nanovllm.bench.serve as serve_mod
+    from nanovllm.entrypoints.cli import build_parser
+
+    commands, rows = [], []
+
+    @contextlib.contextmanager
+    def fake_server(cmd, **kwargs):
+        commands.append(cmd)
+        yield f"http://127.0.0.1:{len(commands)}"
+
+    monkeypatch.setattr(serve_mod, "server", fake_server)
+
+    class Row(str):  # a measured row: its label, and no failed requests
+        def summary(self):
+            return {"failed": 0}
+
+    monkeypatch.setattr(serve_mod, "_measured", lambda label, url, model, w, args: Row(label))
+    monkeypatch.setattr(serve_mod, "print_table", lambda measured, offline: rows.extend(measured))
+    args = build_parser().parse_args(
+        ["bench", "serve", "--model", zoo_model(MODEL), "--dataset", "random", "--num-prompts", "2"]
+        + ["--input-len", "4", "--output-len", "2", "--serve-variant=--no-engine-process --threads 1"]
+    )
+    assert serve_mod.run_bench_serve(args) == 0
+    assert rows == ["nanovllm serve", "nanovllm serve --no-engine-process --threads 1"]
+    assert len(commands) == 2 and "--no-engine-process" not in commands[0]
+    assert commands[1][-3:] == ["--no-engine-process", "--threads", "1"]
