@@ -308,3 +308,32 @@ def test_bad_values_get_400_naming_the_field_and_the_server_keeps_serving(url, c
     assert len(ok.choices) == 2 and all(c.finish_reason in ("length", "stop") for c in ok.choices)
     r = client.completions.create(model="zoo", prompt="w10 w11", max_tokens=2, n=2, best_of=2, temperature=0)
     assert len(r.choices) == 2
+
+
+@pytest.mark.parametrize(
+    "flags, expected", [([], True), (["--no-engine-process"], False), (["--engine-process"], True)]
+)
+def test_serve_passes_the_engine_process_choice_to_the_engine(monkeypatch, flags, expected):
+    """`nanovllm serve [--no-engine-process]` reaches AsyncLLM.from_engine_args as engine_process
+    (the engine core in its own process by default), and is not taken for an engine argument."""
+    import asyncio
+
+    import nanovllm.entrypoints.openai.api_server as api_server
+    from nanovllm.entrypoints.cli import build_parser, engine_kwargs
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def from_engine_args(model, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(api_server.AsyncLLM, "from_engine_args", from_engine_args)
+    args = build_parser().parse_args(["serve", zoo_model(MODEL), "--max-model-len", "64", *flags])
+    args.model = args.model_tag
+    with pytest.raises(Stop):
+        asyncio.run(api_server.serve(args, engine_kwargs(args)))
+    assert seen["engine_process"] is expected and seen["max_model_len"] == 64
+    assert "process" not in engine_kwargs(args) and "core_process" not in engine_kwargs(args)
