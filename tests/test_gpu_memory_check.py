@@ -53,10 +53,12 @@ def test_closing_a_cuda_executor_waits_for_the_device_before_freeing(monkeypatch
         calls.clear()
         executor = LocalExecutor.__new__(LocalExecutor)
         executor.runner = SimpleNamespace(
-            device=torch.device(device), model=object(), free_kv_cache=lambda: calls.append("free_kv_cache")
+            device=torch.device(device),
+            free_kv_cache=lambda: calls.append("free_kv_cache"),
+            release=lambda: calls.append("release"),
         )
         executor.close()
         if device == "cuda":
-            assert calls == ["synchronize", "free_kv_cache", "empty_cache"], calls
+            assert calls == ["synchronize", "free_kv_cache", "release", "empty_cache"], calls
         else:
             assert calls == ["free_kv_cache"], calls

@@ -35,8 +35,8 @@ class LocalExecutor:
             torch.cuda.synchronize(self.runner.device)
         self.runner.free_kv_cache()
         if self.runner.device.type == "cuda":
-            # the weights and graphs go with the runner; give their memory back to the device
-            # (other processes see it free; an engine made next in this process can take it)
-            self.runner.model = None  # type: ignore[assignment]  # the runner is not used after close
+            # the weights, graphs, workspaces and buffers go with the runner; give their memory
+            # back to the device (other processes see it free; an engine made next can take it)
+            self.runner.release()
             gc.collect()
             torch.cuda.empty_cache()

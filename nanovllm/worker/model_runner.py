@@ -267,6 +267,18 @@ class ModelRunner:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.num_blocks = 0
 
+    def release(self) -> None:
+        """Drop everything this runner holds on its device (after free_kv_cache; the runner is not
+        used again): weights, the attention layers and their backend's workspace, the staging
+        buffers, the sampler's generators and the last step's tokens."""
+        self.model = None  # type: ignore[assignment]
+        self.attn_layers = []
+        self.backend = None
+        self.inputs = None
+        self.sampler = None  # type: ignore[assignment]
+        self.generators = {}
+        self.prev_tokens = None
+
     # ------------------------------------------------------------------- step
     def _tensor(self, data, dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
