@@ -182,6 +182,12 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
         "side (repeatable; e.g. --serve-variant=--no-engine-process)",
     )
     p.add_argument("--offline", action="store_true", help="also run the workload offline (LLM.generate)")
+    p.add_argument(
+        "--server-log-dir",
+        default=None,
+        help="keep each started server's log here, one file per row (nanovllm servers then log at INFO: the "
+        "engine core says where its time went)",
+    )
     p.add_argument("--json-out", default=None, help="write the measurements as JSON here")
 
 

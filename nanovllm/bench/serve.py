@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import shlex
 import statistics
 import sys
@@ -230,11 +231,13 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     else:
         for variant in [""] + list(args.serve_variant or []):
             extra = shlex.split(variant)
+            logs = ["--log-level", "INFO"] if args.server_log_dir else []
             cmd = nanovllm_serve_command(
-                model_dir, "--served-model-name", "bench", "--uvicorn-log-level", "warning", *flags, *extra
+                model_dir, "--served-model-name", "bench", "--uvicorn-log-level", "warning", *logs, *flags, *extra
             )
-            with server(cmd, ready_timeout=900) as url:
-                rows.append(_measured(" ".join(["nanovllm serve", *extra]), url, "bench", w, args))
+            label = " ".join(["nanovllm serve", *extra])
+            with server(cmd, ready_timeout=900, keep_log=_log_path(args, label)) as url:
+                rows.append(_measured(label, url, "bench", w, args))
     for _peer in args.peer:  # "vllm", the one choice
         from nanovllm.bench.peers import find_vllm_python, python_version_of
 
@@ -261,7 +264,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         # the CPU build keeps its KV cache in host memory: 2 GiB, not a share of all of it
         env = {"PYTHONPATH": "", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
         try:
-            with server(cmd, env=env, ready_timeout=1800) as url:
+            with server(cmd, env=env, ready_timeout=1800, keep_log=_log_path(args, "vllm serve")) as url:
                 rows.append(_measured(f"vllm serve {python_version_of(python)}", url, "bench", w, args))
         except Exception as e:  # noqa: BLE001 - a failing peer is reported, not fatal to the table
             print(f"  vllm: failed: {type(e).__name__}: {e}", file=sys.stderr)
@@ -321,3 +324,12 @@ def print_table(rows: list[ServeMeasurement], offline) -> None:
             f"\nnanovllm offline (LLM.generate, same workload): {offline.tokens_per_s:,.1f} tok/s; served / offline: "
             + ", ".join(f"{s['engine']} {s['output_tokens_per_s'] / offline.tokens_per_s:.1%}" for s in sums)
         )
+
+
+def _log_path(args, label: str) -> str | None:
+    """Where ``--server-log-dir`` keeps the log of the server measured as ``label``."""
+    if not args.server_log_dir:
+        return None
+    os.makedirs(args.server_log_dir, exist_ok=True)
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_")
+    return os.path.join(args.server_log_dir, f"{name}.log")

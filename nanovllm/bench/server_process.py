@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -47,9 +48,11 @@ def server(
     env: dict | None = None,
     ready_timeout: float = 300.0,
     headers: dict | None = None,
+    keep_log: str | None = None,
 ) -> Iterator[str]:
     """Run ``cmd --host HOST --port PORT``; yield its base URL once healthy. The server's output
-    goes to a temporary log file, whose end is shown if it fails to start."""
+    goes to a temporary log file, whose end is shown if it fails to start; ``keep_log`` is a path
+    to copy it to once the server has stopped."""
     port = port or free_port(host)
     log = tempfile.NamedTemporaryFile("w+", prefix="nanovllm-server-", suffix=".log", delete=False)
     proc = subprocess.Popen(
@@ -86,6 +89,8 @@ def server(
                 proc.kill()
                 proc.wait(timeout=30)
         log.close()
+        if keep_log:
+            shutil.copyfile(log.name, keep_log)
         os.unlink(log.name)
 
 

@@ -36,7 +36,9 @@ class EngineCoreClient:
         self.conn, child = ctx.Pipe()
         # not a daemon: a core with tensor parallelism starts worker processes of its own
         self.process = ctx.Process(
-            target=run_engine_core, name="nanovllm-engine-core", args=(child, os.getpid(), model, engine_args)
+            target=run_engine_core,
+            name="nanovllm-engine-core",
+            args=(child, os.getpid(), model, engine_args, logging.getLogger().getEffectiveLevel()),
         )
         self.process.start()
         child.close()

@@ -24,7 +24,10 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import queue
 import signal
+import threading
+import time
 import traceback
 
 from nanovllm.cpu_threads import default_threads
@@ -43,8 +46,9 @@ def picklable_error(e: BaseException) -> BaseException:
         return RuntimeError(f"{type(e).__name__}: {e}")
 
 
-def run_engine_core(conn, parent_pid: int, model, engine_args: dict) -> None:
-    """The core process's main (a ``spawn`` target)."""
+def run_engine_core(conn, parent_pid: int, model, engine_args: dict, log_level: int = logging.WARNING) -> None:
+    """The core process's main (a ``spawn`` target); it logs at the front end's level."""
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
     watch_parent(parent_pid)
     engine_args = with_front_end_core(engine_args)
@@ -91,44 +95,55 @@ class EngineCore:
     def __init__(self, engine: LLMEngine, conn):
         self.engine = engine
         self.conn = conn
+        self.outbox = CoreOutbox(conn)
+        self.timing = CoreTiming()
 
     def run(self) -> None:
-        engine, conn = self.engine, self.conn
+        engine, conn, timing = self.engine, self.conn, self.timing
         try:
             while True:
                 busy = engine.has_unfinished_requests()
                 if (not busy or conn.poll()) and not self._handle_commands(block=not busy):
                     break
                 if engine.has_unfinished_requests():
+                    t0 = time.perf_counter()
                     updates = engine.step()
+                    t1 = time.perf_counter()
                     if updates:
-                        conn.send(("out", updates, engine.stats()))
+                        self.outbox.send(("out", updates, engine.stats()))
+                    timing.add_step(t1 - t0, time.perf_counter() - t1)
         except (EOFError, OSError, BrokenPipeError):
             logger.info("the front end closed the pipe; the engine core leaves")
         except BaseException as e:  # noqa: BLE001 - the engine is dead: say why, then leave
             logger.exception("the engine core's step loop failed")
-            _send(conn, ("dead", picklable_error(e)))
+            self.outbox.send(("dead", picklable_error(e)))
+        finally:
+            self.outbox.close()
+            logger.info("engine core: %s", timing.summary())
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply the commands waiting (the first one waited for when ``block``); False on stop."""
         engine, conn = self.engine, self.conn
         while block or conn.poll():
-            block = False
+            t0 = time.perf_counter()
             cmd = conn.recv()
+            if block:
+                self.timing.idle_s += time.perf_counter() - t0
+            block = False
             kind = cmd[0]
             if kind == "stop":
                 return False
             if kind == "add":
-                conn.send(("added", cmd[1], self._add(cmd[2])))
+                self.outbox.send(("added", cmd[1], self._add(cmd[2])))
             elif kind == "abort":
                 updates = [u for u in (engine.abort_request(r) for r in cmd[1]) if u is not None]
-                conn.send(("out", updates, engine.stats()))
+                self.outbox.send(("out", updates, engine.stats()))
             elif kind == "call":
                 try:
                     result = cmd[2](engine)
                 except Exception as e:  # noqa: BLE001 - the caller gets it
                     result = picklable_error(e)
-                conn.send(("called", cmd[1], result))
+                self.outbox.send(("called", cmd[1], result))
             else:
                 raise ValueError(f"unknown engine-core command {kind!r}")
         return True
@@ -147,3 +162,50 @@ class EngineCore:
         for seq in seqs:
             engine.add_sequence(seq)
         return seqs
+
+
+class CoreOutbox:
+    """The core's messages, pickled on the step loop's thread and written to the pipe by a
+    thread of their own: a front end busy with HTTP work never stalls a step (a blocking send
+    on a full pipe would). Order is kept; ``close`` sends what is queued, then stops."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="nanovllm-core-outbox", daemon=True)
+        self.thread.start()
+
+    def send(self, message) -> None:
+        self.queue.put(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self.queue.put(None)
+        self.thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        while (data := self.queue.get()) is not None:
+            try:
+                self.conn.send_bytes(data)
+            except (OSError, ValueError):
+                return  # the front end is gone; the core is leaving anyway
+
+
+class CoreTiming:
+    """Where the core's time goes: steps, the work after each (stats, pickling outputs), and
+    idle time waiting for a request. Logged when the core stops."""
+
+    def __init__(self):
+        self.steps = 0
+        self.step_s = self.after_step_s = self.idle_s = 0.0
+
+    def add_step(self, step_s: float, after_s: float) -> None:
+        self.steps += 1
+        self.step_s += step_s
+        self.after_step_s += after_s
+
+    def summary(self) -> str:
+        per_step_us = 1e6 * self.after_step_s / max(self.steps, 1)
+        return (
+            f"{self.steps} steps in {self.step_s:.2f} s, {self.after_step_s:.3f} s sending outputs "
+            f"({per_step_us:.0f} us/step), {self.idle_s:.1f} s idle"
+        )

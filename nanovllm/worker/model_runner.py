@@ -271,11 +271,11 @@ class ModelRunner:
         """Drop everything this runner holds on its device (after free_kv_cache; the runner is not
         used again): weights, the attention layers and their backend's workspace, the staging
         buffers, the sampler's generators and the last step's tokens."""
-        self.model = None  # type: ignore[assignment]
+        self.model = None
         self.attn_layers = []
         self.backend = None
         self.inputs = None
-        self.sampler = None  # type: ignore[assignment]
+        self.sampler = None
         self.generators = {}
         self.prev_tokens = None
 
