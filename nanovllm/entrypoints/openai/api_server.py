@@ -15,6 +15,7 @@ import functools
 import hmac
 import logging
 import os
+import signal
 import time
 
 from fastapi import FastAPI, Request
@@ -283,6 +284,10 @@ async def serve(args, engine_kwargs: dict) -> None:
             **engine_kwargs,
         ),
     )
+    # uvicorn stops gracefully on SIGTERM, then raises the signal again: with the default handler
+    # that killed the process before the engine below was shut down (its core and TP workers then
+    # left on their own, on a closed pipe). This handler makes the re-raise an exit instead.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         app = build_app(engine, served_names(args), api_key=args.api_key)
         config = uvicorn.Config(
@@ -291,3 +296,8 @@ async def serve(args, engine_kwargs: dict) -> None:
         await uvicorn.Server(config).serve()
     finally:
         engine.shutdown()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # the status a shell reports for a process ended by SIGTERM

@@ -1,0 +1,83 @@
+"""`nanovllm serve` stopped with SIGTERM (what a process manager or ``docker stop`` sends) shuts
+its engine down before it exits: the engine core is told to stop, stops, and is gone; the exit
+status is 143, as a shell reports for SIGTERM. (uvicorn raises the signal again after its own
+graceful shutdown; with the default handler that ended the process before the engine's shutdown,
+and the core only left later, on a closed pipe.)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
+pytest.importorskip("uvicorn", reason="the serve extra (uvicorn) is not installed")
+
+from conformance.zoo import zoo_model  # noqa: E402
+from nanovllm.bench.server_process import free_port, nanovllm_serve_command  # noqa: E402
+
+MODEL = "qwen3-gqa2-hd64-tied"
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, log_path: str, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the server exited with {proc.returncode}:\n{open(log_path).read()[-3000:]}"
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"the server was not healthy in {timeout_s:.0f} s:\n{open(log_path).read()[-3000:]}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by its parent) counts as gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_sigterm_stops_the_engine_core_before_the_server_exits():
+    port = free_port("127.0.0.1")
+    cmd = nanovllm_serve_command(
+        zoo_model(MODEL), "--max-model-len", "256", "--num-kvcache-blocks", "64", "--log-level", "INFO"
+    )
+    with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
+        proc = subprocess.Popen(
+            [*cmd, "--host", "127.0.0.1", "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        try:
+            _wait_healthy(proc, f"http://127.0.0.1:{port}", log.name)
+            proc.send_signal(signal.SIGTERM)
+            status = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        text = open(log.name).read()
+    core = re.search(r"engine core ready in process (\d+)", text)
+    assert core, f"the server did not log its engine core's pid:\n{text[-3000:]}"
+    assert status == 128 + signal.SIGTERM, f"exit status {status}:\n{text[-3000:]}"
+    assert "engine core: " in text, f"the engine core did not log its stop:\n{text[-3000:]}"
+    assert "closed the pipe" not in text, f"the engine core was not told to stop; it left on a closed pipe:\n{text}"
+    assert not _alive(int(core.group(1))), "the engine core outlived the server"
