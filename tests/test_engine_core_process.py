@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -37,6 +38,7 @@ def _requests():
         (prompts[3], SamplingParams(temperature=1.0, seed=3, top_k=20, top_p=0.9, **base)),
         (prompts[4], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)),
         (prompts[5], SamplingParams(temperature=0.7, seed=5, n=2, prompt_logprobs=1, **base)),
+        ("a text prompt, tokenized by the front end", SamplingParams(temperature=0, prompt_logprobs=1, **base)),
     ]
 
 
@@ -112,6 +114,7 @@ def _collect(make_engine, kind):
         finals.append(
             (
                 last.request_id,
+                last.prompt,
                 last.prompt_token_ids,
                 _lps(pieces[0].prompt_logprobs),
                 [
@@ -144,9 +147,10 @@ def test_process_outputs_equal_thread_outputs(kind):
     expected = _collect(thread_engine, kind)
     got = _collect(process_engine, kind)
     assert got == expected
-    stop_row = expected[-1][3][0]
+    stop_row = expected[-1][4][0]
     assert stop_row[4] == "stop" and isinstance(stop_row[5], str), "the stop-string request did not stop on it"
-    assert any(len(row[3]) > 1 for row in expected), "no n > 1 request in the comparison"
+    assert any(len(row[4]) > 1 for row in expected), "no n > 1 request in the comparison"
+    assert any(isinstance(row[1], str) for row in expected), "no text prompt in the comparison"
 
 
 def test_a_killed_core_fails_every_caller_and_later_calls():
@@ -334,3 +338,24 @@ def test_an_n_request_is_accepted_whole_or_not_at_all():
         engine.shutdown()
     assert error is not None and "1_x" in error, error
     assert live == ["1_x"], f"a refused n = 2 request left {live}"
+
+
+def test_the_front_end_tokenizes_text_prompts_for_the_core():
+    """A text prompt reaches the core with its token ids (the core's step loop does no tokenizer
+    work); token ids and prompts the core must refuse (empty text) go as they are."""
+    from transformers import AutoTokenizer
+
+    from nanovllm.engine.async_llm_process import ProcessAsyncLLM
+
+    sent = []
+    front = ProcessAsyncLLM.__new__(ProcessAsyncLLM)
+    front.client = SimpleNamespace(send=sent.append)
+    front.tokenizer = AutoTokenizer.from_pretrained(zoo_model(MODEL))
+    front._pending, front._tokens = {}, iter(range(100))
+    params = SamplingParams(max_tokens=2)
+    for prompt in ("hello there", {"prompt": "hello there"}, [5, 6], "", {"prompt_token_ids": [7]}):
+        front._submit_add("r", prompt, params, added=None)
+    got = [msg[2][0][1] for msg in sent]
+    ids = front.tokenizer.encode("hello there")
+    assert got[0] == got[1] == {"prompt": "hello there", "prompt_token_ids": ids}
+    assert got[2:] == [[5, 6], "", {"prompt_token_ids": [7]}]

@@ -88,6 +88,7 @@ class ProcessAsyncLLM(AsyncLLM):
 
     # ------------------------------------------------------------ commands
     def _submit_add(self, request_id: str, prompt, params, added: asyncio.Future) -> None:
+        prompt = self._tokenized(prompt)
         parent = None
         if isinstance(params, SamplingParams) and isinstance(params.n, int) and params.n > 1:
             parent = ParentRequest(request_id, params)  # the core sees its n children
@@ -97,6 +98,15 @@ class ProcessAsyncLLM(AsyncLLM):
         token = next(self._tokens)
         self.client.send(("add", token, items))
         self._pending[token] = (added, parent)
+
+    def _tokenized(self, prompt):
+        """A text prompt with its token ids, so the core does not spend a step's time on the
+        tokenizer (vLLM's front end tokenizes likewise); anything else (token ids, a prompt the
+        core will refuse) goes as it is, and the core checks it."""
+        text = prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else prompt
+        if not isinstance(text, str) or not text or self.tokenizer is None:
+            return prompt
+        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text)}
 
     def _submit_abort(self, request_id: str) -> None:
         parent = self._parents.get(request_id)
