@@ -23,6 +23,8 @@ Sampler sends those rows through its PyTorch path.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from nanovllm.layers.triton_switch import triton_path
@@ -41,26 +43,38 @@ def enabled(x: torch.Tensor) -> bool:
 if triton is not None:
     # the per-row pointers are slices of step buffers whose alignment changes with the batch:
     # one compiled variant, not one per alignment pattern (compiled mid-run otherwise)
-    @triton.jit(do_not_specialize_on_alignment=["inv_temp_ptr", "seed_ptr", "token_ptr", "nonfinite_ptr"])
+    @triton.jit(
+        do_not_specialize_on_alignment=["inv_temp_ptr", "seed_ptr", "val_ptr", "idx_ptr", "bad_ptr"],
+        do_not_specialize=["chunk", "num_splits"],
+    )
     def _sample_kernel(
         logits_ptr,
         stride_row,
         inv_temp_ptr,
         seed_ptr,
-        token_ptr,
-        nonfinite_ptr,
+        val_ptr,
+        idx_ptr,
+        bad_ptr,
+        chunk,
+        num_splits,
         VOCAB: tl.constexpr,
         BLOCK: tl.constexpr,
+        SPLIT: tl.constexpr,
     ):
+        """Program (row, split) takes the row's tokens [split * chunk, (split + 1) * chunk). Without
+        SPLIT (one split) it writes the row's token and flag; with it, the split's best score, its
+        token and flag, which _merge_kernel reduces."""
         row = tl.program_id(0)
+        split = tl.program_id(1)
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         inv_temp = tl.load(inv_temp_ptr + row)
         seed = tl.load(seed_ptr + row)
         offs = tl.arange(0, BLOCK)
         best_val = tl.full((), float("-inf"), tl.float32)
-        best_idx = tl.full((), 0, tl.int32)
+        best_idx = tl.full((), 0, tl.int32) + split * chunk
         bad = tl.full((), 0, tl.int32)
-        for start in range(0, VOCAB, BLOCK):
+        for tile in range(0, chunk // BLOCK):  # chunk: whole tiles, so a tile never crosses splits
+            start = split * chunk + tile * BLOCK
             cols = start + offs
             mask = cols < VOCAB
             x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -77,32 +91,86 @@ if triton is not None:
             take = tile_val > best_val  # strict: ties keep the earlier tile (first index)
             best_idx = tl.where(take, start + tile_idx, best_idx)
             best_val = tl.where(take, tile_val, best_val)
-        tl.store(token_ptr + row, best_idx.to(tl.int64))
-        tl.store(nonfinite_ptr + row, bad.to(tl.int64))
+        if SPLIT:
+            slot = row * num_splits + split
+            tl.store(val_ptr + slot, best_val)
+            tl.store(idx_ptr + slot, best_idx.to(tl.int64))
+            tl.store(bad_ptr + slot, bad.to(tl.int64))
+        else:
+            tl.store(idx_ptr + row, best_idx.to(tl.int64))
+            tl.store(bad_ptr + row, bad.to(tl.int64))
+
+    @triton.jit(do_not_specialize=["num_splits"])
+    def _merge_kernel(val_ptr, idx_ptr, bad_ptr, token_ptr, nonfinite_ptr, num_splits, SPLITS: tl.constexpr):
+        """A row's token: the best of its splits' (the earliest split on a tie: the first index)."""
+        row = tl.program_id(0)
+        offs = tl.arange(0, SPLITS)
+        mask = offs < num_splits
+        base = row * num_splits
+        vals = tl.load(val_ptr + base + offs, mask=mask, other=float("-inf"))
+        idxs = tl.load(idx_ptr + base + offs, mask=mask, other=0)
+        bads = tl.load(bad_ptr + base + offs, mask=mask, other=0)
+        best = tl.max(vals, axis=0)
+        # the first split holding the best score (an all -inf row: split 0, as unsplit)
+        first = tl.min(tl.where((vals == best) & mask, offs, SPLITS), axis=0)
+        token = tl.sum(tl.where(offs == first, idxs, 0), axis=0)
+        tl.store(token_ptr + row, token)
+        tl.store(nonfinite_ptr + row, tl.max(bads, axis=0))
+
+
+_MAX_SPLITS = 64
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_splits(n: int, vocab: int, block: int, device: torch.device) -> int:
+    """How many programs share a row: enough that the grid covers the GPU about twice (a small
+    batch otherwise leaves most SMs idle while each program streams its whole row: ~171 us per
+    step at any batch on an H200), never a split under one tile."""
+    if device.type == "cuda":
+        sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        sms = 8  # the interpreter (tests): a few splits
+    return max(1, min(_MAX_SPLITS, triton.cdiv(vocab, block), triton.cdiv(2 * sms, max(n, 1))))
 
 
 def sample(
-    logits: torch.Tensor, inv_temp: torch.Tensor, seeds: torch.Tensor, block: int | None = None
+    logits: torch.Tensor,
+    inv_temp: torch.Tensor,
+    seeds: torch.Tensor,
+    block: int | None = None,
+    splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [n, vocab] (any float dtype, rows contiguous), inv_temp float32 [n] (0 = greedy),
-    seeds int64 [n] -> (token ids int64 [n], non-finite flags int64 [n])."""
+    seeds int64 [n] -> (token ids int64 [n], non-finite flags int64 [n]). ``splits``: programs
+    per row (default: ``num_splits``); the result does not depend on it."""
     n, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     if inv_temp.shape != (n,) or seeds.shape != (n,):
         raise ValueError(f"inv_temp and seeds need shape ({n},), got {tuple(inv_temp.shape)} and {tuple(seeds.shape)}")
     out = torch.empty(2, n, dtype=torch.int64, device=logits.device)
-    if n:
-        block = block or min(4096, triton.next_power_of_2(vocab))
-        _sample_kernel[(n,)](
-            logits,
-            logits.stride(0),
-            inv_temp,
-            seeds,
-            out[0],
-            out[1],
-            VOCAB=vocab,
-            BLOCK=block,
-            num_warps=8 if block >= 2048 else 4,
-        )
+    if not n:
+        return out[0], out[1]
+    block = block or min(4096, triton.next_power_of_2(vocab))
+    splits = splits or num_splits(n, vocab, block, logits.device)
+    chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block  # whole tiles per split
+    splits = triton.cdiv(vocab, chunk)  # none empty
+    warps = 8 if block >= 2048 else 4
+    if splits == 1:
+        _sample_kernel[(n, 1)](
+            logits, logits.stride(0), inv_temp, seeds, out[0], out[0], out[1], chunk, 1,
+            VOCAB=vocab, BLOCK=block, SPLIT=False, num_warps=warps,
+        )  # fmt: skip
+        return out[0], out[1]
+    vals = torch.empty(n * splits, dtype=torch.float32, device=logits.device)
+    part = torch.empty(2, n * splits, dtype=torch.int64, device=logits.device)
+    _sample_kernel[(n, splits)](
+        logits, logits.stride(0), inv_temp, seeds, vals, part[0], part[1], chunk, splits,
+        VOCAB=vocab, BLOCK=block, SPLIT=True, num_warps=warps,
+    )  # fmt: skip
+    _merge_kernel[(n,)](vals, part[0], part[1], out[0], out[1], splits, SPLITS=triton.next_power_of_2(_MAX_SPLITS))
     return out[0], out[1]

@@ -234,7 +234,9 @@ class ModelRunner:
             )
             if fused_sampler.enabled(logits):  # compiled here, not by the first request that samples
                 ones = torch.ones(n, dtype=torch.float32, device=self.device)
-                fused_sampler.sample(logits, ones, torch.zeros(n, dtype=torch.int64, device=self.device))
+                zeros = torch.zeros(n, dtype=torch.int64, device=self.device)
+                for splits in (1, 2):  # both variants: a whole row per program, and split rows + merge
+                    fused_sampler.sample(logits, ones, zeros, splits=splits)
             del hidden, logits
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before

@@ -30,7 +30,7 @@ if fused_sampler.triton is None:
 from nanovllm.layers.sampler import Sampler, SamplingMetadata  # noqa: E402
 
 
-def _run(logits, inv_temp, seeds, block=None):
+def _run(logits, inv_temp, seeds, block=None, splits=None):
     n = logits.shape[0]
     inv = (
         torch.tensor(inv_temp, dtype=torch.float32, device=DEVICE).expand(n).contiguous()
@@ -38,22 +38,24 @@ def _run(logits, inv_temp, seeds, block=None):
         else torch.tensor(inv_temp, dtype=torch.float32, device=DEVICE)
     )
     s = torch.tensor(seeds, dtype=torch.int64, device=DEVICE)
-    tokens, bad = fused_sampler.sample(logits, inv, s, block=block)
+    tokens, bad = fused_sampler.sample(logits, inv, s, block=block, splits=splits)
     return tokens.cpu(), bad.cpu()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] if INTERPRET else [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab,block", [(1000, 128), (257, None), (4099, 1024)])
-def test_greedy_is_torch_argmax_with_ties(dtype, vocab, block):
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_greedy_is_torch_argmax_with_ties(dtype, vocab, block, splits):
     g = torch.Generator(device=DEVICE).manual_seed(vocab)
     logits = torch.randn(6, vocab, device=DEVICE, generator=g).to(dtype)
-    # ties: row 1 has its maximum twice in different tiles, row 2 twice in one tile
+    # ties: row 1 has its maximum twice in different tiles (and splits), row 2 twice in one tile
     logits[1, 3] = logits[1, vocab - 2] = 50
     logits[2, vocab - 5] = logits[2, vocab - 4] = 60
     logits[3] = 0  # all equal: index 0
-    tokens, bad = _run(logits, 0.0, list(range(6)), block)
+    logits[4, vocab - 1] = 70  # the maximum in the last token of the last split
+    tokens, bad = _run(logits, 0.0, list(range(6)), block, splits)
     assert tokens.tolist() == logits.float().argmax(-1).cpu().tolist()
-    assert tokens[1] == 3 and tokens[2] == vocab - 5 and tokens[3] == 0
+    assert tokens[1] == 3 and tokens[2] == vocab - 5 and tokens[3] == 0 and tokens[4] == vocab - 1
     assert bad.tolist() == [0] * 6
 
 
@@ -62,8 +64,9 @@ def test_nonfinite_rows_are_flagged():
     logits[1, 7] = float("nan")
     logits[2, 299] = float("inf")
     logits[4, 0] = float("-inf")
-    _, bad = _run(logits, [0.0, 1.0, 0.0, 1.0, 2.0], [1, 2, 3, 4, 5], block=64)
-    assert bad.tolist() == [0, 1, 1, 0, 1]
+    for splits in (1, 3):
+        _, bad = _run(logits, [0.0, 1.0, 0.0, 1.0, 2.0], [1, 2, 3, 4, 5], block=64, splits=splits)
+        assert bad.tolist() == [0, 1, 1, 0, 1], splits
 
 
 def _draws(logits_row, temperature, n, first_seed=0, block=None):
@@ -94,6 +97,8 @@ def test_a_rows_draw_depends_on_its_seed_only():
     alone, _ = _run(logits[5:6].contiguous(), 1.0, [seeds[5]])
     assert rev.flip(0).tolist() == tokens.tolist()
     assert alone.item() == tokens[5].item()
+    for splits in (1, 2, 5):  # a row's draw does not depend on how many programs share the row
+        assert _run(logits, 1.0, seeds, splits=splits)[0].tolist() == tokens.tolist(), splits
     other, _ = _run(logits, 1.0, [s + 100 for s in seeds])
     assert other.tolist() != tokens.tolist()  # different seeds draw differently (p ~ 1e-16 to be equal)
 

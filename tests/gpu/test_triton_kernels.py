@@ -26,18 +26,6 @@ DTYPE = torch.float16 if INTERPRET else torch.bfloat16
 MAX_REL_ERR = 1e-2
 
 triton_ops = pytest.importorskip("nanovllm.attention.triton_ops", reason="needs triton")
-if INTERPRET:
-    import triton.runtime.interpreter as _interp
-
-    _patch_tensor = _interp._patch_lang_tensor
-
-    def _patch_lang_tensor(tensor, scope):
-        """Triton 3.6's interpreter calls int() on 1-element arrays (loop bounds from
-        loaded scalars), which numpy >= 2.4 refuses; take the element explicitly."""
-        _patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    _interp._patch_lang_tensor = _patch_lang_tensor
 from nanovllm.attention import torch_ref  # noqa: E402
 from nanovllm.attention.metadata import AttentionMetadata  # noqa: E402
 from nanovllm.attention.triton_backend import TritonBackend  # noqa: E402
