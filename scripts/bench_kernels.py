@@ -6,7 +6,7 @@ read, against the ~4.3 TB/s the H200 machine copies at. Prefill: TFLOP/s of the
 causal attention FLOPs, beside torch's SDPA (FlashAttention) on contiguous K/V.
 Timing: triton.testing.do_bench (CUDA events, L2 flushed, median) after warm-up.
 
-    PYTHONPATH=. python3 scripts/bench_kernels.py [--engine] [--json out.json]
+    PYTHONPATH=. python3 scripts/bench_kernels.py [--engine] [--sampler-only] [--json out.json]
 """
 
 from __future__ import annotations
@@ -165,6 +165,29 @@ def kernels() -> None:
         row("store_kv 8192 tokens", f"{r[0] * 1e3:.1f} us", f"{r[1] / 1e12:.2f} TB/s r+w")
 
 
+def sampler() -> None:
+    """The fused sampler at the batches of the run's phases: one program per row against the
+    split rows (``num_splits``), Qwen3's 151,936-entry vocabulary in bf16, temperature 1."""
+    from nanovllm.layers import fused_sampler as fs
+
+    vocab = 151936
+    print(f"## fused sampler, vocab {vocab}, bf16 logits, temperature 1 (bytes: n x {vocab * 2 / 1e6:.2f} MB)")
+    for n in (1, 8, 23, 64, 104, 256):
+        logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16)
+        inv = torch.ones(n, device="cuda")
+        seeds = torch.arange(n, device="cuda")
+        auto = fs.num_splits(n, vocab, 4096, logits.device)
+        times = {}
+        for splits in sorted({1, auto}):
+            name = f"sampler b{n} splits={splits}"
+            r = measure(name, lambda: do_bench(lambda: fs.sample(logits, inv, seeds, splits=splits)))
+            if r is not None:
+                times[splits] = r
+                row(name, f"{r * 1e3:.0f} us", f"{n * vocab * 2 / (r * 1e-3) / 1e12:.2f} TB/s")
+        if len(times) == 2:
+            row(f"sampler b{n} split / whole rows", f"{times[auto] / times[1]:.2f}x", "")
+
+
 def bench_store():
     k = torch.randn(8192, KVH, D, device="cuda", dtype=torch.bfloat16)
     kc = torch.empty(64, 256, KVH, D, device="cuda", dtype=torch.bfloat16)
@@ -270,11 +293,14 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--engine", action="store_true", help="also time engine decode steps (~1 min)")
     p.add_argument("--json", default=None)
+    p.add_argument("--sampler-only", action="store_true", help="only the fused sampler's table (~10 s)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    kernels()
+    if not args.sampler_only:
+        kernels()
+    sampler()
     if args.engine:
         try:
             engine()

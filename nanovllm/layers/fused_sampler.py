@@ -24,6 +24,7 @@ Sampler sends those rows through its PyTorch path.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -134,7 +135,8 @@ def num_splits(n: int, vocab: int, block: int, device: torch.device) -> int:
         sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
     else:
         sms = 8  # the interpreter (tests): a few splits
-    return max(1, min(_MAX_SPLITS, triton.cdiv(vocab, block), triton.cdiv(2 * sms, max(n, 1))))
+    most = int(os.environ.get("NANOVLLM_SAMPLER_SPLITS", _MAX_SPLITS))  # 1: a whole row per program (A/B)
+    return max(1, min(most, _MAX_SPLITS, triton.cdiv(vocab, block), triton.cdiv(2 * sms, max(n, 1))))
 
 
 def sample(
