@@ -359,3 +359,24 @@ def test_the_front_end_tokenizes_text_prompts_for_the_core():
     ids = front.tokenizer.encode("hello there")
     assert got[0] == got[1] == {"prompt": "hello there", "prompt_token_ids": ids}
     assert got[2:] == [[5, 6], "", {"prompt_token_ids": [7]}]
+
+
+def test_core_timing_reports_the_longest_busy_period(monkeypatch):
+    """The core's exit log: steps, sending, idle, and its longest busy period (from the request
+    that woke it to when nothing was left), with the delay before that period's first step."""
+    from nanovllm.engine import core_process
+
+    now = [100.0]
+    monkeypatch.setattr(core_process.time, "perf_counter", lambda: now[0])
+    timing = core_process.CoreTiming()
+    for steps, step_s in ((2, 0.5), (5, 0.25)):  # two busy periods: 1.2 s and 1.35 s long
+        now[0] += 3.0  # idle
+        timing.woke(now[0] - 3.0)
+        now[0] += 0.1  # the first step starts 100 ms after the request came
+        for _ in range(steps):
+            now[0] += step_s
+            timing.add_step(step_s, 0.0)
+        timing.end_period()
+    text = timing.summary()
+    assert "7 steps in 2.25 s" in text and "6.0 s idle" in text, text
+    assert "longest busy period 1.35 s: 5 steps taking 1.25 s, the first 100.0 ms after" in text, text

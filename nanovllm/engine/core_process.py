@@ -103,6 +103,8 @@ class EngineCore:
         try:
             while True:
                 busy = engine.has_unfinished_requests()
+                if not busy:
+                    timing.end_period()
                 if (not busy or conn.poll()) and not self._handle_commands(block=not busy):
                     break
                 if engine.has_unfinished_requests():
@@ -128,7 +130,7 @@ class EngineCore:
             t0 = time.perf_counter()
             cmd = conn.recv()
             if block:
-                self.timing.idle_s += time.perf_counter() - t0
+                self.timing.woke(t0)
             block = False
             kind = cmd[0]
             if kind == "stop":
@@ -191,21 +193,51 @@ class CoreOutbox:
 
 
 class CoreTiming:
-    """Where the core's time goes: steps, the work after each (stats, pickling outputs), and
-    idle time waiting for a request. Logged when the core stops."""
+    """Where the core's time goes: steps, the work after each (stats, pickling outputs), idle
+    time waiting for a request, and its busy periods (from the request that woke it to when
+    nothing is left; the longest is a benchmark's run). Logged when the core stops."""
 
     def __init__(self):
         self.steps = 0
         self.step_s = self.after_step_s = self.idle_s = 0.0
+        self.woke_at: float | None = None  # when the command that ended the last idle wait came
+        self.period: list[float] | None = None  # open period: [start, steps, step seconds, first step delay]
+        self.longest: list[float] | None = None  # [duration, steps, step seconds, first step delay]
+
+    def woke(self, wait_started: float) -> None:
+        self.woke_at = time.perf_counter()
+        self.idle_s += self.woke_at - wait_started
 
     def add_step(self, step_s: float, after_s: float) -> None:
         self.steps += 1
         self.step_s += step_s
         self.after_step_s += after_s
+        if self.period is None:
+            start = self.woke_at if self.woke_at is not None else time.perf_counter() - step_s - after_s
+            self.period = [start, 0, 0.0, time.perf_counter() - step_s - after_s - start]
+        self.period[1] += 1
+        self.period[2] += step_s
+
+    def end_period(self) -> None:
+        if self.period is None:
+            return
+        start, steps, step_s, delay = self.period
+        duration = time.perf_counter() - start
+        if self.longest is None or duration > self.longest[0]:
+            self.longest = [duration, steps, step_s, delay]
+        self.period = None
 
     def summary(self) -> str:
+        self.end_period()
         per_step_us = 1e6 * self.after_step_s / max(self.steps, 1)
-        return (
+        text = (
             f"{self.steps} steps in {self.step_s:.2f} s, {self.after_step_s:.3f} s sending outputs "
             f"({per_step_us:.0f} us/step), {self.idle_s:.1f} s idle"
         )
+        if self.longest is not None:
+            duration, steps, step_s, delay = self.longest
+            text += (
+                f"; longest busy period {duration:.2f} s: {steps:.0f} steps taking {step_s:.2f} s, "
+                f"the first {1e3 * delay:.1f} ms after the request that started it"
+            )
+        return text
