@@ -15,7 +15,7 @@ triton = pytest.importorskip("triton", reason="the kernels need triton")
 from nanovllm.attention import triton_ops  # noqa: E402
 from nanovllm.layers import fused_sampler  # noqa: E402
 
-PER_ROW = {"inv_temp_ptr", "seed_ptr", "token_ptr", "nonfinite_ptr"}
+PER_ROW = {"inv_temp_ptr", "seed_ptr", "token_ptr", "nonfinite_ptr", "val_ptr", "idx_ptr", "bad_ptr"}
 
 
 def _kernels():
@@ -31,9 +31,11 @@ def _unspecialised_params(kernel) -> set[str]:
 
 def test_metadata_pointers_are_not_aligned_specialisations():
     kernels = dict(_kernels())
-    assert {"nanovllm.attention.triton_ops._prefill_kernel", "nanovllm.layers.fused_sampler._sample_kernel"} <= set(
-        kernels
-    ), sorted(kernels)
+    assert {
+        "nanovllm.attention.triton_ops._prefill_kernel",
+        "nanovllm.layers.fused_sampler._sample_kernel",
+        "nanovllm.layers.fused_sampler._merge_kernel",
+    } <= set(kernels), sorted(kernels)
     for name, kernel in kernels.items():
         params = set(inspect.signature(kernel.fn).parameters)
         metadata = params & (set(triton_ops.METADATA_PTRS) | PER_ROW)

@@ -101,7 +101,10 @@ if triton is not None:
             tl.store(idx_ptr + row, best_idx.to(tl.int64))
             tl.store(bad_ptr + row, bad.to(tl.int64))
 
-    @triton.jit(do_not_specialize=["num_splits"])
+    @triton.jit(
+        do_not_specialize=["num_splits"],
+        do_not_specialize_on_alignment=["val_ptr", "idx_ptr", "bad_ptr", "token_ptr", "nonfinite_ptr"],
+    )
     def _merge_kernel(val_ptr, idx_ptr, bad_ptr, token_ptr, nonfinite_ptr, num_splits, SPLITS: tl.constexpr):
         """A row's token: the best of its splits' (the earliest split on a tie: the first index)."""
         row = tl.program_id(0)
