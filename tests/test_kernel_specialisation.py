@@ -34,7 +34,7 @@ def test_metadata_pointers_are_not_aligned_specialisations():
     assert {
         "nanovllm.attention.triton_ops._prefill_kernel",
         "nanovllm.layers.fused_sampler._sample_kernel",
-        "nanovllm.layers.fused_sampler._merge_kernel",
+        "nanovllm.layers.fused_sampler._sample_merge_kernel",
     } <= set(kernels), sorted(kernels)
     for name, kernel in kernels.items():
         params = set(inspect.signature(kernel.fn).parameters)

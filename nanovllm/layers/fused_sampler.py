@@ -64,7 +64,7 @@ if triton is not None:
     ):
         """Program (row, split) takes the row's tokens [split * chunk, (split + 1) * chunk). Without
         SPLIT (one split) it writes the row's token and flag; with it, the split's best score, its
-        token and flag, which _merge_kernel reduces."""
+        token and flag, which _sample_merge_kernel reduces."""
         row = tl.program_id(0)
         split = tl.program_id(1)
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
@@ -105,7 +105,7 @@ if triton is not None:
         do_not_specialize=["num_splits"],
         do_not_specialize_on_alignment=["val_ptr", "idx_ptr", "bad_ptr", "token_ptr", "nonfinite_ptr"],
     )
-    def _merge_kernel(val_ptr, idx_ptr, bad_ptr, token_ptr, nonfinite_ptr, num_splits, SPLITS: tl.constexpr):
+    def _sample_merge_kernel(val_ptr, idx_ptr, bad_ptr, token_ptr, nonfinite_ptr, num_splits, SPLITS: tl.constexpr):
         """A row's token: the best of its splits' (the earliest split on a tie: the first index)."""
         row = tl.program_id(0)
         offs = tl.arange(0, SPLITS)
@@ -177,5 +177,7 @@ def sample(
         logits, logits.stride(0), inv_temp, seeds, vals, part[0], part[1], chunk, splits,
         VOCAB=vocab, BLOCK=block, SPLIT=True, num_warps=warps,
     )  # fmt: skip
-    _merge_kernel[(n,)](vals, part[0], part[1], out[0], out[1], splits, SPLITS=triton.next_power_of_2(_MAX_SPLITS))
+    _sample_merge_kernel[(n,)](
+        vals, part[0], part[1], out[0], out[1], splits, SPLITS=triton.next_power_of_2(_MAX_SPLITS)
+    )
     return out[0], out[1]
