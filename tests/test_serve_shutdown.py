@@ -7,6 +7,7 @@ and the core only left later, on a closed pipe.)
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
@@ -81,3 +82,6 @@ def test_sigterm_stops_the_engine_core_before_the_server_exits():
     assert "engine core: " in text, f"the engine core did not log its stop:\n{text[-3000:]}"
     assert "closed the pipe" not in text, f"the engine core was not told to stop; it left on a closed pipe:\n{text}"
     assert not _alive(int(core.group(1))), "the engine core outlived the server"
+    # the serve extra's event loop: uvloop where it is installed, asyncio's otherwise
+    want = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    assert re.search(rf"event loop: {want}\b", text), f"not on {want}'s event loop:\n{text[-3000:]}"

@@ -274,6 +274,7 @@ async def serve(args, engine_kwargs: dict) -> None:
     import uvicorn
 
     loop = asyncio.get_running_loop()
+    logger.info("event loop: %s.%s", type(loop).__module__, type(loop).__name__)
     engine = await loop.run_in_executor(
         None,
         functools.partial(
