@@ -161,7 +161,7 @@ def sample(
     if not n:
         return out[0], out[1]
     block = block or min(4096, triton.next_power_of_2(vocab))
-    splits = splits or num_splits(n, vocab, block, logits.device)
+    splits = min(splits or num_splits(n, vocab, block, logits.device), _MAX_SPLITS)  # the merge reads <= 64
     chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block  # whole tiles per split
     splits = triton.cdiv(vocab, chunk)  # none empty
     warps = 8 if block >= 2048 else 4
