@@ -424,3 +424,57 @@ def test_bench_serve_starts_one_server_per_variant(monkeypatch):
     assert rows == ["nanovllm serve", "nanovllm serve --no-engine-process --threads 1"]
     assert len(commands) == 2 and "--no-engine-process" not in commands[0]
     assert commands[1][-3:] == ["--no-engine-process", "--threads", "1"]
+
+
+def test_bench_serve_keeps_each_servers_log_with_server_log_dir(monkeypatch, tmp_path):
+    """`bench serve --server-log-dir DIR`: every started server logs at INFO and its log is kept
+    under DIR, one file per row (scripted servers); without the flag nothing is kept."""
+    import contextlib
+
+    import nanovllm.bench.serve as serve_mod
+    from nanovllm.entrypoints.cli import build_parser
+
+    started = []
+
+    @contextlib.contextmanager
+    def fake_server(cmd, **kwargs):
+        started.append((cmd, kwargs.get("keep_log")))
+        yield "http://127.0.0.1:1"
+
+    class Row(str):
+        def summary(self):
+            return {"failed": 0}
+
+    monkeypatch.setattr(serve_mod, "server", fake_server)
+    monkeypatch.setattr(serve_mod, "_measured", lambda label, url, model, w, args: Row(label))
+    monkeypatch.setattr(serve_mod, "print_table", lambda measured, offline: None)
+    base = ["bench", "serve", "--model", zoo_model(MODEL), "--dataset", "random", "--num-prompts", "2"]
+    base += ["--input-len", "4", "--output-len", "2", "--serve-variant=--no-engine-process"]
+    assert serve_mod.run_bench_serve(build_parser().parse_args([*base, "--server-log-dir", str(tmp_path)])) == 0
+    logs = [keep for _, keep in started]
+    assert logs == [str(tmp_path / "nanovllm_serve.log"), str(tmp_path / "nanovllm_serve_--no-engine-process.log")]
+    assert all(cmd[cmd.index("--log-level") + 1] == "INFO" for cmd, _ in started)
+    started.clear()
+    assert serve_mod.run_bench_serve(build_parser().parse_args(base)) == 0
+    assert [keep for _, keep in started] == [None, None] and all("--log-level" not in cmd for cmd, _ in started)
+
+
+def test_server_copies_its_log_where_asked(tmp_path):
+    """``server(keep_log=PATH)`` leaves the server's whole output at PATH once it has stopped."""
+    import sys
+
+    from nanovllm.bench.server_process import server
+
+    script = (
+        "import http.server, sys\n"
+        "print('hello from the scripted server', flush=True)\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200); self.end_headers()\n"
+        "    def log_message(self, *a): pass\n"
+        "http.server.HTTPServer((sys.argv[2], int(sys.argv[4])), H).serve_forever()\n"
+    )
+    kept = tmp_path / "server.log"
+    with server([sys.executable, "-c", script], ready_timeout=60, keep_log=str(kept)):
+        pass
+    assert "hello from the scripted server" in kept.read_text()
