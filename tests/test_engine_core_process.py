@@ -374,8 +374,8 @@ def test_core_timing_reports_the_longest_busy_period(monkeypatch):
         timing.woke(now[0] - 3.0)
         now[0] += 0.1  # the first step starts 100 ms after the request came
         for _ in range(steps):
+            timing.add_step(now[0], step_s, 0.0)
             now[0] += step_s
-            timing.add_step(step_s, 0.0)
         timing.end_period()
     text = timing.summary()
     assert "7 steps in 2.25 s" in text and "6.0 s idle" in text, text

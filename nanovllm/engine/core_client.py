@@ -20,7 +20,7 @@ import queue
 import threading
 import weakref
 
-from nanovllm.engine.core_process import run_engine_core
+from nanovllm.engine.core_process import run_engine_core, write_pipe
 
 logger = logging.getLogger(__name__)
 _STOP_TIMEOUT_S = 30.0
@@ -53,7 +53,7 @@ class EngineCoreClient:
         self.config = info["config"]
         self.vocab_size: int = info["vocab_size"]
         self.stats: dict = info["stats"]
-        sender = threading.Thread(target=_send_loop, args=(self.conn, self._outbox), name="nanovllm-core-sender")
+        sender = threading.Thread(target=write_pipe, args=(self.conn, self._outbox), name="nanovllm-core-sender")
         sender.daemon = True
         sender.start()
         self._sender.append(sender)
@@ -93,17 +93,6 @@ class EngineCoreClient:
     def shutdown(self) -> None:
         """Ask the core to stop (it aborts what runs), wait for it, then make sure it is gone."""
         self._finalizer()
-
-
-def _send_loop(conn, outbox: queue.SimpleQueue) -> None:
-    while True:
-        data = outbox.get()
-        if data is None:
-            return
-        try:
-            conn.send_bytes(data)
-        except (OSError, ValueError):
-            return  # the core is gone; the reader side reports it
 
 
 def _stop(process, conn, outbox: queue.SimpleQueue, sender: list[threading.Thread]) -> None:

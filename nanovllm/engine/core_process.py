@@ -113,7 +113,7 @@ class EngineCore:
                     t1 = time.perf_counter()
                     if updates:
                         self.outbox.send(("out", updates, engine.stats()))
-                    timing.add_step(t1 - t0, time.perf_counter() - t1)
+                    timing.add_step(t0, t1 - t0, time.perf_counter() - t1)
         except (EOFError, OSError, BrokenPipeError):
             logger.info("the front end closed the pipe; the engine core leaves")
         except BaseException as e:  # noqa: BLE001 - the engine is dead: say why, then leave
@@ -166,6 +166,16 @@ class EngineCore:
         return seqs
 
 
+def write_pipe(conn, outbox: queue.SimpleQueue) -> None:
+    """A writer thread's loop, for both ends of the pipe: send each pickled message from
+    ``outbox`` until None; stop quietly when the other end is gone (its reader reports it)."""
+    while (data := outbox.get()) is not None:
+        try:
+            conn.send_bytes(data)
+        except (OSError, ValueError):
+            return
+
+
 class CoreOutbox:
     """The core's messages, pickled on the step loop's thread and written to the pipe by a
     thread of their own: a front end busy with HTTP work never stalls a step (a blocking send
@@ -174,7 +184,8 @@ class CoreOutbox:
     def __init__(self, conn):
         self.conn = conn
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._loop, name="nanovllm-core-outbox", daemon=True)
+        self.thread = threading.Thread(target=write_pipe, args=(conn, self.queue), name="nanovllm-core-outbox")
+        self.thread.daemon = True
         self.thread.start()
 
     def send(self, message) -> None:
@@ -183,13 +194,6 @@ class CoreOutbox:
     def close(self, timeout_s: float = 10.0) -> None:
         self.queue.put(None)
         self.thread.join(timeout_s)
-
-    def _loop(self) -> None:
-        while (data := self.queue.get()) is not None:
-            try:
-                self.conn.send_bytes(data)
-            except (OSError, ValueError):
-                return  # the front end is gone; the core is leaving anyway
 
 
 class CoreTiming:
@@ -208,13 +212,13 @@ class CoreTiming:
         self.woke_at = time.perf_counter()
         self.idle_s += self.woke_at - wait_started
 
-    def add_step(self, step_s: float, after_s: float) -> None:
+    def add_step(self, started: float, step_s: float, after_s: float) -> None:
         self.steps += 1
         self.step_s += step_s
         self.after_step_s += after_s
         if self.period is None:
-            start = self.woke_at if self.woke_at is not None else time.perf_counter() - step_s - after_s
-            self.period = [start, 0, 0.0, time.perf_counter() - step_s - after_s - start]
+            start = self.woke_at if self.woke_at is not None else started
+            self.period = [start, 0, 0.0, started - start]
         self.period[1] += 1
         self.period[2] += step_s
 

@@ -56,7 +56,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-
     from nanovllm.entrypoints.cli import engine_kwargs
     from nanovllm.entrypoints.openai.api_server import serve
 
