@@ -423,3 +423,45 @@ def test_core_timing_reports_the_longest_busy_period(monkeypatch):
     text = timing.summary()
     assert "7 steps in 2.25 s" in text and "6.0 s idle" in text, text
     assert "longest busy period 1.35 s: 5 steps taking 1.25 s, the first 100.0 ms after" in text, text
+
+
+def _echo_after(seconds: float, payload: bytes, e) -> bytes:
+    """Run in the core: hold the step loop (the core reads no command meanwhile), then answer."""
+    time.sleep(seconds)
+    return payload
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_messages_larger_than_the_pipe_cross_both_ways(loop_kind):
+    """A command and an answer each far larger than the pipe's buffer (8 MiB; a socketpair holds
+    ~200 KiB) cross whole, on asyncio's loop and on uvloop, while the core is busy. uvloop's
+    ``add_reader`` switches a pipe to non-blocking: reading the core's messages on the loop then
+    failed mid-message, and the sender thread's write to the full pipe failed with EAGAIN and
+    ended the thread, so every later command was lost (a served benchmark hung with 153 of 256
+    requests never reaching the core)."""
+    import functools
+    import os
+
+    if loop_kind == "uvloop":
+        uvloop = pytest.importorskip("uvloop", reason="uvloop is not installed (pip install uvloop)")
+        run = uvloop.run
+    else:
+        run = asyncio.run
+    big = os.urandom(8 << 20)
+    engine = AsyncLLM.from_engine_args(zoo_model(MODEL), engine_process=True, **ENGINE_ARGS)
+    try:
+
+        async def main():
+            busy = asyncio.ensure_future(engine.call(functools.partial(_echo_after, 1.0, b"")))
+            await asyncio.sleep(0.2)  # the core is in the first call: the big one fills the pipe
+            answer = await asyncio.wait_for(engine.call(functools.partial(_echo_after, 0.0, big)), 60)
+            await busy
+            outs = [out async for out in engine.generate([5, 6, 7], SamplingParams(max_tokens=4), "after")]
+            return answer, outs[-1], os.get_blocking(engine.client.conn.fileno())
+
+        answer, last, blocking = run(main())
+    finally:
+        engine.shutdown()
+    assert answer == big, "the answer did not come back whole"
+    assert last.finished and len(last.outputs[0].token_ids) == 4, "the engine stopped serving after the big messages"
+    assert blocking, "the event loop switched the engine pipe to non-blocking"

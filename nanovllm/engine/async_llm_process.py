@@ -9,17 +9,22 @@ the text work: incremental detokenization, stop-string hold-back, logprob dicts,
 loop no longer share one interpreter lock, and the outputs are the in-process engine's (same
 functions, same mirror state).
 
-The core's messages are read on the event loop (``add_reader`` on the pipe); commands leave
-through the client's sender thread. If the core process dies, every caller gets
-``EngineDeadError`` and so does every later call.
+The core's messages are read by a reader thread of this process (blocking reads of whole
+messages), which hands them to the event loop; commands leave through the client's sender
+thread. The event loop never touches the pipe: uvloop's ``add_reader`` (libuv's ``uv_poll``)
+would switch the pipe to non-blocking, and then a read of a message that has not fully arrived,
+or the sender's write to a full pipe, fails with EAGAIN. If the core process dies, every caller
+gets ``EngineDeadError`` and so does every later call.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import pickle
+import threading
 from collections.abc import Callable
 
 from nanovllm.core.sequence import Sequence
@@ -33,6 +38,7 @@ from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
+_PIPE_CLOSED = object()  # the reader thread's last message: (_PIPE_CLOSED, the error)
 
 
 class ProcessAsyncLLM(AsyncLLM):
@@ -53,6 +59,9 @@ class ProcessAsyncLLM(AsyncLLM):
         self._pending: dict[int, tuple[asyncio.Future, ParentRequest | None]] = {}
         self._tokens = itertools.count()
         self._closed = False
+        self._inbox: collections.deque = collections.deque()  # the reader thread's messages, in order
+        self._drain_scheduled = False  # a _drain call is on the loop (set and cleared under _inbox_lock)
+        self._inbox_lock = threading.Lock()
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, engine_process: bool = True, **engine_args) -> AsyncLLM:
@@ -82,7 +91,8 @@ class ProcessAsyncLLM(AsyncLLM):
         loop = asyncio.get_running_loop()
         if self._loop is None:
             self._loop = loop
-            loop.add_reader(self.client.conn.fileno(), self._on_readable)
+            reader = threading.Thread(target=self._read_core, args=(loop,), name="nanovllm-core-reader", daemon=True)
+            reader.start()
         elif loop is not self._loop:
             raise RuntimeError("an AsyncLLM serves one event loop; this call came from another")
 
@@ -137,22 +147,45 @@ class ProcessAsyncLLM(AsyncLLM):
         await super().check_health()
 
     def shutdown(self) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            try:
-                self._loop.remove_reader(self.client.conn.fileno())
-            except (ValueError, OSError):
-                pass
         self._closed = True
-        self.client.shutdown()
+        self.client.shutdown()  # the core closes its end: the reader thread reads EOF and leaves
 
     # ------------------------------------------------------------ core -> here
-    def _on_readable(self) -> None:
+    def _read_core(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The reader thread: each whole message from the core goes into ``_inbox``, and one
+        ``_drain`` call at a time is put on the loop; EOF or a broken pipe ends the thread (and,
+        unless this side is shutting down, fails every caller)."""
         conn = self.client.conn
-        try:
-            while conn.poll():
-                self._dispatch(conn.recv())
-        except (EOFError, OSError) as e:
-            self._core_died(EngineDeadError(f"the engine-core process is gone ({type(e).__name__})"))
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError) as e:
+                msg = (_PIPE_CLOSED, e)
+            with self._inbox_lock:
+                self._inbox.append(msg)
+                schedule = not self._drain_scheduled
+                self._drain_scheduled = True
+            if schedule:
+                try:
+                    loop.call_soon_threadsafe(self._drain)
+                except RuntimeError:  # the loop is closed: nobody is listening any more
+                    return
+            if msg[0] is _PIPE_CLOSED:
+                return
+
+    def _drain(self) -> None:
+        """On the loop: dispatch what the reader thread has queued, in order."""
+        with self._inbox_lock:
+            msgs = list(self._inbox)
+            self._inbox.clear()
+            self._drain_scheduled = False
+        for msg in msgs:
+            if msg[0] is _PIPE_CLOSED:
+                if not self._closed:
+                    e = msg[1]
+                    self._core_died(EngineDeadError(f"the engine-core process is gone ({type(e).__name__})"))
+                return
+            self._dispatch(msg)
 
     def _dispatch(self, msg) -> None:
         kind = msg[0]
@@ -222,11 +255,6 @@ class ProcessAsyncLLM(AsyncLLM):
             return
         logger.error("the engine core failed: %r", error)
         self.errored = error
-        if self._loop is not None:
-            try:
-                self._loop.remove_reader(self.client.conn.fileno())
-            except (ValueError, OSError):
-                pass
         dead = error if isinstance(error, EngineDeadError) else EngineDeadError(f"the engine failed: {error!r}")
         for fut, _ in self._pending.values():
             self._settle(fut, None, dead)
