@@ -478,3 +478,36 @@ def test_server_copies_its_log_where_asked(tmp_path):
     with server([sys.executable, "-c", script], ready_timeout=60, keep_log=str(kept)):
         pass
     assert "hello from the scripted server" in kept.read_text()
+
+
+def test_bench_serve_timeline_places_the_core_busy_period_in_the_run():
+    """The timeline of a served run: seconds from its start to the last request sent, the first
+    token, the last byte, and the engine core's busy period read from the server's log (Unix
+    times made relative to the run's start); a log without the line gives no core figures."""
+    import tempfile
+
+    from nanovllm.bench.serve import RequestResult, ServeMeasurement, core_busy_period
+
+    results = [
+        RequestResult(ok=True, output_tokens=3, ttft=0.5, e2e=2.0, sent_at=100.0, done_at=102.0),
+        RequestResult(ok=True, output_tokens=3, ttft=0.2, e2e=3.5, sent_at=100.25, done_at=103.75),
+        RequestResult(ok=False, sent_at=100.5, done_at=100.75, error="HTTP 400"),
+    ]
+    m = ServeMeasurement("x", 3.75, results, started_at=100.0, wall_started=1.7e9)
+    assert m.timeline() == pytest.approx({"last_sent_s": 0.5, "first_token_s": 0.45, "last_byte_s": 3.75})
+    with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
+        log.write(
+            "INFO nanovllm.engine.core_process: engine core: 9 steps in 3.00 s, ...; longest busy period "
+            "3.25 s: 9 steps taking 3.00 s, the first 1.0 ms after the request that started it; "
+            "busy from 1700000000.125 to 1700000003.375 (Unix time)\n"
+        )
+        log.flush()
+        m.core_busy = core_busy_period(log.name)
+        log.seek(0)
+        log.truncate()
+        log.write("INFO no core timing here\n")
+        log.flush()
+        assert core_busy_period(log.name) is None
+    t = m.summary()["timeline_s"]
+    assert t["core_busy_from_s"] == pytest.approx(0.125) and t["core_busy_to_s"] == pytest.approx(3.375)
+    assert core_busy_period("/nonexistent/server.log") is None

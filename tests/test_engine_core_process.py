@@ -406,11 +406,13 @@ def test_the_front_end_tokenizes_text_prompts_for_the_core():
 
 def test_core_timing_reports_the_longest_busy_period(monkeypatch):
     """The core's exit log: steps, sending, idle, and its longest busy period (from the request
-    that woke it to when nothing was left), with the delay before that period's first step."""
+    that woke it to when nothing was left), with the delay before that period's first step and
+    the period's start and end in Unix time."""
     from nanovllm.engine import core_process
 
     now = [100.0]
     monkeypatch.setattr(core_process.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(core_process.time, "time", lambda: now[0] + 1.7e9)  # Unix time, another origin
     timing = core_process.CoreTiming()
     for steps, step_s in ((2, 0.5), (5, 0.25)):  # two busy periods: 1.2 s and 1.35 s long
         now[0] += 3.0  # idle
@@ -423,6 +425,7 @@ def test_core_timing_reports_the_longest_busy_period(monkeypatch):
     text = timing.summary()
     assert "7 steps in 2.25 s" in text and "6.0 s idle" in text, text
     assert "longest busy period 1.35 s: 5 steps taking 1.25 s, the first 100.0 ms after" in text, text
+    assert "busy from 1700000107.100 to 1700000108.450 (Unix time)" in text, text
 
 
 def _echo_after(seconds: float, payload: bytes, e) -> bytes:

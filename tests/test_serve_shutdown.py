@@ -16,12 +16,14 @@ import tempfile
 import time
 import urllib.request
 
+import httpx
 import pytest
 
 pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
 pytest.importorskip("uvicorn", reason="the serve extra (uvicorn) is not installed")
 
 from conformance.zoo import zoo_model  # noqa: E402
+from nanovllm.bench.serve import core_busy_period  # noqa: E402
 from nanovllm.bench.server_process import free_port, nanovllm_serve_command  # noqa: E402
 
 MODEL = "qwen3-gqa2-hd64-tied"
@@ -69,6 +71,14 @@ def test_sigterm_stops_the_engine_core_before_the_server_exits():
         )
         try:
             _wait_healthy(proc, f"http://127.0.0.1:{port}", log.name)
+            sent = time.time()
+            r = httpx.post(
+                f"http://127.0.0.1:{port}/v1/completions",
+                json={"prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True},
+                timeout=60,
+            )
+            answered = time.time()
+            assert r.status_code == 200, r.text
             proc.send_signal(signal.SIGTERM)
             status = proc.wait(timeout=60)
         finally:
@@ -76,10 +86,13 @@ def test_sigterm_stops_the_engine_core_before_the_server_exits():
                 proc.kill()
                 proc.wait()
         text = open(log.name).read()
+        busy = core_busy_period(log.name)  # as `bench serve` reads it from a kept log
     core = re.search(r"engine core ready in process (\d+)", text)
     assert core, f"the server did not log its engine core's pid:\n{text[-3000:]}"
     assert status == 128 + signal.SIGTERM, f"exit status {status}:\n{text[-3000:]}"
     assert "engine core: " in text, f"the engine core did not log its stop:\n{text[-3000:]}"
+    # its busy period in Unix time lies inside the request's send and answer
+    assert busy is not None and sent <= busy[0] <= busy[1] <= answered, (sent, busy, answered, text[-3000:])
     assert "closed the pipe" not in text, f"the engine core was not told to stop; it left on a closed pipe:\n{text}"
     assert not _alive(int(core.group(1))), "the engine core outlived the server"
     # the serve extra's event loop: uvloop where it is installed, asyncio's otherwise

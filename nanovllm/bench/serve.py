@@ -38,6 +38,8 @@ class RequestResult:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    sent_at: float = 0.0  # perf_counter when the request was sent
+    done_at: float = 0.0  # perf_counter when its last byte came (or it failed)
 
 
 @dataclass
@@ -45,6 +47,24 @@ class ServeMeasurement:
     engine: str
     duration: float
     results: list[RequestResult]
+    started_at: float = 0.0  # perf_counter at the run's start
+    wall_started: float = 0.0  # the same instant in Unix time
+    core_busy: tuple[float, float] | None = None  # the engine core's longest busy period, Unix time
+
+    def timeline(self) -> dict:
+        """Seconds from the run's start: the last request sent, the first token, the last byte;
+        and, from the server's log, when its engine core's longest busy period began and ended
+        (where the served run's time goes beyond the engine's own)."""
+        done = self.completed
+        out = {
+            "last_sent_s": max((r.sent_at for r in self.results), default=self.started_at) - self.started_at,
+            "first_token_s": min((r.sent_at + r.ttft for r in done), default=self.started_at) - self.started_at,
+            "last_byte_s": max((r.done_at for r in self.results), default=self.started_at) - self.started_at,
+        }
+        if self.core_busy is not None:
+            out["core_busy_from_s"] = self.core_busy[0] - self.wall_started
+            out["core_busy_to_s"] = self.core_busy[1] - self.wall_started
+        return out
 
     @property
     def completed(self) -> list[RequestResult]:
@@ -68,6 +88,7 @@ class ServeMeasurement:
             "output_tokens": self.output_tokens,
             "output_tokens_per_s": self.tokens_per_s,
             "requests_per_s": len(done) / self.duration,
+            "timeline_s": self.timeline(),
         }
         for name, values in (
             ("ttft_ms", [r.ttft for r in done]),
@@ -104,7 +125,7 @@ async def one_request(
     }
     start = time.perf_counter()
     last = None
-    result = RequestResult(ok=False)
+    result = RequestResult(ok=False, sent_at=start)
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -142,6 +163,7 @@ async def one_request(
             result.error = "no usage chunk"
     except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
         result.error = f"{type(e).__name__}: {e}"
+    result.done_at = time.perf_counter()
     return result
 
 
@@ -172,14 +194,14 @@ async def run_requests(
             async with new_client() as client:
                 return await one_request(client, url, model, prompt, n, w.temperature)
 
-    start = time.perf_counter()
+    wall_start, start = time.time(), time.perf_counter()
     tasks = []
     for prompt, n in zip(w.prompts, w.max_tokens):
         tasks.append(asyncio.create_task(limited(prompt, n)))
         if rate != float("inf"):
             await asyncio.sleep(rng.expovariate(rate))
     results = await asyncio.gather(*tasks)
-    return ServeMeasurement("", time.perf_counter() - start, list(results))
+    return ServeMeasurement("", time.perf_counter() - start, list(results), start, wall_start)
 
 
 def measure(url: str, model: str, w: Workload, args) -> ServeMeasurement:
@@ -236,8 +258,11 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                 model_dir, "--served-model-name", "bench", "--uvicorn-log-level", "warning", *logs, *flags, *extra
             )
             label = " ".join(["nanovllm serve", *extra])
-            with server(cmd, ready_timeout=900, keep_log=_log_path(args, label)) as url:
+            log_path = _log_path(args, label)
+            with server(cmd, ready_timeout=900, keep_log=log_path) as url:
                 rows.append(_measured(label, url, "bench", w, args))
+            if log_path:  # complete once the server has stopped
+                rows[-1].core_busy = core_busy_period(log_path)
     for _peer in args.peer:  # "vllm", the one choice
         from nanovllm.bench.peers import find_vllm_python, python_version_of
 
@@ -304,6 +329,20 @@ def _measured(label: str, url: str, model: str | None, w: Workload, args) -> Ser
     return m
 
 
+_BUSY = re.compile(r"busy from ([0-9.]+) to ([0-9.]+) \(Unix time\)")
+
+
+def core_busy_period(log_path: str) -> tuple[float, float] | None:
+    """The engine core's longest busy period (Unix times) from a nanovllm server's log: the
+    core logs it at exit (``CoreTiming``); None where the log has no such line."""
+    try:
+        with open(log_path, errors="replace") as f:
+            found = _BUSY.findall(f.read())
+    except OSError:  # the server left no log
+        return None
+    return (float(found[-1][0]), float(found[-1][1])) if found else None
+
+
 def print_table(rows: list[ServeMeasurement], offline) -> None:
     sums = [m.summary() for m in rows]
     print("\n| metric | " + " | ".join(s["engine"] for s in sums) + " |")
@@ -319,6 +358,17 @@ def print_table(rows: list[ServeMeasurement], offline) -> None:
     for key, label in (("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
         for stat in ("mean", "p50", "p90", "p99"):
             line(f"{label} {stat} (ms)", ["n/a" if s[key][stat] is None else f"{s[key][stat]:,.1f}" for s in sums])
+    for s in sums:
+        t = s["timeline_s"]
+        core = (
+            f"; engine core busy {t['core_busy_from_s']:.2f} -> {t['core_busy_to_s']:.2f}"
+            if "core_busy_from_s" in t
+            else ""
+        )
+        print(
+            f"\ntimeline of {s['engine']} (s from the run's start): last request sent {t['last_sent_s']:.2f}, "
+            f"first token {t['first_token_s']:.2f}{core}, last byte {t['last_byte_s']:.2f}"
+        )
     if offline is not None:
         print(
             f"\nnanovllm offline (LLM.generate, same workload): {offline.tokens_per_s:,.1f} tok/s; served / offline: "

@@ -206,7 +206,9 @@ class CoreTiming:
         self.step_s = self.after_step_s = self.idle_s = 0.0
         self.woke_at: float | None = None  # when the command that ended the last idle wait came
         self.period: list[float] | None = None  # open period: [start, steps, step seconds, first step delay]
-        self.longest: list[float] | None = None  # [duration, steps, step seconds, first step delay]
+        # [duration, steps, step seconds, first step delay, start and end in Unix time (so a client
+        # on the same host can place the period in its own timeline)]
+        self.longest: list[float] | None = None
 
     def woke(self, wait_started: float) -> None:
         self.woke_at = time.perf_counter()
@@ -228,7 +230,8 @@ class CoreTiming:
         start, steps, step_s, delay = self.period
         duration = time.perf_counter() - start
         if self.longest is None or duration > self.longest[0]:
-            self.longest = [duration, steps, step_s, delay]
+            wall_end = time.time()
+            self.longest = [duration, steps, step_s, delay, wall_end - duration, wall_end]
         self.period = None
 
     def summary(self) -> str:
@@ -239,9 +242,10 @@ class CoreTiming:
             f"({per_step_us:.0f} us/step), {self.idle_s:.1f} s idle"
         )
         if self.longest is not None:
-            duration, steps, step_s, delay = self.longest
+            duration, steps, step_s, delay, wall_start, wall_end = self.longest
             text += (
                 f"; longest busy period {duration:.2f} s: {steps:.0f} steps taking {step_s:.2f} s, "
-                f"the first {1e3 * delay:.1f} ms after the request that started it"
+                f"the first {1e3 * delay:.1f} ms after the request that started it; "
+                f"busy from {wall_start:.3f} to {wall_end:.3f} (Unix time)"
             )
         return text
