@@ -99,3 +99,58 @@ def test_negative_control_wrong_block_table_is_caught():
     out = torch_ref.paged_attention(q, k_cache, v_cache, meta, 0.125)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(out, _dense(q, ks[0], vs[0], 0.125), atol=1e-5, rtol=1e-5)
+
+
+def _head_major_by_store(k_cache, v_cache, meta, seq_specs, ks, vs):
+    """A head-major cache written through ``store_kv(head_major=True)`` with the slots the
+    slot-major one was written with (unwritten slots NaN in both)."""
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    hk = torch.full((num_blocks, kv_heads, block_size, head_dim), float("nan"), dtype=k_cache.dtype)
+    hv = torch.full_like(hk, float("nan"))
+    for i, (ctx, _) in enumerate(seq_specs):
+        table = meta.block_tables[i].tolist()
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(ctx)])
+        torch_ref.store_kv(ks[i], vs[i], hk, hv, slots, head_major=True)
+    return hk, hv
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (8, 2, 128), (4, 1, 32)])
+def test_head_major_cache_gives_bitwise_the_slot_major_results(block_size, heads, kv_heads, head_dim):
+    """The CPU backend's head-major cache ([block, kv_head, slot, d]): ``store_kv`` puts each
+    token where the slot-major cache has it (the same tensor, transposed), and prefill, chunked
+    and batched-decode attention read back bitwise the slot-major results."""
+    scale = head_dim**-0.5
+    for specs in ([(1, 1), (17, 17), (40, 5), (33, 1), (70, 23)], [(1, 1), (33, 1), (70, 1), (16, 1)]):
+        q, ks, vs, k_cache, v_cache, meta = _build(specs, heads, kv_heads, head_dim, block_size)
+        hk, hv = _head_major_by_store(k_cache, v_cache, meta, specs, ks, vs)
+        for got_cache, slot_major in ((hk, k_cache), (hv, v_cache)):
+            assert torch.allclose(got_cache, slot_major.permute(0, 2, 1, 3), equal_nan=True, atol=0, rtol=0), (
+                "store_kv(head_major=True) put a token elsewhere"
+            )
+        want = torch_ref.paged_attention(q, k_cache, v_cache, meta, scale)
+        got = torch_ref.paged_attention(q, hk, hv, meta, scale, head_major=True)
+        assert torch.equal(got, want)
+        if meta.is_decode_only:
+            want = torch_ref.paged_decode_batched(q, k_cache, v_cache, meta, scale)
+            got = torch_ref.paged_decode_batched(q, hk, hv, meta, scale, head_major=True)
+            assert torch.equal(got, want)
+            # a control: the head-major cache read as slot-major is not the same attention
+            wrong = torch_ref.paged_decode_batched(q, hk.view(k_cache.shape), hv.view(v_cache.shape), meta, scale)
+            if kv_heads > 1 and block_size > 1:
+                assert not torch.allclose(wrong, want, equal_nan=True)
+
+
+def test_the_torch_backend_allocates_and_reads_a_head_major_cache():
+    """The CPU engine's cache is head-major (the backend says its shape); the Triton backend's
+    stays slot-major, the layout its kernels read."""
+    from conformance.zoo import zoo_model
+    from nanovllm import LLM
+    from nanovllm.attention.backends import TorchBackend
+    from nanovllm.attention.triton_backend import TritonBackend
+
+    assert TorchBackend.kv_cache_shape(10, 16, 2, 64) == (10, 2, 16, 64)
+    assert TritonBackend.kv_cache_shape(10, 16, 2, 64) == (10, 16, 2, 64)
+    llm = LLM(zoo_model("qwen3-gqa2-hd64-tied"), device="cpu", kv_cache_memory_gib=0.01)
+    attn = next(m for m in llm.llm_engine.executor.runner.model.modules() if hasattr(m, "k_cache"))
+    assert attn.k_cache.shape[1:] == (attn.num_kv_heads, llm.llm_engine.config.block_size, attn.head_dim)

@@ -511,3 +511,19 @@ def test_bench_serve_timeline_places_the_core_busy_period_in_the_run():
     t = m.summary()["timeline_s"]
     assert t["core_busy_from_s"] == pytest.approx(0.125) and t["core_busy_to_s"] == pytest.approx(3.375)
     assert core_busy_period("/nonexistent/server.log") is None
+
+
+def test_vllm_peer_memory_utilization_default_and_bad_value(monkeypatch):
+    """The vLLM peer reserves half the node by default (vLLM's CPU build refuses to start when its
+    own 0.92 is not free); $NANOVLLM_VLLM_MEMORY_UTILIZATION overrides it, and a value outside
+    (0, 1] is an error naming the variable."""
+    from nanovllm.bench.peers import vllm_memory_utilization
+
+    monkeypatch.delenv("NANOVLLM_VLLM_MEMORY_UTILIZATION", raising=False)
+    assert vllm_memory_utilization() == 0.5
+    monkeypatch.setenv("NANOVLLM_VLLM_MEMORY_UTILIZATION", "0.25")
+    assert vllm_memory_utilization() == 0.25
+    for bad in ("0", "1.5", "-0.1"):
+        monkeypatch.setenv("NANOVLLM_VLLM_MEMORY_UTILIZATION", bad)
+        with pytest.raises(ValueError, match="NANOVLLM_VLLM_MEMORY_UTILIZATION"):
+            vllm_memory_utilization()

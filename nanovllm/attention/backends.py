@@ -9,13 +9,18 @@ from nanovllm.attention.metadata import AttentionMetadata
 
 
 class TorchBackend:
-    """Plain PyTorch (the CPU path): batched decode, per-sequence loop otherwise."""
+    """Plain PyTorch (the CPU path): batched decode, per-sequence loop otherwise. Its cache is
+    head-major (``torch_ref``'s module docstring says why)."""
 
     name = "torch"
 
     @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_blocks, num_kv_heads, block_size, head_dim)
+
+    @staticmethod
     def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-        torch_ref.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        torch_ref.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, head_major=True)
 
     @staticmethod
     def forward(
@@ -28,8 +33,8 @@ class TorchBackend:
         v_scale: float = 1.0,
     ) -> torch.Tensor:
         if meta.is_decode_only:
-            return torch_ref.paged_decode_batched(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
-        return torch_ref.paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+            return torch_ref.paged_decode_batched(q, k_cache, v_cache, meta, scale, k_scale, v_scale, head_major=True)
+        return torch_ref.paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale, head_major=True)
 
 
 def get_backend(name: str):

@@ -1,8 +1,13 @@
 """Paged attention in plain PyTorch: the CPU path and the oracle for GPU kernels.
 
 Cache layout, one tensor each for K and V per layer: [num_blocks, block_size,
-num_kv_heads, head_dim]; slot s is position ``s % block_size`` of block
-``s // block_size``. Softmax is computed in float32.
+num_kv_heads, head_dim] (slot-major: the GPU kernels' layout, and the oracle's default); slot s
+is position ``s % block_size`` of block ``s // block_size``. The CPU backend keeps its own cache
+head-major, [num_blocks, num_kv_heads, block_size, head_dim] (``head_major=True``): a block's
+keys of one head are then one contiguous [block_size, head_dim] matrix, so the decode path's
+block gather is a plain copy of whole blocks instead of a transposing one (1.4-1.7x faster
+decode attention on the development machine; the results are bitwise the same). Softmax is
+computed in float32.
 
 An FP8 cache (``torch.float8_e4m3fn``) stores ``clamp(x / scale, -448, 448)`` in e4m3 and is read
 back as ``e4m3 * scale``, one scale per layer for K and one for V (vLLM's ``k_scale``/``v_scale``).
@@ -42,24 +47,38 @@ def store_kv(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    head_major: bool = False,
 ) -> None:
     """Write each new token's K/V into its slot; slot -1 writes nothing."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     if k_cache.dtype == FP8:
         key, value = quantize_fp8(key, k_scale), quantize_fp8(value, v_scale)
+    if head_major:  # [num_blocks, kv_heads, block_size, d]: token t goes to [block, :, offset]
+        block_size = k_cache.shape[2]
+        block, offset = slot_mapping // block_size, slot_mapping % block_size
+        _bytes(k_cache)[block, :, offset] = _bytes(key)
+        _bytes(v_cache)[block, :, offset] = _bytes(value)
+        return
+    num_kv_heads, head_dim = k_cache.shape[-2:]
     _bytes(k_cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, _bytes(key))
     _bytes(v_cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, _bytes(value))
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float = 1.0) -> torch.Tensor:
-    """The first ``seq_len`` positions of one sequence: [seq_len, num_kv_heads, head_dim], float32."""
-    block_size = cache.shape[1]
+def gather_kv(
+    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float = 1.0, head_major: bool = False
+) -> torch.Tensor:
+    """The first ``seq_len`` positions of one sequence: [seq_len, num_kv_heads, head_dim], float32
+    (a strided view of a head-major gather: ``attention_one_seq`` takes the heads first anyway)."""
+    block_size = cache.shape[2 if head_major else 1]
     num_blocks = cdiv(seq_len, block_size)
     blocks = _bytes(cache).index_select(0, block_table[:num_blocks].long())
-    return _load(blocks.flatten(0, 1)[:seq_len], cache.dtype, scale)
+    if head_major:  # [n, kvh, bs, d] -> [kvh, n * bs, d] -> [seq_len, kvh, d]
+        blocks = blocks.transpose(0, 1).flatten(1, 2).transpose(0, 1)
+    else:
+        blocks = blocks.flatten(0, 1)
+    return _load(blocks[:seq_len], cache.dtype, scale)
 
 
 def attention_one_seq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -92,14 +111,15 @@ def paged_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    head_major: bool = False,
 ) -> torch.Tensor:
     """The oracle: one sequence at a time, K/V read through the block table."""
     out = torch.empty_like(q)
     starts = meta.query_start_loc_cpu
     for i, seq_len in enumerate(meta.seq_lens_cpu):
         s, e = starts[i], starts[i + 1]
-        k = gather_kv(k_cache, meta.block_tables[i], seq_len, k_scale)
-        v = gather_kv(v_cache, meta.block_tables[i], seq_len, v_scale)
+        k = gather_kv(k_cache, meta.block_tables[i], seq_len, k_scale, head_major)
+        v = gather_kv(v_cache, meta.block_tables[i], seq_len, v_scale, head_major)
         out[s:e] = attention_one_seq(q[s:e], k, v, scale)
     return out
 
@@ -135,12 +155,13 @@ def paged_decode_batched(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    head_major: bool = False,
 ) -> torch.Tensor:
     """One query per sequence, all sequences at once: the CPU decode path.
 
-    Only the blocks a sequence uses are gathered (no padding to the longest sequence), each
-    transposed to [kv_head, slot, d] in the one copy, so both products are batched matmuls over
-    blocks. The softmax runs over each sequence's blocks: its maximum and denominator are
+    Only the blocks a sequence uses are gathered (no padding to the longest sequence), as
+    [kv_head, slot, d] (a plain copy from a head-major cache, a transposing one from a slot-major
+    cache), so both products are batched matmuls over blocks. The softmax runs over each sequence's blocks: its maximum and denominator are
     reduced per sequence (``scatter_reduce_``/``index_add_``, in block order), and the
     unnormalised block outputs are summed per sequence, then divided by the denominator. A
     sequence's result depends only on its own blocks, never on its batch-mates. Slots past
@@ -148,12 +169,17 @@ def paged_decode_batched(
     may, and 0 * NaN is NaN).
     """
     num_seqs, num_heads, d = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    if head_major:
+        _, num_kv_heads, block_size, _ = k_cache.shape
+        k_blocks, v_blocks = _bytes(k_cache), _bytes(v_cache)
+    else:
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        k_blocks, v_blocks = _bytes(k_cache).permute(0, 2, 1, 3), _bytes(v_cache).permute(0, 2, 1, 3)
     group = num_heads // num_kv_heads
     table, seq_of_block, pad = _decode_plan(meta, block_size)
     n = table.numel()
-    k = _load(_bytes(k_cache).permute(0, 2, 1, 3).index_select(0, table), k_cache.dtype, k_scale)  # [n, kvh, bs, d]
-    v = _load(_bytes(v_cache).permute(0, 2, 1, 3).index_select(0, table), v_cache.dtype, v_scale)
+    k = _load(k_blocks.index_select(0, table), k_cache.dtype, k_scale)  # [n, kvh, bs, d]
+    v = _load(v_blocks.index_select(0, table), v_cache.dtype, v_scale)
     qb = q.float().view(num_seqs, num_kv_heads, group, d).index_select(0, seq_of_block)  # [n, kvh, g, d]
     scores = torch.matmul(qb, k.transpose(-1, -2)).mul_(scale)  # [n, kvh, g, bs]
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))

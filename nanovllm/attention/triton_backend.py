@@ -59,6 +59,10 @@ class TritonBackend:
 
     # ------------------------------------------------------------ interface
     @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, num_kv_heads, head_dim)  # slot-major, what the kernels read
+
+    @staticmethod
     def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         triton_ops.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 

@@ -205,6 +205,17 @@ def find_vllm_python(explicit: str | None) -> str | None:
     return None
 
 
+def vllm_memory_utilization() -> float:
+    """vLLM's ``gpu_memory_utilization`` for the peer ($NANOVLLM_VLLM_MEMORY_UTILIZATION, default
+    0.5). vLLM's CPU build reads it as the share of the NUMA node's memory it reserves, and refuses
+    to start when that much is not free: its own default, 0.92, fails on a machine where anything
+    else holds 8 % of the node (here: 14.2 of 16.0 GiB free)."""
+    value = float(os.environ.get("NANOVLLM_VLLM_MEMORY_UTILIZATION", "0.5"))
+    if not 0 < value <= 1:
+        raise ValueError(f"NANOVLLM_VLLM_MEMORY_UTILIZATION must be in (0, 1], got {value}")
+    return value
+
+
 def run_vllm(
     w: Workload, model_dir: str, python: str, warm_repeat: bool = True, dtype: str = "float32"
 ) -> list[Measurement]:
@@ -216,8 +227,11 @@ def run_vllm(
         "temperature": w.temperature,
         "dtype": dtype,
         "warm_repeat": warm_repeat,
+        "gpu_memory_utilization": vllm_memory_utilization(),
     }
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH="")
+    # the CPU build keeps its KV cache in host memory: 2 GiB (as `bench serve` gives it)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     proc = subprocess.run(
         [python, str(Path(__file__).with_name("vllm_peer.py"))],
         input=json.dumps(payload),

@@ -264,7 +264,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             if log_path:  # complete once the server has stopped
                 rows[-1].core_busy = core_busy_period(log_path)
     for _peer in args.peer:  # "vllm", the one choice
-        from nanovllm.bench.peers import find_vllm_python, python_version_of
+        from nanovllm.bench.peers import find_vllm_python, python_version_of, vllm_memory_utilization
 
         python = find_vllm_python(args.vllm_python)
         if python is None:
@@ -284,6 +284,11 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             "float32" if w.name == "cpu" else "bfloat16",
             "--seed",
             "0",
+            *(
+                []
+                if any(a.startswith("--gpu-memory-utilization") for a in args.vllm_arg)
+                else [f"--gpu-memory-utilization={vllm_memory_utilization()}"]
+            ),
             *args.vllm_arg,
         ]
         # the CPU build keeps its KV cache in host memory: 2 GiB, not a share of all of it

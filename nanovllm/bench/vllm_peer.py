@@ -10,7 +10,13 @@ def main() -> None:
     job = json.load(sys.stdin)
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    llm = LLM(model=job["model"], dtype=job["dtype"], enable_prefix_caching=True, seed=0)
+    llm = LLM(
+        model=job["model"],
+        dtype=job["dtype"],
+        enable_prefix_caching=True,
+        seed=0,
+        gpu_memory_utilization=job.get("gpu_memory_utilization", 0.9),
+    )
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
     params = [SamplingParams(temperature=job["temperature"], max_tokens=n, ignore_eos=True) for n in job["max_tokens"]]
     warm = [TokensPrompt(prompt_token_ids=[(t + 1) % 30000 for t in p[:32]]) for p in job["prompts"][:2]]

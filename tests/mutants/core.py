@@ -28,11 +28,40 @@ from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.scheduler import Scheduler
 
 
+def check_signature(old: object, new: object, where: str) -> None:
+    """A replacement must take every call the function it replaces takes: all of its parameters
+    by position, and by name where the original allows it. Otherwise the mutant would only make
+    its callers raise TypeError, and a test failing on that crash would count it as caught (a
+    wrapper of five parameters around a function called with seven was, until this check)."""
+    if not (inspect.isfunction(old) or inspect.ismethod(old)) or isinstance(new, type) or not callable(new):
+        return
+    try:
+        so, sn = inspect.signature(old), inspect.signature(new)
+    except (TypeError, ValueError):
+        return
+    P = inspect.Parameter
+    params = list(so.parameters.values())
+    positional = [p for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    keyword_only = {p.name: None for p in params if p.kind is P.KEYWORD_ONLY}
+    by_name = {p.name: None for p in positional if p.kind is P.POSITIONAL_OR_KEYWORD}
+    only_positional = [None for p in positional if p.kind is P.POSITIONAL_ONLY]
+    for args, kwargs in (([None] * len(positional), keyword_only), (only_positional, {**by_name, **keyword_only})):
+        try:
+            sn.bind(*args, **kwargs)
+        except TypeError as e:
+            raise AssertionError(
+                f"mutant replacement of {where} does not take the calls {old.__qualname__}{so} takes: "  # type: ignore[union-attr]
+                f"its signature is {sn} ({e})"
+            ) from None
+
+
 @contextlib.contextmanager
 def _patched(*patches: tuple[object, str, object]) -> Iterator[None]:
     saved = [
         (obj, name, obj.__dict__[name] if isinstance(obj, type) else getattr(obj, name)) for obj, name, _ in patches
     ]
+    for (obj, name, new), (_, _, old) in zip(patches, saved):
+        check_signature(old, new, f"{getattr(obj, '__name__', obj)}.{name}")
     try:
         for obj, name, new in patches:
             setattr(obj, name, new)

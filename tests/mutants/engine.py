@@ -55,10 +55,10 @@ def decode_drops_last_key() -> ContextManager:
     (torch_ref,) = _modules("nanovllm.attention.torch_ref")
     orig = torch_ref.paged_decode_batched
 
-    def paged_decode_batched(q, k_cache, v_cache, meta, scale):
+    def paged_decode_batched(q, k_cache, v_cache, meta, scale, *args, **kwargs):
         lens = (meta.seq_lens - 1).clamp(min=1)
         meta = dataclasses.replace(meta, seq_lens=lens, seq_lens_cpu=[max(1, s - 1) for s in meta.seq_lens_cpu])
-        return orig(q, k_cache, v_cache, meta, scale)
+        return orig(q, k_cache, v_cache, meta, scale, *args, **kwargs)
 
     return _patched((torch_ref, "paged_decode_batched", paged_decode_batched))
 
@@ -457,8 +457,8 @@ def fused_sampler_temperature_ignored() -> ContextManager:
     (fused,) = _modules("nanovllm.layers.fused_sampler")
     orig = fused.sample
 
-    def sample(logits, inv_temp, seeds, block=None):
-        return orig(logits, (inv_temp > 0).to(inv_temp.dtype), seeds, block)
+    def sample(logits, inv_temp, seeds, *args, **kwargs):
+        return orig(logits, (inv_temp > 0).to(inv_temp.dtype), seeds, *args, **kwargs)
 
     return _patched((fused, "sample", sample))
 
@@ -481,8 +481,8 @@ def triton_decode_drops_last_key() -> ContextManager:
     (triton_ops,) = _modules("nanovllm.attention.triton_ops")
     orig = triton_ops.paged_decode
 
-    def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, **kw):
-        return orig(q, k_cache, v_cache, block_tables, (seq_lens - 1).clamp(min=0), scale, **kw)
+    def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, *args, **kw):
+        return orig(q, k_cache, v_cache, block_tables, (seq_lens - 1).clamp(min=0), scale, *args, **kw)
 
     return _patched((triton_ops, "paged_decode", paged_decode))
 
