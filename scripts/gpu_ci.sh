@@ -41,7 +41,7 @@ phase() {
 need=$("$PY" - <<'EOF'
 import importlib.util
 deps = {"gguf": "gguf", "hypothesis": "hypothesis", "xdist": "pytest-xdist", "fastapi": "fastapi",
-        "uvicorn": "uvicorn", "uvloop": "uvloop", "httptools": "httptools", "openai": "openai", "httpx": "httpx", "prometheus_client": "prometheus-client",
+        "uvicorn": "uvicorn", "uvloop": "uvloop", "httptools": "httptools", "openai": "openai", "httpx": "httpx", "aiohttp": "aiohttp", "prometheus_client": "prometheus-client",
         "matplotlib": "matplotlib"}
 print(" ".join(dist for mod, dist in deps.items() if importlib.util.find_spec(mod) is None))
 EOF

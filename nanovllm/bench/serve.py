@@ -112,7 +112,7 @@ def percentile(values: list[float], p: float) -> float:
 
 
 async def one_request(
-    client, url: str, model: str, prompt: list[int], max_tokens: int, temperature: float
+    session, url: str, model: str, prompt: list[int], max_tokens: int, temperature: float
 ) -> RequestResult:
     body = {
         "model": model,
@@ -127,9 +127,9 @@ async def one_request(
     last = None
     result = RequestResult(ok=False, sent_at=start)
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                result.error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
+        async with session.post(f"{url}/v1/completions", json=body) as r:
+            if r.status != 200:
+                result.error = f"HTTP {r.status}: {(await r.read())[:300]!r}"
                 return result
             # The client must not be what limits the measurement: one Python process reads every
             # stream. So events are split from the raw bytes and only the usage event is parsed
@@ -137,7 +137,7 @@ async def one_request(
             # chunks/s, a quarter of what the GPU server sends). Events that arrive in one read
             # share its timestamp.
             pending = b""
-            async for data in r.aiter_raw():
+            async for data in r.content.iter_any():
                 now = time.perf_counter()
                 events = (pending + data).split(b"\n\n")
                 pending = events.pop()  # an incomplete event waits for the next read
@@ -176,32 +176,32 @@ async def run_requests(
     seed: int = 0,
     api_key: str | None = None,
 ) -> ServeMeasurement:
-    import httpx
+    import aiohttp
 
     limit = asyncio.Semaphore(max_concurrency or len(w.prompts))
     rng = random.Random(seed)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    # One client (one connection) per request in flight: httpx's pool scans every connection on
-    # each read, so one pool of 256 streaming connections spends the client's core on
-    # bookkeeping and caps what the benchmark can receive (~6k chunks/s on the H200 host).
-    # Plain HTTP on loopback: no TLS context to build per client.
+    # aiohttp, as vLLM's benchmark: one session, a connection per request in flight (no pool
+    # limit; the semaphore bounds them). httpx spent ~1.2 ms of the client's one core per request
+    # before sending it, so 256 requests sent "at once" reached the server over ~0.35 s on the
+    # 2-core dev machine; aiohttp sends them in ~0.1 s (docs: BENCHMARKS.md, serving).
+    connector = aiohttp.TCPConnector(limit=0, use_dns_cache=True)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=3600.0)
+    async with aiohttp.ClientSession(connector=connector, headers=headers, timeout=timeout, trust_env=False) as session:
 
-    def new_client():
-        return httpx.AsyncClient(timeout=httpx.Timeout(3600.0), headers=headers, verify=False, trust_env=False)
+        async def limited(prompt, n):
+            async with limit:
+                return await one_request(session, url, model, prompt, n, w.temperature)
 
-    async def limited(prompt, n):
-        async with limit:
-            async with new_client() as client:
-                return await one_request(client, url, model, prompt, n, w.temperature)
-
-    wall_start, start = time.time(), time.perf_counter()
-    tasks = []
-    for prompt, n in zip(w.prompts, w.max_tokens):
-        tasks.append(asyncio.create_task(limited(prompt, n)))
-        if rate != float("inf"):
-            await asyncio.sleep(rng.expovariate(rate))
-    results = await asyncio.gather(*tasks)
-    return ServeMeasurement("", time.perf_counter() - start, list(results), start, wall_start)
+        wall_start, start = time.time(), time.perf_counter()
+        tasks = []
+        for prompt, n in zip(w.prompts, w.max_tokens):
+            tasks.append(asyncio.create_task(limited(prompt, n)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return ServeMeasurement("", duration, list(results), start, wall_start)
 
 
 def measure(url: str, model: str, w: Workload, args) -> ServeMeasurement:
