@@ -162,6 +162,14 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
         "--request-rate", type=float, default=float("inf"), help="requests per second (Poisson); inf: all at once"
     )
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    p.add_argument(
+        "--client-processes",
+        type=positive_int,
+        default=None,
+        help="client processes sending the requests (each an event loop with its share of them, all starting "
+        "together), so the client is not what limits the measurement (default: 1 on up to 4 CPUs, else "
+        "min(4, CPUs / 4))",
+    )
     p.add_argument("--base-url", default=None, help="benchmark this running server instead of starting one")
     p.add_argument("--api-key", default=None, help="API key of the --base-url server")
     p.add_argument(

@@ -17,8 +17,10 @@ import argparse
 import asyncio
 import json
 import os
+import multiprocessing as mp
 import random
 import re
+import resource
 import shlex
 import statistics
 import sys
@@ -50,6 +52,8 @@ class ServeMeasurement:
     started_at: float = 0.0  # perf_counter at the run's start
     wall_started: float = 0.0  # the same instant in Unix time
     core_busy: tuple[float, float] | None = None  # the engine core's longest busy period, Unix time
+    client_cpu_s: list[float] = field(default_factory=list)  # CPU time of each client process in the run
+    server_cpu_s: float | None = None  # the server process's CPU time in the run (its /metrics)
 
     def timeline(self) -> dict:
         """Seconds from the run's start: the last request sent, the first token, the last byte;
@@ -64,6 +68,17 @@ class ServeMeasurement:
         if self.core_busy is not None:
             out["core_busy_from_s"] = self.core_busy[0] - self.wall_started
             out["core_busy_to_s"] = self.core_busy[1] - self.wall_started
+        return out
+
+    def cpu_busy(self) -> dict:
+        """The share of the run's wall time each side spent on a CPU: the busiest client process
+        (one event loop: near 1.0 means the client limited the run) and the server's process
+        (its front end; an engine core in a process of its own is not counted)."""
+        out = {"client_processes": len(self.client_cpu_s)}
+        if self.client_cpu_s and self.duration > 0:
+            out["client_busiest"] = max(self.client_cpu_s) / self.duration
+        if self.server_cpu_s is not None and self.duration > 0:
+            out["server_process"] = self.server_cpu_s / self.duration
         return out
 
     @property
@@ -89,6 +104,7 @@ class ServeMeasurement:
             "output_tokens_per_s": self.tokens_per_s,
             "requests_per_s": len(done) / self.duration,
             "timeline_s": self.timeline(),
+            "cpu_busy": self.cpu_busy(),
         }
         for name, values in (
             ("ttft_ms", [r.ttft for r in done]),
@@ -193,21 +209,128 @@ async def run_requests(
             async with limit:
                 return await one_request(session, url, model, prompt, n, w.temperature)
 
-        wall_start, start = time.time(), time.perf_counter()
+        wall_start, start, cpu = time.time(), time.perf_counter(), _cpu_seconds()
         tasks = []
         for prompt, n in zip(w.prompts, w.max_tokens):
             tasks.append(asyncio.create_task(limited(prompt, n)))
             if rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-    return ServeMeasurement("", duration, list(results), start, wall_start)
+        duration, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
+    return ServeMeasurement("", duration, list(results), start, wall_start, client_cpu_s=[cpu])
+
+
+def _cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
+    return r.ru_utime + r.ru_stime
+
+
+def run_split(
+    url: str,
+    model: str,
+    w: Workload,
+    rate: float,
+    max_concurrency: int | None,
+    processes: int,
+    seed: int = 0,
+    api_key: str | None = None,
+) -> ServeMeasurement:
+    """The run from ``processes`` client processes: process i sends requests i, i + n, ... at
+    ``rate / n`` (a Poisson stream split at random stays Poisson) with its share of
+    ``max_concurrency``; all start at one instant, taken once every process has started. One
+    process: this one. The merged measurement's times are seconds from that instant."""
+    n = min(processes, len(w.prompts), max_concurrency or len(w.prompts))
+    if n <= 1:
+        return asyncio.run(run_requests(url, model, w, rate, max_concurrency, seed, api_key))
+    ctx = mp.get_context("spawn")
+    ready, results, go, start_at = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
+    procs = []
+    for i in range(n):
+        share = Workload(w.name, w.prompts[i::n], w.max_tokens[i::n], w.temperature, 0, 0)
+        cap = None if max_concurrency is None else max_concurrency // n + (i < max_concurrency % n)
+        job = (url, model, share, rate / n, cap, seed + i, api_key)
+        procs.append(ctx.Process(target=_client_process, args=(i, job, ready, go, start_at, results), daemon=True))
+    for p in procs:
+        p.start()
+    try:
+        for _ in range(n):
+            ready.get(timeout=120)
+        start_at.value = time.time() + 0.05
+        go.set()
+        parts: dict[int, ServeMeasurement] = {}
+        while len(parts) < n:
+            i, part = results.get()
+            if isinstance(part, BaseException):
+                raise RuntimeError(f"client process {i} failed: {part!r}") from part
+            parts[i] = part
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+    merged: list = [None] * len(w.prompts)
+    for i, part in parts.items():
+        merged[i::n] = part.results
+    return ServeMeasurement(
+        "",
+        max(p.duration for p in parts.values()),
+        merged,
+        0.0,
+        start_at.value,
+        client_cpu_s=[c for i in range(n) for c in parts[i].client_cpu_s],
+    )
+
+
+def _client_process(i: int, job: tuple, ready, go, start_at, results) -> None:
+    """One client process of ``run_split``: says it is up, waits for the common start, runs its
+    share, and returns it with its times made seconds from that start."""
+    try:
+        ready.put(i)
+        go.wait()
+        time.sleep(max(0.0, start_at.value - time.time()))
+        m = asyncio.run(run_requests(*job))
+        shift = (m.wall_started - start_at.value) - m.started_at  # this process's perf_counter -> run time
+        for r in m.results:
+            r.sent_at += shift
+            r.done_at += shift
+        m.duration += m.wall_started - start_at.value
+        m.started_at, m.wall_started = 0.0, start_at.value
+        results.put((i, m))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        results.put((i, e))
+
+
+def default_client_processes(cpus: int | None = None) -> int:
+    """One client process on up to 4 CPUs (it would take cores from the server), else
+    min(4, CPUs / 4)."""
+    cpus = cpus or os.cpu_count() or 1
+    return 1 if cpus <= 4 else max(1, min(4, cpus // 4))
+
+
+def server_cpu_seconds(url: str, api_key: str | None = None) -> float | None:
+    """``process_cpu_seconds_total`` from the server's ``/metrics`` (Prometheus' process
+    collector: nanovllm's and vLLM's servers export it); None where it is not there."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        text = httpx.get(f"{url}/metrics", headers=headers, timeout=10).text
+    except httpx.HTTPError:
+        return None
+    found = re.search(r"^process_cpu_seconds_total(?:\{[^}]*\})? ([0-9.eE+-]+)$", text, re.M)
+    return float(found.group(1)) if found else None
 
 
 def measure(url: str, model: str, w: Workload, args) -> ServeMeasurement:
     warm = Workload("warm-up", [[(t + 1) % 30000 for t in p[:32]] for p in w.prompts[:4]], [8] * 4, w.temperature, 0, 0)
     asyncio.run(run_requests(url, model, warm, float("inf"), None, api_key=args.api_key))
-    return asyncio.run(run_requests(url, model, w, args.request_rate, args.max_concurrency, api_key=args.api_key))
+    processes = getattr(args, "client_processes", None) or default_client_processes()
+    before = server_cpu_seconds(url, args.api_key)
+    m = run_split(url, model, w, args.request_rate, args.max_concurrency, processes, api_key=args.api_key)
+    after = server_cpu_seconds(url, args.api_key)
+    if before is not None and after is not None:
+        m.server_cpu_s = after - before
+    return m
 
 
 def _vocab_size(model_dir: str) -> int | None:
@@ -370,9 +493,15 @@ def print_table(rows: list[ServeMeasurement], offline) -> None:
             if "core_busy_from_s" in t
             else ""
         )
+        c = s["cpu_busy"]
+        busy = ""
+        if "client_busiest" in c:
+            busy = f"; CPU busy: client {c['client_busiest']:.0%} (busiest of {c['client_processes']} processes)"
+        if "server_process" in c:
+            busy += f", server process {c['server_process']:.0%}"
         print(
             f"\ntimeline of {s['engine']} (s from the run's start): last request sent {t['last_sent_s']:.2f}, "
-            f"first token {t['first_token_s']:.2f}{core}, last byte {t['last_byte_s']:.2f}"
+            f"first token {t['first_token_s']:.2f}{core}, last byte {t['last_byte_s']:.2f}{busy}"
         )
     if offline is not None:
         print(

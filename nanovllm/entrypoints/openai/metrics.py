@@ -9,7 +9,7 @@ scrape time. Each app has its own registry (several servers can live in one proc
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from nanovllm.engine.async_llm import AsyncLLM
@@ -87,6 +87,9 @@ class ServerMetrics:
     def __init__(self, engine: AsyncLLM, model_name: str):
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
+        # process_cpu_seconds_total and friends of the server's process (as in vLLM's /metrics):
+        # `bench serve` reads it to tell a saturated front end from a saturated client
+        ProcessCollector(registry=r)
         self.requests = Counter(
             "nanovllm:request_success",
             "Finished requests, by finish reason.",
