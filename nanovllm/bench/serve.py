@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import multiprocessing as mp
+import os
 import random
 import re
 import resource
