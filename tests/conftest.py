@@ -54,6 +54,15 @@ def engine_args(device: str = "cpu", **kwargs) -> dict:
 _engines: OrderedDict = OrderedDict()
 
 
+def cli_memory_flags() -> list[str]:
+    """This test worker's KV budget as a CLI flag, for a `generate` the tests run (in process or
+    as a subprocess): on a CUDA host the root conftest sets the budget, so a CLI engine takes its
+    share like every other test engine instead of gpu_memory_utilization's 0.9 of the GPU; on a
+    CPU there is none."""
+    gib = os.environ.get("NANOVLLM_TEST_KV_CACHE_GIB")
+    return ["--kv-cache-memory-gib", gib] if gib else []
+
+
 def cached_llm(model: str | None, **kwargs):
     """One engine per (model, args) per test process (loading is the slow part); the cache holds
     at most MAX_CACHED_ENGINES, dropping the least recently used first. A dropped engine is not

@@ -10,7 +10,7 @@ import pytest
 
 from conformance.zoo import ZOO, zoo_model
 from nanovllm import LLM, EngineConfig, RequestOutput, SamplingParams
-from tests.conftest import cached_llm, prompts_for
+from tests.conftest import cached_llm, cli_memory_flags, prompts_for
 
 MODEL = "qwen3-gqa2-hd64-tied"
 
@@ -93,6 +93,8 @@ def test_engine_step_api_and_abort():
 
 
 def _cli(*args, timeout=300):
+    if args[:1] == ("generate",):
+        args = ("generate", *cli_memory_flags(), *args[1:])
     return subprocess.run(
         [sys.executable, "-m", "nanovllm.entrypoints.cli", *args], capture_output=True, text=True, timeout=timeout
     )

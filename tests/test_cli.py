@@ -23,13 +23,15 @@ from nanovllm.config import EngineConfig
 from nanovllm.entrypoints import cli
 from nanovllm.entrypoints.args import ENGINE_HIDDEN, engine_kwargs, sampling_params
 from nanovllm.outputs import RequestOutput
-from tests.conftest import cached_llm
+from tests.conftest import cached_llm, cli_memory_flags
 
 MODEL = "qwen3-gqa2-hd64-tied"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(*args, input=None, timeout=300):
+    if args[:1] == ("generate",):
+        args = ("generate", *cli_memory_flags(), *args[1:])
     env = dict(os.environ, PYTHONPATH=ROOT)
     return subprocess.run(
         [sys.executable, "-m", "nanovllm.entrypoints.cli", *args],
@@ -179,6 +181,7 @@ def test_json_lines_hold_every_request_output_field_and_equal_the_api(capsys):
     status = cli.main(
         [
             "generate",
+            *cli_memory_flags(),
             "--model",
             zoo_model(MODEL),
             *prompts,
@@ -230,6 +233,7 @@ def test_n_completions_are_printed(capsys):
     status = cli.main(
         [
             "generate",
+            *cli_memory_flags(),
             "--model",
             zoo_model(MODEL),
             "w10 w20",
@@ -285,7 +289,7 @@ def test_results_never_run_on_from_the_progress_bar():
     """Results (stdout) and the bar (stderr) share a terminal: written in one stream, as a
     terminal shows them, every result line starts on a line of its own (the bar is cleared first)."""
     env = dict(os.environ, PYTHONPATH=ROOT)
-    args = ["generate", "--model", zoo_model(MODEL), "w10 w20 w30", "w5 w6", "--max-tokens", "4"]
+    args = ["generate", *cli_memory_flags(), "--model", zoo_model(MODEL), "w10 w20 w30", "w5 w6", "--max-tokens", "4"]
     r = subprocess.run(
         [sys.executable, "-m", "nanovllm.entrypoints.cli", *args, "--temperature", "0", "--ignore-eos"],
         stdout=subprocess.PIPE,
@@ -307,13 +311,16 @@ def test_sigint_prints_the_finished_results_and_exits_130():
     result line, SIGINT. Exit status 130, each printed line a complete result, one line on
     stderr, no traceback."""
     prompts = "".join(f"w{10 + i} w{20 + i} w{30 + i}\n" for i in range(30))
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    # faulthandler: should the process die of a signal (GPU CI runs 6 and 10: SIGABRT, glibc heap
+    # corruption), its stderr holds every thread's Python stack (docs/ci/README.md, run 10)
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONFAULTHANDLER="1")
     p = subprocess.Popen(
         [
             sys.executable,
             "-m",
             "nanovllm.entrypoints.cli",
             "generate",
+            *cli_memory_flags(),
             "-",
             "--model",
             zoo_model(MODEL),
@@ -348,7 +355,7 @@ def test_sigint_prints_the_finished_results_and_exits_130():
         watchdog.cancel()
         p.kill()
     rows = [json.loads(line) for line in (first + rest).splitlines()]
-    assert status == 130, err[-2000:]
+    assert status == 130, err[-8000:]
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err[-2000:]
     assert f"{len(rows)} of 30 requests finished" in err
     assert 1 <= len(rows) < 30
@@ -399,6 +406,7 @@ def test_ctrl_c_leaves_the_engine_clean(monkeypatch, capsys, where, after):
     status = cli.main(
         [
             "generate",
+            *cli_memory_flags(),
             "--model",
             zoo_model(MODEL),
             *prompts,
