@@ -74,7 +74,7 @@ class ServeMeasurement:
         """The share of the run's wall time each side spent on a CPU: the busiest client process
         (one event loop: near 1.0 means the client limited the run) and the server's process
         (its front end; an engine core in a process of its own is not counted)."""
-        out = {"client_processes": len(self.client_cpu_s)}
+        out: dict[str, float] = {"client_processes": len(self.client_cpu_s)}
         if self.client_cpu_s and self.duration > 0:
             out["client_busiest"] = max(self.client_cpu_s) / self.duration
         if self.server_cpu_s is not None and self.duration > 0:
