@@ -440,3 +440,35 @@ def test_bench_serve_client(url):
 
     xs = [0.3, 0.1, 0.7, 0.2, 0.9]
     assert [percentile(xs, p) for p in (50, 90, 99)] == pytest.approx(np.percentile(xs, [50, 90, 99]))
+
+
+def test_bench_serve_client_processes_split_the_requests_and_keep_their_order(url):
+    """`--client-processes 2`: each process sends its share, all start together; the merged
+    results are in the workload's order (each request's token count is its own max_tokens), and
+    each process's CPU time is reported; the server's CPU time comes from its /metrics."""
+    from nanovllm.bench.serve import run_split, server_cpu_seconds
+    from nanovllm.bench.workloads import Workload
+
+    vocab = ZOO[MODEL].vocab_size
+    max_tokens = [5, 9, 3, 12, 6, 1, 7]
+    w = Workload("t", prompts_for(vocab, (4, 9, 30, 12, 7, 3, 5), seed=9), max_tokens, 0.0, 0, 0)
+    before = server_cpu_seconds(url, KEY)
+    m = run_split(url, "zoo", w, float("inf"), None, 2, api_key=KEY)
+    after = server_cpu_seconds(url, KEY)
+    assert all(r.ok for r in m.results), [r.error for r in m.results]
+    assert [r.output_tokens for r in m.results] == max_tokens
+    assert len(m.client_cpu_s) == 2 and all(c > 0 for c in m.client_cpu_s)
+    assert all(0 <= r.sent_at <= r.done_at <= m.duration + 1e-6 for r in m.results)
+    assert before is not None and after is not None and after > before
+    m.server_cpu_s = after - before
+    busy = m.summary()["cpu_busy"]
+    assert busy["client_processes"] == 2 and 0 < busy["client_busiest"] and 0 < busy["server_process"]
+    # a concurrency cap is shared out: 3 over 2 processes
+    capped = run_split(url, "zoo", w, float("inf"), 3, 2, api_key=KEY)
+    assert [r.output_tokens for r in capped.results] == max_tokens
+
+
+def test_default_client_processes():
+    from nanovllm.bench.serve import default_client_processes
+
+    assert [default_client_processes(c) for c in (1, 2, 4, 8, 16, 64)] == [1, 1, 1, 2, 4, 4]
