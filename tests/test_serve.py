@@ -463,6 +463,9 @@ def test_bench_serve_client_processes_split_the_requests_and_keep_their_order(ur
     m.server_cpu_s = after - before
     busy = m.summary()["cpu_busy"]
     assert busy["client_processes"] == 2 and 0 < busy["client_busiest"] and 0 < busy["server_process"]
+    # every request's chunks counted: at least one per request, at most one per token
+    assert len(max_tokens) <= m.output_tokens / busy["tokens_per_chunk"] <= sum(max_tokens)
+    assert busy["server_cpu_ms_per_chunk"] > 0
     # a concurrency cap is shared out: 3 over 2 processes
     capped = run_split(url, "zoo", w, float("inf"), 3, 2, api_key=KEY)
     assert [r.output_tokens for r in capped.results] == max_tokens

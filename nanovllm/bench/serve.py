@@ -79,6 +79,10 @@ class ServeMeasurement:
             out["client_busiest"] = max(self.client_cpu_s) / self.duration
         if self.server_cpu_s is not None and self.duration > 0:
             out["server_process"] = self.server_cpu_s / self.duration
+            chunks = sum(len(r.itl) + 1 for r in self.completed)  # the token chunks received
+            if chunks:
+                out["server_cpu_ms_per_chunk"] = self.server_cpu_s / chunks * 1e3
+                out["tokens_per_chunk"] = self.output_tokens / chunks
         return out
 
     @property
@@ -499,6 +503,11 @@ def print_table(rows: list[ServeMeasurement], offline) -> None:
             busy = f"; CPU busy: client {c['client_busiest']:.0%} (busiest of {c['client_processes']} processes)"
         if "server_process" in c:
             busy += f", server process {c['server_process']:.0%}"
+        if "server_cpu_ms_per_chunk" in c:
+            busy += (
+                f" ({c['server_cpu_ms_per_chunk']:.2f} ms of its CPU per chunk sent, "
+                f"{c['tokens_per_chunk']:.1f} tokens per chunk)"
+            )
         print(
             f"\ntimeline of {s['engine']} (s from the run's start): last request sent {t['last_sent_s']:.2f}, "
             f"first token {t['first_token_s']:.2f}{core}, last byte {t['last_byte_s']:.2f}{busy}"
