@@ -64,7 +64,8 @@ def busy_cpu_seconds(cpus: set[int], stat: Path = _PROC_STAT) -> float | None:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def _own_cpu_seconds() -> float:
+def own_cpu_seconds() -> float:
+    """This process's CPU time so far (user + system, every thread)."""
     t = os.times()
     return t.user + t.system
 
@@ -73,7 +74,7 @@ def watch_other_load() -> None:
     """Start measuring how much of the usable CPUs other processes use (see default_threads)."""
     global _watch
     busy = busy_cpu_seconds(usable_cpus())
-    _watch = None if busy is None else (time.monotonic(), _own_cpu_seconds(), busy)
+    _watch = None if busy is None else (time.monotonic(), own_cpu_seconds(), busy)
 
 
 def cpus_busy_elsewhere(min_window: float = 0.2) -> float | None:
@@ -87,7 +88,7 @@ def cpus_busy_elsewhere(min_window: float = 0.2) -> float | None:
     now = busy_cpu_seconds(usable_cpus())
     if now is None or elapsed < min_window:
         return None
-    return max(0.0, ((now - busy) - (_own_cpu_seconds() - own)) / elapsed)
+    return max(0.0, ((now - busy) - (own_cpu_seconds() - own)) / elapsed)
 
 
 def default_threads() -> int:

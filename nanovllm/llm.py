@@ -12,7 +12,7 @@ from collections.abc import Sequence as SequenceOf
 from tqdm.auto import tqdm
 
 from nanovllm.engine.engine import LLMEngine
-from nanovllm.engine.interrupts import StepBoundaryInterrupts
+from nanovllm.engine.interrupts import DeferredInterrupts
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -117,22 +117,25 @@ class LLM:
         left = set(order)
         bar = tqdm(total=len(order), desc="Generating", unit="req", dynamic_ncols=True, disable=not use_tqdm)
         start = time.perf_counter()
-        interrupts = StepBoundaryInterrupts()  # Ctrl-C lands between steps, never inside one
+        interrupts = DeferredInterrupts()  # Ctrl-C lands between steps, never inside one
         try:
-            while left and engine.has_unfinished_requests():
-                with interrupts:
+            with interrupts:  # held while steps run; released while the caller has an output
+                while left and engine.has_unfinished_requests():
                     outputs = engine.step()
-                interrupts.raise_pending()
-                for out in outputs:
-                    if out.finished and out.request_id in left:
-                        left.discard(out.request_id)
-                        bar.update(1)
-                        yield order[out.request_id], out
-                elapsed = time.perf_counter() - start
-                bar.set_postfix_str(f"out {engine.num_generation_tokens / max(elapsed, 1e-9):.1f} tok/s", refresh=False)
-            with interrupts:
+                    interrupts.raise_pending()
+                    done = [out for out in outputs if out.finished and out.request_id in left]
+                    if done:
+                        with interrupts.released():
+                            for out in done:
+                                left.discard(out.request_id)
+                                bar.update(1)
+                                yield order[out.request_id], out
+                    elapsed = time.perf_counter() - start
+                    bar.set_postfix_str(
+                        f"out {engine.num_generation_tokens / max(elapsed, 1e-9):.1f} tok/s", refresh=False
+                    )
                 engine.drain()  # async scheduling: no step left in flight between calls
-            interrupts.raise_pending()
+                interrupts.raise_pending()
         except BaseException:  # an error, Ctrl-C, or the caller closing the iterator
             for request_id in left:  # leave the engine clean for the next call
                 engine.abort_request(request_id)

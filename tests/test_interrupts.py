@@ -1,5 +1,6 @@
 """Ctrl-C during LLM.generate lands between engine steps: a SIGINT that arrives inside a step is
-raised once the step has ended (nanovllm/engine/interrupts.py)."""
+raised once the step has ended, and one that arrives while the caller holds an output is raised
+there, as usual (nanovllm/engine/interrupts.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import nanovllm.llm as llm_module
 from conformance.zoo import zoo_model
 from nanovllm import SamplingParams
-from nanovllm.engine.interrupts import StepBoundaryInterrupts
+from nanovllm.engine.interrupts import DeferredInterrupts
 from tests.conftest import cached_llm, prompts_for
 
 MODEL = "qwen3-gqa4-hd128"
@@ -59,14 +60,14 @@ def test_a_sigint_inside_a_step_is_raised_after_the_step(monkeypatch):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's handler is back
 
 
-class _NoGuard(StepBoundaryInterrupts):
+class _NoGuard(DeferredInterrupts):
     def __enter__(self):
         return self
 
 
 def test_negative_control_without_the_guard_the_sigint_cuts_the_step(monkeypatch):
     """The check above fails without the guard: the KeyboardInterrupt comes from inside the step."""
-    monkeypatch.setattr(llm_module, "StepBoundaryInterrupts", _NoGuard)
+    monkeypatch.setattr(llm_module, "DeferredInterrupts", _NoGuard)
     reached, _ = _interrupted_mid_step(monkeypatch)
     assert reached[-1] == "start", reached
 
@@ -75,7 +76,7 @@ def test_a_callers_own_handler_and_other_threads_are_left_alone():
     mine = []
     previous = signal.signal(signal.SIGINT, lambda s, f: mine.append(s))
     try:
-        guard = StepBoundaryInterrupts()
+        guard = DeferredInterrupts()
         with guard:
             assert signal.getsignal(signal.SIGINT) is not guard._hold
         assert signal.getsignal(signal.SIGINT) not in (signal.default_int_handler, guard._hold)
@@ -84,7 +85,7 @@ def test_a_callers_own_handler_and_other_threads_are_left_alone():
     seen = []
 
     def in_thread():
-        with StepBoundaryInterrupts() as g:
+        with DeferredInterrupts() as g:
             seen.append(g._active)
 
     t = threading.Thread(target=in_thread)
@@ -94,7 +95,7 @@ def test_a_callers_own_handler_and_other_threads_are_left_alone():
 
 
 def test_the_held_interrupt_is_raised_once():
-    guard = StepBoundaryInterrupts()
+    guard = DeferredInterrupts()
     with guard:
         assert guard._active
         os.kill(os.getpid(), signal.SIGINT)
@@ -103,3 +104,41 @@ def test_the_held_interrupt_is_raised_once():
     with pytest.raises(KeyboardInterrupt):
         guard.raise_pending()
     guard.raise_pending()  # nothing held any more
+
+
+def test_a_sigint_while_the_caller_holds_an_output_is_raised_in_the_callers_code():
+    """Between outputs the caller's code runs under Python's own handler: a Ctrl-C there raises
+    at once, in that code; the iterator, closed, aborts what is left and the engine is clean."""
+    llm = cached_llm(zoo_model(MODEL), block_size=16, seed=0, enable_prefix_caching=False)
+    it = llm.generate_iter(
+        prompts_for(VOCAB, (5, 30), seed=4),
+        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 12)],
+        use_tqdm=False,
+    )
+    next(it)  # the short request is done; the long one is not
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    reached = []
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(10_000):
+            pass
+        reached.append("after")  # not reached: the interrupt lands in this loop
+    assert not reached
+    it.close()
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests() and not engine.requests
+    engine.check_invariants()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_deferred_interrupts_run_the_block_whole_then_raise():
+    from nanovllm.engine.interrupts import deferred_interrupts
+
+    reached = []
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_interrupts():
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(10_000):
+                pass
+            reached.append("end")
+    assert reached == ["end"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -224,7 +224,7 @@ def test_default_threads_leaves_out_cores_busy_elsewhere(monkeypatch, others_bus
     clock = {"now": 100.0, "busy": 500.0, "own": 3.0}
     monkeypatch.setattr(ct.time, "monotonic", lambda: clock["now"])
     monkeypatch.setattr(ct, "busy_cpu_seconds", lambda cpus: clock["busy"])
-    monkeypatch.setattr(ct, "_own_cpu_seconds", lambda: clock["own"])
+    monkeypatch.setattr(ct, "own_cpu_seconds", lambda: clock["own"])
     monkeypatch.setattr(ct, "_watch", None)
     if others_busy is not None:
         ct.watch_other_load()

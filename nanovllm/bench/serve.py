@@ -20,7 +20,6 @@ import multiprocessing as mp
 import os
 import random
 import re
-import resource
 import shlex
 import statistics
 import sys
@@ -30,6 +29,7 @@ from dataclasses import dataclass, field
 from nanovllm.bench.datasets import build_workload
 from nanovllm.bench.server_process import nanovllm_serve_command, server
 from nanovllm.bench.workloads import Workload, shape_config_dir
+from nanovllm.cpu_threads import own_cpu_seconds
 
 
 @dataclass
@@ -213,20 +213,15 @@ async def run_requests(
             async with limit:
                 return await one_request(session, url, model, prompt, n, w.temperature)
 
-        wall_start, start, cpu = time.time(), time.perf_counter(), _cpu_seconds()
+        wall_start, start, cpu = time.time(), time.perf_counter(), own_cpu_seconds()
         tasks = []
         for prompt, n in zip(w.prompts, w.max_tokens):
             tasks.append(asyncio.create_task(limited(prompt, n)))
             if rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
-        duration, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
+        duration, cpu = time.perf_counter() - start, own_cpu_seconds() - cpu
     return ServeMeasurement("", duration, list(results), start, wall_start, client_cpu_s=[cpu])
-
-
-def _cpu_seconds() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
-    return r.ru_utime + r.ru_stime
 
 
 def run_split(

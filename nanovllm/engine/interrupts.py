@@ -1,33 +1,37 @@
-"""Ctrl-C between engine steps, never inside one.
+"""Ctrl-C held while a block runs, raised after it: between engine steps, never inside one.
 
 A KeyboardInterrupt raised at an arbitrary bytecode of ``engine.step()`` can cut a step between
 its launch on the device and its bookkeeping (blocks allocated but not recorded, a token launched
 but not placed), and the clean-up that follows (abort, drain, close) then works on a half-made
-step. ``StepBoundaryInterrupts`` holds a SIGINT that arrives during a step and raises it when the
-step has ended:
+step. ``DeferredInterrupts`` holds a SIGINT that arrives inside its block and raises it where the
+caller says:
 
-    guard = StepBoundaryInterrupts()
-    with guard:
-        outputs = engine.step()
-    guard.raise_pending()        # KeyboardInterrupt here, the step whole
+    interrupts = DeferredInterrupts()
+    with interrupts:                     # installed once, not per step
+        while ...:
+            outputs = engine.step()
+            interrupts.raise_pending()   # KeyboardInterrupt here, the step whole
+            with interrupts.released():  # the caller's own code: Ctrl-C as usual
+                yield outputs
 
 It acts only in the main thread and only where Python's own SIGINT handler is in place (a caller's
-handler is left alone); outside ``with`` the previous handler is back, so a caller's own code
-(between the outputs it is given) is interrupted as usual.
+handler is left alone).
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
+from collections.abc import Iterator
 
 
-class StepBoundaryInterrupts:
+class DeferredInterrupts:
     def __init__(self) -> None:
         self.pending = False
         self._active = False
 
-    def __enter__(self) -> StepBoundaryInterrupts:
+    def __enter__(self) -> DeferredInterrupts:
         self._active = (
             threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -45,7 +49,29 @@ class StepBoundaryInterrupts:
             self._active = False
 
     def raise_pending(self) -> None:
-        """Raise the KeyboardInterrupt held during the last step, if one was."""
+        """Raise the KeyboardInterrupt held so far, if one was."""
         if self.pending:
             self.pending = False
             raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def released(self) -> Iterator[None]:
+        """Python's own handler for the block (an interrupt raises where it lands), then holding
+        again."""
+        if not self._active:
+            yield
+            return
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, self._hold)
+
+
+@contextlib.contextmanager
+def deferred_interrupts() -> Iterator[None]:
+    """A Ctrl-C during the block raises KeyboardInterrupt after it (the block runs whole)."""
+    interrupts = DeferredInterrupts()
+    with interrupts:
+        yield
+    interrupts.raise_pending()

@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable
 from typing import NamedTuple
 
+from nanovllm.engine.interrupts import deferred_interrupts
 from nanovllm.entrypoints.args import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
 
 __all__ = [
@@ -105,7 +106,7 @@ class ResultPrinter:
     def add(self, index: int, out) -> None:
         self.pending[index] = out
         while self.next in self.pending:
-            with _sigint_deferred():  # a result is printed whole, and counted, or not at all
+            with deferred_interrupts():  # a result is printed whole, and counted, or not at all
                 self._print(self.next, self.pending.pop(self.next))
                 self.next += 1
 
@@ -210,22 +211,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
         return 130
     return 0
-
-
-@contextlib.contextmanager
-def _sigint_deferred():
-    """A SIGINT during the block raises KeyboardInterrupt after it (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if caught:
-        raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
