@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from nanovllm.attention import torch_ref
+from nanovllm.attention import cpu_kernels, torch_ref
 from nanovllm.attention.metadata import AttentionMetadata
 
 
 class TorchBackend:
-    """Plain PyTorch (the CPU path): batched decode, per-sequence loop otherwise. Its cache is
-    head-major (``torch_ref``'s module docstring says why)."""
+    """The CPU path: decode-only steps through the compiled paged-decode kernel where it applies
+    (``cpu_kernels``: float32, a C compiler) and batched PyTorch decode otherwise; any step with
+    a prefill chunk through the per-sequence PyTorch loop. Its cache is head-major
+    (``torch_ref``'s module docstring says why)."""
 
     name = "torch"
 
@@ -20,6 +22,8 @@ class TorchBackend:
 
     @staticmethod
     def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        if cpu_kernels.applies(k, k_cache):
+            return cpu_kernels.store_kv(k, v, k_cache, v_cache, slot_mapping)
         torch_ref.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, head_major=True)
 
     @staticmethod
@@ -33,6 +37,8 @@ class TorchBackend:
         v_scale: float = 1.0,
     ) -> torch.Tensor:
         if meta.is_decode_only:
+            if cpu_kernels.applies(q, k_cache):
+                return cpu_kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
             return torch_ref.paged_decode_batched(q, k_cache, v_cache, meta, scale, k_scale, v_scale, head_major=True)
         return torch_ref.paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale, head_major=True)
 

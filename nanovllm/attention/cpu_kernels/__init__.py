@@ -1,0 +1,155 @@
+"""The CPU path's one compiled kernel: paged decode attention reading the cache in place.
+
+PyTorch operators cannot read a block table in place, so the plain-PyTorch decode path copies
+every block a sequence uses (``index_select``) before two batched products over tiny matrices;
+that copy and those products were a fifth of the CPU workload's time. ``paged_decode.c`` walks
+each sequence's slots through its block table instead, reading each key and value once.
+
+It is plain C (no PyTorch headers: it compiles in well under a second) built with the machine's C
+compiler on first use into the on-disk cache (``$NANOVLLM_CACHE/kernels``, keyed by the source,
+the compiler and this CPU's flags: ``-march=native``), and called through ctypes, which releases
+the GIL. Its OpenMP is torch's own ``libgomp`` (the same soname, already loaded by torch), so its
+threads are torch's threads. Where there is no C compiler, the build fails or
+``NANOVLLM_CPU_KERNELS=0`` (A/B measurements, the oracle's tests), the PyTorch path runs, and a
+log line says so once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from nanovllm.loader.cache import build_once, cache_root
+
+logger = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("paged_decode.c")
+LIBRARY = "paged_decode.so"
+SWITCH = "NANOVLLM_CPU_KERNELS"
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def compile_flags() -> list[str]:
+    return ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_key(cc: str) -> str:
+    """What the built library depends on: the source, the compiler's version, the flags, this CPU."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    parts = [SOURCE.read_bytes(), version.encode(), " ".join(compile_flags()).encode(), _cpu_flags().encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:24]
+
+
+def _build(cc: str, out_dir: Path) -> None:
+    cmd = [cc, *compile_flags(), str(SOURCE), "-o", str(out_dir / LIBRARY), "-lm"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {result.stderr.strip()[-2000:]}")
+
+
+class Kernels(NamedTuple):
+    paged_decode: Any
+    store_kv: Any
+
+
+@cache
+def load() -> Kernels | None:
+    """The ctypes functions, or None where the kernel cannot be used (the reason is logged once)."""
+    if os.environ.get(SWITCH, "1") == "0":
+        logger.info("%s=0: CPU decode attention runs in PyTorch", SWITCH)
+        return None
+    cc = compiler()
+    if cc is None:
+        logger.warning("no C compiler (cc, gcc or $CC): CPU decode attention runs in PyTorch (slower)")
+        return None
+    try:
+        dest = cache_root() / "kernels" / f"paged_decode-{build_key(cc)}"
+        library = ctypes.CDLL(str(Path(build_once(dest, LIBRARY, lambda tmp: _build(cc, tmp))) / LIBRARY))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        logger.warning("the CPU decode-attention kernel could not be built or loaded (%s): PyTorch runs it", e)
+        return None
+    decode = library.paged_decode_f32
+    decode.restype = ctypes.c_int
+    decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    store = library.store_kv_f32
+    store.restype = None
+    store.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    return Kernels(decode, store)
+
+
+def applies(x: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """The kernels' case: float32 tensors and cache on the CPU, the kernels built (other dtypes,
+    or no compiler, take the PyTorch path)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and k_cache.dtype == torch.float32 and load() is not None
+
+
+def _rows(x: torch.Tensor) -> bool:
+    """[T, heads, d] with each row's heads contiguous (a row stride of its own is fine)."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """``torch_ref.store_kv(..., head_major=True)`` for float32: each token's K/V into its slot."""
+    kernels = load()
+    assert kernels is not None and applies(key, k_cache)
+    key = key if _rows(key) else key.contiguous()
+    value = value if _rows(value) else value.contiguous()
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if value.shape != key.shape or k_cache.shape[1] != num_kv_heads or k_cache.shape[3] != head_dim:
+        raise ValueError(f"store_kv: key {tuple(key.shape)} does not fit cache {tuple(k_cache.shape)}")
+    slots = slot_mapping.to(torch.int64).contiguous()
+    kernels.store_kv(
+        key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+        num_tokens, num_kv_heads, head_dim, k_cache.shape[2], key.stride(0), value.stride(0), torch.get_num_threads(),
+    )
+
+
+def paged_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """q: [num_seqs, num_heads, d]; caches head-major [num_blocks, num_kv_heads, block_size, d];
+    block_tables [num_seqs, width] and seq_lens [num_seqs], int32 -> [num_seqs, num_heads, d]."""
+    kernels = load()
+    assert kernels is not None and applies(q, k_cache)
+    num_seqs, num_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or num_heads % num_kv_heads or v_cache.shape != k_cache.shape:
+        raise ValueError(f"paged_decode: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
+    q = q.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("paged_decode: the caches must be contiguous")
+    out = torch.empty_like(q)
+    status = kernels.paged_decode(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+        num_seqs, num_heads, num_kv_heads, head_dim, block_size, tables.shape[1], scale, torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("paged_decode: the kernel could not allocate its scratch memory")
+    return out
