@@ -1,0 +1,170 @@
+"""attention/cpu_kernels: the compiled CPU decode attention and cache writes equal the PyTorch oracle,
+depend on nothing but a sequence's own blocks, and step aside (to the PyTorch path) where they cannot run."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from nanovllm.attention import cpu_kernels, torch_ref
+from nanovllm.attention.backends import TorchBackend
+from tests.test_attention_ref import _build
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.load() is None, reason="the CPU kernels could not be built here (no C compiler; see the log)"
+)
+
+
+def _head_major(cache: torch.Tensor) -> torch.Tensor:
+    return cache.permute(0, 2, 1, 3).contiguous()
+
+
+def _decode(q, k_cache, v_cache, meta, scale):
+    return cpu_kernels.paged_decode(q, _head_major(k_cache), _head_major(v_cache), meta.block_tables, meta.seq_lens, scale)
+
+
+DECODE_SPECS = [[(1, 1)], [(16, 1), (17, 1), (1, 1)], [(300, 1), (5, 1), (64, 1), (33, 1)]]
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (4, 1, 32)])
+@pytest.mark.parametrize("specs", DECODE_SPECS)
+def test_decode_kernel_equals_the_oracle(block_size, heads, kv_heads, head_dim, specs):
+    """Every sequence's row equals the per-sequence PyTorch oracle (float32: only the order of the
+    sums differs), GQA groups of 1-4, block edges, a one-token context."""
+    q, _, _, k_cache, v_cache, meta = _build(specs, heads, kv_heads, head_dim, block_size, seed=block_size + heads)
+    scale = head_dim**-0.5
+    want = torch_ref.paged_attention(q, k_cache, v_cache, meta, scale)
+    got = _decode(q, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_negative_control_a_wrong_length_or_table_is_caught():
+    """The comparison above fails for a kernel that reads one slot too few or another sequence's
+    blocks: it can tell a wrong kernel from a right one."""
+    specs = [(40, 1), (70, 1)]
+    q, _, _, k_cache, v_cache, meta = _build(specs, 4, 2, 64, 16, seed=3)
+    want = torch_ref.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    hk, hv = _head_major(k_cache), _head_major(v_cache)
+    short = cpu_kernels.paged_decode(q, hk, hv, meta.block_tables, meta.seq_lens - 1, 0.125)
+    swapped = cpu_kernels.paged_decode(q, hk, hv, meta.block_tables.flip(0), meta.seq_lens, 0.125)
+    for wrong in (short, swapped):
+        with pytest.raises(AssertionError):
+            torch.testing.assert_close(wrong, want, atol=2e-6, rtol=1e-5)
+
+
+def test_decode_kernel_row_does_not_depend_on_batch_mates_or_threads():
+    """A sequence's result is bitwise the same alone, among other sequences, and on 1 or 2 threads."""
+    needle = (150, 1)
+    q, _, _, k_cache, v_cache, meta = _build([needle], 9, 3, 64, 16, seed=7)
+    alone = _decode(q, k_cache, v_cache, meta, 0.125)[0]
+    for mates in ([(380, 1)], [(1, 1), (16, 1), (300, 1)], [(5, 1)] * 7):
+        specs = mates[:1] + [needle] + mates[1:]
+        qb, _, _, kb, vb, mb = _build(specs, 9, 3, 64, 16, seed=8)
+        qb[1] = q[0]
+        for p in range(needle[0]):  # the needle's K/V into its blocks of the batch's cache
+            b, o = p // 16, p % 16
+            kb[mb.block_tables[1, b], o] = k_cache[meta.block_tables[0, b], o]
+            vb[mb.block_tables[1, b], o] = v_cache[meta.block_tables[0, b], o]
+        threads = torch.get_num_threads()
+        try:
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                assert torch.equal(_decode(qb, kb, vb, mb, 0.125)[1], alone), f"differs among {mates}, {n} threads"
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_store_kv_kernel_writes_what_the_oracle_writes():
+    """Each token's K/V land where ``torch_ref.store_kv(head_major=True)`` puts them, bitwise; slot -1
+    writes nothing; keys and values may be row-strided views of the fused qkv projection."""
+    g = torch.Generator().manual_seed(0)
+    num_blocks, kv_heads, block_size, head_dim, tokens = 6, 3, 16, 64, 40
+    qkv = torch.randn(tokens, (9 + 2 * kv_heads) * head_dim, generator=g)
+    k = qkv[:, 9 * head_dim : (9 + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (9 + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    assert not k.is_contiguous()
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    slots[::7] = -1
+    caches = {}
+    for name, write in (("oracle", None), ("kernel", cpu_kernels.store_kv)):
+        kc = torch.full((num_blocks, kv_heads, block_size, head_dim), 7.0)
+        vc = torch.full_like(kc, 7.0)
+        if write is None:
+            torch_ref.store_kv(k, v, kc, vc, slots, head_major=True)
+        else:
+            write(k, v, kc, vc, slots)
+        caches[name] = (kc, vc)
+    assert torch.equal(caches["kernel"][0], caches["oracle"][0])
+    assert torch.equal(caches["kernel"][1], caches["oracle"][1])
+    assert (caches["kernel"][0] == 7.0).sum() == (num_blocks * block_size - (slots >= 0).sum()) * kv_heads * head_dim
+    # control: a shifted slot mapping writes elsewhere, and the comparison sees it
+    kc, vc = torch.full_like(caches["oracle"][0], 7.0), torch.full_like(caches["oracle"][1], 7.0)
+    cpu_kernels.store_kv(k, v, kc, vc, torch.where(slots >= 0, (slots + 1) % (num_blocks * block_size), slots))
+    assert not torch.equal(kc, caches["oracle"][0])
+
+
+def test_the_backend_takes_the_kernels_for_float32_and_pytorch_otherwise(monkeypatch):
+    """float32 decode goes through the kernel; a bfloat16 cache and NANOVLLM_CPU_KERNELS=0 take the
+    PyTorch path (spied), with the same results."""
+    q, _, _, k_cache, v_cache, meta = _build([(40, 1), (9, 1)], 4, 2, 64, 16, seed=2)
+    hk, hv = _head_major(k_cache), _head_major(v_cache)
+    calls = []
+    real = torch_ref.paged_decode_batched
+    monkeypatch.setattr(torch_ref, "paged_decode_batched", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    fast = TorchBackend.forward(q, hk, hv, meta, 0.125)
+    assert calls == []
+    TorchBackend.forward(q.bfloat16(), hk.bfloat16(), hv.bfloat16(), meta, 0.125)
+    assert calls == [1]
+    monkeypatch.setenv(cpu_kernels.SWITCH, "0")
+    cpu_kernels.load.cache_clear()
+    try:
+        slow = TorchBackend.forward(q, hk, hv, meta, 0.125)
+        assert calls == [1, 1]
+        torch.testing.assert_close(fast, slow, atol=2e-6, rtol=1e-5)
+    finally:
+        monkeypatch.delenv(cpu_kernels.SWITCH)
+        cpu_kernels.load.cache_clear()
+    assert cpu_kernels.load() is not None
+
+
+def test_a_failed_build_falls_back_and_says_why(monkeypatch, tmp_path, caplog):
+    """A compiler that fails (here ``false``) or is absent leaves the PyTorch path, with a warning naming why."""
+    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    cpu_kernels.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+            assert cpu_kernels.load() is None
+        assert "could not be built" in caplog.text and "PyTorch" in caplog.text
+        q = torch.zeros(1, 4, 64)
+        assert not cpu_kernels.applies(q, torch.zeros(2, 2, 16, 64))
+    finally:
+        monkeypatch.delenv("CC")
+        cpu_kernels.load.cache_clear()
+    assert cpu_kernels.load() is not None
+
+
+def test_the_engine_gives_the_same_greedy_tokens_with_and_without_the_kernels(monkeypatch):
+    """End to end on a zoo model: the kernels change the order of float32 sums only, which leaves
+    this model's greedy tokens as they were."""
+    from conformance.zoo import zoo_model
+    from nanovllm import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": list(range(3 + i, 40 + 9 * i))} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    tokens = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv(cpu_kernels.SWITCH, switch)
+        cpu_kernels.load.cache_clear()
+        llm = LLM(zoo_model("qwen3-gqa2-hd64-tied"), device="cpu", kv_cache_memory_gib=0.02)
+        try:
+            tokens[switch] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.close()
+    monkeypatch.delenv(cpu_kernels.SWITCH)
+    cpu_kernels.load.cache_clear()
+    assert tokens["1"] == tokens["0"]
+    assert all(len(t) == 24 for t in tokens["1"])
