@@ -22,7 +22,9 @@ def _head_major(cache: torch.Tensor) -> torch.Tensor:
 
 
 def _decode(q, k_cache, v_cache, meta, scale):
-    return cpu_kernels.paged_decode(q, _head_major(k_cache), _head_major(v_cache), meta.block_tables, meta.seq_lens, scale)
+    return cpu_kernels.paged_decode(
+        q, _head_major(k_cache), _head_major(v_cache), meta.block_tables, meta.seq_lens, scale
+    )
 
 
 DECODE_SPECS = [[(1, 1)], [(16, 1), (17, 1), (1, 1)], [(300, 1), (5, 1), (64, 1), (33, 1)]]

@@ -123,14 +123,28 @@ def store_kv(
         raise ValueError(f"store_kv: key {tuple(key.shape)} does not fit cache {tuple(k_cache.shape)}")
     slots = slot_mapping.to(torch.int64).contiguous()
     kernels.store_kv(
-        key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-        num_tokens, num_kv_heads, head_dim, k_cache.shape[2], key.stride(0), value.stride(0), torch.get_num_threads(),
+        key.data_ptr(),
+        value.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slots.data_ptr(),
+        num_tokens,
+        num_kv_heads,
+        head_dim,
+        k_cache.shape[2],
+        key.stride(0),
+        value.stride(0),
+        torch.get_num_threads(),
     )
 
 
 def paged_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     """q: [num_seqs, num_heads, d]; caches head-major [num_blocks, num_kv_heads, block_size, d];
     block_tables [num_seqs, width] and seq_lens [num_seqs], int32 -> [num_seqs, num_heads, d]."""
@@ -147,8 +161,20 @@ def paged_decode(
         raise ValueError("paged_decode: the caches must be contiguous")
     out = torch.empty_like(q)
     status = kernels.paged_decode(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
-        num_seqs, num_heads, num_kv_heads, head_dim, block_size, tables.shape[1], scale, torch.get_num_threads(),
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        lens.data_ptr(),
+        out.data_ptr(),
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        tables.shape[1],
+        scale,
+        torch.get_num_threads(),
     )
     if status != 0:
         raise MemoryError("paged_decode: the kernel could not allocate its scratch memory")
