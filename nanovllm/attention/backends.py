@@ -9,9 +9,9 @@ from nanovllm.attention.metadata import AttentionMetadata
 
 
 class TorchBackend:
-    """The CPU path: decode-only steps through the compiled paged-decode kernel where it applies
-    (``cpu_kernels``: float32, a C compiler) and batched PyTorch decode otherwise; any step with
-    a prefill chunk through the per-sequence PyTorch loop. Its cache is head-major
+    """The CPU path: cache writes and decode-only steps through the compiled kernels where they
+    apply (``cpu_kernels``: float32, a C compiler), PyTorch otherwise (batched decode); any step
+    with a prefill chunk through the per-sequence PyTorch loop. Its cache is head-major
     (``torch_ref``'s module docstring says why)."""
 
     name = "torch"

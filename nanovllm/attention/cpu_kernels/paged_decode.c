@@ -14,15 +14,56 @@
 #include <stdlib.h>
 #include <string.h>
 
-static float dot(const float *restrict a, const float *restrict b, int n) {
+static inline float dot(const float *restrict a, const float *restrict b, int n) {
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
     for (int i = 0; i < n; i++) acc += a[i] * b[i];
     return acc;
 }
 
+/* One (sequence, kv head): its ``group`` query heads against the sequence's ``len`` slots. Inlined
+ * into ``paged_decode_f32`` once per common head_dim, so those copies have constant loop bounds. */
+static inline __attribute__((always_inline)) void decode_item(
+    const float *restrict qg, const float *restrict k_cache, const float *restrict v_cache,
+    const int32_t *restrict table, float *restrict og, float *restrict scores, int len, int group, int kvh,
+    const int head_dim, int block_size, int64_t block_stride, int64_t head_stride, float scale) {
+    float *restrict denoms = scores + (int64_t)group * len;
+    for (int first = 0, j = 0; first < len; first += block_size, j++) {
+        const float *restrict k = k_cache + table[j] * block_stride + kvh * head_stride;
+        const int n = len - first < block_size ? len - first : block_size;
+        for (int t = 0; t < n; t++, k += head_dim)
+            for (int g = 0; g < group; g++)
+                scores[(int64_t)g * len + first + t] = dot(qg + g * head_dim, k, head_dim) * scale;
+    }
+    for (int g = 0; g < group; g++) {
+        float *restrict s = scores + (int64_t)g * len;
+        float peak = -INFINITY, denom = 0.0f;
+        for (int pos = 0; pos < len; pos++) peak = s[pos] > peak ? s[pos] : peak;
+        for (int pos = 0; pos < len; pos++) {
+            s[pos] = expf(s[pos] - peak);
+            denom += s[pos];
+        }
+        denoms[g] = denom;
+        for (int i = 0; i < head_dim; i++) og[g * head_dim + i] = 0.0f;
+    }
+    for (int first = 0, j = 0; first < len; first += block_size, j++) {
+        const float *restrict v = v_cache + table[j] * block_stride + kvh * head_stride;
+        const int n = len - first < block_size ? len - first : block_size;
+        for (int t = 0; t < n; t++, v += head_dim)
+            for (int g = 0; g < group; g++) {
+                const float p = scores[(int64_t)g * len + first + t];
+                float *restrict o = og + g * head_dim;
+#pragma omp simd
+                for (int i = 0; i < head_dim; i++) o[i] += p * v[i];
+            }
+    }
+    for (int g = 0; g < group; g++)
+        for (int i = 0; i < head_dim; i++) og[g * head_dim + i] /= denoms[g];
+}
+
 /* q, out: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, table_width] int32;
- * seq_lens: [num_seqs] int32; num_threads: torch's (torch.get_num_threads()). Returns 0, or -1 when scratch memory could not be allocated. */
+ * seq_lens: [num_seqs] int32; num_threads: torch's (torch.get_num_threads()). Returns 0, or -1
+ * when scratch memory could not be allocated. */
 int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
                      const int32_t *seq_lens, float *out, int num_seqs, int num_heads, int num_kv_heads,
                      int head_dim, int block_size, int table_width, float scale, int num_threads) {
@@ -43,40 +84,14 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
             failed = 1;
             continue;
         }
-        float *denoms = scores + (int64_t)group * len;
-        for (int first = 0, j = 0; first < len; first += block_size, j++) {
-            const float *k = k_cache + table[j] * block_stride + kvh * head_stride;
-            const int n = len - first < block_size ? len - first : block_size;
-            for (int t = 0; t < n; t++, k += head_dim)
-                for (int g = 0; g < group; g++)
-                    scores[(int64_t)g * len + first + t] = dot(qg + g * head_dim, k, head_dim) * scale;
+#define ITEM(HD) decode_item(qg, k_cache, v_cache, table, og, scores, len, group, kvh, HD, block_size, \
+                             block_stride, head_stride, scale)
+        switch (head_dim) {  /* the same code; constant bounds for the common sizes */
+            case 64: ITEM(64); break;
+            case 128: ITEM(128); break;
+            default: ITEM(head_dim);
         }
-        for (int g = 0; g < group; g++) {
-            float *s = scores + (int64_t)g * len;
-            float peak = -INFINITY, denom = 0.0f;
-            for (int pos = 0; pos < len; pos++) peak = s[pos] > peak ? s[pos] : peak;
-            for (int pos = 0; pos < len; pos++) {
-                s[pos] = expf(s[pos] - peak);
-                denom += s[pos];
-            }
-            denoms[g] = denom;
-            memset(og + g * head_dim, 0, sizeof(float) * (size_t)head_dim);
-        }
-        for (int first = 0, j = 0; first < len; first += block_size, j++) {
-            const float *v = v_cache + table[j] * block_stride + kvh * head_stride;
-            const int n = len - first < block_size ? len - first : block_size;
-            for (int t = 0; t < n; t++, v += head_dim)
-                for (int g = 0; g < group; g++) {
-                    const float p = scores[(int64_t)g * len + first + t];
-                    float *o = og + g * head_dim;
-#pragma omp simd
-                    for (int i = 0; i < head_dim; i++) o[i] += p * v[i];
-                }
-        }
-        for (int g = 0; g < group; g++) {
-            float *o = og + g * head_dim;
-            for (int i = 0; i < head_dim; i++) o[i] /= denoms[g];
-        }
+#undef ITEM
         free(scores);
     }
     return failed ? -1 : 0;
