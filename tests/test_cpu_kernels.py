@@ -170,3 +170,24 @@ def test_the_engine_gives_the_same_greedy_tokens_with_and_without_the_kernels(mo
     cpu_kernels.load.cache_clear()
     assert tokens["1"] == tokens["0"]
     assert all(len(t) == 24 for t in tokens["1"])
+
+
+def test_out_of_range_slots_and_blocks_raise_before_touching_memory():
+    """A slot or block id outside the cache is an IndexError naming it, raised before the kernel
+    reads or writes anything (the PyTorch path raises too; a C kernel must not write past the cache)."""
+    kc = torch.zeros(4, 2, 16, 64)
+    vc = torch.zeros_like(kc)
+    k = torch.ones(3, 2, 64)
+    with pytest.raises(IndexError, match="slot 64 outside the KV cache's 64 slots"):
+        cpu_kernels.store_kv(k, k, kc, vc, torch.tensor([0, 5, 64]))
+    assert not kc.any() and not vc.any(), "a token was written before the bad slot was seen"
+    q = torch.ones(2, 4, 64)
+    tables = torch.tensor([[0, 1], [2, 4]], dtype=torch.int32)
+    with pytest.raises(IndexError, match="outside the cache's 4 blocks"):
+        cpu_kernels.paged_decode(q, kc, vc, tables, torch.tensor([20, 20], dtype=torch.int32), 0.125)
+    with pytest.raises(IndexError, match="exceeds its block table"):
+        cpu_kernels.paged_decode(q, kc, vc, tables[:, :1], torch.tensor([20, 3], dtype=torch.int32), 0.125)
+    # control: the same calls within range run
+    cpu_kernels.store_kv(k, k, kc, vc, torch.tensor([0, 5, 63]))
+    assert kc.any()
+    cpu_kernels.paged_decode(q, kc, vc, tables.clamp(max=3), torch.tensor([20, 20], dtype=torch.int32), 0.125)

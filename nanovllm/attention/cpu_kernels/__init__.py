@@ -92,10 +92,10 @@ def load() -> Kernels | None:
         return None
     decode = library.paged_decode_f32
     decode.restype = ctypes.c_int
-    decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     store = library.store_kv_f32
-    store.restype = None
-    store.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    store.restype = ctypes.c_int
+    store.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_int64]
     return Kernels(decode, store)
 
 
@@ -122,7 +122,8 @@ def store_kv(
     if value.shape != key.shape or k_cache.shape[1] != num_kv_heads or k_cache.shape[3] != head_dim:
         raise ValueError(f"store_kv: key {tuple(key.shape)} does not fit cache {tuple(k_cache.shape)}")
     slots = slot_mapping.to(torch.int64).contiguous()
-    kernels.store_kv(
+    num_slots = k_cache.shape[0] * k_cache.shape[2]
+    status = kernels.store_kv(
         key.data_ptr(),
         value.data_ptr(),
         k_cache.data_ptr(),
@@ -135,7 +136,10 @@ def store_kv(
         key.stride(0),
         value.stride(0),
         torch.get_num_threads(),
+        num_slots,
     )
+    if status != 0:  # checked before any write: the cache is as it was
+        raise IndexError(f"store_kv: slot_mapping has slot {int(slots.max())} outside the KV cache's {num_slots} slots")
 
 
 def paged_decode(
@@ -175,7 +179,13 @@ def paged_decode(
         tables.shape[1],
         scale,
         torch.get_num_threads(),
+        k_cache.shape[0],
     )
+    if status == -2:  # checked before any read
+        raise IndexError(
+            f"paged_decode: a seq_len ({lens.tolist()}) exceeds its block table ({tables.shape[1]} blocks of "
+            f"{block_size}) or a block id used lies outside the cache's {k_cache.shape[0]} blocks"
+        )
     if status != 0:
         raise MemoryError("paged_decode: the kernel could not allocate its scratch memory")
     return out

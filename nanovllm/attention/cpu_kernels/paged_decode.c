@@ -62,11 +62,20 @@ static inline __attribute__((always_inline)) void decode_item(
 }
 
 /* q, out: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, table_width] int32;
- * seq_lens: [num_seqs] int32; num_threads: torch's (torch.get_num_threads()). Returns 0, or -1
- * when scratch memory could not be allocated. */
+ * seq_lens: [num_seqs] int32; caches of num_blocks blocks; num_threads: torch's
+ * (torch.get_num_threads()). Returns 0; -1 when scratch memory could not be allocated; -2 (before
+ * reading anything) when a length does not fit its table or a block id used lies outside the cache. */
 int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
                      const int32_t *seq_lens, float *out, int num_seqs, int num_heads, int num_kv_heads,
-                     int head_dim, int block_size, int table_width, float scale, int num_threads) {
+                     int head_dim, int block_size, int table_width, float scale, int num_threads, int num_blocks) {
+    for (int seq = 0; seq < num_seqs; seq++) {
+        const int len = seq_lens[seq], used = (len + block_size - 1) / block_size;
+        if (len < 1 || used > table_width) return -2;
+        for (int j = 0; j < used; j++) {
+            const int32_t block = block_tables[(int64_t)seq * table_width + j];
+            if (block < 0 || block >= num_blocks) return -2;
+        }
+    }
     const int group = num_heads / num_kv_heads;
     const int64_t head_stride = (int64_t)block_size * head_dim;
     const int64_t block_stride = head_stride * num_kv_heads;
@@ -98,11 +107,14 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
 }
 
 /* Write each new token's key and value into its slot of the head-major caches; slot -1 writes
- * nothing. key, value: [num_tokens, num_kv_heads, head_dim] rows ``key_stride`` / ``value_stride``
- * floats apart (views of the fused qkv projection), each row's heads contiguous. */
-void store_kv_f32(const float *key, const float *value, float *k_cache, float *v_cache, const int64_t *slot_mapping,
-                  int num_tokens, int num_kv_heads, int head_dim, int block_size, int64_t key_stride,
-                  int64_t value_stride, int num_threads) {
+ * nothing (any negative slot, as in the PyTorch path). key, value: [num_tokens, num_kv_heads, head_dim] rows ``key_stride`` / ``value_stride``
+ * floats apart (views of the fused qkv projection), each row's heads contiguous. Returns 0, or -2
+ * (having written nothing) when a slot lies outside the cache's num_slots. */
+int store_kv_f32(const float *key, const float *value, float *k_cache, float *v_cache, const int64_t *slot_mapping,
+                 int num_tokens, int num_kv_heads, int head_dim, int block_size, int64_t key_stride,
+                 int64_t value_stride, int num_threads, int64_t num_slots) {
+    for (int t = 0; t < num_tokens; t++)
+        if (slot_mapping[t] >= num_slots) return -2; /* nothing written */
     const int64_t head_stride = (int64_t)block_size * head_dim;
     const int64_t block_stride = head_stride * num_kv_heads;
 #pragma omp parallel for num_threads(num_threads) if (num_tokens >= 256)
@@ -115,4 +127,5 @@ void store_kv_f32(const float *key, const float *value, float *k_cache, float *v
             memcpy(v_cache + base + h * head_stride, value + t * value_stride + h * head_dim, sizeof(float) * head_dim);
         }
     }
+    return 0;
 }
