@@ -90,6 +90,12 @@ def test_store_kv_kernel_writes_what_the_oracle_writes():
     assert not k.is_contiguous()
     slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
     slots[::7] = -1
+    _store_and_compare(k, v, slots, num_blocks, kv_heads, block_size, head_dim)
+    # keys and values with different row strides (a contiguous value beside a strided key)
+    _store_and_compare(k, v.contiguous(), slots, num_blocks, kv_heads, block_size, head_dim)
+
+
+def _store_and_compare(k, v, slots, num_blocks, kv_heads, block_size, head_dim):
     caches = {}
     for name, write in (("oracle", None), ("kernel", cpu_kernels.store_kv)):
         kc = torch.full((num_blocks, kv_heads, block_size, head_dim), 7.0)
@@ -191,3 +197,16 @@ def test_out_of_range_slots_and_blocks_raise_before_touching_memory():
     cpu_kernels.store_kv(k, k, kc, vc, torch.tensor([0, 5, 63]))
     assert kc.any()
     cpu_kernels.paged_decode(q, kc, vc, tables.clamp(max=3), torch.tensor([20, 20], dtype=torch.int32), 0.125)
+
+
+def test_called_directly_the_kernels_refuse_what_they_cannot_read():
+    """The kernels read raw float32 memory: a bfloat16 cache or query is a ValueError naming the dtypes,
+    never a misread."""
+    kc = torch.zeros(4, 2, 16, 64)
+    q = torch.ones(1, 4, 64)
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_kernels.paged_decode(q, kc.bfloat16(), kc.bfloat16(), tables, lens, 0.125)
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_kernels.store_kv(q[:, :2].bfloat16(), q[:, :2].bfloat16(), kc, kc.clone(), torch.zeros(1))
+    cpu_kernels.paged_decode(q, kc, kc, tables, lens, 0.125)  # control: float32 runs

@@ -102,10 +102,24 @@ def load() -> Kernels | None:
     return Kernels(decode, store)
 
 
+def _float32_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
 def applies(x: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """The kernels' case: float32 tensors and cache on the CPU, the kernels built (other dtypes,
     or no compiler, take the PyTorch path)."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and k_cache.dtype == torch.float32 and load() is not None
+    return _float32_cpu(x, k_cache) and load() is not None
+
+
+def _kernels(*tensors: torch.Tensor) -> Kernels:
+    """The loaded kernels for these tensors; they read raw float32 memory, so anything else is refused."""
+    kernels = load()
+    if kernels is None:
+        raise RuntimeError("the CPU kernels are not available (see the log for why)")
+    if not _float32_cpu(*tensors):
+        raise ValueError(f"the CPU kernels take float32 CPU tensors, got {[(t.dtype, t.device.type) for t in tensors]}")
+    return kernels
 
 
 def _rows(x: torch.Tensor) -> bool:
@@ -117,8 +131,7 @@ def store_kv(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """``torch_ref.store_kv(..., head_major=True)`` for float32: each token's K/V into its slot."""
-    kernels = load()
-    assert kernels is not None and applies(key, k_cache)
+    kernels = _kernels(key, value, k_cache, v_cache)
     key = key if _rows(key) else key.contiguous()
     value = value if _rows(value) else value.contiguous()
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -155,8 +168,7 @@ def paged_decode(
 ) -> torch.Tensor:
     """q: [num_seqs, num_heads, d]; caches head-major [num_blocks, num_kv_heads, block_size, d];
     block_tables [num_seqs, width] and seq_lens [num_seqs], int32 -> [num_seqs, num_heads, d]."""
-    kernels = load()
-    assert kernels is not None and applies(q, k_cache)
+    kernels = _kernels(q, k_cache, v_cache)
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim or num_heads % num_kv_heads or v_cache.shape != k_cache.shape:
