@@ -79,7 +79,8 @@ phase "$L_MUT" "$PY" -m tests.mutants.runner --device cuda --jobs "$JOBS" --mark
 rc_mut=$?
 t3=$(date +%s)
 
-# ------------------------------------------------------------------ summary
+# ------------------------------------------------------------------ summary (also in $LOG/gpu_ci_summary.txt)
+{
 echo "=== GPU CI, $(head -1 "$LOG/env.txt"), commit $(sed -n 2p "$LOG/env.txt") ==="
 sed -n '3,$p' "$LOG/env.txt" | grep -E "^(GPU|python|installed|warmed)" | head -5
 echo "--- warm-up $((tw - t0)) s; pytest -n auto (rc=$rc_pytest, $((t1 - tw)) s) ---"
@@ -94,5 +95,6 @@ grep -E "^- result:" "$LOG/conformance-cuda.md" 2>/dev/null || tail -5 "$LOG/con
 echo "--- mutant table, cuda (rc=$rc_mut, $((t3 - t2)) s) ---"
 tail -1 "$LOG/mutants.log"
 echo "--- wall time $((t3 - t0)) s ---"
+} | tee "$LOG/gpu_ci_summary.txt"
 ok() { [ "$1" = 0 ] || { [ "$1" = 3 ] && [ "${NANOVLLM_GPU_CI_ALLOW_SKIP:-0}" = 1 ]; }; }
 ok $rc_pytest && ok $rc_conf && ok $rc_mut
