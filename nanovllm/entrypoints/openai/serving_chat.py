@@ -23,6 +23,7 @@ from nanovllm.entrypoints.openai.serving_common import (
     usage,
 )
 from nanovllm.entrypoints.openai.serving_completion import LOGPROB_FLOOR, token_name
+from nanovllm.entrypoints.openai.stream_chunks import StreamChunks
 from nanovllm.outputs import CompletionOutput
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
@@ -182,6 +183,7 @@ async def _stream(req: ChatCompletionRequest, started, request_id: str, model: s
             d["usage"] = usage(prompt_tokens, completion_tokens[i])
         return d
 
+    chunks = StreamChunks(request_id, "chat.completion.chunk", created, model)
     try:
         first = [True] * len(started)
         async with merged(started) as outputs:
@@ -192,7 +194,15 @@ async def _stream(req: ChatCompletionRequest, started, request_id: str, model: s
                 if first[i]:
                     first[i] = False
                     yield sse(chunk(i, {"role": "assistant", "content": ""}))
-                if c.text or c.finish_reason is not None or c.logprobs:
+                if (
+                    c.text
+                    and c.logprobs is None
+                    and c.finish_reason is None
+                    and c.stop_reason is None
+                    and not continuous
+                ):
+                    yield chunks.content(i, c.text)  # most chunks: the same bytes as the line below, faster
+                elif c.text or c.finish_reason is not None or c.logprobs:
                     yield sse(chunk(i, {"content": c.text} if c.text else {}, c))
         if include_usage:
             yield sse(
