@@ -9,6 +9,8 @@ scrape time. Each app has its own registry (several servers can live in one proc
 
 from __future__ import annotations
 
+import bisect
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -38,6 +40,27 @@ LATENCY_BUCKETS = (
     160.0,
 )
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+
+def observe_many(histogram, amount: float, count: int) -> None:
+    """``count`` observations of ``amount`` in one update of a Histogram child: a stream chunk of
+    several tokens has one inter-token gap per token, and ``observe`` (a lock per bucket and sum)
+    costs ~1.7 us each. Works on prometheus_client's child layout (``_upper_bounds``, ``_buckets``,
+    ``_sum``: the same exposition as ``count`` observes, tests/test_serve_metrics_many.py); any
+    other layout gets the observes one by one."""
+    if count <= 0:
+        return
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for _ in range(count):
+            histogram.observe(amount)
+        return
+    i = bisect.bisect_left(bounds, amount)  # observe's bucket: the first bound >= amount (+Inf last)
+    if i < len(buckets):
+        buckets[i].inc(count)
+    total.inc(amount * count)
 
 
 class EngineStatsCollector:
@@ -167,12 +190,9 @@ class ServerMetrics:
                 # a request seen first when several tokens are out (FINAL_ONLY): their mean gap
                 if n > 1 and m.last_token_time is not None:
                     gap = (m.last_token_time - m.first_token_time) / (n - 1)  # type: ignore[operator]
-                    for _ in range(n - 1):
-                        self._itl.observe(gap)
+                    observe_many(self._itl, gap, n - 1)
             elif last_time is not None and m.last_token_time is not None:
-                gap = (m.last_token_time - last_time) / (n - last_n)
-                for _ in range(n - last_n):
-                    self._itl.observe(gap)
+                observe_many(self._itl, (m.last_token_time - last_time) / (n - last_n), n - last_n)
             self._generation_tokens.inc(n - last_n)
         if not out.finished:
             self._last[out.request_id] = (m.last_token_time, n)
