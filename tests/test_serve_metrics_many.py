@@ -4,13 +4,14 @@ the exposition that n calls of prometheus_client's ``observe`` give."""
 from __future__ import annotations
 
 import bisect
+import math
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from nanovllm.entrypoints.openai.metrics import LATENCY_BUCKETS, observe_many
 
-CASES = [(0.0, 1), (0.001, 3), (0.0105, 2), (0.04, 5), (0.5, 1), (160.0, 2), (1e6, 4), (0.02, 0)]
+CASES = [(0.0, 1), (0.001, 3), (0.0105, 2), (0.04, 5), (0.5, 1), (160.0, 2), (1e6, 4), (0.02, 0), (math.nan, 1)]
 
 
 def exposition(observe) -> str:
@@ -29,7 +30,9 @@ def one_by_one(child, amount, count):
 
 def test_observe_many_equals_repeated_observes():
     assert exposition(observe_many) == exposition(one_by_one)
-    assert 'itl_count{m="x"} 18.0' in exposition(observe_many)  # not vacuous: the counts are there
+    assert 'itl_count{m="x"} 18.0' in exposition(
+        observe_many
+    )  # NaN counts in no bucket  # not vacuous: the counts are there
 
 
 def test_negative_control_a_bucket_off_at_its_bound_is_caught():

@@ -58,7 +58,7 @@ def observe_many(histogram, amount: float, count: int) -> None:
             histogram.observe(amount)
         return
     i = bisect.bisect_left(bounds, amount)  # observe's bucket: the first bound >= amount (+Inf last)
-    if i < len(buckets):
+    if i < len(buckets) and amount == amount:  # NaN falls in no bucket, as observe has it
         buckets[i].inc(count)
     total.inc(amount * count)
 
