@@ -227,6 +227,35 @@ def test_sse_chunk_shapes_and_usage(url):
     assert all(c["choices"] and c.get("usage") is None for c in chunks)
 
 
+def sse_chunks(url: str, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{url}/v1/{path}", json=body, headers=AUTH, timeout=30) as r:
+        assert r.status_code == 200
+        return [json.loads(line[6:]) for line in r.iter_lines() if line and line != "data: [DONE]"]
+
+
+def test_stream_chunks_keep_prompt_logprobs_and_continuous_usage(url):
+    """What the text-only chunk fast path must not drop: a streamed completion's prompt_logprobs
+    (in its first chunk, equal to the non-streamed ones) and, with continuous_usage_stats, the
+    running usage on every chunk of completions and chat."""
+    prompt = [5, 6, 7, 8]
+    body = {"model": "zoo", "prompt": prompt, "max_tokens": 6, "temperature": 0, "prompt_logprobs": 1}
+    whole = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=30).json()
+    chunks = sse_chunks(url, "completions", {**body, "stream": True})
+    assert chunks[0]["choices"][0]["prompt_logprobs"] == whole["choices"][0]["prompt_logprobs"]
+    assert len(whole["choices"][0]["prompt_logprobs"]) == len(prompt)
+
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chat = {"model": "zoo", "messages": [{"role": "user", "content": "hi"}]}
+    for path, extra in (("completions", {"prompt": prompt}), ("chat/completions", chat)):
+        body = {"model": "zoo", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True, **extra}
+        chunks = sse_chunks(url, path, {**body, "stream_options": opts})
+        with_choices = [c for c in chunks if c["choices"]]
+        assert len(with_choices) >= 3, path  # several chunks mid-stream, where the fast path applies
+        assert all("usage" in c for c in with_choices), path
+        counts = [c["usage"]["completion_tokens"] for c in with_choices]
+        assert counts == sorted(counts) and counts[-1] == 6, (path, counts)
+
+
 # ---------------------------------------------------------------- concurrency
 def test_64_concurrent_streaming_clients(url, offline):
     vocab = ZOO[MODEL].vocab_size
