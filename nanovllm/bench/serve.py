@@ -72,8 +72,9 @@ class ServeMeasurement:
 
     def cpu_busy(self) -> dict:
         """The share of the run's wall time each side spent on a CPU: the busiest client process
-        (one event loop: near 1.0 means the client limited the run) and the server's process
-        (its front end; an engine core in a process of its own is not counted)."""
+        (one event loop: near 1.0 means the client limited the run) and the server's front end
+        (its process; with ``--api-server-count N`` its N processes summed, so up to N; an engine
+        core in a process of its own is not counted)."""
         out: dict[str, float] = {"client_processes": len(self.client_cpu_s)}
         if self.client_cpu_s and self.duration > 0:
             out["client_busiest"] = max(self.client_cpu_s) / self.duration

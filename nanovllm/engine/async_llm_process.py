@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 from nanovllm.core.sequence import Sequence
 from nanovllm.engine.async_llm import AsyncLLM, EngineDeadError, PendingOutput
-from nanovllm.engine.core_client import EngineCoreClient
+from nanovllm.engine.core_client import AttachedCoreClient, EngineCoreClient
 from nanovllm.engine.core_output import apply_update
 from nanovllm.engine.engine import load_tokenizer
 from nanovllm.engine.output_processor import StreamState, make_request_output, make_stream_output
@@ -42,7 +42,7 @@ _PIPE_CLOSED = object()  # the reader thread's last message: (_PIPE_CLOSED, the 
 
 
 class ProcessAsyncLLM(AsyncLLM):
-    def __init__(self, client: EngineCoreClient):  # noqa: D107 - the base's state, less the engine
+    def __init__(self, client: EngineCoreClient | AttachedCoreClient):  # noqa: D107 - the base's state, less the engine
         self.client = client
         self.engine = None  # type: ignore[assignment]  # lives in the core process
         self.config = client.config
@@ -143,7 +143,7 @@ class ProcessAsyncLLM(AsyncLLM):
 
     async def check_health(self) -> None:
         if self.errored is None and not self._closed and not self.client.is_alive:
-            self._core_died(EngineDeadError(f"the engine-core process exited (code {self.client.process.exitcode})"))
+            self._core_died(EngineDeadError(self.client.exit_description()))
         await super().check_health()
 
     def shutdown(self) -> None:

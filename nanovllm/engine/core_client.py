@@ -6,6 +6,11 @@ send it commands without blocking the caller, stop it.
     client.conn                                      # read the core's messages from it
     client.shutdown()
 
+With ``front_ends=N`` the core also gets N more pipes, one per front-end process of a server
+(``entrypoints/openai/api_servers.py``): ``client.front_end_conns`` holds their other ends, to
+hand to those processes (``AttachedCoreClient``); the client's own pipe is then the control pipe,
+used only to stop the core.
+
 Commands go through a sender thread, so the event loop never blocks on a full pipe while the
 core is busy sending outputs (which it could not, the event loop being blocked: a deadlock).
 """
@@ -31,17 +36,21 @@ class EngineCoreError(RuntimeError):
 
 
 class EngineCoreClient:
-    def __init__(self, model, engine_args: dict, start_timeout_s: float | None = None):
+    def __init__(self, model, engine_args: dict, start_timeout_s: float | None = None, front_ends: int = 0):
         ctx = mp.get_context("spawn")  # CUDA and threads: never fork
-        self.conn, child = ctx.Pipe()
+        pipes = [ctx.Pipe() for _ in range(1 + front_ends)]
+        self.conn = pipes[0][0]
+        self.front_end_conns = [ours for ours, _ in pipes[1:]]
+        children = [theirs for _, theirs in pipes]
         # not a daemon: a core with tensor parallelism starts worker processes of its own
         self.process = ctx.Process(
             target=run_engine_core,
             name="nanovllm-engine-core",
-            args=(child, os.getpid(), model, engine_args, logging.getLogger().getEffectiveLevel()),
+            args=(children, os.getpid(), model, engine_args, logging.getLogger().getEffectiveLevel()),
         )
         self.process.start()
-        child.close()
+        for child in children:
+            child.close()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender: list[threading.Thread] = []  # started once the core is ready
         self._finalizer = weakref.finalize(self, _stop, self.process, self.conn, self._outbox, self._sender)
@@ -50,6 +59,7 @@ class EngineCoreClient:
         except BaseException:
             self.shutdown()
             raise
+        self.ready_info = info
         self.config = info["config"]
         self.vocab_size: int = info["vocab_size"]
         self.stats: dict = info["stats"]
@@ -90,9 +100,66 @@ class EngineCoreClient:
     def is_alive(self) -> bool:
         return self.process.is_alive()
 
+    def exit_description(self) -> str:
+        return f"the engine-core process exited (code {self.process.exitcode})"
+
     def shutdown(self) -> None:
         """Ask the core to stop (it aborts what runs), wait for it, then make sure it is gone."""
         self._finalizer()
+
+
+class AttachedCoreClient:
+    """A front-end process's handle on an engine core another process started (with
+    ``EngineCoreClient(front_ends=N)``): its own pipe to the core, whose "ready" message waits in
+    it. ``shutdown`` closes the pipe (the core aborts this front end's requests); stopping the
+    core is the starter's part."""
+
+    def __init__(self, conn, core_pid: int, start_timeout_s: float = 60.0):
+        self.conn = conn
+        self.core_pid = core_pid
+        if not conn.poll(start_timeout_s):
+            raise EngineCoreError(f"the engine core (pid {core_pid}) sent nothing in {start_timeout_s:.0f} s")
+        try:
+            kind, info = conn.recv()
+        except EOFError:
+            raise EngineCoreError(f"the engine core (pid {core_pid}) closed this front end's pipe") from None
+        if kind != "ready":
+            raise EngineCoreError(f"the engine core sent {kind!r} before it was ready")
+        self.ready_info = info
+        self.config = info["config"]
+        self.vocab_size: int = info["vocab_size"]
+        self.stats: dict = info["stats"]
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(target=write_pipe, args=(conn, self._outbox), name="nanovllm-core-sender")
+        self._sender.daemon = True
+        self._sender.start()
+        self._closed = False
+
+    def send(self, message) -> None:
+        self._outbox.put(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    @property
+    def is_alive(self) -> bool:
+        if self._closed:
+            return False
+        try:
+            os.kill(self.core_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # pragma: no cover - a pid reused by another user's process
+            return False
+        return True
+
+    def exit_description(self) -> str:
+        return f"the engine-core process (pid {self.core_pid}) is gone"
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._outbox.put(None)  # after what is queued (an abort of what this front end ran)
+        self._sender.join(5.0)
+        self.conn.close()
 
 
 def _stop(process, conn, outbox: queue.SimpleQueue, sender: list[threading.Thread]) -> None:

@@ -1,7 +1,7 @@
 """The engine core in its own process: the step loop, with nothing else competing for its
 interpreter (vLLM's EngineCore process).
 
-The front end (``engine/async_llm_process.py``) talks to it over one duplex pipe:
+The front end (``engine/async_llm_process.py``) talks to it over a duplex pipe:
 
     front end -> core   ("add", token, [(request_id, prompt, params), ...])   all or none
                         ("abort", [request_id, ...])
@@ -17,6 +17,13 @@ The front end (``engine/async_llm_process.py``) talks to it over one duplex pipe
 Commands are read between steps (without waiting while requests run), so a step never waits
 for the front end. The core leaves when told to stop, when the pipe closes, or when its
 parent process dies (``lifeline``).
+
+With several front ends (``nanovllm serve --api-server-count N``) the core has one pipe per
+front end beside the first, the control pipe of the process that started it. Each pipe gets
+"ready", the answers to its own commands and the updates of the requests it added; each front
+end also gets the stats at least every ``STATS_INTERVAL_S`` while the core is busy, and when it
+goes idle. A front end whose pipe closes has its requests aborted; the core leaves when the
+control pipe closes or any pipe says "stop".
 """
 
 from __future__ import annotations
@@ -29,12 +36,14 @@ import signal
 import threading
 import time
 import traceback
+from multiprocessing.connection import wait
 
 from nanovllm.cpu_threads import default_threads
 from nanovllm.engine.engine import LLMEngine
 from nanovllm.engine.lifeline import watch_parent
 
 logger = logging.getLogger(__name__)
+STATS_INTERVAL_S = 0.5  # the longest a front end with no updates goes without the core's stats
 
 
 def picklable_error(e: BaseException) -> BaseException:
@@ -46,23 +55,27 @@ def picklable_error(e: BaseException) -> BaseException:
         return RuntimeError(f"{type(e).__name__}: {e}")
 
 
-def run_engine_core(conn, parent_pid: int, model, engine_args: dict, log_level: int = logging.WARNING) -> None:
-    """The core process's main (a ``spawn`` target); it logs at the front end's level."""
+def run_engine_core(conns, parent_pid: int, model, engine_args: dict, log_level: int = logging.WARNING) -> None:
+    """The core process's main (a ``spawn`` target); it logs at the front end's level.
+    ``conns``: its pipes, the control pipe first (one pipe: a list of one, or the pipe itself)."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
     watch_parent(parent_pid)
+    conns = list(conns) if isinstance(conns, (list, tuple)) else [conns]
     engine_args = with_front_end_core(engine_args)
     try:
         engine = LLMEngine.from_engine_args(model, **engine_args)
     except BaseException as e:  # noqa: BLE001 - the front end raises it
         logger.debug("engine core start-up failed:\n%s", traceback.format_exc())
-        _send(conn, ("failed", picklable_error(e)))
+        _send(conns[0], ("failed", picklable_error(e)))  # the other pipes read EOF
         return
     engine.emit_updates = True
     info = {"config": engine.config, "vocab_size": engine.vocab_size, "stats": engine.stats()}
     try:
-        _send(conn, ("ready", info))
-        EngineCore(engine, conn).run()
+        core = EngineCore(engine, conns)
+        for outbox in core.outboxes:
+            outbox.send(("ready", info))
+        core.run()
     finally:
         engine.close()
 
@@ -92,40 +105,112 @@ def _send(conn, message) -> None:
 
 
 class EngineCore:
-    def __init__(self, engine: LLMEngine, conn):
+    """The step loop over one or more front-end pipes (``conns[0]``: the control pipe)."""
+
+    def __init__(self, engine: LLMEngine, conns):
         self.engine = engine
-        self.conn = conn
-        self.outbox = CoreOutbox(conn)
+        self.conns = list(conns) if isinstance(conns, (list, tuple)) else [conns]
+        self.outboxes = [CoreOutbox(c) for c in self.conns]
+        self.live = set(range(len(self.conns)))  # the pipes still open
+        self.owner: dict[str, int] = {}  # request id -> the pipe that added it (several pipes only)
+        self.stats_sent = [0.0] * len(self.conns)  # when each pipe last got the stats
         self.timing = CoreTiming()
 
+    @property
+    def conn(self):
+        return self.conns[0]
+
     def run(self) -> None:
-        engine, conn, timing = self.engine, self.conn, self.timing
+        engine, timing = self.engine, self.timing
+        was_busy = False
         try:
             while True:
                 busy = engine.has_unfinished_requests()
                 if not busy:
                     timing.end_period()
-                if (not busy or conn.poll()) and not self._handle_commands(block=not busy):
+                    if was_busy and len(self.conns) > 1:
+                        self._send_stats()  # idle now: every front end's gauges settle
+                was_busy = busy
+                if (not busy or self._commands_waiting()) and not self._handle_commands(block=not busy):
                     break
                 if engine.has_unfinished_requests():
                     t0 = time.perf_counter()
                     updates = engine.step()
                     t1 = time.perf_counter()
-                    if updates:
-                        self.outbox.send(("out", updates, engine.stats()))
+                    self._send_updates(updates)
                     timing.add_step(t0, t1 - t0, time.perf_counter() - t1)
         except (EOFError, OSError, BrokenPipeError):
             logger.info("the front end closed the pipe; the engine core leaves")
         except BaseException as e:  # noqa: BLE001 - the engine is dead: say why, then leave
             logger.exception("the engine core's step loop failed")
-            self.outbox.send(("dead", picklable_error(e)))
+            dead = ("dead", picklable_error(e))
+            for i in self.live:
+                self.outboxes[i].send(dead)
         finally:
-            self.outbox.close()
+            for outbox in self.outboxes:
+                outbox.close()
             logger.info("engine core: %s", timing.summary())
 
+    def _commands_waiting(self) -> bool:
+        if len(self.conns) == 1:
+            return self.conn.poll()
+        return bool(wait([self.conns[i] for i in self.live], timeout=0))
+
+    def _send_updates(self, updates: list) -> None:
+        """Each update to the pipe that added its request; the stats with them."""
+        if len(self.conns) == 1:
+            if updates:
+                self.outboxes[0].send(("out", updates, self.engine.stats()))
+            return
+        routed: dict[int, list] = {}
+        for u in updates:
+            request_id = u[0]  # SequenceUpdate.request_id; u[4]: its finish_reason
+            i = self.owner.pop(request_id, None) if u[4] is not None else self.owner.get(request_id)
+            if i is not None:
+                routed.setdefault(i, []).append(u)
+        now = time.perf_counter()
+        stale = [i for i in self.live if i and i not in routed and now - self.stats_sent[i] >= STATS_INTERVAL_S]
+        if not routed and not stale:
+            return
+        stats = self.engine.stats()
+        for i, mine in routed.items():
+            if i in self.live:
+                self.outboxes[i].send(("out", mine, stats))
+                self.stats_sent[i] = now
+        for i in stale:
+            self.outboxes[i].send(("out", [], stats))
+            self.stats_sent[i] = now
+
+    def _send_stats(self) -> None:
+        """An empty "out" with the stats to every live front end (not the control pipe)."""
+        stats, now = self.engine.stats(), time.perf_counter()
+        for i in self.live:
+            if i:
+                self.outboxes[i].send(("out", [], stats))
+                self.stats_sent[i] = now
+
     def _handle_commands(self, block: bool) -> bool:
-        """Apply the commands waiting (the first one waited for when ``block``); False on stop."""
-        engine, conn = self.engine, self.conn
+        """Apply the commands waiting (the first one waited for when ``block``); False on stop
+        (or the control pipe closed: raises EOFError)."""
+        if len(self.conns) == 1:
+            return self._handle_pipe(0, block)
+        t0 = time.perf_counter()
+        ready = wait([self.conns[i] for i in self.live], timeout=None if block else 0)
+        if block:
+            self.timing.woke(t0)
+        for conn in ready:
+            i = self.conns.index(conn)
+            try:
+                if not self._handle_pipe(i, block=False):
+                    return False
+            except (EOFError, OSError):
+                if i == 0:
+                    raise
+                self._front_end_gone(i)
+        return True
+
+    def _handle_pipe(self, i: int, block: bool) -> bool:
+        engine, conn, outbox = self.engine, self.conns[i], self.outboxes[i]
         while block or conn.poll():
             t0 = time.perf_counter()
             cmd = conn.recv()
@@ -136,21 +221,34 @@ class EngineCore:
             if kind == "stop":
                 return False
             if kind == "add":
-                self.outbox.send(("added", cmd[1], self._add(cmd[2])))
+                outbox.send(("added", cmd[1], self._add(cmd[2], i)))
             elif kind == "abort":
                 updates = [u for u in (engine.abort_request(r) for r in cmd[1]) if u is not None]
-                self.outbox.send(("out", updates, engine.stats()))
+                for request_id in cmd[1]:
+                    self.owner.pop(request_id, None)
+                outbox.send(("out", updates, engine.stats()))
             elif kind == "call":
                 try:
                     result = cmd[2](engine)
                 except Exception as e:  # noqa: BLE001 - the caller gets it
                     result = picklable_error(e)
-                self.outbox.send(("called", cmd[1], result))
+                outbox.send(("called", cmd[1], result))
             else:
                 raise ValueError(f"unknown engine-core command {kind!r}")
         return True
 
-    def _add(self, items):
+    def _front_end_gone(self, i: int) -> None:
+        """Front end ``i`` closed its pipe: abort its requests (their blocks free at once)."""
+        self.live.discard(i)
+        self.outboxes[i].close(timeout_s=0.0)
+        mine = [r for r, owner in self.owner.items() if owner == i]
+        for request_id in mine:
+            self.engine.abort_request(request_id)
+            del self.owner[request_id]
+        log = logger.warning if mine else logger.info
+        log("front end %d closed its pipe; %d of its requests aborted", i, len(mine))
+
+    def _add(self, items, i: int = 0):
         """Validate every sequence, then queue them all: a request's children go in together or
         not at all. Returns the sequences (the front end's mirrors) or the error."""
         engine = self.engine
@@ -163,6 +261,8 @@ class EngineCore:
             return picklable_error(e)
         for seq in seqs:
             engine.add_sequence(seq)
+            if len(self.conns) > 1:
+                self.owner[seq.request_id] = i
         return seqs
 
 

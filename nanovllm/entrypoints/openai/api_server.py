@@ -139,10 +139,16 @@ def with_cancellation(handler):
 
 
 def build_app(
-    engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None, dev_mode: bool | None = None
+    engine: AsyncLLM,
+    served_model_names: list[str],
+    api_key: str | None = None,
+    dev_mode: bool | None = None,
+    metrics_dir: str | None = None,
 ) -> FastAPI:
+    """The app over ``engine``; ``metrics_dir``: a Prometheus multiprocess directory shared with
+    the server's other front-end processes (``api_server_pool.py``)."""
     app = FastAPI(title="nanovllm OpenAI-compatible server", docs_url=None, redoc_url=None)
-    metrics = ServerMetrics(engine, served_model_names[0])
+    metrics = ServerMetrics(engine, served_model_names[0], multiprocess_dir=metrics_dir)
     max_model_len = engine.max_model_len
     created = int(time.time())
     dev_mode = os.environ.get(DEV_MODE_ENV) == "1" if dev_mode is None else dev_mode
@@ -247,8 +253,10 @@ def build_app(
 
         @app.get("/debug/engine")
         async def debug_engine():
-            """Checks the engine's invariants between steps; returns its stats and live requests."""
-            return await engine.call(engine_state)
+            """Checks the engine's invariants between steps; returns its stats, its live requests
+            and which front-end process answered."""
+            state = await engine.call(engine_state)
+            return {**state, "front_end_pid": os.getpid(), "front_end_finished": metrics.finished_here}
 
     return app
 

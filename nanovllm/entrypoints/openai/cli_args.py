@@ -48,6 +48,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         "model's step loop (default); --no-engine-process runs it on a thread of the server",
     )
     p.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        metavar="N",
+        help="front-end processes (HTTP, JSON, text) sharing the port, over one engine core: more "
+        "than 1 when one front end cannot keep up with the engine (a fast GPU, many streams)",
+    )
+    p.add_argument(
         "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]
     )
     add_engine_args(p)
@@ -65,6 +73,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    if args.api_server_count > 1:
+        if not args.core_process:
+            raise ValueError(
+                f"--api-server-count {args.api_server_count} needs the engine core in its own process: "
+                "drop --no-engine-process"
+            )
+        from nanovllm.entrypoints.openai.api_server_pool import serve_pool
+
+        return serve_pool(args, engine_kwargs(args))
     run_event_loop()(serve(args, engine_kwargs(args)))
     return 0
 

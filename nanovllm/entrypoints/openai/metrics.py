@@ -5,11 +5,17 @@ finished requests by reason) are observed from every RequestOutput the engine ha
 end, whichever caller consumes it; engine-wide ones (running / waiting requests, KV-cache
 usage, preemptions, prefix-cache queries and hits) are read from the engine's stats snapshot at
 scrape time. Each app has its own registry (several servers can live in one process).
+
+With several front-end processes (``serve --api-server-count N``) the per-request series live in
+Prometheus multiprocess files in a directory the processes share (``multiprocess_dir``), so any
+front end's /metrics counts every front end's requests; ``process_cpu_seconds_total`` is then the
+front ends' CPU time summed (``FrontEndsCPUCollector``).
 """
 
 from __future__ import annotations
 
 import bisect
+import os
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -39,6 +45,7 @@ LATENCY_BUCKETS = (
     80.0,
     160.0,
 )
+FRONT_END_PIDS_FILE = "front_end_pids"  # in the multiprocess directory: the front ends' pids, a line each
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 
@@ -104,15 +111,67 @@ class EngineStatsCollector:
         yield counter("nanovllm:engine_steps", "Engine steps.", s["steps"])
 
 
-class ServerMetrics:
-    """The app's registry; ``observe`` is an AsyncLLM output observer."""
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` (Linux ``/proc``; this process's anywhere); 0
+    for a process that is gone."""
+    if pid == os.getpid():
+        t = os.times()
+        return t.user + t.system
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
-    def __init__(self, engine: AsyncLLM, model_name: str):
+
+class FrontEndsCPUCollector:
+    """``process_cpu_seconds_total`` summed over the server's front-end processes, whose pids the
+    server's main process writes to ``pids_path`` (this process alone until it has)."""
+
+    def __init__(self, pids_path: str):
+        self.pids_path = pids_path
+
+    def pids(self) -> list[int]:
+        try:
+            with open(self.pids_path) as f:
+                return [int(line) for line in f if line.strip()]
+        except (OSError, ValueError):
+            return [os.getpid()]
+
+    def collect(self):
+        pids = self.pids()
+        yield CounterMetricFamily(
+            "process_cpu_seconds_total",
+            f"Total user and system CPU time spent in seconds, summed over the server's {len(pids)} "
+            "front-end processes.",
+            value=sum(process_cpu_seconds(pid) for pid in pids),
+        )
+
+
+class ServerMetrics:
+    """The app's registry; ``observe`` is an AsyncLLM output observer. ``multiprocess_dir``:
+    the Prometheus multiprocess directory of a server with several front-end processes."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str, multiprocess_dir: str | None = None):
         self.registry = CollectorRegistry()
-        r, labels = self.registry, ["model_name"]
-        # process_cpu_seconds_total and friends of the server's process (as in vLLM's /metrics):
-        # `bench serve` reads it to tell a saturated front end from a saturated client
-        ProcessCollector(registry=r)
+        labels = ["model_name"]
+        if multiprocess_dir is None:
+            r: CollectorRegistry | None = self.registry
+            # process_cpu_seconds_total and friends of the server's process (as in vLLM's /metrics):
+            # `bench serve` reads it to tell a saturated front end from a saturated client
+            ProcessCollector(registry=r)
+        else:
+            from prometheus_client import multiprocess, values
+
+            if values.ValueClass is values.MutexValue:
+                raise RuntimeError(
+                    "several front-end processes need PROMETHEUS_MULTIPROC_DIR set before prometheus_client "
+                    "is imported (the server sets it for the processes it starts)"
+                )
+            r = None  # the series go to the shared files, which the collector below reads
+            multiprocess.MultiProcessCollector(self.registry, path=multiprocess_dir)
+            self.registry.register(FrontEndsCPUCollector(os.path.join(multiprocess_dir, FRONT_END_PIDS_FILE)))
         self.requests = Counter(
             "nanovllm:request_success",
             "Finished requests, by finish reason.",
@@ -170,12 +229,13 @@ class ServerMetrics:
             self.gen_len,
         ):
             metric.labels(model_name)
-        r.register(EngineStatsCollector(engine, model_name))
+        self.registry.register(EngineStatsCollector(engine, model_name))
         self.model_name = model_name
         # the series touched on every output, looked up once (labels() locks and hashes each call)
         self._ttft, self._itl = self.ttft.labels(model_name), self.itl.labels(model_name)
         self._generation_tokens = self.generation_tokens.labels(model_name)
         self._last: dict[str, tuple[float | None, int]] = {}  # request -> (last token time, tokens so far)
+        self.finished_here = 0  # requests this process saw finish (/debug/engine: which front end served)
         engine.output_observers.append(self.observe)
 
     def observe(self, out: RequestOutput) -> None:
@@ -198,6 +258,7 @@ class ServerMetrics:
             self._last[out.request_id] = (m.last_token_time, n)
             return
         self._last.pop(out.request_id, None)
+        self.finished_here += 1
         reason = out.outputs[0].finish_reason or "unknown"
         self.requests.labels(name, reason).inc()
         self.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))

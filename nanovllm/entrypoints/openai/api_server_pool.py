@@ -1,0 +1,198 @@
+"""`nanovllm serve --api-server-count N`: N front-end processes on one listening socket, one
+engine core (vLLM's ``--api-server-count``).
+
+One front end (HTTP, JSON, detokenization, metrics) saturates its interpreter before a fast GPU
+runs out of work: on an H200 the server's process was 89-96 % busy while serving 80-93 % of the
+offline throughput. With N front ends the kernel hands each new connection to one of them; each
+has its own pipe to the engine core, which routes every request's updates back to the pipe that
+added it (``engine/core_process.py``).
+
+Each front end listens on a socket of its own, bound to the same address with ``SO_REUSEPORT``
+(Linux), and the kernel spreads new connections over them by their address hash. With one shared
+listening socket the front end that happened to be waiting took a whole burst of connections (24
+of 24 in a test) while the other idled. Elsewhere the front ends share this process's socket.
+
+    this process       binds the socket (it listens once a front end serves it), starts the
+                       engine core, hands each front end the socket and its pipe, then waits:
+                       when a front end or the core exits, or on SIGINT / SIGTERM, it stops
+                       them all (front ends first, so their requests end cleanly) and exits
+    front end i        uvicorn + the FastAPI app over a ProcessAsyncLLM on its own pipe
+                       (``AttachedCoreClient``); leaves if this process dies (``lifeline``)
+    engine core        as with one front end; its control pipe is this process's
+
+/metrics answers the same on every front end: the per-request series are Prometheus
+multiprocess files in a directory of this run (``PROMETHEUS_MULTIPROC_DIR``, set here for the
+children, removed at exit), and ``process_cpu_seconds_total`` sums the front ends' CPU time.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from multiprocessing.connection import wait
+
+logger = logging.getLogger(__name__)
+_STOP_TIMEOUT_S = 15.0
+
+
+REUSE_PORT = sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to the server's address, not listening: connections are refused until a
+    front end's uvicorn listens (once the model is loaded), as with one front end. This
+    process's socket holds the port (port 0: the one it got) while the front ends bind theirs."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if REUSE_PORT:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"--host {host} --port {port}: cannot bind: {e.strerror}") from None
+    return sock
+
+
+def serve_pool(args, engine_kwargs: dict) -> int:
+    """Serve with ``args.api_server_count`` front ends until a signal or a process's exit; the
+    exit status: 128 + the signal, or 1 when a front end or the core ended on its own."""
+    from nanovllm.engine.core_client import EngineCoreClient
+    from nanovllm.entrypoints.openai.metrics import FRONT_END_PIDS_FILE
+
+    count = args.api_server_count
+    sock = bind_socket(args.host, args.port)
+    metrics_dir = tempfile.mkdtemp(prefix="nanovllm-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # the children's prometheus_client reads it at import
+    previous = {s: signal.signal(s, _raise_exit) for s in (signal.SIGTERM, signal.SIGINT)}
+    client = None
+    front_ends: list = []
+    status = 1
+    try:
+        client = EngineCoreClient(
+            args.model, {"load_format": getattr(args, "load_format", "auto"), **engine_kwargs}, front_ends=count
+        )
+        ctx = mp.get_context("spawn")
+        settings = _front_end_settings(args, metrics_dir, sock)
+        for i, conn in enumerate(client.front_end_conns):
+            p = ctx.Process(
+                target=run_front_end,
+                name=f"nanovllm-api-server-{i}",
+                args=(i, None if REUSE_PORT else sock, conn, client.process.pid, os.getpid(), settings),
+            )
+            p.start()
+            front_ends.append(p)
+        for conn in client.front_end_conns:  # the front ends hold them now: a closed one reads as EOF in the core
+            conn.close()
+        with open(os.path.join(metrics_dir, FRONT_END_PIDS_FILE), "w") as f:
+            f.write("".join(f"{p.pid}\n" for p in front_ends))
+        logger.info(
+            "%d API server processes (%s) on http://%s:%d; metrics in %s",
+            count,
+            ", ".join(str(p.pid) for p in front_ends),
+            *sock.getsockname()[:2],
+            metrics_dir,
+        )
+        sentinels = {p.sentinel: f"API server {i} (pid {p.pid})" for i, p in enumerate(front_ends)}
+        sentinels[client.process.sentinel] = f"the engine core (pid {client.process.pid})"
+        ended = wait(list(sentinels))
+        for s in ended:
+            logger.error("%s exited on its own; stopping the server", sentinels[s])
+    except _Exit as e:
+        status = 128 + e.signum
+        logger.info("signal %d: stopping %d API server processes and the engine core", e.signum, len(front_ends))
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_IGN if s == signal.SIGINT else handler)  # a second Ctrl-C waits too
+        _stop_front_ends(front_ends)
+        if client is not None:
+            client.shutdown()
+        sock.close()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return status
+
+
+class _Exit(BaseException):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_exit(signum, frame) -> None:
+    raise _Exit(signum)
+
+
+def _stop_front_ends(front_ends: list) -> None:
+    """SIGTERM to each (uvicorn's graceful shutdown: open requests end, are aborted), then wait;
+    SIGKILL what is left."""
+    for p in front_ends:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGTERM)
+    for p in front_ends:
+        p.join(_STOP_TIMEOUT_S)
+        if p.is_alive():
+            logger.warning("API server pid %d did not stop in %.0f s; killing it", p.pid, _STOP_TIMEOUT_S)
+            p.kill()
+            p.join()
+
+
+def _front_end_settings(args, metrics_dir: str, sock: socket.socket) -> dict:
+    from nanovllm.entrypoints.openai.api_server import served_names
+
+    return {
+        "served_model_names": served_names(args),
+        "api_key": args.api_key,
+        "uvicorn_log_level": args.uvicorn_log_level,
+        "log_level": logging.getLogger().getEffectiveLevel(),
+        "metrics_dir": metrics_dir,
+        "address": sock.getsockname()[:2],  # port 0 given: the one this process's socket got
+    }
+
+
+def run_front_end(index: int, sock: socket.socket | None, conn, core_pid: int, parent_pid: int, settings: dict) -> None:
+    """A front-end process's main (a ``spawn`` target); ``sock``: the socket shared by all front
+    ends, or None to bind one of its own to ``settings["address"]`` (``SO_REUSEPORT``)."""
+    from nanovllm.engine.lifeline import watch_parent
+    from nanovllm.entrypoints.openai.cli_args import run_event_loop
+
+    logging.basicConfig(level=settings["log_level"], format=f"%(levelname)s api-server-{index} %(name)s: %(message)s")
+    watch_parent(parent_pid)
+    if sock is None:
+        sock = bind_socket(*settings["address"])
+    try:
+        run_event_loop()(_serve_front_end(sock, conn, core_pid, settings))
+    except KeyboardInterrupt:  # uvicorn raises the SIGINT it stopped on again; it is done
+        pass
+
+
+async def _serve_front_end(sock: socket.socket, conn, core_pid: int, settings: dict) -> None:
+    import uvicorn
+
+    from nanovllm.engine.async_llm_process import ProcessAsyncLLM
+    from nanovllm.engine.core_client import AttachedCoreClient
+    from nanovllm.entrypoints.openai.api_server import _exit_on_sigterm, build_app
+
+    engine = ProcessAsyncLLM(AttachedCoreClient(conn, core_pid))
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        app = build_app(
+            engine,
+            settings["served_model_names"],
+            api_key=settings["api_key"],
+            metrics_dir=settings["metrics_dir"],
+        )
+        config = uvicorn.Config(app, log_level=settings["uvicorn_log_level"], timeout_graceful_shutdown=5)
+        await uvicorn.Server(config).serve(sockets=[sock])
+    finally:
+        engine.shutdown()
+        signal.signal(signal.SIGTERM, previous)

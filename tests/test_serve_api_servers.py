@@ -1,0 +1,207 @@
+"""`nanovllm serve --api-server-count 2`: two front-end processes over one engine core answer as
+one server. Greedy answers equal offline ``LLM.generate`` whichever front end took the
+connection; both front ends take connections (``SO_REUSEPORT``); /metrics counts every front
+end's requests on each of them; SIGTERM stops the front ends and then the core, and removes the
+metrics directory; a front end that dies stops the whole server (no process is left behind).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx", reason="the serve extra (httpx) is not installed")
+pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
+pytest.importorskip("uvicorn", reason="the serve extra (uvicorn) is not installed")
+
+from conformance.zoo import ZOO, zoo_model  # noqa: E402
+from nanovllm import SamplingParams  # noqa: E402
+from nanovllm.bench.server_process import free_port, nanovllm_serve_command  # noqa: E402
+from nanovllm.entrypoints.cli import main  # noqa: E402
+from nanovllm.entrypoints.openai.metrics import process_cpu_seconds  # noqa: E402
+from tests.conftest import cached_llm, prompts_for  # noqa: E402
+from tests.test_serve_shutdown import _alive, _wait_healthy  # noqa: E402
+
+MODEL = "qwen3-gqa2-hd64-tied"
+MAX_MODEL_LEN = 256
+N_REQUESTS = 32
+
+
+class Pool:
+    """A `serve --api-server-count 2` subprocess with its log."""
+
+    def __init__(self):
+        self.port = free_port("127.0.0.1")
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log")
+        cmd = nanovllm_serve_command(
+            zoo_model(MODEL),
+            "--served-model-name",
+            "zoo",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--block-size",
+            "16",
+            "--num-kvcache-blocks",
+            "160",
+            "--api-server-count",
+            "2",
+            "--log-level",
+            "INFO",
+        )
+        self.proc = subprocess.Popen(
+            [*cmd, "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "NANOVLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": "1"},
+        )
+        _wait_healthy(self.proc, self.url, self.log.name)
+
+    def text(self) -> str:
+        return open(self.log.name).read()
+
+    def pids(self) -> tuple[int, list[int], str]:
+        """The engine core's pid, the front ends' pids and the metrics directory, from the log."""
+        text = self.text()
+        core = re.search(r"engine core ready in process (\d+)", text)
+        fronts = re.search(r"2 API server processes \((\d+), (\d+)\) on \S+; metrics in (\S+)", text)
+        assert core and fronts, f"the server did not log its processes:\n{text[-3000:]}"
+        return int(core.group(1)), [int(fronts.group(1)), int(fronts.group(2))], fronts.group(3)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def pool():
+    p = Pool()
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+async def _fresh(method: str, url: str, **kw) -> httpx.Response:
+    """One request on a connection of its own (so the kernel picks the front end anew)."""
+    async with httpx.AsyncClient(timeout=60) as c:
+        return await c.request(method, url, **kw)
+
+
+async def _completion(url: str, prompt: list[int], stream: bool) -> str:
+    body = {"model": "zoo", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    if not stream:
+        r = await _fresh("POST", f"{url}/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+    import json
+
+    text = ""
+    async with httpx.AsyncClient(timeout=60) as c:
+        async with c.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+async def _front_ends(url: str, tries: int = 64) -> dict[int, dict]:
+    """/debug/engine of each front end (by pid), asked on fresh connections until both answered."""
+    seen: dict[int, dict] = {}
+    for _ in range(tries):
+        state = (await _fresh("GET", f"{url}/debug/engine")).json()  # checks the engine's invariants too
+        seen[state["front_end_pid"]] = state
+        if len(seen) == 2:
+            break
+    return seen
+
+
+def _metric(text: str, name: str) -> float:
+    found = re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+    assert found, f"{name} not in /metrics"
+    return sum(float(v) for v in found)
+
+
+def test_two_front_ends_answer_as_one_server_and_stop_on_sigterm(pool):
+    vocab = ZOO[MODEL].vocab_size
+    prompts = prompts_for(vocab, [3 + (i * 7) % 40 for i in range(N_REQUESTS)], seed=6)
+    offline = cached_llm(zoo_model(MODEL), block_size=16, seed=0, max_model_len=MAX_MODEL_LEN)
+    want = [
+        o.outputs[0].text
+        for o in offline.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False
+        )
+    ]
+    core, fronts, metrics_dir = pool.pids()
+
+    async def run():
+        got = await asyncio.wait_for(
+            asyncio.gather(*(_completion(pool.url, p, stream=i % 2 == 0) for i, p in enumerate(prompts))), 120
+        )
+        return got, await _front_ends(pool.url)
+
+    got, seen = asyncio.run(run())
+    assert got == want  # each front end got its own requests' tokens, all of them
+    assert sorted(seen) == sorted(fronts), f"front ends answering: {sorted(seen)}, started: {fronts}"
+    finished = {pid: state["front_end_finished"] for pid, state in seen.items()}
+    # both took requests: a /metrics of one process would count fewer than all of them
+    assert sum(finished.values()) == N_REQUESTS and all(0 < n < N_REQUESTS for n in finished.values()), finished
+    for state in seen.values():
+        s = state["stats"]
+        assert state["requests"] == [] and s["num_free_kv_blocks"] == s["num_kv_blocks"], state
+
+    for _ in range(4):  # whichever front end answers, it counts every request
+        text = httpx.get(f"{pool.url}/metrics", timeout=30).text
+        assert _metric(text, "nanovllm:request_success_total") == N_REQUESTS
+        assert _metric(text, "nanovllm:generation_tokens_total") == N_REQUESTS * 10
+    cpu = _metric(text, "process_cpu_seconds_total")
+    each = [process_cpu_seconds(pid) for pid in fronts]
+    assert max(each) < cpu <= sum(each) + 0.05, (cpu, each)  # the front ends' sum, not one of them
+
+    pool.proc.send_signal(signal.SIGTERM)
+    status = pool.proc.wait(timeout=90)
+    text = pool.text()
+    assert status == 128 + signal.SIGTERM, f"exit status {status}:\n{text[-3000:]}"
+    assert "engine core: " in text and "closed the pipe; the engine core leaves" not in text, text[-3000:]
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in (core, *fronts)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in (core, *fronts)), "a process outlived the server"
+    assert not os.path.exists(metrics_dir), f"{metrics_dir} left behind"
+
+
+def test_a_front_end_that_dies_stops_the_server(pool):
+    core, fronts, metrics_dir = pool.pids()
+    os.kill(fronts[1], signal.SIGKILL)
+    status = pool.proc.wait(timeout=90)
+    text = pool.text()
+    assert status == 1, f"exit status {status}:\n{text[-3000:]}"
+    assert f"API server 1 (pid {fronts[1]}) exited on its own" in text, text[-3000:]
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in (core, fronts[0])) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(core) and not _alive(fronts[0]), "a process outlived the server"
+    assert not os.path.exists(metrics_dir)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--api-server-count", "0"], "--api-server-count must be >= 1, got 0"),
+        (["--api-server-count", "2", "--no-engine-process"], "--api-server-count 2 needs the engine core"),
+    ],
+)
+def test_api_server_count_checked_before_anything_starts(flags, message, capsys):
+    assert main(["serve", "--port", str(free_port()), *flags]) == 2
+    assert message in capsys.readouterr().err
