@@ -295,6 +295,18 @@ def test_the_core_leaves_a_cpu_core_to_the_front_end(monkeypatch, cores, expecte
     assert core_process.with_front_end_core({"seed": 0}) == {"seed": 0}
 
 
+@pytest.mark.parametrize("cores, front_ends, expected", [(16, 4, 12), (8, 2, 6), (4, 4, 1), (4, 8, 1), (3, 2, None)])
+def test_the_core_leaves_a_cpu_core_to_each_front_end(monkeypatch, cores, front_ends, expected):
+    """With several front-end processes (``serve --api-server-count``) each gets a core, the model
+    keeping at least one thread."""
+    import nanovllm.engine.core_process as core_process
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(core_process, "default_threads", lambda: cores)
+    want = {"seed": 0} if expected is None else {"seed": 0, "threads": expected}
+    assert core_process.with_front_end_core({"seed": 0}, front_ends=front_ends) == want
+
+
 def test_an_update_brings_the_mirror_to_the_core_sequence():
     """make_update's plain tuple has SequenceUpdate's field order, and applying the updates of
     successive reports to a mirror (a copy taken when the request was accepted) gives the core

@@ -62,7 +62,7 @@ def run_engine_core(conns, parent_pid: int, model, engine_args: dict, log_level:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
     watch_parent(parent_pid)
     conns = list(conns) if isinstance(conns, (list, tuple)) else [conns]
-    engine_args = with_front_end_core(engine_args)
+    engine_args = with_front_end_core(engine_args, front_ends=max(1, len(conns) - 1))
     try:
         engine = LLMEngine.from_engine_args(model, **engine_args)
     except BaseException as e:  # noqa: BLE001 - the front end raises it
@@ -80,9 +80,9 @@ def run_engine_core(conns, parent_pid: int, model, engine_args: dict, log_level:
         engine.close()
 
 
-def with_front_end_core(engine_args: dict) -> dict:
-    """The engine args with one core left for the front end (HTTP, text) where there are four or
-    more, unless the thread count was chosen (``threads``, ``$OMP_NUM_THREADS``). The model's
+def with_front_end_core(engine_args: dict, front_ends: int = 1) -> dict:
+    """The engine args with a core left for each front end (HTTP, text) where there are four or
+    more cores, unless the thread count was chosen (``threads``, ``$OMP_NUM_THREADS``). The model's
     OpenMP threads spin while they wait for each other, so one that shares its core with a busy
     front end stalls every parallel region of a CPU step (``cpu_threads.py``); vLLM's CPU back end
     reserves a core for its front end likewise. On two cores the reserved core costs more than the
@@ -93,8 +93,9 @@ def with_front_end_core(engine_args: dict) -> dict:
     cores = default_threads()
     if cores < 4:
         return engine_args
-    logger.info("engine core: %d torch threads (one core left for the front end)", cores - 1)
-    return {**engine_args, "threads": cores - 1}
+    threads = max(1, cores - front_ends)
+    logger.info("engine core: %d torch threads (%d cores left for %d front ends)", threads, cores - threads, front_ends)
+    return {**engine_args, "threads": threads}
 
 
 def _send(conn, message) -> None:
