@@ -480,3 +480,35 @@ def test_messages_larger_than_the_pipe_cross_both_ways(loop_kind):
     assert answer == big, "the answer did not come back whole"
     assert last.finished and len(last.outputs[0].token_ids) == 4, "the engine stopped serving after the big messages"
     assert blocking, "the event loop switched the engine pipe to non-blocking"
+
+
+def test_an_n_request_cancelled_before_the_core_answers_its_add_leaves_nothing_running():
+    """Cancelling an n > 1 request at once (its "add" not answered yet) aborts all its children:
+    the core knows them by their own ids, never the parent's."""
+
+    async def main():
+        engine = AsyncLLM.from_engine_args(zoo_model(MODEL), engine_process=True, **ENGINE_ARGS)
+        try:
+            params = SamplingParams(temperature=0.8, seed=1, n=3, max_tokens=200, ignore_eos=True)
+            gen = engine.generate([5, 6, 7, 8], params, "nreq")
+            task = asyncio.ensure_future(gen.__anext__())
+            await asyncio.sleep(0)  # the add is sent; its answer has not come back
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await gen.aclose()
+            deadline = time.monotonic() + 10
+            while True:
+                free, total, live = await engine.call(blocks_and_requests)
+                if not live or time.monotonic() > deadline:
+                    return free, total, live, (await engine.call(_steps))
+                await asyncio.sleep(0.05)
+        finally:
+            engine.shutdown()
+
+    free, total, live, steps = asyncio.run(main())
+    assert live == [] and free == total, (free, total, live)
+    assert steps < 100, f"{steps} steps: the children ran on after their request was cancelled"
+
+
+def _steps(engine) -> int:
+    return engine.stats()["steps"]

@@ -1,8 +1,10 @@
 """`nanovllm serve --api-server-count 2`: two front-end processes over one engine core answer as
 one server. Greedy answers equal offline ``LLM.generate`` whichever front end took the
 connection; both front ends take connections (``SO_REUSEPORT``); /metrics counts every front
-end's requests on each of them; SIGTERM stops the front ends and then the core, and removes the
-metrics directory; a front end that dies stops the whole server (no process is left behind).
+end's requests on each of them, and a front end that has served nothing has the engine's stats;
+a second server on the port is refused; SIGTERM (twice) stops the front ends and then the core,
+and removes the metrics directory; a front end that dies stops the whole server (no process is
+left behind).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -25,7 +28,8 @@ from conformance.zoo import ZOO, zoo_model  # noqa: E402
 from nanovllm import SamplingParams  # noqa: E402
 from nanovllm.bench.server_process import free_port, nanovllm_serve_command  # noqa: E402
 from nanovllm.entrypoints.cli import main  # noqa: E402
-from nanovllm.entrypoints.openai.metrics import process_cpu_seconds  # noqa: E402
+from nanovllm.entrypoints.openai.api_server_pool import _bind  # noqa: E402
+from nanovllm.entrypoints.openai.metrics import process_cpu_seconds, process_resident_bytes  # noqa: E402
 from tests.conftest import cached_llm, prompts_for  # noqa: E402
 from tests.test_serve_shutdown import _alive, _wait_healthy  # noqa: E402
 
@@ -145,6 +149,18 @@ def test_two_front_ends_answer_as_one_server_and_stop_on_sigterm(pool):
     ]
     core, fronts, metrics_dir = pool.pids()
 
+    # a few requests on one kept-alive connection (one front end); then every front end's
+    # /metrics, the other's too, has the engine's stats (each reads the core's from its start)
+    one_front_end = 4
+    with httpx.Client(base_url=pool.url, timeout=60, limits=httpx.Limits(max_connections=1)) as c:
+        for i in range(one_front_end):
+            r = c.post("/v1/completions", json={"model": "zoo", "prompt": [5, 6, 7 + i], "max_tokens": 6})
+            assert r.status_code == 200, r.text
+    steps = {
+        _metric(httpx.get(f"{pool.url}/metrics", timeout=30).text, "nanovllm:engine_steps_total") for _ in range(8)
+    }
+    assert len(steps) == 1 and steps.pop() >= 6, f"front ends disagree on the engine's steps: {steps}"
+
     async def run():
         got = await asyncio.wait_for(
             asyncio.gather(*(_completion(pool.url, p, stream=i % 2 == 0) for i, p in enumerate(prompts))), 120
@@ -156,20 +172,30 @@ def test_two_front_ends_answer_as_one_server_and_stop_on_sigterm(pool):
     assert sorted(seen) == sorted(fronts), f"front ends answering: {sorted(seen)}, started: {fronts}"
     finished = {pid: state["front_end_finished"] for pid, state in seen.items()}
     # both took requests: a /metrics of one process would count fewer than all of them
-    assert sum(finished.values()) == N_REQUESTS and all(0 < n < N_REQUESTS for n in finished.values()), finished
+    total = N_REQUESTS + one_front_end
+    assert sum(finished.values()) == total and all(0 < n < total for n in finished.values()), finished
     for state in seen.values():
         s = state["stats"]
         assert state["requests"] == [] and s["num_free_kv_blocks"] == s["num_kv_blocks"], state
 
     for _ in range(4):  # whichever front end answers, it counts every request
         text = httpx.get(f"{pool.url}/metrics", timeout=30).text
-        assert _metric(text, "nanovllm:request_success_total") == N_REQUESTS
-        assert _metric(text, "nanovllm:generation_tokens_total") == N_REQUESTS * 10
+        assert _metric(text, "nanovllm:request_success_total") == total
+        assert _metric(text, "nanovllm:generation_tokens_total") == N_REQUESTS * 10 + one_front_end * 6
     cpu = _metric(text, "process_cpu_seconds_total")
     each = [process_cpu_seconds(pid) for pid in fronts]
     assert max(each) < cpu <= sum(each) + 0.05, (cpu, each)  # the front ends' sum, not one of them
+    rss, each_rss = _metric(text, "process_resident_memory_bytes"), [process_resident_bytes(pid) for pid in fronts]
+    assert 0.8 * sum(each_rss) < rss < 1.2 * sum(each_rss) and rss > 1.2 * max(each_rss), (rss, each_rss)
+
+    # a second server on the port is refused before it starts anything; SO_REUSEPORT alone would
+    # have let it in (the negative control: the bind the check prevents succeeds)
+    assert main(["serve", "--port", str(pool.port), "--api-server-count", "2"]) == 2
+    _bind(socket.AF_INET, "127.0.0.1", pool.port, reuse_port=True, listen=False).close()
 
     pool.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    pool.proc.send_signal(signal.SIGTERM)  # a second one (an impatient supervisor) waits for the stop
     status = pool.proc.wait(timeout=90)
     text = pool.text()
     assert status == 128 + signal.SIGTERM, f"exit status {status}:\n{text[-3000:]}"
@@ -203,5 +229,6 @@ def test_a_front_end_that_dies_stops_the_server(pool):
     ],
 )
 def test_api_server_count_checked_before_anything_starts(flags, message, capsys):
+    """Bad flag values and a port in use: exit status 2 and a message naming the flag."""
     assert main(["serve", "--port", str(free_port()), *flags]) == 2
     assert message in capsys.readouterr().err

@@ -70,13 +70,21 @@ def base_url() -> str:
     return (_env("CONFORMANCE_OPENAI_BASE_URL") or _env("OPENAI_BASE_URL") or "http://127.0.0.1:8000/v1").rstrip("/")
 
 
+MAX_THREADS = 64  # requests in flight at once from generate()
+
+
 def _client():
     import httpx
 
     key = _env("OPENAI_API_KEY")
+    # as many pooled connections as generate() has threads, all kept alive: with httpx's default
+    # of 20 kept alive, the pool could close a surplus idle connection it had just handed to a
+    # waiting thread (httpcore issue #1110), whose request then failed with EBADF (seen against a
+    # server with two front-end processes, whose faster answers made the race likely)
     return httpx.Client(
         base_url=base_url(),
         timeout=httpx.Timeout(900.0, connect=5.0),
+        limits=httpx.Limits(max_connections=MAX_THREADS, max_keepalive_connections=MAX_THREADS),
         headers={"Authorization": f"Bearer {key}"} if key else {},
     )
 
@@ -248,7 +256,7 @@ class OpenAIAdapter(EngineAdapter):
     def generate(self, prompts: list[list[int]], params: list[Sampling]) -> list[Result]:
         self.check_params(params)
         bodies = [self.body(prompt, p) for prompt, p in zip(prompts, params)]
-        with ThreadPoolExecutor(max_workers=max(1, min(len(bodies), 64))) as pool:
+        with ThreadPoolExecutor(max_workers=max(1, min(len(bodies), MAX_THREADS))) as pool:
             replies = list(pool.map(self._post, bodies))
         return [self.result(reply, p) for reply, p in zip(replies, params)]
 

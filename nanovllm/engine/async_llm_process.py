@@ -55,6 +55,7 @@ class ProcessAsyncLLM(AsyncLLM):
         # unfinished sequences: (mirror, stream state, its queue entry) for a streaming one
         self._mirrors: dict[str, tuple[Sequence, StreamState | None, _StreamReady | None]] = {}
         self._parents: dict[str, ParentRequest] = {}  # n > 1 requests with an unfinished child
+        self._adding: dict[str, ParentRequest] = {}  # n > 1 requests whose "add" is not answered yet
         # command token -> (the future of its answer, the ParentRequest an "add" fans out)
         self._pending: dict[int, tuple[asyncio.Future, ParentRequest | None]] = {}
         self._tokens = itertools.count()
@@ -108,6 +109,8 @@ class ProcessAsyncLLM(AsyncLLM):
         token = next(self._tokens)
         self.client.send(("add", token, items))
         self._pending[token] = (added, parent)
+        if parent is not None:
+            self._adding[request_id] = parent
 
     def _tokenized(self, prompt):
         """A text prompt with its token ids, so the core does not spend a step's time on the
@@ -119,8 +122,13 @@ class ProcessAsyncLLM(AsyncLLM):
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text)}
 
     def _submit_abort(self, request_id: str) -> None:
+        """Abort a request; an n > 1 one by its children's ids (the core never knew the parent's),
+        every child if its "add" is still unanswered (the core applies the add first)."""
         parent = self._parents.get(request_id)
-        ids = [request_id] if parent is None else [c for c in parent.child_ids if c in self._mirrors]
+        if request_id in self._adding:
+            ids = list(self._adding[request_id].child_ids)
+        else:
+            ids = [request_id] if parent is None else [c for c in parent.child_ids if c in self._mirrors]
         if ids:
             self.client.send(("abort", ids))
 
@@ -194,6 +202,8 @@ class ProcessAsyncLLM(AsyncLLM):
             self._deliver(self._outputs(msg[1]))
         elif kind == "added":
             fut, parent = self._pending.pop(msg[1])
+            if parent is not None:
+                self._adding.pop(parent.request_id, None)
             result = msg[2]
             if isinstance(result, BaseException):
                 self._settle(fut, None, result)

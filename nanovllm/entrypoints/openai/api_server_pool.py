@@ -39,25 +39,33 @@ from multiprocessing.connection import wait
 
 logger = logging.getLogger(__name__)
 _STOP_TIMEOUT_S = 15.0
-
-
 REUSE_PORT = sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, reuse_port: bool = REUSE_PORT, check_free: bool = True) -> socket.socket:
     """A socket bound to the server's address, not listening: connections are refused until a
     front end's uvicorn listens (once the model is loaded), as with one front end. This
-    process's socket holds the port (port 0: the one it got) while the front ends bind theirs."""
+    process's socket holds the port (port 0: the one it got) while the front ends bind theirs.
+    A port some server listens on already is refused (ValueError naming it), as one front end's
+    uvicorn refuses it: ``SO_REUSEPORT`` alone would let this server join that one's sockets."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if check_free and reuse_port and port:
+        _bind(family, host, port, reuse_port=False, listen=True).close()  # the port is free
+    return _bind(family, host, port, reuse_port=reuse_port, listen=False)
+
+
+def _bind(family, host: str, port: int, reuse_port: bool, listen: bool) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if REUSE_PORT:
+    if reuse_port:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
+        if listen:
+            sock.listen(1)
     except OSError as e:
         sock.close()
-        raise OSError(e.errno, f"--host {host} --port {port}: cannot bind: {e.strerror}") from None
+        raise ValueError(f"--host {host} --port {port}: cannot bind: {e.strerror}") from None
     return sock
 
 
@@ -109,8 +117,8 @@ def serve_pool(args, engine_kwargs: dict) -> int:
         status = 128 + e.signum
         logger.info("signal %d: stopping %d API server processes and the engine core", e.signum, len(front_ends))
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, signal.SIG_IGN if s == signal.SIGINT else handler)  # a second Ctrl-C waits too
+        for s in previous:  # a second Ctrl-C or SIGTERM waits for the stop too
+            signal.signal(s, _already_stopping)
         _stop_front_ends(front_ends)
         if client is not None:
             client.shutdown()
@@ -130,6 +138,10 @@ class _Exit(BaseException):
 
 def _raise_exit(signum, frame) -> None:
     raise _Exit(signum)
+
+
+def _already_stopping(signum, frame) -> None:
+    logger.info("signal %d: already stopping", signum)
 
 
 def _stop_front_ends(front_ends: list) -> None:
@@ -168,7 +180,8 @@ def run_front_end(index: int, sock: socket.socket | None, conn, core_pid: int, p
     logging.basicConfig(level=settings["log_level"], format=f"%(levelname)s api-server-{index} %(name)s: %(message)s")
     watch_parent(parent_pid)
     if sock is None:
-        sock = bind_socket(*settings["address"])
+        host, port = settings["address"]
+        sock = bind_socket(host, port, check_free=False)  # the main process checked the port
     try:
         run_event_loop()(_serve_front_end(sock, conn, core_pid, settings))
     except KeyboardInterrupt:  # uvicorn raises the SIGINT it stopped on again; it is done
@@ -183,6 +196,9 @@ async def _serve_front_end(sock: socket.socket, conn, core_pid: int, settings: d
     from nanovllm.entrypoints.openai.api_server import _exit_on_sigterm, build_app
 
     engine = ProcessAsyncLLM(AttachedCoreClient(conn, core_pid))
+    # read the core's messages from the start: a front end that has served nothing yet still
+    # gets the engine's stats (its /metrics), and its pipe never fills with them
+    engine._start()
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         app = build_app(

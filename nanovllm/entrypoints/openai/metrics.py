@@ -8,8 +8,8 @@ scrape time. Each app has its own registry (several servers can live in one proc
 
 With several front-end processes (``serve --api-server-count N``) the per-request series live in
 Prometheus multiprocess files in a directory the processes share (``multiprocess_dir``), so any
-front end's /metrics counts every front end's requests; ``process_cpu_seconds_total`` is then the
-front ends' CPU time summed (``FrontEndsCPUCollector``).
+front end's /metrics counts every front end's requests; ``process_cpu_seconds_total`` and
+``process_resident_memory_bytes`` are then the front ends' sums (``FrontEndsCollector``).
 """
 
 from __future__ import annotations
@@ -125,9 +125,22 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
-class FrontEndsCPUCollector:
-    """``process_cpu_seconds_total`` summed over the server's front-end processes, whose pids the
-    server's main process writes to ``pids_path`` (this process alone until it has)."""
+def process_resident_bytes(pid: int) -> int | None:
+    """Resident memory of process ``pid`` (Linux ``/proc``; None elsewhere, 0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except FileNotFoundError:
+        return 0 if os.path.isdir("/proc/self") else None
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class FrontEndsCollector:
+    """``process_cpu_seconds_total`` and ``process_resident_memory_bytes`` summed over the
+    server's front-end processes, whose pids the server's main process writes to ``pids_path``
+    (this process alone until it has). The single-process server's other ``process_*`` series
+    (virtual memory, open files, start time) have no sum that means something: not given."""
 
     def __init__(self, pids_path: str):
         self.pids_path = pids_path
@@ -141,12 +154,17 @@ class FrontEndsCPUCollector:
 
     def collect(self):
         pids = self.pids()
+        summed = f", summed over the server's {len(pids)} front-end processes."
         yield CounterMetricFamily(
             "process_cpu_seconds_total",
-            f"Total user and system CPU time spent in seconds, summed over the server's {len(pids)} "
-            "front-end processes.",
+            "Total user and system CPU time spent in seconds" + summed,
             value=sum(process_cpu_seconds(pid) for pid in pids),
         )
+        rss = [process_resident_bytes(pid) for pid in pids]
+        if None not in rss:
+            yield GaugeMetricFamily(
+                "process_resident_memory_bytes", "Resident memory size in bytes" + summed, value=sum(rss)
+            )
 
 
 class ServerMetrics:
@@ -171,7 +189,7 @@ class ServerMetrics:
                 )
             r = None  # the series go to the shared files, which the collector below reads
             multiprocess.MultiProcessCollector(self.registry, path=multiprocess_dir)
-            self.registry.register(FrontEndsCPUCollector(os.path.join(multiprocess_dir, FRONT_END_PIDS_FILE)))
+            self.registry.register(FrontEndsCollector(os.path.join(multiprocess_dir, FRONT_END_PIDS_FILE)))
         self.requests = Counter(
             "nanovllm:request_success",
             "Finished requests, by finish reason.",
