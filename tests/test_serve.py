@@ -314,14 +314,21 @@ def test_client_disconnect_aborts_the_request(url):
     assert sum(line.startswith("data: {") for line in got) >= 3
     assert_all_blocks_free(url)
     assert _aborted(url) == aborted_before + 1
-    # not streaming: the client gives up a quarter of the way through the request
-    start = time.perf_counter()
-    r = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, headers=AUTH, timeout=30)
-    assert r.json()["choices"][0]["finish_reason"] == "length"
-    full = time.perf_counter() - start
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, headers=AUTH, timeout=full / 4)
-    assert_all_blocks_free(url)
+    # not streaming: the client gives up a quarter of the way through the request. On a loaded
+    # machine the request's own time varies from one run to the next, and one that happens to run
+    # much faster than the timed one can finish before the server reads the hang-up (seen once in
+    # the full suite on 2 cores): up to three tries, each freeing every block; a server that never
+    # aborts fails all three
+    for _ in range(3):
+        start = time.perf_counter()
+        r = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, headers=AUTH, timeout=30)
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        full = time.perf_counter() - start
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, headers=AUTH, timeout=full / 4)
+        assert_all_blocks_free(url)
+        if _aborted(url) == aborted_before + 2:
+            break
     assert _aborted(url) == aborted_before + 2
 
 
