@@ -98,3 +98,55 @@ def test_sigterm_stops_the_engine_core_before_the_server_exits():
     # the serve extra's event loop: uvloop where it is installed, asyncio's otherwise
     want = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     assert re.search(rf"event loop: {want}\b", text), f"not on {want}'s event loop:\n{text[-3000:]}"
+
+
+@pytest.mark.parametrize("api_servers", [1, 2])
+def test_sigterm_to_the_whole_process_group_lets_open_streams_finish(api_servers):
+    """A process manager that signals every process of the server (systemd's default, `timeout`,
+    a test harness's killpg) must not stop the engine core ahead of its front ends: the core
+    ignores SIGTERM and leaves when its front end stops it, so a stream open at the signal ends
+    with all its tokens within uvicorn's graceful shutdown, and nothing is left running."""
+    port = free_port("127.0.0.1")
+    cmd = nanovllm_serve_command(
+        zoo_model(MODEL),
+        "--max-model-len",
+        "256",
+        "--num-kvcache-blocks",
+        "64",
+        "--api-server-count",
+        str(api_servers),
+        "--log-level",
+        "INFO",
+    )
+    with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
+        proc = subprocess.Popen(
+            [*cmd, "--host", "127.0.0.1", "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            start_new_session=True,  # its own process group, signalled as a whole below
+        )
+        try:
+            _wait_healthy(proc, f"http://127.0.0.1:{port}", log.name)
+            body = {"prompt": [5, 6, 7], "max_tokens": 48, "ignore_eos": True, "stream": True, "temperature": 0}
+            chunks, done = 0, False
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        chunks += 1
+                        if chunks == 1:
+                            os.killpg(proc.pid, signal.SIGTERM)
+                        last = line
+                    done = done or line == "data: [DONE]"
+            status = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        text = open(log.name).read()
+    assert done and '"finish_reason": "length"' in last, f"the stream was cut after {chunks} chunks:\n{text[-3000:]}"
+    assert "the engine core failed" not in text, text[-3000:]
+    assert status == 128 + signal.SIGTERM, f"exit status {status}:\n{text[-3000:]}"
+    core = re.search(r"engine core ready in process (\d+)", text)
+    assert core and not _alive(int(core.group(1))), "the engine core outlived the server"

@@ -174,11 +174,8 @@ def _stop(process, conn, outbox: queue.SimpleQueue, sender: list[threading.Threa
         except (OSError, ValueError):
             pass
     process.join(_STOP_TIMEOUT_S)
-    if process.is_alive():
-        logger.warning("the engine core (pid %d) did not stop in %.0f s; terminating it", process.pid, _STOP_TIMEOUT_S)
-        process.terminate()
-        process.join(5.0)
-    if process.is_alive():
+    if process.is_alive():  # it ignores SIGTERM (core_process.py): kill it
+        logger.warning("the engine core (pid %d) did not stop in %.0f s; killing it", process.pid, _STOP_TIMEOUT_S)
         process.kill()
         process.join()
     conn.close()

@@ -59,7 +59,12 @@ def run_engine_core(conns, parent_pid: int, model, engine_args: dict, log_level:
     """The core process's main (a ``spawn`` target); it logs at the front end's level.
     ``conns``: its pipes, the control pipe first (one pipe: a list of one, or the pipe itself)."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
+    # Ctrl-C and SIGTERM are the front end's to handle: a signal to the whole process group (a
+    # terminal, `timeout`) or cgroup (systemd) must not stop the core ahead of the front end, whose
+    # open streams would then fail instead of finishing within its graceful shutdown. The core
+    # leaves when its front end stops it, when the pipe closes, or when its parent is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     watch_parent(parent_pid)
     conns = list(conns) if isinstance(conns, (list, tuple)) else [conns]
     engine_args = with_front_end_core(engine_args, front_ends=max(1, len(conns) - 1))

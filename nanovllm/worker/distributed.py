@@ -209,7 +209,7 @@ class TensorParallelExecutor:
         self._error = f" ({why})"
         for proc in self.processes:
             if proc.is_alive():
-                proc.terminate()
+                proc.kill()  # workers ignore SIGTERM
         self._finalizer()
 
 
@@ -241,12 +241,9 @@ def _shutdown(processes: list, conns: list, store) -> None:
     for proc in processes:
         if proc.is_alive():
             logger.warning(
-                "tensor-parallel worker pid %d did not exit in %.0f s; terminating it", proc.pid, _CLOSE_TIMEOUT_S
+                "tensor-parallel worker pid %d did not exit in %.0f s; killing it", proc.pid, _CLOSE_TIMEOUT_S
             )
-            proc.terminate()
-            proc.join(2.0)
-        if proc.is_alive():
-            proc.kill()
+            proc.kill()  # workers ignore SIGTERM
             proc.join()
     for conn in conns:
         conn.close()
@@ -255,7 +252,9 @@ def _shutdown(processes: list, conns: list, store) -> None:
 
 # ------------------------------------------------------------------ worker side
 def _worker_main(rank: int, port: int, parent_pid: int, config: EngineConfig, load_format: str, conn) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    # Ctrl-C and SIGTERM are the parent's to handle (engine/core_process.py says why)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     watch_parent(parent_pid)  # leave if the parent dies while this worker is stuck (e.g. in a collective)
     try:
         executor = _init_worker(rank, port, config, load_format)
