@@ -148,6 +148,8 @@ def test_two_front_ends_answer_as_one_server_and_stop_on_sigterm(pool):
         )
     ]
     core, fronts, metrics_dir = pool.pids()
+    # where it listens, once it does (uvicorn leaves its own line out when given sockets)
+    assert f"nanovllm serve running on {pool.url} with 2 API server processes" in pool.text()
 
     # a few requests on one kept-alive connection (one front end); then every front end's
     # /metrics, the other's too, has the engine's stats (each reads the core's from its start)

@@ -35,6 +35,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 from multiprocessing.connection import wait
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,15 @@ def serve_pool(args, engine_kwargs: dict) -> int:
             *sock.getsockname()[:2],
             metrics_dir,
         )
+        listening = _wait_listening(args.host, sock.getsockname()[1], [*front_ends, client.process])
+        if listening and args.uvicorn_log_level in ("info", "debug", "trace"):  # uvicorn's own line,
+            # which it leaves out when given sockets: where the server listens
+            print(
+                f"INFO:     nanovllm serve running on http://{args.host}:{sock.getsockname()[1]} with {count} API "
+                "server processes (Press CTRL+C to quit)",
+                file=sys.stderr,
+                flush=True,
+            )
         sentinels = {p.sentinel: f"API server {i} (pid {p.pid})" for i, p in enumerate(front_ends)}
         sentinels[client.process.sentinel] = f"the engine core (pid {client.process.pid})"
         ended = wait(list(sentinels))
@@ -142,6 +152,20 @@ def _raise_exit(signum, frame) -> None:
 
 def _already_stopping(signum, frame) -> None:
     logger.info("signal %d: already stopping", signum)
+
+
+def _wait_listening(host: str, port: int, processes: list, timeout_s: float = 120.0) -> bool:
+    """Wait until a front end accepts connections on the port (True), or a process exits or the
+    time runs out (False)."""
+    target = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and all(p.is_alive() for p in processes):
+        try:
+            socket.create_connection((target, port), timeout=1.0).close()
+            return True
+        except OSError:
+            time.sleep(0.05)
+    return False
 
 
 def _stop_front_ends(front_ends: list) -> None:
