@@ -132,6 +132,21 @@ def zoo_name(request) -> str:
     return request.param
 
 
+def zoo_serve_flags(max_model_len: int = 256) -> list[str]:
+    """The `nanovllm serve` flags the server tests share: the model served as "zoo", a small KV
+    cache of 16-token blocks."""
+    return [
+        "--served-model-name",
+        "zoo",
+        "--max-model-len",
+        str(max_model_len),
+        "--block-size",
+        "16",
+        "--num-kvcache-blocks",
+        "160",
+    ]
+
+
 def prompts_for(vocab_size: int, lengths, seed: int = 0) -> list[list[int]]:
     import numpy as np
 

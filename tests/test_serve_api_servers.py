@@ -14,7 +14,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import tempfile
 import time
 
@@ -26,14 +25,13 @@ pytest.importorskip("uvicorn", reason="the serve extra (uvicorn) is not installe
 
 from conformance.zoo import ZOO, zoo_model  # noqa: E402
 from nanovllm import SamplingParams  # noqa: E402
-from nanovllm.bench.server_process import free_port, nanovllm_serve_command  # noqa: E402
+from nanovllm.bench.server_process import free_port  # noqa: E402
 from nanovllm.entrypoints.cli import main  # noqa: E402
 from nanovllm.entrypoints.openai.api_server_pool import _bind  # noqa: E402
 from nanovllm.entrypoints.openai.metrics import process_cpu_seconds, process_resident_bytes  # noqa: E402
-from tests.conftest import cached_llm, prompts_for  # noqa: E402
-from tests.test_serve_shutdown import _alive, _wait_healthy  # noqa: E402
+from tests.conftest import cached_llm, prompts_for, zoo_serve_flags  # noqa: E402
+from tests.test_serve_shutdown import MODEL, _alive, _wait_healthy, start_server  # noqa: E402
 
-MODEL = "qwen3-gqa2-hd64-tied"
 MAX_MODEL_LEN = 256
 N_REQUESTS = 32
 
@@ -45,28 +43,8 @@ class Pool:
         self.port = free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log")
-        cmd = nanovllm_serve_command(
-            zoo_model(MODEL),
-            "--served-model-name",
-            "zoo",
-            "--max-model-len",
-            str(MAX_MODEL_LEN),
-            "--block-size",
-            "16",
-            "--num-kvcache-blocks",
-            "160",
-            "--api-server-count",
-            "2",
-            "--log-level",
-            "INFO",
-        )
-        self.proc = subprocess.Popen(
-            [*cmd, "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, "NANOVLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": "1"},
-        )
+        flags = [*zoo_serve_flags(MAX_MODEL_LEN), "--api-server-count", "2"]
+        self.proc = start_server(self.log, self.port, flags, env={"NANOVLLM_SERVER_DEV_MODE": "1"})
         _wait_healthy(self.proc, self.url, self.log.name)
 
     def text(self) -> str:

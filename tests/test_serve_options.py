@@ -20,7 +20,7 @@ pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installe
 from conformance.zoo import ZOO, zoo_model  # noqa: E402
 from nanovllm import SamplingParams  # noqa: E402
 from nanovllm.bench.server_process import nanovllm_serve_command, server  # noqa: E402
-from tests.conftest import cached_llm, prompts_for  # noqa: E402
+from tests.conftest import cached_llm, prompts_for, zoo_serve_flags  # noqa: E402
 
 MODEL = "qwen3-gqa2-hd64-tied"
 MAX_MODEL_LEN = 256
@@ -32,14 +32,7 @@ IDS = {"logprobs": 0, "return_tokens_as_token_ids": True}  # the output's token 
 def url():
     cmd = nanovllm_serve_command(
         zoo_model(MODEL),
-        "--served-model-name",
-        "zoo",
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--block-size",
-        "16",
-        "--num-kvcache-blocks",
-        "160",
+        *zoo_serve_flags(MAX_MODEL_LEN),
         "--uvicorn-log-level",
         "warning",
     )

@@ -43,6 +43,20 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log_path: str, timeout_s: fl
     raise TimeoutError(f"the server was not healthy in {timeout_s:.0f} s:\n{open(log_path).read()[-3000:]}")
 
 
+def start_server(log, port: int, flags: list[str], env: dict | None = None, new_session: bool = False):
+    """`nanovllm serve` of the zoo model with ``flags`` on 127.0.0.1:``port``, logging at INFO to
+    ``log``; one OpenMP thread; in a session (process group) of its own if ``new_session``."""
+    cmd = nanovllm_serve_command(zoo_model(MODEL), *flags, "--log-level", "INFO")
+    return subprocess.Popen(
+        [*cmd, "--host", "127.0.0.1", "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        start_new_session=new_session,
+    )
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -58,17 +72,8 @@ def _alive(pid: int) -> bool:
 
 def test_sigterm_stops_the_engine_core_before_the_server_exits():
     port = free_port("127.0.0.1")
-    cmd = nanovllm_serve_command(
-        zoo_model(MODEL), "--max-model-len", "256", "--num-kvcache-blocks", "64", "--log-level", "INFO"
-    )
     with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
-        proc = subprocess.Popen(
-            [*cmd, "--host", "127.0.0.1", "--port", str(port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
+        proc = start_server(log, port, ["--max-model-len", "256", "--num-kvcache-blocks", "64"])
         try:
             _wait_healthy(proc, f"http://127.0.0.1:{port}", log.name)
             sent = time.time()
@@ -107,26 +112,9 @@ def test_sigterm_to_the_whole_process_group_lets_open_streams_finish(api_servers
     ignores SIGTERM and leaves when its front end stops it, so a stream open at the signal ends
     with all its tokens within uvicorn's graceful shutdown, and nothing is left running."""
     port = free_port("127.0.0.1")
-    cmd = nanovllm_serve_command(
-        zoo_model(MODEL),
-        "--max-model-len",
-        "256",
-        "--num-kvcache-blocks",
-        "64",
-        "--api-server-count",
-        str(api_servers),
-        "--log-level",
-        "INFO",
-    )
+    flags = ["--max-model-len", "256", "--num-kvcache-blocks", "64", "--api-server-count", str(api_servers)]
     with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
-        proc = subprocess.Popen(
-            [*cmd, "--host", "127.0.0.1", "--port", str(port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            start_new_session=True,  # its own process group, signalled as a whole below
-        )
+        proc = start_server(log, port, flags, new_session=True)  # its own process group, signalled below
         try:
             _wait_healthy(proc, f"http://127.0.0.1:{port}", log.name)
             body = {"prompt": [5, 6, 7], "max_tokens": 48, "ignore_eos": True, "stream": True, "temperature": 0}

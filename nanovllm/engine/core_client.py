@@ -7,7 +7,7 @@ send it commands without blocking the caller, stop it.
     client.shutdown()
 
 With ``front_ends=N`` the core also gets N more pipes, one per front-end process of a server
-(``entrypoints/openai/api_servers.py``): ``client.front_end_conns`` holds their other ends, to
+(``entrypoints/openai/api_server_pool.py``): ``client.front_end_conns`` holds their other ends, to
 hand to those processes (``AttachedCoreClient``); the client's own pipe is then the control pipe,
 used only to stop the core.
 
@@ -24,6 +24,7 @@ import pickle
 import queue
 import threading
 import weakref
+from multiprocessing.connection import Connection
 
 from nanovllm.engine.core_process import run_engine_core, write_pipe
 
@@ -35,7 +36,31 @@ class EngineCoreError(RuntimeError):
     """The engine-core process died or could not start."""
 
 
-class EngineCoreClient:
+class _CoreHandle:
+    """What a handle on a ready core holds (its config, vocabulary size, first stats) and how
+    commands leave: pickled by the caller, written by a sender thread."""
+
+    conn: Connection
+    _outbox: queue.SimpleQueue
+
+    def _take_ready(self, info: dict) -> None:
+        self.config = info["config"]
+        self.vocab_size: int = info["vocab_size"]
+        self.stats: dict = info["stats"]
+
+    def _start_sender(self) -> threading.Thread:
+        sender = threading.Thread(target=write_pipe, args=(self.conn, self._outbox), name="nanovllm-core-sender")
+        sender.daemon = True
+        sender.start()
+        return sender
+
+    def send(self, message) -> None:
+        """Queue a command. It is pickled here, so what cannot cross the pipe (a lambda given to
+        ``call``) raises in the caller, not in the sender thread."""
+        self._outbox.put(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+class EngineCoreClient(_CoreHandle):
     def __init__(self, model, engine_args: dict, start_timeout_s: float | None = None, front_ends: int = 0):
         ctx = mp.get_context("spawn")  # CUDA and threads: never fork
         pipes = [ctx.Pipe() for _ in range(1 + front_ends)]
@@ -59,14 +84,8 @@ class EngineCoreClient:
         except BaseException:
             self.shutdown()
             raise
-        self.ready_info = info
-        self.config = info["config"]
-        self.vocab_size: int = info["vocab_size"]
-        self.stats: dict = info["stats"]
-        sender = threading.Thread(target=write_pipe, args=(self.conn, self._outbox), name="nanovllm-core-sender")
-        sender.daemon = True
-        sender.start()
-        self._sender.append(sender)
+        self._take_ready(info)
+        self._sender.append(self._start_sender())
         logger.info("engine core ready in process %d", self.process.pid)
 
     def _wait_ready(self, timeout_s: float | None) -> dict:
@@ -91,11 +110,6 @@ class EngineCoreClient:
             raise EngineCoreError(f"the engine core sent {kind!r} before it was ready")
         return payload
 
-    def send(self, message) -> None:
-        """Queue a command. It is pickled here, so what cannot cross the pipe (a lambda given to
-        ``call``) raises in the caller, not in the sender thread."""
-        self._outbox.put(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
     @property
     def is_alive(self) -> bool:
         return self.process.is_alive()
@@ -108,7 +122,7 @@ class EngineCoreClient:
         self._finalizer()
 
 
-class AttachedCoreClient:
+class AttachedCoreClient(_CoreHandle):
     """A front-end process's handle on an engine core another process started (with
     ``EngineCoreClient(front_ends=N)``): its own pipe to the core, whose "ready" message waits in
     it. ``shutdown`` closes the pipe (the core aborts this front end's requests); stopping the
@@ -125,18 +139,10 @@ class AttachedCoreClient:
             raise EngineCoreError(f"the engine core (pid {core_pid}) closed this front end's pipe") from None
         if kind != "ready":
             raise EngineCoreError(f"the engine core sent {kind!r} before it was ready")
-        self.ready_info = info
-        self.config = info["config"]
-        self.vocab_size: int = info["vocab_size"]
-        self.stats: dict = info["stats"]
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._sender = threading.Thread(target=write_pipe, args=(conn, self._outbox), name="nanovllm-core-sender")
-        self._sender.daemon = True
-        self._sender.start()
+        self._take_ready(info)
+        self._outbox = queue.SimpleQueue()
+        self._sender = self._start_sender()
         self._closed = False
-
-    def send(self, message) -> None:
-        self._outbox.put(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
     @property
     def is_alive(self) -> bool:

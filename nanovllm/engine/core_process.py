@@ -57,7 +57,7 @@ def picklable_error(e: BaseException) -> BaseException:
 
 def run_engine_core(conns, parent_pid: int, model, engine_args: dict, log_level: int = logging.WARNING) -> None:
     """The core process's main (a ``spawn`` target); it logs at the front end's level.
-    ``conns``: its pipes, the control pipe first (one pipe: a list of one, or the pipe itself)."""
+    ``conns``: its pipes, the control pipe first."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     # Ctrl-C and SIGTERM are the front end's to handle: a signal to the whole process group (a
     # terminal, `timeout`) or cgroup (systemd) must not stop the core ahead of the front end, whose
@@ -66,7 +66,6 @@ def run_engine_core(conns, parent_pid: int, model, engine_args: dict, log_level:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     watch_parent(parent_pid)
-    conns = list(conns) if isinstance(conns, (list, tuple)) else [conns]
     engine_args = with_front_end_core(engine_args, front_ends=max(1, len(conns) - 1))
     try:
         engine = LLMEngine.from_engine_args(model, **engine_args)
@@ -115,16 +114,12 @@ class EngineCore:
 
     def __init__(self, engine: LLMEngine, conns):
         self.engine = engine
-        self.conns = list(conns) if isinstance(conns, (list, tuple)) else [conns]
+        self.conns = list(conns)
         self.outboxes = [CoreOutbox(c) for c in self.conns]
         self.live = set(range(len(self.conns)))  # the pipes still open
         self.owner: dict[str, int] = {}  # request id -> the pipe that added it (several pipes only)
         self.stats_sent = [0.0] * len(self.conns)  # when each pipe last got the stats
         self.timing = CoreTiming()
-
-    @property
-    def conn(self):
-        return self.conns[0]
 
     def run(self) -> None:
         engine, timing = self.engine, self.timing
@@ -159,7 +154,7 @@ class EngineCore:
 
     def _commands_waiting(self) -> bool:
         if len(self.conns) == 1:
-            return self.conn.poll()
+            return self.conns[0].poll()
         return bool(wait([self.conns[i] for i in self.live], timeout=0))
 
     def _send_updates(self, updates: list) -> None:
