@@ -51,8 +51,8 @@ def _until(conn, kind: str, messages: list):
 
 
 def run_scenario(core_cls) -> dict:
-    """Front end A adds two short requests, B one long one; A reads until its requests finish,
-    then B closes its pipe mid-request; A asks for the engine's state once the core is idle."""
+    """Front end A adds two short requests and a long one it aborts at once, B one long one; A
+    reads until its requests finish, then B closes its pipe mid-request; A asks for the engine's state once the core is idle."""
     engine = LLMEngine.from_engine_args(zoo_model(MODEL), **ENGINE_ARGS)
     engine.emit_updates = True
     pipes = [mp.Pipe() for _ in range(3)]
@@ -67,8 +67,10 @@ def run_scenario(core_cls) -> dict:
         _until(b, "added", got["b"])
         a.send(("add", 2, [("a0", p[1], SHORT)]))
         a.send(("add", 3, [("a1", p[2], SHORT)]))
+        a.send(("add", 5, [("a2", p[2], LONG)]))
+        a.send(("abort", ["a2"]))  # A's own abort of a request it added
         finished: set = set()
-        while finished != {"a0", "a1"}:
+        while finished != {"a0", "a1", "a2"}:
             msg = _recv(a)
             got["a"].append(msg)
             if msg[0] == "out":
@@ -84,6 +86,7 @@ def run_scenario(core_cls) -> dict:
                 break
         a.send(("call", 4, state_and_steps))
         got["state"] = _until(a, "called", got["a"])[2]
+        got["owners_left"] = dict(core.owner)  # every request ended: none still owned
         control.send(("stop",))
         thread.join(30)
         assert not thread.is_alive(), "the core did not stop"
@@ -98,14 +101,26 @@ def run_scenario(core_cls) -> dict:
 def check(got: dict) -> None:
     ids_a = {u[0] for m in got["a"] if m[0] == "out" for u in m[1]}
     ids_b = {u[0] for m in got["b"] if m[0] == "out" for u in m[1]}
-    assert ids_a == {"a0", "a1"}, f"front end A got updates of {sorted(ids_a)}"
+    assert ids_a == {"a0", "a1", "a2"}, f"front end A got updates of {sorted(ids_a)}"
     assert ids_b == {"b0"}, f"front end B got updates of {sorted(ids_b)}"
     tokens = {rid: sum(len(u[1]) for m in got["a"] if m[0] == "out" for u in m[1] if u[0] == rid) for rid in ids_a}
-    assert tokens == {"a0": 8, "a1": 8}, tokens
+    assert tokens["a0"] == tokens["a1"] == 8, tokens
+    assert got["owners_left"] == {}, f"requests still owned after they ended: {got['owners_left']}"
+    # while B's request ran on alone, A (no updates of its own) still got the running engine's stats
+    assert any(m[0] == "out" and not m[1] and m[2]["running"] >= 1 for m in got["a"]), "A got no stats while B ran"
     free, total, live, steps = got["state"]
     assert live == [] and free == total, f"after B left: {free} of {total} blocks free, live {live}"
     # B's request was aborted when B left, not run to its 200 tokens
     assert steps < LONG.max_tokens // 2, f"{steps} steps: B's request ran on after B left"
+
+
+@pytest.fixture(autouse=True)
+def stats_every_step(monkeypatch):
+    """Stats to an idle front end at every step (not every 0.5 s): the scenario runs in well
+    under a second, and the check on them must not depend on the machine's speed."""
+    import nanovllm.engine.core_process as core_process
+
+    monkeypatch.setattr(core_process, "STATS_INTERVAL_S", 0.0)
 
 
 def test_each_front_end_gets_its_own_requests_and_a_closed_one_is_aborted():

@@ -500,6 +500,7 @@ def test_an_n_request_cancelled_before_the_core_answers_its_add_leaves_nothing_r
             while True:
                 free, total, live = await engine.call(blocks_and_requests)
                 if not live or time.monotonic() > deadline:
+                    assert engine._adding == {}, f"adds still pending after the core answered: {engine._adding}"
                     return free, total, live, (await engine.call(_steps))
                 await asyncio.sleep(0.05)
         finally:
