@@ -30,8 +30,12 @@ def _decode(q, k_cache, v_cache, meta, scale):
 DECODE_SPECS = [[(1, 1)], [(16, 1), (17, 1), (1, 1)], [(300, 1), (5, 1), (64, 1), (33, 1)]]
 
 
+# head_dim 24 is not a multiple of 16: the portable loop instead of the AVX-512 one
+HEAD_SHAPES = [(4, 4, 64), (9, 3, 64), (8, 2, 128), (4, 1, 32), (6, 2, 24)]
+
+
 @pytest.mark.parametrize("block_size", [1, 16, 32])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (4, 1, 32)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", HEAD_SHAPES)
 @pytest.mark.parametrize("specs", DECODE_SPECS)
 def test_decode_kernel_equals_the_oracle(block_size, heads, kv_heads, head_dim, specs):
     """Every sequence's row equals the per-sequence PyTorch oracle (float32: only the order of the
@@ -41,6 +45,57 @@ def test_decode_kernel_equals_the_oracle(block_size, heads, kv_heads, head_dim, 
     want = torch_ref.paged_attention(q, k_cache, v_cache, meta, scale)
     got = _decode(q, k_cache, v_cache, meta, scale)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+PREFILL_SPECS = [[(40, 40)], [(70, 30), (5, 5), (33, 1)], [(300, 17), (16, 16), (1, 1)], [(17, 2)] * 5]
+
+
+def _prefill(q, k_cache, v_cache, meta, scale, rows=None):
+    rows = rows or cpu_kernels.prefill_rows(meta.query_start_loc_cpu, meta.seq_lens_cpu)
+    return cpu_kernels.paged_attention(
+        q, _head_major(k_cache), _head_major(v_cache), meta.block_tables, meta.seq_lens, scale, rows
+    )
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", HEAD_SHAPES)
+@pytest.mark.parametrize("specs", PREFILL_SPECS)
+def test_prefill_rows_equal_the_oracle(block_size, heads, kv_heads, head_dim, specs):
+    """Prefill chunks (a whole prompt, a chunk after cached context, mixed with decode rows): each
+    query row sees its sequence's slots up to its own position, as the per-sequence oracle does."""
+    q, _, _, k_cache, v_cache, meta = _build(specs, heads, kv_heads, head_dim, block_size, seed=block_size + heads)
+    scale = head_dim**-0.5
+    want = torch_ref.paged_attention(q, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(_prefill(q, k_cache, v_cache, meta, scale), want, atol=2e-6, rtol=1e-5)
+
+
+def test_negative_control_prefill_rows_that_see_one_slot_too_few_or_start_at_the_top_are_caught():
+    """The comparison above fails for rows that see one slot too few, and for a causal mask aligned
+    top-left (row j seeing slots 0..j, wrong where the chunk follows cached context)."""
+    q, _, _, k_cache, v_cache, meta = _build([(70, 30), (20, 20)], 4, 2, 64, 16, seed=5)
+    want = torch_ref.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    row_seq, row_len = cpu_kernels.prefill_rows(meta.query_start_loc_cpu, meta.seq_lens_cpu)
+    top_left = torch.cat([torch.arange(1, 31), torch.arange(1, 21)]).to(torch.int32)
+    for wrong_len in ((row_len - 1).clamp(min=1), top_left):
+        got = _prefill(q, k_cache, v_cache, meta, 0.125, (row_seq, wrong_len))
+        with pytest.raises(AssertionError):
+            torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    assert torch.equal(row_len[:30], torch.arange(41, 71, dtype=torch.int32))  # bottom-right aligned
+
+
+def test_a_prefill_row_past_its_sequence_or_naming_none_raises_before_reading():
+    kc = torch.zeros(4, 2, 16, 64)
+    q = torch.ones(3, 4, 64)
+    tables, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
+    seq = torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(IndexError, match="reaches past its sequence"):
+        cpu_kernels.paged_attention(q, kc, kc, tables, lens, 0.125, (seq, torch.tensor([18, 19, 21], dtype=torch.int32)))
+    with pytest.raises(IndexError, match="reaches past its sequence"):
+        cpu_kernels.paged_attention(q, kc, kc, tables, lens, 0.125, (seq + 1, torch.tensor([18, 19, 20], dtype=torch.int32)))
+    with pytest.raises(ValueError, match="3 query rows, 2 row lengths"):
+        cpu_kernels.paged_attention(q, kc, kc, tables, lens, 0.125, (seq[:2], torch.tensor([1, 2], dtype=torch.int32)))
+    # control: in range runs
+    cpu_kernels.paged_attention(q, kc, kc, tables, lens, 0.125, (seq, torch.tensor([18, 19, 20], dtype=torch.int32)))
 
 
 def test_negative_control_a_wrong_length_or_table_is_caught():

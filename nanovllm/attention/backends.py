@@ -9,9 +9,9 @@ from nanovllm.attention.metadata import AttentionMetadata
 
 
 class TorchBackend:
-    """The CPU path: cache writes and decode-only steps through the compiled kernels where they
-    apply (``cpu_kernels``: float32, a C compiler), PyTorch otherwise (batched decode); any step
-    with a prefill chunk through the per-sequence PyTorch loop. Its cache is head-major
+    """The CPU path: cache writes and attention (decode and prefill rows alike) through the compiled
+    kernels where they apply (``cpu_kernels``: float32, a C compiler); PyTorch otherwise (batched
+    decode; a step with a prefill chunk through the per-sequence loop). Its cache is head-major
     (``torch_ref``'s module docstring says why)."""
 
     name = "torch"
@@ -36,11 +36,21 @@ class TorchBackend:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> torch.Tensor:
+        if cpu_kernels.applies(q, k_cache):
+            rows = None if meta.is_decode_only else _prefill_rows(meta)
+            return cpu_kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, rows)
         if meta.is_decode_only:
-            if cpu_kernels.applies(q, k_cache):
-                return cpu_kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
             return torch_ref.paged_decode_batched(q, k_cache, v_cache, meta, scale, k_scale, v_scale, head_major=True)
         return torch_ref.paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale, head_major=True)
+
+
+_rows_cache: list = []  # [meta, rows] of the last step with prefill rows (every layer gets the same meta)
+
+
+def _prefill_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (_rows_cache and _rows_cache[0] is meta):
+        _rows_cache[:] = [meta, cpu_kernels.prefill_rows(meta.query_start_loc_cpu, meta.seq_lens_cpu)]
+    return _rows_cache[1]
 
 
 def get_backend(name: str):

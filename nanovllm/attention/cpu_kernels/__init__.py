@@ -1,10 +1,12 @@
-"""The CPU path's compiled kernels: paged decode attention reading the cache in place, and the
-cache writes (``store_kv``), for float32.
+"""The CPU path's compiled kernels: paged attention reading the cache in place (decode rows and
+prefill rows alike), and the cache writes (``store_kv``), for float32.
 
 PyTorch operators cannot read a block table in place, so the plain-PyTorch decode path copies
-every block a sequence uses (``index_select``) before two batched products over tiny matrices;
-that copy and those products were a fifth of the CPU workload's time. ``paged_decode.c`` walks
-each sequence's slots through its block table instead, reading each key and value once.
+every block a sequence uses (``index_select``) before two batched products over tiny matrices, and
+its prefill path gathers each sequence's context and multiplies the full square of scores before
+masking half of it. ``paged_attention.c`` walks each query row's slots through its block table
+instead, reading each key and value once per row and kv head, causal rows seeing only their own
+prefix.
 
 It is plain C (no PyTorch headers: it compiles in well under a second) built with the machine's C
 compiler on first use into the on-disk cache (``$NANOVLLM_CACHE/kernels``, keyed by the source,
@@ -33,8 +35,8 @@ import torch
 from nanovllm.loader.cache import build_once, cache_root
 
 logger = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("paged_decode.c")
-LIBRARY = "paged_decode.so"
+SOURCE = Path(__file__).with_name("paged_attention.c")
+LIBRARY = "paged_attention.so"
 SWITCH = "NANOVLLM_CPU_KERNELS"
 
 
@@ -73,7 +75,7 @@ def _build(cc: str, out_dir: Path) -> None:
 
 
 class Kernels(NamedTuple):
-    paged_decode: Any
+    paged_attention: Any
     store_kv: Any
 
 
@@ -81,25 +83,25 @@ class Kernels(NamedTuple):
 def load() -> Kernels | None:
     """The ctypes functions, or None where the kernel cannot be used (the reason is logged once)."""
     if os.environ.get(SWITCH, "1") == "0":
-        logger.info("%s=0: CPU decode attention runs in PyTorch", SWITCH)
+        logger.info("%s=0: CPU attention runs in PyTorch", SWITCH)
         return None
     cc = compiler()
     if cc is None:
-        logger.warning("no C compiler (cc, gcc or $CC): CPU decode attention runs in PyTorch (slower)")
+        logger.warning("no C compiler (cc, gcc or $CC): CPU attention runs in PyTorch (slower)")
         return None
     try:
-        dest = cache_root() / "kernels" / f"paged_decode-{build_key(cc)}"
+        dest = cache_root() / "kernels" / f"paged_attention-{build_key(cc)}"
         library = ctypes.CDLL(str(Path(build_once(dest, LIBRARY, lambda tmp: _build(cc, tmp))) / LIBRARY))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        logger.warning("the CPU decode-attention kernel could not be built or loaded (%s): PyTorch runs it", e)
+        logger.warning("the CPU attention kernel could not be built or loaded (%s): PyTorch runs it", e)
         return None
-    decode = library.paged_decode_f32
-    decode.restype = ctypes.c_int
-    decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    attention = library.paged_attention_f32
+    attention.restype = ctypes.c_int
+    attention.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     store = library.store_kv_f32
     store.restype = ctypes.c_int
     store.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_int64]
-    return Kernels(decode, store)
+    return Kernels(attention, store)
 
 
 def _float32_cpu(*tensors: torch.Tensor) -> bool:
@@ -166,27 +168,63 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """q: [num_seqs, num_heads, d]; caches head-major [num_blocks, num_kv_heads, block_size, d];
-    block_tables [num_seqs, width] and seq_lens [num_seqs], int32 -> [num_seqs, num_heads, d]."""
+    """q: [num_seqs, num_heads, d] (one row per sequence); caches head-major [num_blocks, num_kv_heads,
+    block_size, d]; block_tables [num_seqs, width] and seq_lens [num_seqs], int32 -> [num_seqs, num_heads, d]."""
+    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def prefill_rows(query_start_loc: list[int], seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a step's query rows: the sequence each belongs to and how many slots it sees (row j of
+    a sequence's n new rows sits at position seq_len - n + j: causal, bottom-right aligned)."""
+    row_seq, row_len = [], []
+    for i, seq_len in enumerate(seq_lens):
+        n = query_start_loc[i + 1] - query_start_loc[i]
+        row_seq += [i] * n
+        row_len += range(seq_len - n + 1, seq_len + 1)
+    return torch.tensor(row_seq, dtype=torch.int32), torch.tensor(row_len, dtype=torch.int32)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``torch_ref.paged_attention(..., head_major=True)`` for float32. q: [num_rows, num_heads, d];
+    caches head-major [num_blocks, num_kv_heads, block_size, d]; block_tables [num_seqs, width] and
+    seq_lens [num_seqs], int32; ``rows`` = (sequence of each row, slots it sees), int32
+    (``prefill_rows``); None: one row per sequence seeing all its slots (decode)."""
     kernels = _kernels(q, k_cache, v_cache)
-    num_seqs, num_heads, head_dim = q.shape
+    num_rows, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim or num_heads % num_kv_heads or v_cache.shape != k_cache.shape:
-        raise ValueError(f"paged_decode: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
+        raise ValueError(f"paged_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
     q = q.contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
+    if rows is None:
+        row_seq, row_len = None, lens
+    else:
+        row_seq, row_len = (t.to(torch.int32).contiguous() for t in rows)
+    if row_len.numel() != num_rows or (row_seq is not None and row_seq.numel() != num_rows):
+        raise ValueError(f"paged_attention: {num_rows} query rows, {row_len.numel()} row lengths")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("paged_decode: the caches must be contiguous")
+        raise ValueError("paged_attention: the caches must be contiguous")
     out = torch.empty_like(q)
-    status = kernels.paged_decode(
+    status = kernels.paged_attention(
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         tables.data_ptr(),
         lens.data_ptr(),
+        None if row_seq is None else row_seq.data_ptr(),
+        row_len.data_ptr(),
         out.data_ptr(),
-        num_seqs,
+        lens.numel(),
+        num_rows,
         num_heads,
         num_kv_heads,
         head_dim,
@@ -198,9 +236,10 @@ def paged_decode(
     )
     if status == -2:  # checked before any read
         raise IndexError(
-            f"paged_decode: a seq_len ({lens.tolist()}) exceeds its block table ({tables.shape[1]} blocks of "
-            f"{block_size}) or a block id used lies outside the cache's {k_cache.shape[0]} blocks"
+            f"paged_attention: a seq_len ({lens.tolist()}) exceeds its block table ({tables.shape[1]} blocks of "
+            f"{block_size}), a row reaches past its sequence, or a block id used lies outside the cache's "
+            f"{k_cache.shape[0]} blocks"
         )
     if status != 0:
-        raise MemoryError("paged_decode: the kernel could not allocate its scratch memory")
+        raise MemoryError("paged_attention: the kernel could not allocate its scratch memory")
     return out
