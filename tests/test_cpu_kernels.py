@@ -89,9 +89,13 @@ def test_a_prefill_row_past_its_sequence_or_naming_none_raises_before_reading():
     tables, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
     seq = torch.zeros(3, dtype=torch.int32)
     with pytest.raises(IndexError, match="reaches past its sequence"):
-        cpu_kernels.paged_attention(q, kc, kc, tables, lens, 0.125, (seq, torch.tensor([18, 19, 21], dtype=torch.int32)))
+        cpu_kernels.paged_attention(
+            q, kc, kc, tables, lens, 0.125, (seq, torch.tensor([18, 19, 21], dtype=torch.int32))
+        )
     with pytest.raises(IndexError, match="reaches past its sequence"):
-        cpu_kernels.paged_attention(q, kc, kc, tables, lens, 0.125, (seq + 1, torch.tensor([18, 19, 20], dtype=torch.int32)))
+        cpu_kernels.paged_attention(
+            q, kc, kc, tables, lens, 0.125, (seq + 1, torch.tensor([18, 19, 20], dtype=torch.int32))
+        )
     with pytest.raises(ValueError, match="3 query rows, 2 row lengths"):
         cpu_kernels.paged_attention(q, kc, kc, tables, lens, 0.125, (seq[:2], torch.tensor([1, 2], dtype=torch.int32)))
     # control: in range runs

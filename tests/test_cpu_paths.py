@@ -156,3 +156,31 @@ def test_bfloat16_engine_packed_gives_the_tokens_of_f_linear(monkeypatch):
         finally:
             llm.close()
     assert runs[True] == runs[False]
+
+
+def test_a_long_prefill_mlp_runs_in_row_tiles_with_the_untiled_result_bitwise(monkeypatch):
+    """Over 2 x MLP_ROW_TILE rows, the CPU MLP runs gate_up / SiLU / down per tile of rows (cache-sized
+    pieces): the same floats as one piece (oneDNN's rows are independent), every row once, in order."""
+    from types import SimpleNamespace
+
+    from nanovllm.models.llama import LlamaMLP
+
+    torch.manual_seed(0)
+    config = SimpleNamespace(hidden_size=64, intermediate_size=96, hidden_act="silu")
+    mlp = LlamaMLP(config, bias=False)
+    for p in mlp.parameters():
+        p.data.normal_(0, 0.1)
+    cpu_linear.pack_linear_weights(mlp)
+    monkeypatch.setattr(cpu_linear, "MLP_ROW_TILE", 16)
+    x = torch.randn(70, 64)
+    calls = []
+    real = mlp.gate_up_proj.forward
+    monkeypatch.setattr(mlp.gate_up_proj, "forward", lambda t: calls.append(t.shape[0]) or real(t))
+    tiled = mlp(x)
+    assert calls == [16, 16, 16, 16, 6]
+    assert cpu_linear.mlp_row_tile(x[:32]) is None  # up to two tiles: one piece
+    monkeypatch.setattr(cpu_linear, "MLP_ROW_TILE", 10**9)
+    whole = mlp(x)
+    assert calls[-1] == 70
+    assert torch.equal(tiled, whole)
+    assert not torch.equal(tiled, torch.cat([whole[16:], whole[:16]]))  # control: order matters

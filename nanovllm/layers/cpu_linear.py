@@ -32,6 +32,22 @@ logger = logging.getLogger(__name__)
 PACK_BATCH_HINT = 32  # decode-sized batches are where packing pays
 
 
+MLP_ROW_TILE = 1024
+
+
+def mlp_row_tile(x: torch.Tensor) -> int | None:
+    """Rows per piece for a CPU MLP over many tokens (a prefill chunk), None for one piece.
+
+    A 4,096-token chunk's [gate | up] product is 4,096 x 2 x intermediate floats (50 MB for
+    SmolLM2-135M): more than the last-level cache, so the product's output, SiLU and the down
+    projection each stream it from memory. 1,024 rows at a time keep it in cache: the MLP of a
+    4,096-token chunk took 108 instead of 120-130 ms on the 2-core development machine (oneDNN's
+    rows do not depend on each other: the same result, bitwise)."""
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] <= 2 * MLP_ROW_TILE:
+        return None
+    return MLP_ROW_TILE
+
+
 def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.layers import cpu_linear
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -87,7 +88,10 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        rows = cpu_linear.mlp_row_tile(x)
+        if rows is None:
+            return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return torch.cat([self.down_proj(self.act_fn(self.gate_up_proj(part))) for part in x.split(rows)])
 
 
 class LlamaDecoderLayer(nn.Module):
