@@ -8,7 +8,8 @@ import logging
 import pytest
 import torch
 
-from nanovllm.attention import cpu_kernels, torch_ref
+from nanovllm import cpu_kernels
+from nanovllm.attention import torch_ref
 from nanovllm.attention.backends import TorchBackend
 from tests.test_attention_ref import _build
 

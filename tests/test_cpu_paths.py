@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nanovllm import cpu_kernels
 from nanovllm.attention import torch_ref
 from nanovllm.layers import cpu_linear
 from nanovllm.layers.activation import SiluAndMul
@@ -64,53 +65,87 @@ def test_decode_plan_is_rebuilt_for_each_step():
     assert not torch.allclose(stale, torch_ref.paged_attention(q, k_cache, v_cache, meta, 0.125), equal_nan=True)
 
 
+@pytest.fixture(params=["pytorch", "c"])
+def cpu_path(request, monkeypatch):
+    """The CPU layers twice: their PyTorch code (NANOVLLM_CPU_KERNELS=0) and the compiled kernels."""
+    if request.param == "c" and cpu_kernels.load() is None:
+        pytest.skip("the CPU kernels could not be built here (no C compiler; see the log)")
+    monkeypatch.setenv(cpu_kernels.SWITCH, "1" if request.param == "c" else "0")
+    cpu_kernels.load.cache_clear()
+    yield request.param
+    monkeypatch.undo()
+    cpu_kernels.load.cache_clear()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_equals_hf_formula_bitwise(dtype):
+def test_rope_equals_hf_formula_bitwise(dtype, cpu_path):
+    """Both paths, bitwise (the C kernel rotates in place; float32 only, bfloat16 stays in PyTorch)."""
     rope = RotaryEmbedding(64, 256, 10000.0)
     g = torch.Generator().manual_seed(0)
     qkv = torch.randn(9, 3 * 4 * 64, generator=g).to(dtype)  # q, k as strided views of one matrix
     q, k = qkv[:, : 2 * 64].view(9, 2, 64), qkv[:, 2 * 64 : 3 * 64].view(9, 1, 64)
+
+    def rotated(positions):
+        fresh = qkv.clone()  # the kernel rotates in place: each call on a fresh copy of the views
+        return rope(positions, fresh[:, : 2 * 64].view(9, 2, 64), fresh[:, 2 * 64 : 3 * 64].view(9, 1, 64))
+
     for positions in (torch.arange(9), torch.tensor([200, 3, 7, 7, 0, 255, 1, 2, 100])):
         cos, sin = rope.cos[positions].unsqueeze(1).to(dtype), rope.sin[positions].unsqueeze(1).to(dtype)
         want_q = q * cos + RotaryEmbedding._rotate_half(q) * sin  # transformers' apply_rotary_pos_emb
         want_k = k * cos + RotaryEmbedding._rotate_half(k) * sin
-        got_q, got_k = rope(positions, q, k)
+        got_q, got_k = rotated(positions)
         assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
         # the second layer of the step (same positions tensor) reuses the tables, same result
-        again_q, _ = rope(positions, q, k)
+        again_q, _ = rotated(positions)
         assert torch.equal(again_q, want_q)
     # control: the half-split rotation is not the identity, and swapping the halves' signs is caught
     assert not torch.equal(got_q, q)
     assert not torch.equal(got_q, q * cos - RotaryEmbedding._rotate_half(q) * sin)
+    if cpu_path == "c" and dtype == torch.float32:
+        with pytest.raises(IndexError, match="outside the 256-row tables"):
+            rotated(torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 256]))
 
 
-def test_rope_tables_follow_new_positions_with_same_values_elsewhere():
+def test_rope_tables_follow_new_positions_with_same_values_elsewhere(cpu_path):
     """A new positions tensor (next step) recomputes the tables even when an old one is cached."""
     rope = RotaryEmbedding(32, 64, 10000.0)
     q, k = torch.randn(4, 1, 32), torch.randn(4, 1, 32)
-    first = rope(torch.tensor([0, 1, 2, 3]), q, k)[0]
-    second = rope(torch.tensor([10, 11, 12, 13]), q, k)[0]
-    fresh = RotaryEmbedding(32, 64, 10000.0)(torch.tensor([10, 11, 12, 13]), q, k)[0]
+    first = rope(torch.tensor([0, 1, 2, 3]), q.clone(), k.clone())[0]
+    second = rope(torch.tensor([10, 11, 12, 13]), q.clone(), k.clone())[0]
+    fresh = RotaryEmbedding(32, 64, 10000.0)(torch.tensor([10, 11, 12, 13]), q.clone(), k.clone())[0]
     assert torch.equal(second, fresh) and not torch.equal(first, second)
 
 
-def test_rmsnorm_and_silu_equal_hf_formulas_bitwise_and_leave_inputs():
-    norm = RMSNorm(48, 1e-6)
-    norm.weight.data = torch.randn(48)
-    x, r = torch.randn(5, 48), torch.randn(5, 48)
+def test_rmsnorm_and_silu_equal_hf_formulas_and_leave_inputs(cpu_path):
+    """PyTorch path: bitwise transformers' formulas. C kernels: within float32 rounding (the sum of
+    squares in another order, e^x within 2 ulp), on rows wide enough for the vector loops' tails
+    and for several threads; the inputs are left as they were either way."""
+    width, rows = 600, 300  # 600 = 37 x 16 + 8: a masked tail; 300 x 600 > one thread's share
+    norm = RMSNorm(width, 1e-6)
+    norm.weight.data = torch.randn(width)
+    x, r = torch.randn(rows, width), torch.randn(rows, width)
     x0, r0 = x.clone(), r.clone()
 
     def hf(h):
         return norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
 
-    assert torch.equal(norm(x), hf(x))
+    def same(got, want):
+        if cpu_path == "pytorch":
+            return torch.equal(got, want)
+        return torch.allclose(got, want, rtol=2e-6, atol=1e-6)
+
     got, res = norm(x, r)
-    assert torch.equal(got, hf(x + r)) and torch.equal(res, x + r)
+    assert same(norm(x), hf(x)) and same(got, hf(x + r)) and torch.equal(res, x + r)
     assert torch.equal(x, x0) and torch.equal(r, r0), "an input was modified in place"
-    gate_up = torch.randn(5, 2 * 48)
+    gate_up = torch.randn(rows, 2 * width) * 4
     kept = gate_up.clone()
-    assert torch.equal(SiluAndMul()(gate_up), F.silu(kept[:, :48]) * kept[:, 48:])
+    want = F.silu(kept[:, :width]) * kept[:, width:]
+    assert same(SiluAndMul()(gate_up), want)
     assert torch.equal(gate_up, kept)
+    # controls: the tolerance tells a wrong eps, a missing weight or a plain product apart
+    assert not same(norm(x), norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-3)))
+    assert not same(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert not same(SiluAndMul()(gate_up), torch.sigmoid(kept[:, :width]) * kept[:, width:])
 
 
 @pytest.mark.skipif(

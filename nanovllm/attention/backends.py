@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from nanovllm.attention import cpu_kernels, torch_ref
+from nanovllm import cpu_kernels
+from nanovllm.attention import torch_ref
 from nanovllm.attention.metadata import AttentionMetadata
 
 

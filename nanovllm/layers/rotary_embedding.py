@@ -8,6 +8,7 @@ import math
 import torch
 from torch import nn
 
+from nanovllm import cpu_kernels
 from nanovllm.layers.triton_switch import LazyKernels
 
 # the RoPE scaling types we implement, with the fields each needs (transformers' names and formulas)
@@ -121,6 +122,9 @@ class RotaryEmbedding(nn.Module):
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T]."""
         if fused_ops.enabled(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
             fused_ops.rotary_(positions, q, k, self.cos, self.sin)  # in place
+            return q, k
+        if cpu_kernels.elementwise_applies(q, k, self.cos) and q.dim() == 3:
+            cpu_kernels.rotary_neox_(positions, q, k, self.cos, self.sin)  # in place, bitwise the PyTorch path
             return q, k
         cos, sin = self._half_tables(positions, q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -35,8 +35,10 @@ import torch
 from nanovllm.loader.cache import build_once, cache_root
 
 logger = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("paged_attention.c")
-LIBRARY = "paged_attention.so"
+HERE = Path(__file__).parent
+SOURCES = [HERE / "paged_attention.c", HERE / "elementwise.c"]
+HEADERS = [HERE / "vec_exp.h"]
+LIBRARY = "cpu_kernels.so"
 SWITCH = "NANOVLLM_CPU_KERNELS"
 
 
@@ -63,12 +65,17 @@ def _cpu_flags() -> str:
 def build_key(cc: str) -> str:
     """What the built library depends on: the source, the compiler's version, the flags, this CPU."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    parts = [SOURCE.read_bytes(), version.encode(), " ".join(compile_flags()).encode(), _cpu_flags().encode()]
+    parts = [
+        *(f.read_bytes() for f in SOURCES + HEADERS),
+        version.encode(),
+        " ".join(compile_flags()).encode(),
+        _cpu_flags().encode(),
+    ]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:24]
 
 
 def _build(cc: str, out_dir: Path) -> None:
-    cmd = [cc, *compile_flags(), str(SOURCE), "-o", str(out_dir / LIBRARY), "-lm"]
+    cmd = [cc, *compile_flags(), *map(str, SOURCES), "-o", str(out_dir / LIBRARY), "-lm"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed: {result.stderr.strip()[-2000:]}")
@@ -77,6 +84,9 @@ def _build(cc: str, out_dir: Path) -> None:
 class Kernels(NamedTuple):
     paged_attention: Any
     store_kv: Any
+    rms_norm: Any
+    silu_and_mul: Any
+    rotary_neox: Any
 
 
 @cache
@@ -90,7 +100,7 @@ def load() -> Kernels | None:
         logger.warning("no C compiler (cc, gcc or $CC): CPU attention runs in PyTorch (slower)")
         return None
     try:
-        dest = cache_root() / "kernels" / f"paged_attention-{build_key(cc)}"
+        dest = cache_root() / "kernels" / f"cpu_kernels-{build_key(cc)}"
         library = ctypes.CDLL(str(Path(build_once(dest, LIBRARY, lambda tmp: _build(cc, tmp))) / LIBRARY))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("the CPU attention kernel could not be built or loaded (%s): PyTorch runs it", e)
@@ -101,7 +111,16 @@ def load() -> Kernels | None:
     store = library.store_kv_f32
     store.restype = ctypes.c_int
     store.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_int64]
-    return Kernels(attention, store)
+    rms = library.rms_norm_f32
+    rms.restype = None
+    rms.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2 + [ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+    silu = library.silu_and_mul_f32
+    silu.restype = None
+    silu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
+    rope = library.rotary_neox_f32
+    rope.restype = ctypes.c_int
+    rope.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    return Kernels(attention, store, rms, silu, rope)
 
 
 def _float32_cpu(*tensors: torch.Tensor) -> bool:
@@ -243,3 +262,86 @@ def paged_attention(
     if status != 0:
         raise MemoryError("paged_attention: the kernel could not allocate its scratch memory")
     return out
+
+
+def elementwise_applies(*tensors: torch.Tensor) -> bool:
+    """The elementwise kernels' case: float32 CPU tensors whose last dimension is contiguous, the
+    kernels built."""
+    return _float32_cpu(*tensors) and all(t.stride(-1) == 1 for t in tensors) and load() is not None
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``RMSNorm.forward`` for float32 rows: normed, or (normed(x + residual), x + residual)."""
+    kernels = _kernels(x, weight)
+    cols = x.shape[-1]
+    rows = x.reshape(-1, cols)  # a view for rows of their own stride (x[:, :hidden] of a wider tensor)
+    if weight.shape != (cols,):
+        raise ValueError(f"rms_norm: weight {tuple(weight.shape)} for rows of {cols}")
+    out = torch.empty(x.shape, dtype=x.dtype)
+    res_out = None
+    if residual is not None:
+        if residual.shape != x.shape:
+            raise ValueError(f"rms_norm: residual {tuple(residual.shape)} for x {tuple(x.shape)}")
+        residual = residual.contiguous()
+        res_out = torch.empty(x.shape, dtype=x.dtype)
+    kernels.rms_norm(
+        rows.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        weight.contiguous().data_ptr(),
+        out.data_ptr(),
+        None if res_out is None else res_out.data_ptr(),
+        rows.shape[0],
+        cols,
+        rows.stride(0),
+        eps,
+        torch.get_num_threads(),
+    )
+    return out if res_out is None else (out, res_out)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``SiluAndMul.forward`` for float32 rows [..., 2 * inter] -> [..., inter]."""
+    kernels = _kernels(x)
+    x = x.contiguous()
+    inter = x.shape[-1] // 2
+    if x.shape[-1] != 2 * inter:
+        raise ValueError(f"silu_and_mul: the last dimension ({x.shape[-1]}) must be even")
+    out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype)
+    kernels.silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // (2 * inter), inter, torch.get_num_threads())
+    return out
+
+
+def rotary_neox_(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
+    """Rotary embedding in place on q [T, heads, d] and k [T, kv_heads, d] (rows of their own
+    stride, heads contiguous), with the cos / sin tables [max_position, d] (the first d / 2 used)."""
+    kernels = _kernels(q, k, cos, sin)
+    tokens, heads, head_dim = q.shape
+    if not (_rows(q) and _rows(k)) or k.shape[0] != tokens or k.shape[2] != head_dim or head_dim % 2:
+        raise ValueError(f"rotary_neox_: q {tuple(q.shape)} / k {tuple(k.shape)} are not rows of whole heads")
+    if cos.shape != sin.shape or cos.stride(-1) != 1 or sin.stride() != cos.stride() or cos.shape[-1] < head_dim // 2:
+        raise ValueError(
+            f"rotary_neox_: cos {tuple(cos.shape)} / sin {tuple(sin.shape)} tables do not fit head_dim {head_dim}"
+        )
+    pos = positions.to(torch.int64).contiguous()
+    status = kernels.rotary_neox(
+        q.data_ptr(),
+        k.data_ptr(),
+        pos.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        tokens,
+        heads,
+        k.shape[1],
+        head_dim // 2,
+        q.stride(0),
+        k.stride(0),
+        cos.stride(0),
+        cos.shape[0],
+        torch.get_num_threads(),
+    )
+    if status != 0:  # checked before any write
+        raise IndexError(f"rotary_neox_: a position ({int(pos.max())}) lies outside the {cos.shape[0]}-row tables")

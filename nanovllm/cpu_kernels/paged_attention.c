@@ -64,26 +64,9 @@ static inline __attribute__((always_inline)) void decode_item(
         for (int i = 0; i < head_dim; i++) og[g * head_dim + i] /= denoms[g];
 }
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#include "vec_exp.h"
 
-/* e^x, 16 lanes, for x <= 0 (scores minus their running maximum): 2^n * p(r), r = x - n ln 2 in two
- * parts (Cody-Waite), p Cephes' expf polynomial; within 2 ulp of expf. NaN stays NaN. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x); /* this operand order keeps a NaN x */
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
+#if defined(__AVX512F__)
 
 /* Lane t of the result = the sum of the 16 lanes of v[t]: a transposing tree (pairs of lanes, of
  * lane pairs, of 128-bit quarters), 30 shuffles and 15 adds for 16 sums. */
