@@ -83,13 +83,13 @@ static inline __m512 hsum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
 }
 
-enum { VEC_MAX_HEAD_DIM = 256 };
+enum { VEC_MAX_HEAD_DIM = 256, VEC_MAX_GROUP = 64, VEC_GROUP_TILE = 4 };
 
 /* One (query row, kv head) with AVX-512, in two passes over the row's slots, 16 at a time (a chunk
  * never straddles a block): the scores of each query head (q . k: 16 products summed by hsum16),
- * then the softmax over the whole row (e^(s - max) as vectors), then each head's output, its
- * head_dim / 16 accumulators in registers while the head walks the V rows. ``scores``: group * len
- * floats (rounded up to 16) of scratch. Used where head_dim is a multiple of 16 up to 256. */
+ * then the softmax over the whole row (e^(s - max) as vectors), then the outputs, up to four heads
+ * at a time with their accumulators in registers, each V row loaded once for them. ``scores``: group * len
+ * floats (rounded up to 16) of scratch. Used where head_dim is a multiple of 16 up to 256 and group <= 64. */
 static inline __attribute__((always_inline)) void vec_item(
     const float *restrict qg, const float *restrict k_cache, const float *restrict v_cache,
     const int32_t *restrict table, float *restrict og, float *restrict scores, int len, int group, int kvh,
@@ -121,6 +121,9 @@ static inline __attribute__((always_inline)) void vec_item(
         }
     }
     const int tail = len & 15;
+    float inv[VEC_MAX_GROUP];
+    /* registers: tile x nv accumulators + nv for the V row, within the 32 vector registers */
+    const int group_tile = nv <= 4 ? VEC_GROUP_TILE : nv <= 8 ? 2 : 1;
     for (int g = 0; g < group; g++) {
         float *restrict s = scores + (int64_t)g * stride;
         if (tail) _mm512_mask_storeu_ps(s + len - tail, (__mmask16)~((1u << tail) - 1u), minus_inf);
@@ -135,18 +138,32 @@ static inline __attribute__((always_inline)) void vec_item(
             _mm512_store_ps(s + t, p);
             sum = _mm512_add_ps(sum, p);
         }
-        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-        __m512 acc[VEC_MAX_HEAD_DIM / 16];
-        for (int i = 0; i < nv; i++) acc[i] = _mm512_setzero_ps();
+        inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    /* out = sum(p * v) / sum(p): the heads of the group in turn (up to VEC_GROUP_TILE at a time, their
+     * accumulators in registers), each V row loaded once per tile of heads */
+    for (int g0 = 0; g0 < group; g0 += group_tile) {
+        const int gn = group - g0 < group_tile ? group - g0 : group_tile;
+        __m512 acc[VEC_GROUP_TILE][VEC_MAX_HEAD_DIM / 16];
+        for (int g = 0; g < VEC_GROUP_TILE; g++)
+            for (int i = 0; i < nv; i++) acc[g][i] = _mm512_setzero_ps();
         for (int first = 0, j = 0; first < len; first += block_size, j++) {
             const float *restrict v = v_cache + table[j] * block_stride + kvh * head_stride;
             const int in_block = len - first < block_size ? len - first : block_size;
             for (int t = 0; t < in_block; t++, v += head_dim) {
-                const __m512 w = _mm512_set1_ps(s[first + t]);
-                for (int i = 0; i < nv; i++) acc[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * i), acc[i]);
+                __m512 vt[VEC_MAX_HEAD_DIM / 16];
+                for (int i = 0; i < nv; i++) vt[i] = _mm512_loadu_ps(v + 16 * i);
+                for (int g = 0; g < gn; g++) {
+                    const __m512 w = _mm512_set1_ps(scores[(int64_t)(g0 + g) * stride + first + t]);
+                    for (int i = 0; i < nv; i++) acc[g][i] = _mm512_fmadd_ps(w, vt[i], acc[g][i]);
+                }
             }
         }
-        for (int i = 0; i < nv; i++) _mm512_storeu_ps(og + g * head_dim + 16 * i, _mm512_mul_ps(acc[i], inv));
+        for (int g = 0; g < gn; g++) {
+            const __m512 scale_out = _mm512_set1_ps(inv[g0 + g]);
+            for (int i = 0; i < nv; i++)
+                _mm512_storeu_ps(og + (g0 + g) * head_dim + 16 * i, _mm512_mul_ps(acc[g][i], scale_out));
+        }
     }
 }
 #define HAVE_VEC_ITEM 1
@@ -180,7 +197,7 @@ int paged_attention_f32(const float *q, const float *k_cache, const float *v_cac
     const int group = num_heads / num_kv_heads;
     const int64_t head_stride = (int64_t)block_size * head_dim;
     const int64_t block_stride = head_stride * num_kv_heads;
-    const int vec = HAVE_VEC_ITEM && head_dim % 16 == 0 && head_dim <= 256;
+    const int vec = HAVE_VEC_ITEM && head_dim % 16 == 0 && head_dim <= 256 && group <= 64;
     int failed = 0;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) reduction(| : failed)
     for (int64_t item = 0; item < (int64_t)num_rows * num_kv_heads; item++) {
