@@ -93,3 +93,35 @@ def test_non_finite_rows_are_reported():
     logits[2, 0] = float("inf")
     out = _sampler()(logits, _meta(3, temperatures=[0.0] * 3))
     assert out.nonfinite_rows == [1, 2]
+
+
+def test_the_cpu_greedy_kernel_takes_the_first_maximum_and_flags_non_finite_rows():
+    """The compiled greedy pass (float32 CPU logits, all rows greedy) equals torch.argmax and
+    isfinite: ties go to the first index, -inf entries are finite-row-breaking, a row of one
+    value gives index 0; rows wide and many enough for the vector tail and for several threads."""
+    import pytest
+
+    from nanovllm import cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip("the CPU kernels could not be built here (no C compiler; see the log)")
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(40, 49_159, generator=g)
+    logits[3, 17] = logits[3, 40_000] = 50.0  # a tie: the first wins
+    logits[4] = 0.0  # all equal
+    logits[5, 9] = float("nan")
+    logits[6, 49_158] = float("inf")
+    logits[7, 0] = float("-inf")
+    tokens, finite = cpu_kernels.greedy(logits)
+    want = logits.argmax(-1)
+    finite_rows = torch.isfinite(logits).all(-1)
+    assert torch.equal(finite, finite_rows) and finite.tolist().count(False) == 3
+    assert torch.equal(tokens[finite_rows], want[finite_rows])
+    assert tokens[3] == 17 and tokens[4] == 0
+    # control: the last maximum instead of the first is told apart by the tie row
+    last = logits.shape[1] - 1 - logits.flip(-1).argmax(-1)
+    assert not torch.equal(last[finite_rows], tokens[finite_rows])
+    # the sampler takes it for plain greedy rows: same tokens and flags as the PyTorch path
+    out = _sampler()(logits, _meta(40, temperatures=[0.0] * 40))
+    assert out.nonfinite_rows == [5, 6, 7]
+    assert [t for i, t in enumerate(out.token_ids) if i not in (5, 6, 7)] == want[finite_rows].tolist()

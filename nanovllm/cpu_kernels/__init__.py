@@ -87,6 +87,7 @@ class Kernels(NamedTuple):
     rms_norm: Any
     silu_and_mul: Any
     rotary_neox: Any
+    greedy: Any
 
 
 @cache
@@ -120,7 +121,10 @@ def load() -> Kernels | None:
     rope = library.rotary_neox_f32
     rope.restype = ctypes.c_int
     rope.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
-    return Kernels(attention, store, rms, silu, rope)
+    greedy = library.greedy_f32
+    greedy.restype = None
+    greedy.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_int64, ctypes.c_int]
+    return Kernels(attention, store, rms, silu, rope, greedy)
 
 
 def _float32_cpu(*tensors: torch.Tensor) -> bool:
@@ -345,3 +349,27 @@ def rotary_neox_(
     )
     if status != 0:  # checked before any write
         raise IndexError(f"rotary_neox_: a position ({int(pos.max())}) lies outside the {cos.shape[0]}-row tables")
+
+
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 logits [rows, vocab] -> (argmax per row (the first maximum, as torch.argmax), whether
+    every logit of the row is finite), in one C call instead of five full-vocabulary operators."""
+    kernels = _kernels(logits)
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        logits = logits.reshape(logits.shape[0], -1).contiguous()
+    rows, vocab = logits.shape
+    tokens = torch.empty(rows, dtype=torch.int64)
+    finite = torch.empty(rows, dtype=torch.bool)
+    if rows and vocab:
+        kernels.greedy(
+            logits.data_ptr(),
+            tokens.data_ptr(),
+            finite.data_ptr(),
+            rows,
+            vocab,
+            logits.stride(0),
+            torch.get_num_threads(),
+        )
+    else:
+        tokens.zero_(), finite.fill_(True)
+    return tokens, finite

@@ -95,3 +95,30 @@ int rotary_neox_f32(float *q, float *k, const int64_t *pos, const float *cos_tab
     }
     return 0;
 }
+
+/* Greedy rows of the sampler in one pass over each row: tokens[r] = the first index of the row's
+ * maximum (torch.argmax's rule), finite[r] = 1 when every logit of the row is finite, else 0 (the
+ * engine ends such a request; its token is discarded). logits rows row_stride floats apart. Two
+ * vector passes: the maximum and the finiteness, then the first index holding the maximum. */
+void greedy_f32(const float *logits, int64_t *tokens, uint8_t *finite, int rows, int vocab, int64_t row_stride,
+                int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * vocab >= 4 * PARALLEL_MIN_ELEMENTS) schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const float *restrict x = logits + (int64_t)r * row_stride;
+        float best = -INFINITY, nonfinite = 0.0f;
+#pragma omp simd reduction(max : best) reduction(+ : nonfinite)
+        for (int i = 0; i < vocab; i++) {
+            best = x[i] > best ? x[i] : best;
+            nonfinite += x[i] - x[i]; /* 0 for a finite logit, NaN for inf or NaN */
+        }
+        int64_t arg = 0;
+        for (int i = 0; i < vocab; i++)
+            if (x[i] == best) {
+                arg = i;
+                break;
+            }
+        const int all_finite = nonfinite == 0.0f;
+        tokens[r] = arg;
+        finite[r] = (uint8_t)all_finite;
+    }
+}

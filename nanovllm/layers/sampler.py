@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanovllm import cpu_kernels
 from nanovllm.core.model_input import RowLogitsProcessing
 from nanovllm.core.model_output import SamplerOutput
 from nanovllm.layers.logits_processing import apply_logits_processing
@@ -98,11 +99,14 @@ class Sampler:
             ]
         logits = logits.float()
         n = logits.shape[0]
-        # rows with NaN/inf are reported (the engine ends those requests); what they sample is discarded
-        finite = torch.isfinite(logits).all(dim=-1)
         want_logprobs = any(k is not None for k in meta.num_logprobs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        tokens = self._choose(logits, meta)
+        # rows with NaN/inf are reported (the engine ends those requests); what they sample is discarded
+        if _plain_greedy(meta) and cpu_kernels.elementwise_applies(logits):
+            tokens, finite = cpu_kernels.greedy(logits)  # one pass per row instead of five operators
+        else:
+            finite = torch.isfinite(logits).all(dim=-1)
+            tokens = self._choose(logits, meta)
 
         def finish() -> SamplerOutput:
             nonfinite = (~finite).nonzero().flatten().tolist() if not bool(finite.all()) else []
@@ -205,6 +209,11 @@ class Sampler:
         # exponential_ can return 0; p / 0 would be inf (or NaN for p = 0)
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         return probs.div_(noise).argmax(dim=-1)
+
+
+def _plain_greedy(meta: SamplingMetadata) -> bool:
+    """Every row greedy, nothing banned, no logits processing: the argmax of the raw logits."""
+    return all(meta.greedy) and not any(meta.banned_token_ids) and not meta.processing
 
 
 def general_path_rows(meta: SamplingMetadata) -> list[int]:
