@@ -84,8 +84,6 @@ def _build(cc: str, out_dir: Path) -> None:
 class Kernels(NamedTuple):
     paged_attention: Any
     store_kv: Any
-    rms_norm: Any
-    silu_and_mul: Any
     rotary_neox: Any
     greedy: Any
 
@@ -112,19 +110,13 @@ def load() -> Kernels | None:
     store = library.store_kv_f32
     store.restype = ctypes.c_int
     store.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_int64]
-    rms = library.rms_norm_f32
-    rms.restype = None
-    rms.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2 + [ctypes.c_int64, ctypes.c_float, ctypes.c_int]
-    silu = library.silu_and_mul_f32
-    silu.restype = None
-    silu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
     rope = library.rotary_neox_f32
     rope.restype = ctypes.c_int
     rope.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
     greedy = library.greedy_f32
     greedy.restype = None
     greedy.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_int64, ctypes.c_int]
-    return Kernels(attention, store, rms, silu, rope, greedy)
+    return Kernels(attention, store, rope, greedy)
 
 
 def _float32_cpu(*tensors: torch.Tensor) -> bool:
@@ -272,49 +264,6 @@ def elementwise_applies(*tensors: torch.Tensor) -> bool:
     """The elementwise kernels' case: float32 CPU tensors whose last dimension is contiguous, the
     kernels built."""
     return _float32_cpu(*tensors) and all(t.stride(-1) == 1 for t in tensors) and load() is not None
-
-
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``RMSNorm.forward`` for float32 rows: normed, or (normed(x + residual), x + residual)."""
-    kernels = _kernels(x, weight)
-    cols = x.shape[-1]
-    rows = x.reshape(-1, cols)  # a view for rows of their own stride (x[:, :hidden] of a wider tensor)
-    if weight.shape != (cols,):
-        raise ValueError(f"rms_norm: weight {tuple(weight.shape)} for rows of {cols}")
-    out = torch.empty(x.shape, dtype=x.dtype)
-    res_out = None
-    if residual is not None:
-        if residual.shape != x.shape:
-            raise ValueError(f"rms_norm: residual {tuple(residual.shape)} for x {tuple(x.shape)}")
-        residual = residual.contiguous()
-        res_out = torch.empty(x.shape, dtype=x.dtype)
-    kernels.rms_norm(
-        rows.data_ptr(),
-        None if residual is None else residual.data_ptr(),
-        weight.contiguous().data_ptr(),
-        out.data_ptr(),
-        None if res_out is None else res_out.data_ptr(),
-        rows.shape[0],
-        cols,
-        rows.stride(0),
-        eps,
-        torch.get_num_threads(),
-    )
-    return out if res_out is None else (out, res_out)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``SiluAndMul.forward`` for float32 rows [..., 2 * inter] -> [..., inter]."""
-    kernels = _kernels(x)
-    x = x.contiguous()
-    inter = x.shape[-1] // 2
-    if x.shape[-1] != 2 * inter:
-        raise ValueError(f"silu_and_mul: the last dimension ({x.shape[-1]}) must be even")
-    out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype)
-    kernels.silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // (2 * inter), inter, torch.get_num_threads())
-    return out
 
 
 def rotary_neox_(

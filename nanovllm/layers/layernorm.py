@@ -1,7 +1,6 @@
 import torch
 from torch import nn
 
-from nanovllm import cpu_kernels
 from nanovllm.layers.triton_switch import LazyKernels
 
 fused_ops = LazyKernels("nanovllm.layers.fused_ops", "NANOVLLM_FUSED_OPS")  # Triton only when used
@@ -29,8 +28,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if fused_ops.enabled(x):
             return fused_ops.rms_norm(x, self.weight, self.eps, residual)
-        if cpu_kernels.elementwise_applies(x, self.weight):
-            return cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual
