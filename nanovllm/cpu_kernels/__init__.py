@@ -191,7 +191,8 @@ def paged_decode(
 def prefill_rows(query_start_loc: list[int], seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """For a step's query rows: the sequence each belongs to and how many slots it sees (row j of
     a sequence's n new rows sits at position seq_len - n + j: causal, bottom-right aligned)."""
-    row_seq, row_len = [], []
+    row_seq: list[int] = []
+    row_len: list[int] = []
     for i, seq_len in enumerate(seq_lens):
         n = query_start_loc[i + 1] - query_start_loc[i]
         row_seq += [i] * n
