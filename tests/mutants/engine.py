@@ -51,25 +51,36 @@ def min_tokens_ignored() -> ContextManager:
 
 # ----------------------------------------------------------------- attention
 def decode_drops_last_key() -> ContextManager:
-    """Batched decode attention masks the newest key (seq_len - 1): the token never sees itself."""
-    (torch_ref,) = _modules("nanovllm.attention.torch_ref")
+    """Decode attention on the CPU masks the newest key (seq_len - 1): the token never sees itself.
+    Both CPU paths: the compiled kernel (float32, taken where it builds) and the PyTorch one."""
+    torch_ref, cpu_kernels = _modules("nanovllm.attention.torch_ref", "nanovllm.cpu_kernels")
     orig = torch_ref.paged_decode_batched
+    orig_kernel = cpu_kernels.paged_attention
 
     def paged_decode_batched(q, k_cache, v_cache, meta, scale, *args, **kwargs):
         lens = (meta.seq_lens - 1).clamp(min=1)
         meta = dataclasses.replace(meta, seq_lens=lens, seq_lens_cpu=[max(1, s - 1) for s in meta.seq_lens_cpu])
         return orig(q, k_cache, v_cache, meta, scale, *args, **kwargs)
 
-    return _patched((torch_ref, "paged_decode_batched", paged_decode_batched))
+    def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, rows=None):
+        if rows is None:  # decode rows: one per sequence, seeing all its slots
+            seq_lens = (seq_lens - 1).clamp(min=1)
+        return orig_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, rows)
+
+    return _patched(
+        (torch_ref, "paged_decode_batched", paged_decode_batched), (cpu_kernels, "paged_attention", paged_attention)
+    )
 
 
 def prefill_mask_top_left() -> ContextManager:
     """The causal mask of a prefill chunk is aligned top-left: after cached or earlier-chunk tokens a
-    query sees only as many keys as its index in the chunk (right only when nothing is cached)."""
+    query sees only as many keys as its index in the chunk (right only when nothing is cached).
+    Both CPU paths: the compiled kernel's rows and the PyTorch per-sequence loop."""
     import torch
 
-    (torch_ref,) = _modules("nanovllm.attention.torch_ref")
+    torch_ref, cpu_kernels = _modules("nanovllm.attention.torch_ref", "nanovllm.cpu_kernels")
     orig = torch_ref.attention_one_seq
+    orig_kernel = cpu_kernels.paged_attention
 
     def attention_one_seq(q, k, v, scale):
         n_q, n_k = q.shape[0], k.shape[0]
@@ -80,7 +91,24 @@ def prefill_mask_top_left() -> ContextManager:
             out[j : j + 1] = orig(q[j : j + 1], k[: j + 1], v[: j + 1], scale)
         return out
 
-    return _patched((torch_ref, "attention_one_seq", attention_one_seq))
+    def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, rows=None):
+        if rows is not None:
+            row_seq, row_len = rows
+            n_q = torch.bincount(row_seq.long(), minlength=len(seq_lens))
+            top_left = []
+            for i, seq in enumerate(row_seq.tolist()):
+                first = i == 0 or row_seq[i - 1] != seq
+                top_left.append(1 if first else top_left[-1] + 1)
+            # a one-row chunk (decode) sees its whole sequence, as in the PyTorch mutant
+            top_left = [
+                row_len[i].item() if n_q[s] == 1 else t for i, (s, t) in enumerate(zip(row_seq.tolist(), top_left))
+            ]
+            rows = (row_seq, torch.tensor(top_left, dtype=torch.int32))
+        return orig_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, rows)
+
+    return _patched(
+        (torch_ref, "attention_one_seq", attention_one_seq), (cpu_kernels, "paged_attention", paged_attention)
+    )
 
 
 # ------------------------------------------------------------------- sampler
