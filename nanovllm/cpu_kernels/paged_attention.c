@@ -206,13 +206,15 @@ int paged_attention_f32(const float *q, const float *k_cache, const float *v_cac
         const int32_t *table = block_tables + (int64_t)(row_seq ? row_seq[row] : row) * table_width;
         const float *qg = q + ((int64_t)row * num_heads + (int64_t)kvh * group) * head_dim;
         float *og = out + ((int64_t)row * num_heads + (int64_t)kvh * group) * head_dim;
-#if HAVE_VEC_ITEM
-        if (vec) {
-        float *scores = aligned_alloc(64, sizeof(float) * (size_t)group * (size_t)((len + 15) & ~15));
+        /* scratch, one allocation for either loop: group rows of len scores rounded up to 16 (the
+         * vector loop's chunks), which also leaves room for the portable loop's group denominators */
+        float *scores = aligned_alloc(64, sizeof(float) * (size_t)group * (size_t)((len + 16) & ~15));
         if (scores == NULL) {
             failed = 1;
             continue;
         }
+#if HAVE_VEC_ITEM
+        if (vec) {
 #define VEC(HD) vec_item(qg, k_cache, v_cache, table, og, scores, len, group, kvh, HD, block_size, block_stride, \
                          head_stride, scale)
             switch (head_dim) { /* the same code; constant bounds for the common sizes */
@@ -221,24 +223,18 @@ int paged_attention_f32(const float *q, const float *k_cache, const float *v_cac
                 default: VEC(head_dim);
             }
 #undef VEC
-            free(scores);
-            continue;
-        }
+        } else
 #endif
-        /* scratch: group rows of len scores, then group denominators */
-        float *scores = malloc(sizeof(float) * (size_t)group * (size_t)(len + 1));
-        if (scores == NULL) {
-            failed = 1;
-            continue;
-        }
+        {
 #define ITEM(HD) decode_item(qg, k_cache, v_cache, table, og, scores, len, group, kvh, HD, block_size, \
                              block_stride, head_stride, scale)
-        switch (head_dim) {  /* the same code; constant bounds for the common sizes */
-            case 64: ITEM(64); break;
-            case 128: ITEM(128); break;
-            default: ITEM(head_dim);
-        }
+            switch (head_dim) {
+                case 64: ITEM(64); break;
+                case 128: ITEM(128); break;
+                default: ITEM(head_dim);
+            }
 #undef ITEM
+        }
         free(scores);
     }
     return failed ? -1 : 0;
