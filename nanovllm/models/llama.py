@@ -8,6 +8,7 @@ normalizes each head of q and k (RMSNorm) before RoPE.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,9 @@ from nanovllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+from nanovllm.layers.triton_switch import LazyKernels
+
+fused_ops = LazyKernels("nanovllm.layers.fused_ops", "NANOVLLM_FUSED_OPS")  # Triton only when used
 
 
 @dataclass(frozen=True)
@@ -62,9 +66,24 @@ class LlamaAttention(nn.Module):
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        # q/k norm and RoPE in one GPU kernel; NANOVLLM_FUSED_QK_ROPE=0 keeps the three (A/B runs)
+        self.fused_qk_rope = qk_norm and os.environ.get("NANOVLLM_FUSED_QK_ROPE", "1") == "1"
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        if self.fused_qk_rope and fused_ops.enabled(qkv):
+            q, k = fused_ops.qk_norm_rope(
+                positions,
+                qkv,
+                self.num_heads,
+                self.num_kv_heads,
+                (self.q_norm.weight, self.q_norm.eps),
+                (self.k_norm.weight, self.k_norm.eps),
+                self.rotary_emb.cos,
+                self.rotary_emb.sin,
+            )
+            v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+            return self.o_proj(self.attn(q, k, v, meta).flatten(1))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)

@@ -84,3 +84,71 @@ def test_rotary_in_place_on_qkv_views(dtype, d):
     torch.testing.assert_close(q, want_q, atol=2 * _tol(dtype), rtol=2 * _tol(dtype))
     torch.testing.assert_close(k, want_k, atol=2 * _tol(dtype), rtol=2 * _tol(dtype))
     assert torch.equal(qkv[:, (hq + hk) * d :], v_before), "rotary wrote into v"
+
+
+def _qk_case(dtype, t=13, hq=4, hk=2, d=64, seed=0):
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    rope = RotaryEmbedding(d, 512, 10000.0).to(DEVICE)
+    qkv = (3 * torch.randn(t, (hq + 2 * hk) * d, device=DEVICE, generator=g)).to(dtype)
+    pos = torch.randint(0, 500, (t,), device=DEVICE, generator=g)  # room for the control's pos + 1
+    q_w = (1 + 0.2 * torch.randn(d, device=DEVICE, generator=g)).to(dtype)
+    k_w = (1 + 0.2 * torch.randn(d, device=DEVICE, generator=g)).to(dtype)
+    return rope, qkv, pos, q_w, k_w
+
+
+def _qk_reference(rope, qkv, pos, q_w, k_w, hq, hk, d, eps):
+    """Qwen3's PyTorch path: per-head RMSNorm (HF's roundings), then RoPE."""
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+
+    t = qkv.shape[0]
+    q = _ref_rms(qkv[:, : hq * d].view(t, hq, d), q_w, eps)
+    k = _ref_rms(qkv[:, hq * d : (hq + hk) * d].view(t, hk, d), k_w, eps)
+    cos, sin = rope.cos[pos].unsqueeze(1), rope.sin[pos].unsqueeze(1)
+    rot = lambda x: (x.float() * cos + RotaryEmbedding._rotate_half(x.float()) * sin).to(x.dtype)  # noqa: E731
+    return rot(q), rot(k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,hq,hk,d", [(13, 4, 2, 64), (1, 16, 8, 128), (5, 2, 2, 128)])
+def test_qk_norm_rope_equals_norm_then_rope(dtype, t, hq, hk, d):
+    """The fused kernel against the PyTorch reference and against the three unfused kernels; v is
+    untouched and q/k come out contiguous."""
+    rope, qkv, pos, q_w, k_w = _qk_case(dtype, t, hq, hk, d, seed=t * d)
+    before = qkv.clone()
+    q, k = fused_ops.qk_norm_rope(pos, qkv, hq, hk, (q_w, 1e-6), (k_w, 1e-5), rope.cos, rope.sin)
+    assert torch.equal(qkv, before), "the fused kernel wrote into qkv"
+    assert q.shape == (t, hq, d) and k.shape == (t, hk, d) and q.is_contiguous() and k.is_contiguous()
+    want_q, want_k = _qk_reference(rope, qkv, pos, q_w, k_w, hq, hk, d, 1e-6)
+    _, want_k = _qk_reference(rope, qkv, pos, q_w, k_w, hq, hk, d, 1e-5)
+    tol = 2 * _tol(dtype)
+    torch.testing.assert_close(q, want_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(k, want_k, atol=tol, rtol=tol)
+    uq = fused_ops.rms_norm(qkv[:, : hq * d].view(t, hq, d), q_w, 1e-6)
+    uk = fused_ops.rms_norm(qkv[:, hq * d : (hq + hk) * d].view(t, hk, d), k_w, 1e-5)
+    fused_ops.rotary_(pos, uq, uk, rope.cos, rope.sin)
+    torch.testing.assert_close(q, uq, atol=tol, rtol=tol)
+    torch.testing.assert_close(k, uk, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_comparison_rejects_swapped_weights_and_positions(dtype):
+    """Negative controls for the rule above: q's and k's norm weights exchanged, or every position
+    one further, each fails the comparison."""
+    t, hq, hk, d = 9, 4, 2, 64
+    rope, qkv, pos, q_w, k_w = _qk_case(dtype, t, hq, hk, d, seed=7)
+    want_q, want_k = _qk_reference(rope, qkv, pos, q_w, k_w, hq, hk, d, 1e-6)
+    tol = 2 * _tol(dtype)
+    q, k = fused_ops.qk_norm_rope(pos, qkv, hq, hk, (k_w, 1e-6), (q_w, 1e-6), rope.cos, rope.sin)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(q, want_q, atol=tol, rtol=tol)
+    q, k = fused_ops.qk_norm_rope(pos + 1, qkv, hq, hk, (q_w, 1e-6), (k_w, 1e-6), rope.cos, rope.sin)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(k, want_k, atol=tol, rtol=tol)
+
+
+def test_qk_norm_rope_refuses_a_qkv_of_the_wrong_width():
+    rope, qkv, pos, q_w, k_w = _qk_case(torch.float32)
+    with pytest.raises(ValueError, match="qkv"):
+        fused_ops.qk_norm_rope(pos, qkv[:, :-64], 4, 2, (q_w, 1e-6), (k_w, 1e-6), rope.cos, rope.sin)
