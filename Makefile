@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_INDEX ?=
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup browser run test test-fast conformance bench mutation mutants clean
+.PHONY: setup browser run test test-fast test-slow conformance bench mutation mutants clean
 
 $(VENV)/.setup-done: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,12 @@ test: setup browser
 
 test-fast: setup
 	$(PY) -m pytest -n auto -q -m "not slow"
+
+# the slow checks `make test` skips (golden files regenerated, TP over gloo at 4 ranks, ...), in CI
+# since the golden-file check was found failing there unseen; the mutant table is `make mutants`
+test-slow: setup
+	CONFORMANCE_REQUIRE_ASSETS=1 $(PY) -m pytest -n auto -q -m slow \
+	    --deselect tests/mutants/test_mutants.py::test_every_mutant_is_caught
 
 conformance: setup
 	$(VENV)/bin/tox -e conformance
