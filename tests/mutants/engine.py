@@ -515,6 +515,17 @@ def triton_decode_drops_last_key() -> ContextManager:
     return _patched((triton_ops, "paged_decode", paged_decode))
 
 
+def fused_qk_norm_k_takes_q_weight() -> ContextManager:
+    """Qwen3's fused q/k norm + RoPE kernel normalizes k with q_norm's weight (and eps)."""
+    (fused,) = _modules("nanovllm.layers.fused_ops")
+    orig = fused.qk_norm_rope
+
+    def qk_norm_rope(positions, qkv, num_q_heads, num_kv_heads, q_norm, k_norm, *args, **kw):
+        return orig(positions, qkv, num_q_heads, num_kv_heads, q_norm, q_norm, *args, **kw)
+
+    return _patched((fused, "qk_norm_rope", qk_norm_rope))
+
+
 # ------------------------------------------------------------------- FP8 KV cache
 def fp8_load_ignores_scale() -> ContextManager:
     """The PyTorch path reads an FP8 cache back without its scale (stored x / scale, read x / scale)."""

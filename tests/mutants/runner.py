@@ -44,6 +44,7 @@ from tests.mutants.engine import (
     eos_ignored,
     fp8_load_ignores_scale,
     frequency_penalty_counts_prompt,
+    fused_qk_norm_k_takes_q_weight,
     fused_sampler_skips_processing,
     fused_sampler_temperature_ignored,
     logit_bias_subtracted,
@@ -227,6 +228,15 @@ ENGINE_MUTANTS: list[Mutant] = [
         [
             f"{REF}::test_greedy_matches_reference[qwen2-gqa2-hd64]",
             f"{REF}::test_prefill_decode_consistency[qwen3-gqa4-hd128]",
+        ],
+        gpu_only=True,
+    ),
+    Mutant(
+        "fused_qk_norm_k_takes_q_weight",
+        fused_qk_norm_k_takes_q_weight,
+        [
+            f"{REF}::test_greedy_matches_reference[qwen3-gqa4-hd128]",
+            f"{REF}::test_prompt_logprobs_match_reference[qwen3-gqa4-hd128]",
         ],
         gpu_only=True,
     ),
