@@ -292,6 +292,7 @@ PROMPT_CASES = [
     Case("prompt-id-negative", _prompt([5, -1]), ValueError, r"prompt_token_ids\[1\]=-1"),
     Case("prompt-id-str", _prompt([[5, "a"]]), TypeError, r"prompt_token_ids\[1\] must be an int, got 'a'"),
     Case("prompt-id-float", _prompt([[5, 2.0]]), TypeError, r"prompt_token_ids\[1\] must be an int"),
+    Case("prompt-id-bool", _prompt([[5, 6, True]]), TypeError, r"prompt_token_ids\[2\] must be an int, got True"),
     Case("prompt-at-max_model_len", _prompt(list(range(5, 5 + 128))), ValueError, "128 tokens.*max_model_len=128"),
     Case("prompt-over-max_model_len", _prompt(list(range(5, 5 + 300))), ValueError, "300 tokens.*max_model_len=128"),
     Case("prompt-int", _prompt(123), TypeError, "prompts must be"),
