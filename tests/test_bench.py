@@ -527,3 +527,106 @@ def test_vllm_peer_memory_utilization_default_and_bad_value(monkeypatch):
         monkeypatch.setenv("NANOVLLM_VLLM_MEMORY_UTILIZATION", bad)
         with pytest.raises(ValueError, match="NANOVLLM_VLLM_MEMORY_UTILIZATION"):
             vllm_memory_utilization()
+
+
+def test_peer_repeat_reports_the_median_of_a_peers_runs(model, capsys, tmp_path, monkeypatch):
+    """--peer-repeat 3 times a peer three times: each run's own line, the median row (not the first
+    run, not the mean), every run's seconds in the JSON."""
+    from nanovllm.bench import peers
+
+    seconds = iter([4.0, 1.0, 2.0])
+    monkeypatch.setattr(
+        peers, "run_hf_generate", lambda w, *a: peers.Measurement("transformers generate", 40, next(seconds))
+    )
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--model", model, "--dataset", "random", "--num-prompts", "2", "--input-len", "6"]
+    rc = cli.main(argv + ["--output-len", "4", "--peer", "hf", "--peer-repeat", "3", "--json-out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    lines = [line for line in captured.err.splitlines() if line.startswith("  transformers generate")]
+    assert lines == [
+        "  transformers generate run 1: 10.0 tok/s",
+        "  transformers generate run 2: 40.0 tok/s",
+        "  transformers generate run 3: 20.0 tok/s",
+        "  transformers generate: 20.0 tok/s (median of 3)",
+    ], captured.err
+    row = json.loads(out.read_text())["results"][-1]
+    assert row["seconds"] == 2.0 and row["runs_seconds"] == [4.0, 1.0, 2.0] and row["note"] == "median of 3"
+    with pytest.raises(SystemExit):
+        cli.main(argv + ["--peer", "hf", "--peer-repeat", "0"])
+
+
+FAKE_VLLM = """
+__version__ = "0.0-fake"
+resets = 0
+
+
+class SamplingParams:
+    def __init__(self, **kw):
+        self.kw = kw
+
+
+def TokensPrompt(prompt_token_ids):
+    return prompt_token_ids
+
+
+class _Completion:
+    def __init__(self, n):
+        self.token_ids = [0] * n
+
+
+class _Output:
+    def __init__(self, n):
+        self.outputs = [_Completion(n)]
+
+
+class LLM:
+    def __init__(self, **kw):
+        self.fresh = 0
+
+    def reset_prefix_cache(self):
+        self.fresh = 1
+
+    def generate(self, prompts, params, use_tqdm=False):
+        # one token per prompt when the prefix cache was reset since the last generate, else none
+        n, self.fresh = self.fresh, 0
+        return [_Output(n) for _ in prompts]
+"""
+
+
+def test_vllm_peer_resets_the_prefix_cache_before_each_cold_run(tmp_path):
+    """vllm_peer.py with repeat 3 against a scripted vllm module: three cold runs, each right after
+    a prefix-cache reset (its outputs say so), their median as the row, then a warm run without
+    a reset (control: no tokens)."""
+    fake = tmp_path / "fake" / "vllm"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(FAKE_VLLM)
+    job = {"model": "m", "dtype": "float32", "prompts": [[1, 2, 3], [4, 5]], "max_tokens": [2, 2]}
+    job.update(temperature=0.0, warm_repeat=True, repeat=3)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "vllm_peer.py")],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(tmp_path / "fake")),
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    cold, warm = json.loads(proc.stdout.splitlines()[-1])["results"]
+    assert cold["output_tokens"] == 2 and len(cold["runs"]) == 3 and cold["note"] == "median of 3"
+    assert cold["seconds"] == sorted(cold["runs"])[1]
+    assert warm["engine"].endswith("(prefix cache warm)") and warm["output_tokens"] == 0
+    # control: a prefix cache reset only once (as if the peer reset it before the first cold run only)
+    # gives the second cold run no tokens, which the peer refuses
+    once = FAKE_VLLM.replace("self.fresh = 1", "self.fresh, self.reset = (0 if getattr(self, 'reset', 0) else 1), 1")
+    (fake / "__init__.py").write_text(once)
+    job["repeat"] = 2
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "vllm_peer.py")],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(tmp_path / "fake")),
+        timeout=60,
+    )
+    assert proc.returncode != 0 and "different token counts" in proc.stderr, proc.stderr

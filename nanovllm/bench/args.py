@@ -99,6 +99,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "--repeat", type=positive_int, default=1, help="timed runs of nanovllm; the median is reported (default: 1)"
     )
     p.add_argument(
+        "--peer-repeat",
+        type=positive_int,
+        default=1,
+        help="timed runs of each hf, hf-cb and vllm peer (vLLM's cold runs each after a prefix-cache reset); "
+        "the median is reported (default: 1)",
+    )
+    p.add_argument(
         "--warm", action="store_true", help="also time nanovllm on the same prompts again (prefix cache warm)"
     )
     p.add_argument(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -29,10 +30,21 @@ class Measurement:
     output_tokens: int
     seconds: float
     note: str = ""
+    runs: tuple[float, ...] = ()  # every timed run's seconds where ``seconds`` is their median
 
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds
+
+
+def median_run(runs: list[Measurement]) -> Measurement:
+    """One row for several timed runs of an engine: the median seconds, "median of N" noted."""
+    if len(runs) == 1:
+        return runs[0]
+    seconds = tuple(m.seconds for m in runs)
+    return Measurement(
+        runs[0].engine, runs[0].output_tokens, statistics.median(seconds), f"median of {len(runs)}", seconds
+    )
 
 
 def _sync(device: str) -> None:
@@ -217,10 +229,13 @@ def vllm_memory_utilization() -> float:
 
 
 def run_vllm(
-    w: Workload, model_dir: str, python: str, warm_repeat: bool = True, dtype: str = "float32"
+    w: Workload, model_dir: str, python: str, warm_repeat: bool = True, dtype: str = "float32", repeat: int = 1
 ) -> list[Measurement]:
-    """vLLM's offline LLM in its own virtual environment (its own torch pins), via a subprocess."""
+    """vLLM's offline LLM in its own virtual environment (its own torch pins), via a subprocess.
+    ``repeat``: cold runs, each after a prefix-cache reset (the median row; every run's seconds
+    in ``runs``), then the warm run."""
     payload = {
+        "repeat": repeat,
         "model": model_dir,
         "prompts": w.prompts,
         "max_tokens": w.max_tokens,
@@ -244,7 +259,10 @@ def run_vllm(
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"vLLM peer failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
     out = json.loads(lines[-1])
-    return [Measurement(r["engine"], r["output_tokens"], r["seconds"], r.get("note", "")) for r in out["results"]]
+    return [
+        Measurement(r["engine"], r["output_tokens"], r["seconds"], r.get("note", ""), tuple(r.get("runs", ())))
+        for r in out["results"]
+    ]
 
 
 def python_version_of(python: str) -> str:

@@ -63,7 +63,11 @@ class PeerResult:
             return [f"  {self.peer}: failed: {self.failed}"]
         if self.skipped is not None:
             return [f"  {self.peer}: skipped ({self.skipped})"]
-        return [f"  {m.engine}: {m.tokens_per_s:.1f} tok/s" for m in self.measurements]
+        out = []
+        for m in self.measurements:
+            out += [f"  {m.engine} run {i}: {m.output_tokens / s:.1f} tok/s" for i, s in enumerate(m.runs, 1)]
+            out.append(f"  {m.engine}: {m.tokens_per_s:.1f} tok/s" + (f" ({m.note})" if m.runs else ""))
+        return out
 
 
 def _vocab_size(model_dir: str) -> int | None:
@@ -156,17 +160,21 @@ def run_peer(peer: str, target: Target, args: argparse.Namespace) -> PeerResult:
     """One peer on the target's workload; an exception becomes a failed PeerResult."""
     w, t = target.workload, target
     try:
+        n = args.peer_repeat
         if peer == "hf":
-            return PeerResult(peer, [peers.run_hf_generate(w, t.model_dir, t.device, t.dtype, t.random_weights)])
+            runs = [peers.run_hf_generate(w, t.model_dir, t.device, t.dtype, t.random_weights) for _ in range(n)]
+            return PeerResult(peer, [peers.median_run(runs)])
         if peer == "hf-cb":
-            return PeerResult(
-                peer, [peers.run_hf_continuous_batching(w, t.model_dir, t.device, t.dtype, t.random_weights)]
-            )
+            runs = [
+                peers.run_hf_continuous_batching(w, t.model_dir, t.device, t.dtype, t.random_weights) for _ in range(n)
+            ]
+            return PeerResult(peer, [peers.median_run(runs)])
         if peer == "vllm":
             python = peers.find_vllm_python(args.vllm_python)
             if python is None:
                 return PeerResult(peer, skipped="no vLLM virtual env found; pass --vllm-python")
-            return PeerResult(peer, peers.run_vllm(w, t.model_dir, python, dtype=str(t.dtype).removeprefix("torch.")))
+            dtype = str(t.dtype).removeprefix("torch.")
+            return PeerResult(peer, peers.run_vllm(w, t.model_dir, python, dtype=dtype, repeat=n))
         if peer.startswith(SELF_PEER):
             return PeerResult(peer, run_self_peer(peer, target, args))
         raise ValueError(f"--peer {peer!r}: not one of {', '.join(PEERS)}")
@@ -282,6 +290,7 @@ def write_json(
             "seconds": m.seconds,
             "tokens_per_s": m.tokens_per_s,
             "note": m.note,
+            **({"runs_seconds": list(m.runs)} if m.runs else {}),
         }
         for m in results
     ]
