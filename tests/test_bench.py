@@ -529,18 +529,17 @@ def test_vllm_peer_memory_utilization_default_and_bad_value(monkeypatch):
             vllm_memory_utilization()
 
 
-def test_peer_repeat_reports_the_median_of_a_peers_runs(model, capsys, tmp_path, monkeypatch):
+@pytest.mark.parametrize("peer,runner", [("hf", "run_hf_generate"), ("hf-cb", "run_hf_continuous_batching")])
+def test_peer_repeat_reports_the_median_of_a_peers_runs(model, capsys, tmp_path, monkeypatch, peer, runner):
     """--peer-repeat 3 times a peer three times: each run's own line, the median row (not the first
     run, not the mean), every run's seconds in the JSON."""
     from nanovllm.bench import peers
 
     seconds = iter([4.0, 1.0, 2.0])
-    monkeypatch.setattr(
-        peers, "run_hf_generate", lambda w, *a: peers.Measurement("transformers generate", 40, next(seconds))
-    )
+    monkeypatch.setattr(peers, runner, lambda w, *a: peers.Measurement("transformers generate", 40, next(seconds)))
     out = tmp_path / "bench.json"
     argv = ["bench", "--model", model, "--dataset", "random", "--num-prompts", "2", "--input-len", "6"]
-    rc = cli.main(argv + ["--output-len", "4", "--peer", "hf", "--peer-repeat", "3", "--json-out", str(out)])
+    rc = cli.main(argv + ["--output-len", "4", "--peer", peer, "--peer-repeat", "3", "--json-out", str(out)])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     lines = [line for line in captured.err.splitlines() if line.startswith("  transformers generate")]
@@ -553,7 +552,25 @@ def test_peer_repeat_reports_the_median_of_a_peers_runs(model, capsys, tmp_path,
     row = json.loads(out.read_text())["results"][-1]
     assert row["seconds"] == 2.0 and row["runs_seconds"] == [4.0, 1.0, 2.0] and row["note"] == "median of 3"
     with pytest.raises(SystemExit):
-        cli.main(argv + ["--peer", "hf", "--peer-repeat", "0"])
+        cli.main(argv + ["--peer", peer, "--peer-repeat", "0"])
+
+
+def test_peer_repeat_reaches_the_vllm_peer(model, capsys, monkeypatch):
+    """--peer-repeat N is passed to the vLLM subprocess as its number of cold runs."""
+    from nanovllm.bench import peers
+
+    asked = {}
+
+    def run_vllm(w, model_dir, python, **kw):
+        asked.update(kw)
+        return [peers.Measurement("vLLM 0 (cold prefix cache)", 40, 2.0, "median of 3", (4.0, 1.0, 2.0))]
+
+    monkeypatch.setattr(peers, "run_vllm", run_vllm)
+    argv = ["bench", "--model", model, "--dataset", "random", "--num-prompts", "2", "--input-len", "6"]
+    rc = cli.main(argv + ["--output-len", "4", "--peer", "vllm", "--vllm-python", sys.executable, "--peer-repeat", "3"])
+    captured = capsys.readouterr()
+    assert rc == 0 and asked["repeat"] == 3, captured.err
+    assert "  vLLM 0 (cold prefix cache) run 3: 20.0 tok/s" in captured.err.splitlines()
 
 
 FAKE_VLLM = """
@@ -594,6 +611,18 @@ class LLM:
 """
 
 
+def _vllm_peer(job: dict, fake_dir: Path) -> subprocess.CompletedProcess:
+    """vllm_peer.py on ``job`` with the scripted ``vllm`` module of ``fake_dir`` importable."""
+    return subprocess.run(
+        [sys.executable, str(BENCH / "vllm_peer.py")],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(fake_dir)),
+        timeout=60,
+    )
+
+
 def test_vllm_peer_resets_the_prefix_cache_before_each_cold_run(tmp_path):
     """vllm_peer.py with repeat 3 against a scripted vllm module: three cold runs, each right after
     a prefix-cache reset (its outputs say so), their median as the row, then a warm run without
@@ -603,14 +632,7 @@ def test_vllm_peer_resets_the_prefix_cache_before_each_cold_run(tmp_path):
     (fake / "__init__.py").write_text(FAKE_VLLM)
     job = {"model": "m", "dtype": "float32", "prompts": [[1, 2, 3], [4, 5]], "max_tokens": [2, 2]}
     job.update(temperature=0.0, warm_repeat=True, repeat=3)
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "vllm_peer.py")],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=str(tmp_path / "fake")),
-        timeout=60,
-    )
+    proc = _vllm_peer(job, fake.parent)
     assert proc.returncode == 0, proc.stderr
     cold, warm = json.loads(proc.stdout.splitlines()[-1])["results"]
     assert cold["output_tokens"] == 2 and len(cold["runs"]) == 3 and cold["note"] == "median of 3"
@@ -621,12 +643,5 @@ def test_vllm_peer_resets_the_prefix_cache_before_each_cold_run(tmp_path):
     once = FAKE_VLLM.replace("self.fresh = 1", "self.fresh, self.reset = (0 if getattr(self, 'reset', 0) else 1), 1")
     (fake / "__init__.py").write_text(once)
     job["repeat"] = 2
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "vllm_peer.py")],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=str(tmp_path / "fake")),
-        timeout=60,
-    )
+    proc = _vllm_peer(job, fake.parent)
     assert proc.returncode != 0 and "different token counts" in proc.stderr, proc.stderr

@@ -2,6 +2,7 @@
 on stdin, prints one JSON line of measurements. Imports nothing from nanovllm."""
 
 import json
+import statistics
 import sys
 import time
 
@@ -36,10 +37,9 @@ def main() -> None:
         cold.append(timed())
     if len({r["output_tokens"] for r in cold}) != 1:
         raise RuntimeError(f"vLLM's cold runs generated different token counts: {[r['output_tokens'] for r in cold]}")
-    seconds = sorted(r["seconds"] for r in cold)
-    median = seconds[len(seconds) // 2] if repeat % 2 else (seconds[repeat // 2 - 1] + seconds[repeat // 2]) / 2
+    seconds = [r["seconds"] for r in cold]
     row = {"engine": f"vLLM {vllm.__version__} (cold prefix cache)", "output_tokens": cold[0]["output_tokens"]}
-    row.update(seconds=median, runs=[r["seconds"] for r in cold], note=f"median of {repeat}" if repeat > 1 else "")
+    row.update(seconds=statistics.median(seconds), runs=seconds, note=f"median of {repeat}" if repeat > 1 else "")
     results = [row]
     if job.get("warm_repeat"):  # the same prompts again, right after the last cold run
         results.append({"engine": f"vLLM {vllm.__version__} (prefix cache warm)", **timed()})

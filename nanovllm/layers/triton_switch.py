@@ -1,8 +1,8 @@
 """When a Triton kernel path applies to a tensor, and the kernel modules imported only then.
 
 Triton must be importable; a CUDA tensor takes the kernels unless the kernel family's
-environment switch is "0" (``NANOVLLM_FUSED_OPS``, ``NANOVLLM_FUSED_SAMPLER``; Qwen3's fused q/k norm +
-RoPE also has ``NANOVLLM_FUSED_QK_ROPE``, read by the attention layer: for A/B
+environment switch is "0" (``NANOVLLM_FUSED_OPS``, ``NANOVLLM_FUSED_SAMPLER``, and
+``NANOVLLM_FUSED_QK_ROPE`` for Qwen3's fused q/k norm + RoPE, which also needs the first: for A/B
 measurements); a CPU tensor takes them only in the kernel tests under Triton's interpreter
 (``NANOVLLM_TRITON_INTERPRET=1``).
 """

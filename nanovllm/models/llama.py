@@ -8,7 +8,6 @@ normalizes each head of q and k (RMSNorm) before RoPE.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +23,9 @@ from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from nanovllm.layers.triton_switch import LazyKernels
 
-fused_ops = LazyKernels("nanovllm.layers.fused_ops", "NANOVLLM_FUSED_OPS")  # Triton only when used
+# Qwen3's q/k norm + RoPE in one GPU kernel (fused_ops.qk_norm_rope); its own A/B switch on top of
+# NANOVLLM_FUSED_OPS: NANOVLLM_FUSED_QK_ROPE=0 keeps the norm and RoPE kernels
+fused_qk = LazyKernels("nanovllm.layers.fused_ops", "NANOVLLM_FUSED_QK_ROPE")
 
 
 @dataclass(frozen=True)
@@ -66,13 +67,13 @@ class LlamaAttention(nn.Module):
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        # q/k norm and RoPE in one GPU kernel; NANOVLLM_FUSED_QK_ROPE=0 keeps the three (A/B runs)
-        self.fused_qk_rope = qk_norm and os.environ.get("NANOVLLM_FUSED_QK_ROPE", "1") == "1"
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        if self.fused_qk_rope and fused_ops.enabled(qkv):
-            q, k = fused_ops.qk_norm_rope(
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm and fused_qk.enabled(qkv):
+            q, k = fused_qk.qk_norm_rope(
                 positions,
                 qkv,
                 self.num_heads,
@@ -82,15 +83,12 @@ class LlamaAttention(nn.Module):
                 self.rotary_emb.cos,
                 self.rotary_emb.sin,
             )
-            v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-            return self.o_proj(self.attn(q, k, v, meta).flatten(1))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        else:
+            q = q.view(-1, self.num_heads, self.head_dim)
+            k = k.view(-1, self.num_kv_heads, self.head_dim)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v, meta)
         return self.o_proj(o.flatten(1))
 

@@ -1,0 +1,34 @@
+"""The kernel switches: on a CUDA tensor a kernel family runs unless its environment switch is "0";
+Qwen3's fused q/k norm + RoPE (``models.llama.fused_qk``) needs both its own switch and the fused
+elementwise ops' one. A stand-in object plays the CUDA tensor (only ``is_cuda`` is read)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+pytest.importorskip("triton", reason="the switches answer False without triton")
+
+from nanovllm.models.llama import fused_qk  # noqa: E402
+
+CUDA = types.SimpleNamespace(is_cuda=True)
+
+
+@pytest.mark.parametrize(
+    "env,enabled",
+    [({}, True), ({"NANOVLLM_FUSED_QK_ROPE": "0"}, False), ({"NANOVLLM_FUSED_OPS": "0"}, False)],
+)
+def test_fused_qk_rope_switches(monkeypatch, env, enabled):
+    for name in ("NANOVLLM_FUSED_QK_ROPE", "NANOVLLM_FUSED_OPS", "NANOVLLM_TRITON_INTERPRET"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert fused_qk.enabled(CUDA) is enabled
+
+
+def test_a_cpu_tensor_takes_no_kernel_outside_the_interpreter(monkeypatch):
+    import torch
+
+    monkeypatch.delenv("NANOVLLM_TRITON_INTERPRET", raising=False)
+    assert fused_qk.enabled(torch.zeros(1)) is False
