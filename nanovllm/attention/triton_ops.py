@@ -328,6 +328,15 @@ def _merge_kernel(
 
 
 DECODE_FLAG_OVERRIDES: dict[str, bool] = {}  # tests and scripts/sweep_kv_fp8.py force a flag on or off
+PREFILL_FLAG_OVERRIDES: dict[str, bool] = {}  # tests and scripts/bench_kernels.py force a flag on or off
+
+
+def prefill_tile_flags(block_size: int, block_n: int) -> dict[str, bool]:
+    """How the prefill kernel walks its keys. SPLIT_MASK: the whole key tiles before a query
+    tile's first row run without the causal and end masks (only the diagonal tiles pay them).
+    TILE_BLOCK: as in decode, one block-table entry per key tile when tiles never straddle
+    cache blocks (``block_size % block_n == 0``)."""
+    return dict(SPLIT_MASK=True, TILE_BLOCK=block_size % block_n == 0)
 
 
 def decode_tile_flags(block_size: int, block_n: int, kv_fp8: bool, dtype: torch.dtype) -> dict[str, bool]:
@@ -451,6 +460,75 @@ def paged_decode(
     return out
 
 
+@triton.jit
+def _prefill_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    n0,
+    offs_n,
+    offs_d,
+    d_mask,
+    q_pos,
+    kv_end,
+    table,
+    k_cache_ptr,
+    v_cache_ptr,
+    qk_scale,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    tile_off,
+    kvh,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    TILE_BLOCK: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One tile of keys from ``n0``: scores, online softmax, P @ V. MASKED: the causal and
+    end-of-keys masks (the diagonal tiles); without it every key is visible to every row."""
+    pos = n0 + offs_n
+    n_mask = pos < kv_end
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    if TILE_BLOCK:  # the tile lies in one cache block: one table entry, one scalar base
+        base = tl.load(table + n0 // BLOCK_SIZE).to(tl.int64) * stride_cb + (n0 % BLOCK_SIZE) * stride_cs
+        k_ptrs = k_cache_ptr + base + tile_off
+        v_ptrs = v_cache_ptr + base + tile_off
+    else:
+        block = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+        k_ptrs = k_cache_ptr + off[:, None] + offs_d[None, :]
+        v_ptrs = v_cache_ptr + off[:, None] + offs_d[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
+    if KV_FP8:
+        k = k.to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    elif EVEN_D:
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
+    if KV_FP8:
+        v = v.to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 # ----------------------------------------------------------------------- prefill
 @triton.jit(
     do_not_specialize=["num_seqs", "stride_bt"],  # both change every step: one variant
@@ -485,6 +563,8 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
     WIDEN: tl.constexpr,
+    SPLIT_MASK: tl.constexpr,
+    TILE_BLOCK: tl.constexpr,
 ):
     """Program (query tile, kv head): BLOCK_Q tokens x the group's heads of one sequence.
 
@@ -530,26 +610,67 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq * stride_bt
-    for n0 in range(0, kv_end, BLOCK_N):  # the first tile holds key 0, visible to every row
-        pos = n0 + offs_n
-        n_mask = pos < kv_end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if KV_FP8:
-            k = k.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if KV_FP8:
-            v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    tile_off = kvh * stride_ch + offs_n[:, None] * stride_cs + offs_d[None, :]
+    # keys before the tile's first query are visible to all its rows: whole tiles of them need
+    # neither the causal mask nor the key mask (SPLIT_MASK); the first tile holds key 0, visible
+    # to every row, so no row's running max stays -inf
+    n_split = ((ctx + tile * BLOCK_Q) // BLOCK_N) * BLOCK_N if SPLIT_MASK else 0
+    for n0 in range(0, n_split, BLOCK_N):
+        m_i, l_i, acc = _prefill_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            n0,
+            offs_n,
+            offs_d,
+            d_mask,
+            q_pos,
+            kv_end,
+            table,
+            k_cache_ptr,
+            v_cache_ptr,
+            qk_scale,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            tile_off,
+            kvh,
+            BLOCK_SIZE,
+            DOT_PRECISION,
+            KV_FP8,
+            TILE_BLOCK,
+            BLOCK_D == HEAD_DIM,
+            False,
+        )
+    for n0 in range(n_split, kv_end, BLOCK_N):
+        m_i, l_i, acc = _prefill_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            n0,
+            offs_n,
+            offs_d,
+            d_mask,
+            q_pos,
+            kv_end,
+            table,
+            k_cache_ptr,
+            v_cache_ptr,
+            qk_scale,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            tile_off,
+            kvh,
+            BLOCK_SIZE,
+            DOT_PRECISION,
+            KV_FP8,
+            TILE_BLOCK,
+            BLOCK_D == HEAD_DIM,
+            True,
+        )
     out = acc * (v_scale / l_i)[:, None]
     tl.store(
         out_ptr + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -622,6 +743,7 @@ def paged_prefill(
         WIDEN=_widen(q.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **{**prefill_tile_flags(block_size, cfg.block_n), **PREFILL_FLAG_OVERRIDES},
     )
     return out
 

@@ -111,7 +111,7 @@ def _qk_reference(rope, qkv, pos, q_w, k_w, hq, hk, d, eps):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,hq,hk,d", [(13, 4, 2, 64), (1, 16, 8, 128), (5, 2, 2, 128)])
+@pytest.mark.parametrize("t,hq,hk,d", [(13, 4, 2, 64), (1, 16, 8, 128), (5, 2, 2, 128), (3, 32, 8, 64)])
 def test_qk_norm_rope_equals_norm_then_rope(dtype, t, hq, hk, d):
     """The fused kernel against the PyTorch reference and against the three unfused kernels; v is
     untouched and q/k come out contiguous."""

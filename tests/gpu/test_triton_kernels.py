@@ -267,6 +267,37 @@ def test_prefill_with_cached_prefix_and_chunks(block_size, group, head_dim):
     assert_close(out, case.reference(), f"prefill bs={block_size} g={group} d={head_dim}")
 
 
+@pytest.mark.parametrize("split_mask,tile_block", [(True, True), (True, False), (False, True), (False, False)])
+def test_prefill_tile_flags(split_mask, tile_block, monkeypatch):
+    """Each combination of the prefill kernel's key-walk flags (prefill_tile_flags) on chunks after
+    cached prefixes of every alignment. Control: TILE_BLOCK forced where 64-key tiles straddle
+    16-slot blocks, the output misses."""
+    monkeypatch.setitem(triton_ops.PREFILL_FLAG_OVERRIDES, "SPLIT_MASK", split_mask)
+    monkeypatch.setitem(triton_ops.PREFILL_FLAG_OVERRIDES, "TILE_BLOCK", tile_block)
+
+    def run(block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rng = random.Random(block_size * 13 + split_mask * 2 + tile_block)
+        max_q = 70 if INTERPRET else 300
+        specs = [(0, rng.randint(65, max_q)), (rng.randint(1, 200), rng.randint(1, max_q)), (64, 64), (5, 1)]
+        case = PagedCase(specs, block_size, 2, 64, seed=rng.randint(0, 1 << 30))
+        pad = torch.full_like(case.k_cache[:4], float("nan"))  # a straddling tile reads past the last block
+        k, v = torch.cat([case.k_cache, pad]), torch.cat([case.v_cache, pad])
+        out = torch.full_like(case.q, float("nan"))
+        meta = case.meta
+        cfg = triton_ops.KernelConfig(64, 64, 4, 2)
+        triton_ops.paged_prefill(
+            case.q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_tables, case.scale, out=out, config=cfg
+        )
+        return out, case.reference()
+
+    out, ref = run(64)
+    assert_close(out, ref, f"prefill split_mask={split_mask} tile_block={tile_block}")
+    if tile_block:
+        out, ref = run(16)
+        with pytest.raises(AssertionError):
+            assert_close(out, ref, "control: tiles straddling blocks")
+
+
 def test_prefill_long_fresh_prompt():
     block_size, group, head_dim = (16, 2, 64) if INTERPRET else (256, 2, 128)
     n = 200 if INTERPRET else 4096
