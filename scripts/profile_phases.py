@@ -41,6 +41,8 @@ class StepRecord:
     samples: int  # sequences that sample a token in the step (output tokens)
     batch: int  # sequences in the step
     wall: float = 0.0  # seconds since the previous step completed (the first: since the run began)
+    host: float = 0.0  # host seconds of the step's own work (step_profiler phases, "wait" excluded)
+    wait: float = 0.0  # host seconds spent waiting for the step's result
 
 
 @dataclass
@@ -51,6 +53,8 @@ class PhaseRow:
     output_tokens: int
     prompt_tokens: int
     mean_batch: float
+    host_seconds: float = 0.0
+    wait_seconds: float = 0.0
 
     @property
     def tok_s(self) -> float:
@@ -86,6 +90,8 @@ def summarise(steps: list[StepRecord]) -> list[PhaseRow]:
                 sum(s.samples for s in mine),
                 sum(s.prompt_tokens for s in mine),
                 sum(s.batch for s in mine) / len(mine) if mine else 0.0,
+                sum(s.host for s in mine),
+                sum(s.wait for s in mine),
             )
         )
     return rows
@@ -124,9 +130,9 @@ def profile_run(
                 launched.append(StepRecord(prompt, samples, len(sched.seqs)))
             return sched
 
-        completed: list[float] = []
+        completed: list[tuple[float, dict]] = []
         engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
-        engine.step_profiler = lambda phases: completed.append(time.perf_counter())
+        engine.step_profiler = lambda phases: completed.append((time.perf_counter(), dict(phases)))
         _sync()
         start = time.perf_counter()
         outs = llm.generate(w.prompts, params, use_tqdm=False)
@@ -139,8 +145,10 @@ def profile_run(
     if len(completed) != len(launched):
         raise RuntimeError(f"{len(completed)} steps completed but {len(launched)} were scheduled: cannot pair them")
     prev = start
-    for rec, t in zip(launched, completed):
+    for rec, (t, phases) in zip(launched, completed):
         rec.wall, prev = t - prev, t
+        rec.wait = phases.get("wait", 0.0)
+        rec.host = sum(phases.values()) - rec.wait
     return launched, elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
@@ -148,13 +156,13 @@ def report(rows: list[PhaseRow], elapsed: float, n_out: int, label: str) -> str:
     lines = [
         f"{label}: {sum(r.steps for r in rows)} steps, {elapsed:.2f} s, {n_out} output tokens, "
         f"{n_out / elapsed:,.0f} tok/s",
-        "| phase | steps | seconds | share | output tokens | prompt tokens | output tok/s | mean batch |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| phase | steps | seconds | share | output tokens | prompt tokens | output tok/s | mean batch | host s | wait s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lines.append(
             f"| {r.phase} | {r.steps} | {r.seconds:.2f} | {r.seconds / elapsed:.0%} | {r.output_tokens:,} | "
-            f"{r.prompt_tokens:,} | {r.tok_s:,.0f} | {r.mean_batch:.0f} |"
+            f"{r.prompt_tokens:,} | {r.tok_s:,.0f} | {r.mean_batch:.0f} | {r.host_seconds:.2f} | {r.wait_seconds:.2f} |"
         )
     return "\n".join(lines)
 
@@ -165,9 +173,15 @@ def main() -> None:
     p.add_argument("--json-out")
     p.add_argument("--limit", type=int, help="smoke check only: the first LIMIT requests")
     p.add_argument("--cap", type=int, help="smoke check only: at most CAP output tokens per request")
+    p.add_argument("--detail", type=int, default=0, help="also print the first DETAIL steps one by one")
     args = p.parse_args()
     steps, elapsed, n_out = profile_run(args.kv_cache_dtype, args.limit, args.cap)
     rows = summarise(steps)
+    for i, s in enumerate(steps[: args.detail]):
+        print(
+            f"step {i:3d}: prompt {s.prompt_tokens:5d} batch {s.batch:3d} samples {s.samples:3d} "
+            f"wall {s.wall * 1e3:6.1f} ms host {s.host * 1e3:6.1f} ms wait {s.wait * 1e3:6.1f} ms"
+        )
     counted = sum(r.output_tokens for r in rows)
     if counted != n_out:  # e.g. a preempted sequence recomputed: the phases still stand, say so
         print(f"warning: the steps sampled {counted} tokens, the run returned {n_out}", flush=True)
