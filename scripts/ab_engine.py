@@ -1,32 +1,33 @@
 """Session 8's engine A/B: run ``nanovllm bench`` (arguments after the variant) with the new
 kernels on or with the old behaviour restored in this process (KERNEL_NOTES session 8).
 
-    PYTHONPATH=. python3 scripts/ab_engine.py {old,new,noskinny} bench --workload gpu ...
+    PYTHONPATH=. python3 scripts/ab_engine.py {old,new} bench --workload gpu ...
 
-old:      qk_norm_rope one head per program, the prefill kernel without SPLIT_MASK/TILE_BLOCK,
-          cuBLAS for every linear layer (the code before session 8);
-noskinny: the new qk_norm_rope and prefill walk, cuBLAS for every linear layer;
+old:      qk_norm_rope one head per program, the prefill kernel without SPLIT_MASK/TILE_BLOCK at
+          its old tile config, mixed steps' decode rows in the prefill kernel (before session 8);
 new:      everything as shipped.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 
 def main() -> int:
     variant, argv = sys.argv[1], sys.argv[2:]
-    if variant not in ("old", "new", "noskinny"):
-        raise SystemExit(f"variant must be old, new or noskinny, got {variant!r}")
-    if variant in ("old", "noskinny"):
-        os.environ["NANOVLLM_SKINNY_GEMM"] = "0"
+    if variant not in ("old", "new"):
+        raise SystemExit(f"variant must be old or new, got {variant!r}")
     if variant == "old":
-        from nanovllm.attention import triton_ops
+        from nanovllm.attention import triton_backend, triton_ops
         from nanovllm.layers import fused_ops
 
         fused_ops.QK_HEADS_PER_PROGRAM = 1
         triton_ops.PREFILL_FLAG_OVERRIDES.update(SPLIT_MASK=False, TILE_BLOCK=False)
+        new_config = triton_ops.prefill_config
+        triton_ops.prefill_config = lambda d, dtype: (
+            triton_ops.KernelConfig(128, 64, 8, 2) if new_config(d, dtype).block_n == 64 else new_config(d, dtype)
+        )
+        triton_backend.MIN_SPLIT_DECODES = 1 << 30
     from nanovllm.entrypoints.cli import main as cli
 
     print(f"# variant {variant}", flush=True)

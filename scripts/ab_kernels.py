@@ -1,15 +1,15 @@
 """Session 8 A/B micro-benchmarks on the GPU (KERNEL_NOTES): the kernels of a prefill step and of
 a tail step that the standard workload's profile pointed at, each variant beside the old one.
 
-    PYTHONPATH=. python3 scripts/ab_kernels.py [--quick]
+    PYTHONPATH=. python3 scripts/ab_kernels.py [--only qk|prefill]
 
 1. qk_norm_rope at 8,192 tokens (a prefill step) and 23 tokens (a tail step): one head per
    program (the old kernel's grid, BLOCK_H=1) against runs of 4/8/16/32 heads.
 2. Prefill attention on the steps the scheduler makes of the workload's prompts (8,192-token
    budget, chunked): the key-walk flags (SPLIT_MASK, TILE_BLOCK) and tile configs.
-3. The decode-batch linear kernel against cuBLAS (F.linear) on Qwen3-0.6B's four layer shapes
-   at 1-64 rows: timed inside a CUDA graph over 8 copies of each weight (96+ MB, past the L2),
-   as the engine's graphs run them; a config sweep at 23 rows.
+
+(Its first run also timed a Triton kernel for decode-sized linear layers against cuBLAS: it did
+not win, and the kernel was removed; the numbers are in KERNEL_NOTES session 8.)
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ import itertools
 import time
 
 import torch
-import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
 from nanovllm.attention import triton_ops as ops
 from nanovllm.bench.workloads import gpu_workload
-from nanovllm.layers import fused_ops, skinny_gemm
+from nanovllm.layers import fused_ops
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 
 HQ, HK, D = 16, 8, 128
@@ -127,86 +126,10 @@ def prefill(limit: int) -> None:
     ops.PREFILL_FLAG_OVERRIDES.clear()
 
 
-def graph_time(fn, reps: int = 4) -> float:
-    """Seconds per call of ``fn(i)`` for i in 0..7, replayed in a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(8):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            for i in range(8):
-                fn(i)
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / (reps * 8))
-    return sorted(times)[len(times) // 2]
-
-
-SHAPES = {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
-
-
-def skinny(quick: bool) -> None:
-    print("## decode-batch linear layers: cuBLAS (F.linear) vs the Triton kernel, CUDA graph over 8 weight copies")
-    weights = {
-        name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(8)]
-        for name, (n, k) in SHAPES.items()
-    }
-    best: dict[str, skinny_gemm.SkinnyConfig] = {}
-    configs = [
-        skinny_gemm.SkinnyConfig(bn, bk, 4, st)
-        for bn in (16, 32, 64)
-        for bk in (128, 256, 512)
-        for st in ((3, 5) if quick else (3, 4, 5))
-    ]
-    for name, (_n, k) in SHAPES.items():
-        x = torch.randn(23, k, device="cuda", dtype=torch.bfloat16)
-        ws = weights[name]
-        results = []
-        for cfg in configs:
-            try:
-                t = graph_time(lambda i, x=x, ws=ws, cfg=cfg: skinny_gemm.linear(x, ws[i], cfg))
-            except Exception as e:  # out of shared memory, etc.
-                print(f"  {name} {cfg}: failed ({type(e).__name__})")
-                continue
-            results.append((t, cfg))
-        results.sort(key=lambda r: r[0])
-        best[name] = results[0][1]
-        top = ", ".join(f"N{c.block_n} K{c.block_k} s{c.num_stages} {t * 1e6:.2f}" for t, c in results[:4])
-        print(f"sweep {name} M=23: best {top} us", flush=True)
-    print("| shape | rows | weight MB | cuBLAS us | default cfg us | best cfg us | best TB/s | max diff |")
-    for name, (n, k) in SHAPES.items():
-        ws = weights[name]
-        mb = n * k * 2 / 1e6
-        for m in (1, 8, 23, 64):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            t_cublas = graph_time(lambda i, x=x, ws=ws: F.linear(x, ws[i]))
-            t_def = graph_time(lambda i, x=x, ws=ws: skinny_gemm.linear(x, ws[i]))
-            t_best = graph_time(lambda i, x=x, ws=ws, c=best[name]: skinny_gemm.linear(x, ws[i], c))
-            diff = (skinny_gemm.linear(x, ws[0]).float() - F.linear(x, ws[0]).float()).abs().max().item()
-            print(
-                f"| {name} | {m} | {mb:.1f} | {t_cublas * 1e6:.2f} | {t_def * 1e6:.2f} | {t_best * 1e6:.2f} "
-                f"({best[name].block_n}/{best[name].block_k}/s{best[name].num_stages}) | {mb / 1e6 / t_best:.2f} | {diff:.1e} |",
-                flush=True,
-            )
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--quick", action="store_true")
     p.add_argument("--prefill-steps", type=int, default=6)
-    p.add_argument("--only", choices=["qk", "prefill", "skinny"])
+    p.add_argument("--only", choices=["qk", "prefill"])
     args = p.parse_args()
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     t0 = time.perf_counter()
@@ -214,8 +137,6 @@ def main() -> None:
         qk_rope()
     if args.only in (None, "prefill"):
         prefill(args.prefill_steps)
-    if args.only in (None, "skinny"):
-        skinny(args.quick)
     print(f"# {time.perf_counter() - t0:.0f} s")
 
 

@@ -8,6 +8,7 @@ are its positions ``seq_lens[i] - query_len_i ... seq_lens[i] - 1``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -33,3 +34,13 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    @functools.cached_property
+    def num_leading_decodes(self) -> int:
+        """How many sequences from the first have one query token each (a mixed step's running
+        decodes, which the scheduler puts first); counted once per step, on the host."""
+        qsl = self.query_start_loc_cpu
+        n = 0
+        while n < len(qsl) - 1 and qsl[n + 1] - qsl[n] == 1:
+            n += 1
+        return n

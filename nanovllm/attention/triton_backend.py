@@ -2,7 +2,11 @@
 
 Pure-decode batches (every sequence has one query token) go to the paged
 decode kernel, split-K when the batch is too small to fill the GPU; anything
-else (prefill, chunks, mixed batches) goes to the paged prefill kernel.
+else (prefill, chunks, mixed batches) goes to the paged prefill kernel, except
+a mixed step's leading decode rows (the scheduler puts running sequences
+first): with at least ``MIN_SPLIT_DECODES`` of them they go to the decode
+kernel, where each costs its K/V bytes instead of a whole query tile's
+arithmetic in the prefill kernel.
 
 CUDA-graph contract: a decode forward reads no host value but tensor shapes,
 and its split-K workspace is allocated before capture (``reserve`` or an eager
@@ -16,6 +20,8 @@ import torch
 
 from nanovllm.attention import triton_ops
 from nanovllm.attention.metadata import AttentionMetadata
+
+MIN_SPLIT_DECODES = 8  # fewer leading decode rows stay in the prefill kernel (one launch)
 
 
 class TritonBackend:
@@ -77,31 +83,44 @@ class TritonBackend:
         v_scale: float = 1.0,
     ) -> torch.Tensor:
         if meta.is_decode_only:
-            num_seqs, num_heads, head_dim = q.shape
-            splits = self.num_splits(num_seqs, k_cache.shape[2], q.device)
-            workspace = None
-            if splits > 1:
-                workspace = self._workspace(num_seqs * num_heads * splits, head_dim, q.device)
-            return triton_ops.paged_decode(
-                q,
-                k_cache,
-                v_cache,
-                meta.block_tables,
-                meta.seq_lens,
-                scale,
-                num_splits=splits,
-                workspace=workspace,
-                k_scale=k_scale,
-                v_scale=v_scale,
+            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, k_scale, v_scale)
+        n = meta.num_leading_decodes
+        if n < MIN_SPLIT_DECODES:
+            n = 0
+        out = torch.empty_like(q)
+        if n:
+            self._decode(
+                q[:n], k_cache, v_cache, meta.block_tables[:n], meta.seq_lens[:n], scale, k_scale, v_scale, out[:n]
             )
         return triton_ops.paged_prefill(
             q,
             k_cache,
             v_cache,
-            meta.query_start_loc,
-            meta.seq_lens,
-            meta.block_tables,
+            meta.query_start_loc[n:],
+            meta.seq_lens[n:],
+            meta.block_tables[n:],
             scale,
+            out=out,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+
+    def _decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, out=None):
+        num_seqs, num_heads, head_dim = q.shape
+        splits = self.num_splits(num_seqs, k_cache.shape[2], q.device)
+        workspace = None
+        if splits > 1:
+            workspace = self._workspace(num_seqs * num_heads * splits, head_dim, q.device)
+        return triton_ops.paged_decode(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            scale,
+            num_splits=splits,
+            workspace=workspace,
+            out=out,
             k_scale=k_scale,
             v_scale=v_scale,
         )

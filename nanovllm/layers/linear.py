@@ -13,17 +13,7 @@ from torch import nn
 
 from nanovllm.layers import cpu_linear
 from nanovllm.layers.parallel import all_reduce, divide, tp_rank, tp_size
-from nanovllm.layers.triton_switch import LazyKernels, triton_path
 from nanovllm.loader.model_loader import set_weight
-
-# decode-sized batches on the GPU: a Triton kernel that streams the weights (skinny_gemm.py)
-skinny = LazyKernels("nanovllm.layers.skinny_gemm", "NANOVLLM_SKINNY_GEMM")
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
-    if bias is None and triton_path(x, "NANOVLLM_SKINNY_GEMM") and skinny.applies(x, weight):
-        return skinny.linear(x, weight)
-    return cpu_linear.linear(x, weight, bias, packed)
 
 
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
@@ -67,7 +57,7 @@ class LinearBase(nn.Module):
         _copy_checked(param, self._shard(param, loaded), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.weight, self.bias, self.packed_weight)
+        return cpu_linear.linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -140,8 +130,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
-            return _linear(x, self.weight, self.bias, self.packed_weight)
+            return cpu_linear.linear(x, self.weight, self.bias, self.packed_weight)
         # the bias is added once, after the reduction
-        y = _linear(x, self.weight, None, self.packed_weight)
+        y = cpu_linear.linear(x, self.weight, None, self.packed_weight)
         y = all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -326,6 +326,50 @@ def test_backend_dispatch(decode):
     assert_close(out, case.reference(), f"backend decode={decode}")
 
 
+def _mixed_case():
+    """Nine leading decodes (the running sequences of a mixed step), then a fresh prompt, a chunk
+    after a cached prefix, a decode between prompts and a last chunk."""
+    specs = [(c, 1) for c in (5, 40, 0, 16, 17, 3, 31, 64, 9)] + [(0, 23), (17, 4), (12, 1), (33, 6)]
+    return specs, PagedCase(specs, 16, 2, 64, seed=21)
+
+
+def _assert_rows(out: torch.Tensor, ref: torch.Tensor, specs, what: str) -> None:
+    """Per sequence: one wrong sequence fails the check even where the whole output's error would not."""
+    row = 0
+    for i, (_, n) in enumerate(specs):
+        assert_close(out[row : row + n], ref[row : row + n], f"{what}, sequence {i}")
+        row += n
+
+
+def test_backend_mixed_step_gives_leading_decodes_to_the_decode_kernel(monkeypatch):
+    from nanovllm.attention import triton_backend
+
+    specs, case = _mixed_case()
+    assert case.meta.num_leading_decodes == 9
+    calls = []
+    real = triton_ops.paged_decode
+    monkeypatch.setattr(triton_ops, "paged_decode", lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw))
+    out = TritonBackend().forward(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert calls == [9], calls
+    _assert_rows(out, case.reference(), specs, "mixed step")
+    # under the threshold the whole step stays in the prefill kernel, with the same result
+    monkeypatch.setattr(triton_backend, "MIN_SPLIT_DECODES", 10)
+    calls.clear()
+    out = TritonBackend().forward(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert calls == []
+    _assert_rows(out, case.reference(), specs, "mixed step, no split")
+
+
+def test_mixed_step_check_sees_a_prompt_row_taken_for_a_decode():
+    """Negative control: the first prompt counted among the leading decodes (its first row
+    attends to its whole prompt, the others are never written) fails the per-sequence check."""
+    specs, case = _mixed_case()
+    case.meta.__dict__["num_leading_decodes"] = 10  # the cached count, miscounted on purpose
+    out = TritonBackend().forward(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    with pytest.raises(AssertionError):
+        _assert_rows(out, case.reference(), specs, "control")
+
+
 def test_float32_uses_exact_dot():
     """float32 models (the exact-greedy tests) get IEEE float32 products, not TF32."""
     case = PagedCase([(50, 1), (3, 1)], 16, 2, 64, seed=3, dtype=torch.float32)
