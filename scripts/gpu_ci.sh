@@ -38,14 +38,15 @@ phase() {
 '| triton', triton.__version__, '| transformers', __import__('transformers').__version__, '| GPUs', torch.cuda.device_count(), torch.cuda.get_device_name(0))"
 } > "$LOG/env.txt" 2>&1
 # what the test suite imports beyond the image (module -> distribution)
-need=$("$PY" - <<'EOF'
+missing_deps() { "$PY" - <<'EOF'
 import importlib.util
 deps = {"gguf": "gguf", "hypothesis": "hypothesis", "xdist": "pytest-xdist", "fastapi": "fastapi",
         "uvicorn": "uvicorn", "uvloop": "uvloop", "httptools": "httptools", "openai": "openai", "httpx": "httpx", "aiohttp": "aiohttp", "prometheus_client": "prometheus-client",
         "matplotlib": "matplotlib"}
 print(" ".join(dist for mod, dist in deps.items() if importlib.util.find_spec(mod) is None))
 EOF
-)
+}
+need=$(missing_deps)
 if [ -n "$need" ]; then
     if [ -d "$WHEELS" ]; then   # offline: the wheels (and their missing dependencies) in $WHEELS
         "$PY" -m pip install -q --no-index --find-links "$WHEELS" $need >> "$LOG/env.txt" 2>&1
@@ -53,7 +54,12 @@ if [ -n "$need" ]; then
         "$PY" -m pip install -q $need >> "$LOG/env.txt" 2>&1
     fi || echo "pip install failed: $need" >> "$LOG/env.txt"
 fi
-echo "installed: ${need:-nothing}" >> "$LOG/env.txt"
+left=$(missing_deps)
+if [ -n "$left" ]; then   # the run goes on (the rest is still worth seeing) but says why tests fail
+    echo "MISSING test dependencies (not installed: no wheels in $WHEELS and no package index): $left" >> "$LOG/env.txt"
+else
+    echo "installed: ${need:-nothing}" >> "$LOG/env.txt"
+fi
 
 timeout "$L_WARM" "$PY" scripts/warm_triton.py --jobs "${NANOVLLM_WARM_JOBS:-8}" >> "$LOG/env.txt" 2>&1
 
@@ -82,7 +88,7 @@ t3=$(date +%s)
 # ------------------------------------------------------------------ summary (also in $LOG/gpu_ci_summary.txt)
 {
 echo "=== GPU CI, $(head -1 "$LOG/env.txt"), commit $(sed -n 2p "$LOG/env.txt") ==="
-sed -n '3,$p' "$LOG/env.txt" | grep -E "^(GPU|python|installed|warmed)" | head -5
+sed -n '3,$p' "$LOG/env.txt" | grep -E "^(GPU|python|installed|MISSING|warmed)" | head -6
 echo "--- warm-up $((tw - t0)) s; pytest -n auto (rc=$rc_pytest, $((t1 - tw)) s) ---"
 grep -E "^(FAILED|ERROR)| (FAILED|ERROR) " "$LOG/pytest.log" | sort -u | head -30
 echo "tests finished: $(grep -cE " (PASSED|FAILED|ERROR|SKIPPED) " "$LOG/pytest.log")"

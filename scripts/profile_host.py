@@ -31,6 +31,7 @@ def main() -> None:
     llm = LLM(shape_config_dir("qwen3-0.6b"), load_format="dummy", max_model_len=4096)
     engine = llm.llm_engine
     llm.generate(_warmup_prompts(w), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    before = torch.cuda.memory_stats()
     prof = cProfile.Profile()
     step, count = engine.step, [0]
 
@@ -53,6 +54,10 @@ def main() -> None:
     llm.generate(w.prompts, params, use_tqdm=False)
     torch.cuda.synchronize()
     print(f"run: {time.perf_counter() - t:.2f} s, {count[0]} steps")
+    after = torch.cuda.memory_stats()
+    # device allocations and frees (cudaFree synchronises the device), allocator retries
+    for key in ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams"):
+        print(f"{key}: {after.get(key, 0) - before.get(key, 0)} during the run")
     stats = pstats.Stats(prof)
     stats.sort_stats("tottime").print_stats(args.top)
     stats.sort_stats("cumulative").print_stats(args.top)
