@@ -43,6 +43,17 @@ def test_metadata_pointers_are_not_aligned_specialisations():
         assert not missing, f"{name} specialises on the alignment of {sorted(missing)}"
 
 
+def test_step_varying_integers_are_not_specialised():
+    """The block-table stride (the widest table of an eager step) and the sequence count change
+    from step to step: a kernel that takes them must not compile a variant per value class
+    (1, multiples of 16, others)."""
+    for name, kernel in _kernels():
+        params = set(inspect.signature(kernel.fn).parameters)
+        varying = params & {"stride_bt", "num_seqs"}
+        specialised = varying - {p.name for p in kernel.params if p.do_not_specialize}
+        assert not specialised, f"{name} specialises on {sorted(specialised)}"
+
+
 def test_the_check_sees_a_specialised_pointer():
     """Negative control: a kernel that does specialise on a metadata pointer is reported."""
 

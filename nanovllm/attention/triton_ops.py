@@ -189,7 +189,11 @@ def _fp8_to_f16_asm(x):
     )
 
 
-@triton.jit(do_not_specialize_on_alignment=METADATA_PTRS)
+@triton.jit(
+    # the block-table width is the widest table of an eager step (a mixed step's decodes): one variant
+    do_not_specialize=["stride_bt"],
+    do_not_specialize_on_alignment=METADATA_PTRS,
+)
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
