@@ -5,7 +5,8 @@ kernels on or with the old behaviour restored in this process (KERNEL_NOTES sess
 
 old:      qk_norm_rope one head per program, the prefill kernel without SPLIT_MASK/TILE_BLOCK at
           its old tile config, mixed steps' decode rows in the prefill kernel (before session 8);
-new:      everything as shipped.
+new:      everything as shipped (add NANOVLLM_MIXED_DECODE_SPLIT=1 for the mixed-step split,
+          off by default).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def main() -> int:
         triton_ops.prefill_config = lambda d, dtype: (
             triton_ops.KernelConfig(128, 64, 8, 2) if new_config(d, dtype).block_n == 64 else new_config(d, dtype)
         )
-        triton_backend.MIN_SPLIT_DECODES = 1 << 30
+        triton_backend.MIN_SPLIT_DECODES = None
     from nanovllm.entrypoints.cli import main as cli
 
     print(f"# variant {variant}", flush=True)

@@ -2,11 +2,13 @@
 
 Pure-decode batches (every sequence has one query token) go to the paged
 decode kernel, split-K when the batch is too small to fill the GPU; anything
-else (prefill, chunks, mixed batches) goes to the paged prefill kernel, except
-a mixed step's leading decode rows (the scheduler puts running sequences
-first): with at least ``MIN_SPLIT_DECODES`` of them they go to the decode
-kernel, where each costs its K/V bytes instead of a whole query tile's
-arithmetic in the prefill kernel.
+else (prefill, chunks, mixed batches) goes to the paged prefill kernel.
+With ``NANOVLLM_MIXED_DECODE_SPLIT=1`` a mixed step's leading decode rows (the
+scheduler puts running sequences first), at least ``MIN_SPLIT_DECODES`` of
+them, go to the decode kernel instead, where each costs its K/V bytes rather
+than a whole query tile's arithmetic. Off by default: not yet shown faster end
+to end (the workload's prefill steps are bound by the host's kernel launches,
+and the split adds launches; KERNEL_NOTES session 8).
 
 CUDA-graph contract: a decode forward reads no host value but tensor shapes,
 and its split-K workspace is allocated before capture (``reserve`` or an eager
@@ -16,12 +18,15 @@ an error, never a silent allocation inside the graph's pool.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from nanovllm.attention import triton_ops
 from nanovllm.attention.metadata import AttentionMetadata
 
-MIN_SPLIT_DECODES = 8  # fewer leading decode rows stay in the prefill kernel (one launch)
+# fewer leading decode rows stay in the prefill kernel (one launch); None: the split is off
+MIN_SPLIT_DECODES: int | None = 8 if os.environ.get("NANOVLLM_MIXED_DECODE_SPLIT", "0") == "1" else None
 
 
 class TritonBackend:
@@ -84,8 +89,8 @@ class TritonBackend:
     ) -> torch.Tensor:
         if meta.is_decode_only:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, k_scale, v_scale)
-        n = meta.num_leading_decodes
-        if n < MIN_SPLIT_DECODES:
+        n = 0 if MIN_SPLIT_DECODES is None else meta.num_leading_decodes
+        if n < (MIN_SPLIT_DECODES or 1):
             n = 0
         out = torch.empty_like(q)
         if n:

@@ -346,6 +346,7 @@ def test_backend_mixed_step_gives_leading_decodes_to_the_decode_kernel(monkeypat
 
     specs, case = _mixed_case()
     assert case.meta.num_leading_decodes == 9
+    monkeypatch.setattr(triton_backend, "MIN_SPLIT_DECODES", 8)  # NANOVLLM_MIXED_DECODE_SPLIT=1
     calls = []
     real = triton_ops.paged_decode
     monkeypatch.setattr(triton_ops, "paged_decode", lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw))
@@ -358,11 +359,18 @@ def test_backend_mixed_step_gives_leading_decodes_to_the_decode_kernel(monkeypat
     out = TritonBackend().forward(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
     assert calls == []
     _assert_rows(out, case.reference(), specs, "mixed step, no split")
+    monkeypatch.setattr(triton_backend, "MIN_SPLIT_DECODES", None)  # the default: off
+    out = TritonBackend().forward(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert calls == []
+    _assert_rows(out, case.reference(), specs, "mixed step, split off")
 
 
-def test_mixed_step_check_sees_a_prompt_row_taken_for_a_decode():
+def test_mixed_step_check_sees_a_prompt_row_taken_for_a_decode(monkeypatch):
     """Negative control: the first prompt counted among the leading decodes (its first row
     attends to its whole prompt, the others are never written) fails the per-sequence check."""
+    from nanovllm.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "MIN_SPLIT_DECODES", 8)
     specs, case = _mixed_case()
     case.meta.__dict__["num_leading_decodes"] = 10  # the cached count, miscounted on purpose
     out = TritonBackend().forward(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
