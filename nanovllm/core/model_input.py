@@ -88,6 +88,14 @@ def _slot(table: list[int], pos: int, block_size: int) -> int:
     return table[pos // block_size] * block_size + pos % block_size
 
 
+def _extend_slots(slots: list[int], table: list[int], start: int, end: int, block_size: int) -> None:
+    """Append the cache slots of positions start..end-1: one contiguous range per block (a
+    prefill step's 8,192 slots in ~40 C-level extends instead of 8,192 Python calls)."""
+    for b in range(start // block_size, (end - 1) // block_size + 1):
+        base = table[b] * block_size - b * block_size  # slot of position p in block b: base + p
+        slots.extend(range(base + max(start, b * block_size), base + min(end, (b + 1) * block_size)))
+
+
 def build_model_input(
     out: SchedulerOutput, block_size: int, finished_seq_ids: list[int] | None = None
 ) -> tuple[ModelInput, StepPlan]:
@@ -115,7 +123,7 @@ def build_model_input(
                 raise RuntimeError(f"{seq}: a prefill chunk over a placeholder token (async scheduling)")
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            slots.extend(_slot(table, p, block_size) for p in range(start, end))
+            _extend_slots(slots, table, start, end, block_size)
         qsl.append(len(input_ids))
         mi.seq_lens.append(end)
         mi.block_tables.append(table)
