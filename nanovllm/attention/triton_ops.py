@@ -619,7 +619,8 @@ def _prefill_kernel(
     tile_off = kvh * stride_ch + offs_n[:, None] * stride_cs + offs_d[None, :]
     # keys before the tile's first query are visible to all its rows: whole tiles of them need
     # neither the causal mask nor the key mask (SPLIT_MASK); the first tile holds key 0, visible
-    # to every row, so no row's running max stays -inf
+    # to every row, so no row's running max stays -inf. Two loops over the same tile step, not
+    # a branch inside one: each loop body is fixed at compile time, which the pipeliner needs.
     n_split = ((ctx + tile * BLOCK_Q) // BLOCK_N) * BLOCK_N if SPLIT_MASK else 0
     for n0 in range(0, n_split, BLOCK_N):
         m_i, l_i, acc = _prefill_tile(
