@@ -89,9 +89,9 @@ class TritonBackend:
     ) -> torch.Tensor:
         if meta.is_decode_only:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, k_scale, v_scale)
-        n = 0 if MIN_SPLIT_DECODES is None else meta.num_leading_decodes
-        if n < (MIN_SPLIT_DECODES or 1):
-            n = 0
+        n = 0  # leading decode rows for the decode kernel
+        if MIN_SPLIT_DECODES is not None and meta.num_leading_decodes >= MIN_SPLIT_DECODES:
+            n = meta.num_leading_decodes
         out = torch.empty_like(q)
         if n:
             self._decode(

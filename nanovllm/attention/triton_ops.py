@@ -334,7 +334,7 @@ def _merge_kernel(
 
 
 DECODE_FLAG_OVERRIDES: dict[str, bool] = {}  # tests and scripts/sweep_kv_fp8.py force a flag on or off
-PREFILL_FLAG_OVERRIDES: dict[str, bool] = {}  # tests and scripts/bench_kernels.py force a flag on or off
+PREFILL_FLAG_OVERRIDES: dict[str, bool] = {}  # tests and scripts/ab_kernels.py force a flag on or off
 
 
 def prefill_tile_flags(block_size: int, block_n: int) -> dict[str, bool]:
