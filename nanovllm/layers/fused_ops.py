@@ -24,7 +24,7 @@ try:
 except ImportError:  # CPU-only installs: the layers keep their PyTorch code
     triton = None
 
-QK_HEADS_PER_PROGRAM = 8  # heads per program of qk_norm_rope (a power of two; 8 measured best)
+QK_HEADS_PER_PROGRAM = 8  # heads per program of qk_norm_rope, a power of two (8 measured best: KERNEL_NOTES)
 
 
 def enabled(x: torch.Tensor) -> bool:
@@ -135,8 +135,8 @@ if triton is not None:
         """Program (token, run of BLOCK_H heads) over heads 0..NUM_HEADS-1: q's heads, then k's
         (k's follow q's in a qkv row). Each head: RMSNorm (float32, rounded to the model dtype,
         times the weight, rounded again), then RoPE (float32, rounded once) into the contiguous
-        output. A tile of heads per program, not one head: a program per (token, head) left the
-        8,192-token prefill steps launch-bound (141 us per layer on the H200, KERNEL_NOTES)."""
+        output. A tile of heads per program, not one head: 196,608 programs of 128 elements each made
+        an 8,192-token prefill step's call 141-160 us on the H200; 8 heads per program, 33 us."""
         tok = tl.program_id(0).to(tl.int64)
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         offs = tl.arange(0, BLOCK)
