@@ -43,15 +43,32 @@ def test_metadata_pointers_are_not_aligned_specialisations():
         assert not missing, f"{name} specialises on the alignment of {sorted(missing)}"
 
 
+STEP_VARYING = {"stride_bt", "num_seqs"}
+
+
+def _specialised_step_integers(kernel) -> set[str]:
+    params = set(inspect.signature(kernel.fn).parameters)
+    return (params & STEP_VARYING) - {p.name for p in kernel.params if p.do_not_specialize}
+
+
 def test_step_varying_integers_are_not_specialised():
     """The block-table stride (the widest table of an eager step) and the sequence count change
     from step to step: a kernel that takes them must not compile a variant per value class
     (1, multiples of 16, others)."""
     for name, kernel in _kernels():
-        params = set(inspect.signature(kernel.fn).parameters)
-        varying = params & {"stride_bt", "num_seqs"}
-        specialised = varying - {p.name for p in kernel.params if p.do_not_specialize}
+        specialised = _specialised_step_integers(kernel)
         assert not specialised, f"{name} specialises on {sorted(specialised)}"
+
+
+def test_the_check_sees_a_specialised_stride():
+    """Negative control: a kernel that specialises on the block-table stride is reported, and
+    the same kernel with the decorator is not."""
+
+    def body(block_tables_ptr, stride_bt):
+        pass
+
+    assert _specialised_step_integers(triton.jit(body)) == {"stride_bt"}
+    assert _specialised_step_integers(triton.jit(do_not_specialize=["stride_bt"])(body)) == set()
 
 
 def test_the_check_sees_a_specialised_pointer():

@@ -19,19 +19,37 @@ def chunks(draw):
     return block_size, table, start, end
 
 
+def _agrees(extend, case) -> bool:
+    """The rule: ``extend`` appends exactly the per-position slots of the chunk, after what is there."""
+    block_size, table, start, end = case
+    got = [7]
+    extend(got, table, start, end, block_size)
+    return got == [7] + [_slot(table, p, block_size) for p in range(start, end)]
+
+
 @settings(max_examples=300, deadline=None)
 @given(chunks())
 def test_block_ranges_equal_the_per_position_slots(case):
-    block_size, table, start, end = case
-    got = [7]  # appends after what is there
-    _extend_slots(got, table, start, end, block_size)
-    assert got == [7] + [_slot(table, p, block_size) for p in range(start, end)]
+    assert _agrees(_extend_slots, case)
 
 
-def test_the_comparison_sees_a_chunk_one_position_short():
-    """Negative control: the slots of start..end-2 (an off-by-one at the chunk's end) differ."""
-    table, got = [3, 9, 4], []
-    _extend_slots(got, table, 5, 40, 16)
-    short = []
-    _extend_slots(short, table, 5, 39, 16)
-    assert got != short and got[:-1] == short
+def _last_block_short(slots, table, start, end, block_size):
+    """A plausible bug: each block's range stops one slot early when the chunk ends inside it."""
+    for b in range(start // block_size, (end - 1) // block_size + 1):
+        base = table[b] * block_size - b * block_size
+        slots.extend(range(base + max(start, b * block_size), base + min(end - 1, (b + 1) * block_size)))
+
+
+def _first_block_from_its_start(slots, table, start, end, block_size):
+    """Another: the first block's range starts at the block's first slot, not at the chunk's."""
+    for b in range(start // block_size, (end - 1) // block_size + 1):
+        base = table[b] * block_size - b * block_size
+        slots.extend(range(base + b * block_size, base + min(end, (b + 1) * block_size)))
+
+
+def test_the_rule_refuses_known_bad_ranges():
+    """Negative controls: both bugs are refused on a chunk that starts and ends inside blocks."""
+    case = (16, [3, 9, 4], 5, 40)
+    assert _agrees(_extend_slots, case)
+    assert not _agrees(_last_block_short, case)
+    assert not _agrees(_first_block_from_its_start, case)

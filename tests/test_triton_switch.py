@@ -4,6 +4,9 @@ elementwise ops' one. A stand-in object plays the CUDA tensor (only ``is_cuda`` 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -32,3 +35,20 @@ def test_a_cpu_tensor_takes_no_kernel_outside_the_interpreter(monkeypatch):
 
     monkeypatch.delenv("NANOVLLM_TRITON_INTERPRET", raising=False)
     assert fused_qk.enabled(torch.zeros(1)) is False
+
+
+@pytest.mark.parametrize("value,expected", [(None, "None"), ("0", "None"), ("1", "8")])
+def test_the_mixed_step_split_is_off_unless_asked_for(value, expected):
+    """NANOVLLM_MIXED_DECODE_SPLIT: off by default and at "0" (not shown faster), on at "1"
+    (read at import, so each case in a fresh interpreter)."""
+    env = {k: v for k, v in os.environ.items() if k != "NANOVLLM_MIXED_DECODE_SPLIT"}
+    if value is not None:
+        env["NANOVLLM_MIXED_DECODE_SPLIT"] = value
+    out = subprocess.run(
+        [sys.executable, "-c", "from nanovllm.attention import triton_backend as b; print(b.MIN_SPLIT_DECODES)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == expected, out.stdout + out.stderr
