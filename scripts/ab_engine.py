@@ -1,12 +1,13 @@
 """Session 8's engine A/B: run ``nanovllm bench`` (arguments after the variant) with the new
 kernels on or with the old behaviour restored in this process (KERNEL_NOTES session 8).
 
-    PYTHONPATH=. python3 scripts/ab_engine.py {old,new} bench --workload gpu ...
+    PYTHONPATH=. python3 scripts/ab_engine.py {old,new}[,waves=N] bench --workload gpu ...
 
 old:      qk_norm_rope one head per program, the prefill kernel without SPLIT_MASK/TILE_BLOCK at
           its old tile config, mixed steps' decode rows in the prefill kernel (before session 8);
 new:      everything as shipped (add NANOVLLM_MIXED_DECODE_SPLIT=1 for the mixed-step split,
           off by default).
+waves=N:  decode split-K aimed at N programs per SM (``triton_ops.DECODE_SPLIT_WAVES``, session 9).
 """
 
 from __future__ import annotations
@@ -15,9 +16,17 @@ import sys
 
 
 def main() -> int:
-    variant, argv = sys.argv[1], sys.argv[2:]
+    variant, *options = sys.argv[1].split(",")
+    argv = sys.argv[2:]
     if variant not in ("old", "new"):
         raise SystemExit(f"variant must be old or new, got {variant!r}")
+    for option in options:
+        key, _, value = option.partition("=")
+        if key != "waves" or not value.isdigit():
+            raise SystemExit(f"option must be waves=N, got {option!r}")
+        from nanovllm.attention import triton_ops
+
+        triton_ops.DECODE_SPLIT_WAVES = int(value)
     if variant == "old":
         from nanovllm.attention import triton_backend, triton_ops
         from nanovllm.layers import fused_ops
@@ -31,7 +40,7 @@ def main() -> int:
         triton_backend.MIN_SPLIT_DECODES = None
     from nanovllm.entrypoints.cli import main as cli
 
-    print(f"# variant {variant}", flush=True)
+    print(f"# variant {sys.argv[1]}", flush=True)
     return cli(argv)
 
 

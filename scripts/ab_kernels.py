@@ -7,6 +7,10 @@ a tail step that the standard workload's profile pointed at, each variant beside
    program (the old kernel's grid, BLOCK_H=1) against runs of 4/8/16/32 heads.
 2. Prefill attention on the steps the scheduler makes of the workload's prompts (8,192-token
    budget, chunked): the key-walk flags (SPLIT_MASK, TILE_BLOCK) and tile configs.
+3. Decode attention on the decode steps of the workload (session 9): every 50th step's batch and
+   contexts (the requests whose max_tokens exceed the step, each at prompt + step tokens), the
+   split-K factor chosen for 2/4/8/16/32 programs per SM (``DECODE_SPLIT_WAVES``), bf16 and FP8
+   caches; the sum over the sampled steps x 50 x 28 layers estimates the run's decode attention.
 
 (Its first run also timed a Triton kernel for decode-sized linear layers against cuBLAS: it did
 not win, and the kernel was removed; the numbers are in KERNEL_NOTES session 8.)
@@ -126,10 +130,53 @@ def prefill(limit: int) -> None:
     ops.PREFILL_FLAG_OVERRIDES.clear()
 
 
+def decode_steps(stride: int = 50) -> list[list[int]]:
+    """Context lengths of the workload's decode steps, every ``stride``-th: the requests whose
+    max_tokens exceed the step (all start decoding together, a close fit to the run's tail)."""
+    w = gpu_workload()
+    lens = [len(p) for p in w.prompts]
+    steps = []
+    for t in range(1, max(w.max_tokens), stride):
+        ctx = [n + t for n, m in zip(lens, w.max_tokens) if m > t]
+        if ctx:
+            steps.append(ctx)
+    return steps
+
+
+def decode(stride: int = 50) -> None:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    steps = decode_steps(stride)
+    print(f"## decode attention over {len(steps)} decode steps of the workload (every {stride}th), do_bench median")
+    totals: dict[tuple[str, int], float] = {}
+    for ctx in steps:
+        q, k, v, _, sl, bt = paged([(c - 1, 1) for c in ctx])
+        b = len(ctx)
+        for kind in ("bf16", "fp8"):
+            kc, vc = (k, v) if kind == "bf16" else (k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn))
+            gb = sum(ctx) * HK * D * 2 * kc.element_size() / 1e9
+            ref = None
+            line = []
+            for waves in (2, 4, 8, 16, 32):
+                splits = ops.num_decode_splits(b, HK, sms, waves)
+                out = torch.empty_like(q)
+                fn = lambda q=q, kc=kc, vc=vc, bt=bt, sl=sl, out=out, splits=splits: ops.paged_decode(  # noqa: E731
+                    q, kc, vc, bt, sl, D**-0.5, num_splits=splits, out=out
+                )
+                fn()
+                ref = out.clone() if ref is None else ref
+                diff = (out.float() - ref.float()).abs().max().item()
+                us = do_bench(fn, warmup=10, rep=50) * 1e3
+                totals[kind, waves] = totals.get((kind, waves), 0.0) + us * stride * 28 / 1e6
+                line.append(f"w{waves}:s{splits} {us:6.1f}us {gb / us * 1e3:4.2f}TB/s d{diff:.0e}")
+            print(f"decode b{b:3d} ctx {sum(ctx) // b:5d} {kind}: " + "  ".join(line), flush=True)
+    for (kind, waves), s in sorted(totals.items()):
+        print(f"decode run estimate {kind} waves {waves:2d}: {s:.3f} s of attention over the decode steps")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--prefill-steps", type=int, default=6)
-    p.add_argument("--only", choices=["qk", "prefill"])
+    p.add_argument("--only", choices=["qk", "prefill", "decode"])
     args = p.parse_args()
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     t0 = time.perf_counter()
@@ -137,6 +184,8 @@ def main() -> None:
         qk_rope()
     if args.only in (None, "prefill"):
         prefill(args.prefill_steps)
+    if args.only in (None, "decode"):
+        decode()
     print(f"# {time.perf_counter() - t0:.0f} s")
 
 

@@ -29,6 +29,8 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
+# decode programs aimed at per SM when a batch is too small to fill the GPU (num_decode_splits)
+DECODE_SPLIT_WAVES = 2
 FP8_MAX = tl.constexpr(448.0)  # the largest finite float8 e4m3fn value (a constexpr: kernels read it)
 
 
@@ -362,14 +364,16 @@ def decode_tile_flags(block_size: int, block_n: int, kv_fp8: bool, dtype: torch.
     )
 
 
-def num_decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
-    """Split-K factor: enough programs for about two waves of ``num_sms``; 1 for large batches.
+def num_decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int, waves: int | None = None) -> int:
+    """Split-K factor: enough programs for ``waves`` (default ``DECODE_SPLIT_WAVES``) programs
+    per SM; 1 for large batches.
 
     Depends on the batch shape only (not on lengths), so eager and graph runs agree;
     a power of two, so few kernel variants get compiled.
     """
     programs = max(1, num_seqs * num_kv_heads)
-    return min(MAX_SPLITS, triton.next_power_of_2(-(-2 * num_sms // programs)))
+    target = (DECODE_SPLIT_WAVES if waves is None else waves) * num_sms
+    return min(MAX_SPLITS, triton.next_power_of_2(-(-target // programs)))
 
 
 def paged_decode(

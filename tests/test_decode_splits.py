@@ -1,0 +1,62 @@
+"""The decode kernel's split-K factor (``triton_ops.num_decode_splits``): the smallest power of
+two that gives at least ``waves x SMs`` programs, capped at ``MAX_SPLITS``; the default ``waves``
+is the module's ``DECODE_SPLIT_WAVES`` (what the engine's graphs are captured with)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton", reason="the split rule lives in the Triton kernels' module")
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from nanovllm.attention import triton_ops  # noqa: E402
+from nanovllm.attention.triton_backend import TritonBackend  # noqa: E402
+
+shapes = dict(
+    num_seqs=st.integers(1, 600),
+    num_kv_heads=st.sampled_from([1, 2, 4, 8]),
+    num_sms=st.sampled_from([4, 78, 132]),
+    waves=st.sampled_from([1, 2, 4, 8, 16]),
+)
+
+
+def check_rule(rule, num_seqs, num_kv_heads, num_sms, waves):
+    splits = rule(num_seqs, num_kv_heads, num_sms, waves)
+    programs, target = num_seqs * num_kv_heads, waves * num_sms
+    assert 1 <= splits <= triton_ops.MAX_SPLITS and splits & (splits - 1) == 0, splits
+    if splits < triton_ops.MAX_SPLITS:
+        assert programs * splits >= target, (programs, splits, target)  # enough programs
+    if splits > 1:
+        assert programs * splits // 2 < target, (programs, splits, target)  # and no more than needed
+
+
+@given(**shapes)
+def test_splits_are_the_smallest_power_of_two_that_fills_the_waves(num_seqs, num_kv_heads, num_sms, waves):
+    check_rule(triton_ops.num_decode_splits, num_seqs, num_kv_heads, num_sms, waves)
+
+
+def test_the_rule_check_refuses_a_factor_rounded_down():
+    """Control: the check above fails for a rule that rounds the factor down."""
+
+    def rounded_down(num_seqs, num_kv_heads, num_sms, waves):
+        exact = max(1, waves * num_sms // (num_seqs * num_kv_heads))
+        return min(triton_ops.MAX_SPLITS, 1 << (exact.bit_length() - 1))
+
+    with pytest.raises(AssertionError):
+        check_rule(rounded_down, 23, 8, 132, 8)  # 184 programs: 1056 / 184 = 5.7 -> 8, not 4
+
+
+def test_the_default_waves_is_the_module_setting_and_the_workspace_follows_it(monkeypatch):
+    monkeypatch.setattr(triton_ops, "DECODE_SPLIT_WAVES", 2)
+    assert triton_ops.num_decode_splits(23, 8, 132) == 2  # 264 / 184 -> 2
+    monkeypatch.setattr(triton_ops, "DECODE_SPLIT_WAVES", 8)
+    assert triton_ops.num_decode_splits(23, 8, 132) == 8  # 1056 / 184 -> 8
+    import torch
+
+    backend = TritonBackend()
+    backend.reserve(4, num_heads=16, num_kv_heads=8, head_dim=64, device=torch.device("cpu"))
+    # the CPU stand-in has 4 SMs, 32 programs aimed at: batches 1-4 get 4, 2, 2, 1 splits, so
+    # 64, 64, 96, 64 rows of 16 heads; the workspace holds the most (batch 3)
+    assert backend._lse.numel() == 96 and backend._partials.numel() == 96 * 64
