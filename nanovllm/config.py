@@ -10,6 +10,8 @@ from typing import Any
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# tokens per step when max_num_batched_tokens is not given (with chunked prefill), by device
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 4096}
 
 
 def _int_field(name: str, value, minimum: int, allow_none: bool = False) -> None:
@@ -197,7 +199,7 @@ class EngineConfig:
                 f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={model_max}"
             )
         if self.max_num_batched_tokens is None:
-            default = 8192 if self.device == "cuda" else 4096
+            default = DEFAULT_MAX_NUM_BATCHED_TOKENS[self.device]
             self.max_num_batched_tokens = default if self.enable_chunked_prefill else max(default, self.max_model_len)
         if self.async_scheduling is None:
             self.async_scheduling = self.device == "cuda" and self.tensor_parallel_size == 1

@@ -1,13 +1,14 @@
 """Session 8's engine A/B: run ``nanovllm bench`` (arguments after the variant) with the new
 kernels on or with the old behaviour restored in this process (KERNEL_NOTES session 8).
 
-    PYTHONPATH=. python3 scripts/ab_engine.py {old,new}[,waves=N] bench --workload gpu ...
+    PYTHONPATH=. python3 scripts/ab_engine.py {old,new}[,waves=N][,mbt=N] bench --workload gpu ...
 
 old:      qk_norm_rope one head per program, the prefill kernel without SPLIT_MASK/TILE_BLOCK at
           its old tile config, mixed steps' decode rows in the prefill kernel (before session 8);
 new:      everything as shipped (add NANOVLLM_MIXED_DECODE_SPLIT=1 for the mixed-step split,
           off by default).
 waves=N:  decode split-K aimed at N programs per SM (``triton_ops.DECODE_SPLIT_WAVES``, session 9).
+mbt=N:    N tokens per step by default on CUDA (``config.DEFAULT_MAX_NUM_BATCHED_TOKENS``, session 9).
 """
 
 from __future__ import annotations
@@ -22,11 +23,16 @@ def main() -> int:
         raise SystemExit(f"variant must be old or new, got {variant!r}")
     for option in options:
         key, _, value = option.partition("=")
-        if key != "waves" or not value.isdigit():
-            raise SystemExit(f"option must be waves=N, got {option!r}")
-        from nanovllm.attention import triton_ops
+        if key not in ("waves", "mbt") or not value.isdigit():
+            raise SystemExit(f"option must be waves=N or mbt=N, got {option!r}")
+        if key == "waves":
+            from nanovllm.attention import triton_ops
 
-        triton_ops.DECODE_SPLIT_WAVES = int(value)
+            triton_ops.DECODE_SPLIT_WAVES = int(value)
+        else:
+            from nanovllm import config
+
+            config.DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda"] = int(value)
     if variant == "old":
         from nanovllm.attention import triton_backend, triton_ops
         from nanovllm.layers import fused_ops

@@ -173,10 +173,75 @@ def decode(stride: int = 50) -> None:
         print(f"decode run estimate {kind} waves {waves:2d}: {s:.3f} s of attention over the decode steps")
 
 
+def head_major(x: torch.Tensor) -> torch.Tensor:
+    """The same cache in the head-major layout [blocks, kv heads, slots, d], seen through the
+    kernels' slot-major view [blocks, slots, kv heads, d] (they take strides)."""
+    return x.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+
+
+def layout(stride: int = 50) -> None:
+    """Session 9: slot-major (each key's 8 heads side by side: a head's keys 2 KB apart) against
+    head-major (a head's keys of a block contiguous), decode and prefill, bf16 and FP8."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print("## cache layout: slot-major (now) vs head-major, do_bench median")
+    totals: dict[str, float] = {}
+    for ctx in decode_steps(stride):
+        q, k, v, _, sl, bt = paged([(c - 1, 1) for c in ctx])
+        b = len(ctx)
+        line = []
+        for kind in ("bf16", "fp8"):
+            kc, vc = (k, v) if kind == "bf16" else (k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn))
+            gb = sum(ctx) * HK * D * 2 * kc.element_size() / 1e9
+            ref = None
+            for lay in ("slot", "head"):
+                kk, vv = (kc, vc) if lay == "slot" else (head_major(kc), head_major(vc))
+                for waves in (2, 8):
+                    splits = ops.num_decode_splits(b, HK, sms, waves)
+                    out = torch.empty_like(q)
+                    fn = lambda q=q, kk=kk, vv=vv, bt=bt, sl=sl, out=out, splits=splits: ops.paged_decode(  # noqa: E731
+                        q, kk, vv, bt, sl, D**-0.5, num_splits=splits, out=out
+                    )
+                    fn()
+                    ref = out.clone() if ref is None else ref
+                    diff = (out.float() - ref.float()).abs().max().item()
+                    us = do_bench(fn, warmup=10, rep=50) * 1e3
+                    key = f"{kind} {lay} w{waves}"
+                    totals[key] = totals.get(key, 0.0) + us * stride * 28 / 1e6
+                    line.append(f"{lay[0]}w{waves} {us:6.1f}us {gb / us * 1e3:4.2f}TB/s d{diff:.0e}")
+            print(f"layout decode b{b:3d} ctx {sum(ctx) // b:5d} {kind}: " + "  ".join(line[-4:]), flush=True)
+    for key, t in sorted(totals.items()):
+        print(f"layout decode run estimate {key}: {t:.3f} s")
+    steps = prefill_steps(6)
+    cases = [paged(s) for s in steps]
+    for lay in ("slot", "head"):
+        cs = [
+            (q, k, v, qsl, sl, bt) if lay == "slot" else (q, head_major(k), head_major(v), qsl, sl, bt)
+            for q, k, v, qsl, sl, bt in cases
+        ]
+        outs = [torch.empty_like(c[0]) for c in cs]
+
+        def fn(cs=cs, outs=outs):
+            for (q, k, v, qsl, sl, bt), out in zip(cs, outs):
+                ops.paged_prefill(q, k, v, qsl, sl, bt, D**-0.5, out=out)
+
+        fn()
+        ms = do_bench(fn, warmup=5, rep=60)
+        print(f"layout prefill {lay}-major: {ms * 1e3 / len(steps):7.0f} us/step", flush=True)
+    t = 8192
+    kk = torch.randn(t, HK, D, device="cuda", dtype=torch.bfloat16)
+    for lay in ("slot", "head"):
+        kc = torch.zeros(64, 256, HK, D, device="cuda", dtype=torch.bfloat16)
+        kc = kc if lay == "slot" else head_major(kc)
+        vc = torch.zeros_like(kc) if lay == "slot" else head_major(torch.zeros_like(kc))
+        slots = torch.randperm(64 * 256, device="cuda")[:t]
+        us = do_bench(lambda kc=kc, vc=vc, slots=slots: ops.store_kv(kk, kk, kc, vc, slots), warmup=10, rep=50) * 1e3
+        print(f"layout store 8192 tokens {lay}-major: {us:6.1f} us", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--prefill-steps", type=int, default=6)
-    p.add_argument("--only", choices=["qk", "prefill", "decode"])
+    p.add_argument("--only", choices=["qk", "prefill", "decode", "layout"])
     args = p.parse_args()
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     t0 = time.perf_counter()
@@ -186,6 +251,8 @@ def main() -> None:
         prefill(args.prefill_steps)
     if args.only in (None, "decode"):
         decode()
+    if args.only == "layout":
+        layout()
     print(f"# {time.perf_counter() - t0:.0f} s")
 
 
