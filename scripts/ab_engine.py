@@ -1,7 +1,7 @@
 """Session 8's engine A/B: run ``nanovllm bench`` (arguments after the variant) with the new
 kernels on or with the old behaviour restored in this process (KERNEL_NOTES session 8).
 
-    PYTHONPATH=. python3 scripts/ab_engine.py {old,new}[,waves=N][,mbt=N] bench --workload gpu ...
+    PYTHONPATH=. python3 scripts/ab_engine.py {old,new}[,OPTION=VALUE...] bench --workload gpu ...
 
 old:      qk_norm_rope one head per program, the prefill kernel without SPLIT_MASK/TILE_BLOCK at
           its old tile config, mixed steps' decode rows in the prefill kernel (before session 8);
@@ -9,11 +9,41 @@ new:      everything as shipped (add NANOVLLM_MIXED_DECODE_SPLIT=1 for the mixed
           off by default).
 waves=N:  decode split-K aimed at N programs per SM (``triton_ops.DECODE_SPLIT_WAVES``, session 9).
 mbt=N:    N tokens per step by default on CUDA (``config.DEFAULT_MAX_NUM_BATCHED_TOKENS``, session 9).
+layout=head|slot: the Triton cache's storage (``triton_backend.HEAD_MAJOR_CACHE``, session 9).
+split=0|1: a mixed step's leading decode rows to the decode kernel (``triton_backend.MIN_SPLIT_DECODES``).
 """
 
 from __future__ import annotations
 
 import sys
+
+
+def _set(module: str, name: str, convert):
+    def apply(value: str) -> None:
+        import importlib
+
+        setattr(importlib.import_module(module), name, convert(value))
+
+    return apply
+
+
+def _set_mbt(value: str) -> None:
+    from nanovllm import config
+
+    config.DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda"] = int(value)
+
+
+DIGITS = [str(n) for n in range(1, 65)] + ["4096", "8192", "16384", "32768"]
+# option -> (apply, accepted values)
+SETTINGS = {
+    "waves": (_set("nanovllm.attention.triton_ops", "DECODE_SPLIT_WAVES", int), DIGITS),
+    "mbt": (_set_mbt, DIGITS),
+    "layout": (_set("nanovllm.attention.triton_backend", "HEAD_MAJOR_CACHE", lambda v: v == "head"), ["head", "slot"]),
+    "split": (
+        _set("nanovllm.attention.triton_backend", "MIN_SPLIT_DECODES", lambda v: 8 if v == "1" else None),
+        ["0", "1"],
+    ),
+}
 
 
 def main() -> int:
@@ -23,16 +53,9 @@ def main() -> int:
         raise SystemExit(f"variant must be old or new, got {variant!r}")
     for option in options:
         key, _, value = option.partition("=")
-        if key not in ("waves", "mbt") or not value.isdigit():
-            raise SystemExit(f"option must be waves=N or mbt=N, got {option!r}")
-        if key == "waves":
-            from nanovllm.attention import triton_ops
-
-            triton_ops.DECODE_SPLIT_WAVES = int(value)
-        else:
-            from nanovllm import config
-
-            config.DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda"] = int(value)
+        if key not in SETTINGS or value not in SETTINGS[key][1]:
+            raise SystemExit(f"option must be one of {', '.join(SETTINGS)} with its values, got {option!r}")
+        SETTINGS[key][0](value)
     if variant == "old":
         from nanovllm.attention import triton_backend, triton_ops
         from nanovllm.layers import fused_ops

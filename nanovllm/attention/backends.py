@@ -21,6 +21,15 @@ class TorchBackend:
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (num_blocks, num_kv_heads, block_size, head_dim)
 
+    @classmethod
+    def new_kv_cache(
+        cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device
+    ) -> torch.Tensor:
+        """One layer's K or V cache, contiguous in ``kv_cache_shape``."""
+        return torch.empty(
+            cls.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
+        )
+
     @staticmethod
     def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         if cpu_kernels.applies(k, k_cache):

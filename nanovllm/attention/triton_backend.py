@@ -27,6 +27,9 @@ from nanovllm.attention.metadata import AttentionMetadata
 
 # fewer leading decode rows stay in the prefill kernel (one launch); None: the split is off
 MIN_SPLIT_DECODES: int | None = 8 if os.environ.get("NANOVLLM_MIXED_DECODE_SPLIT", "0") == "1" else None
+# the cache's storage: head-major [blocks, kv heads, slots, d] (a head's keys of a block contiguous),
+# seen by the kernels through the slot-major view they address by strides; False: slot-major storage
+HEAD_MAJOR_CACHE = True
 
 
 class TritonBackend:
@@ -71,7 +74,19 @@ class TritonBackend:
     # ------------------------------------------------------------ interface
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        return (num_blocks, block_size, num_kv_heads, head_dim)  # slot-major, what the kernels read
+        return (num_blocks, block_size, num_kv_heads, head_dim)  # slot-major, the view the kernels read
+
+    @staticmethod
+    def new_kv_cache(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """One layer's K or V cache: shaped ``kv_cache_shape``; its storage head-major when
+        ``HEAD_MAJOR_CACHE`` (a strided view: one program's key tile is one contiguous run, not
+        64 rows 2 KB apart; decode -1 to -2 % on the H200, KERNEL_NOTES session 9)."""
+        if not HEAD_MAJOR_CACHE:
+            return torch.empty((num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+        storage = torch.empty((num_blocks, num_kv_heads, block_size, head_dim), dtype=dtype, device=device)
+        return storage.transpose(1, 2)
 
     @staticmethod
     def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:

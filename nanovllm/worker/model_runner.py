@@ -245,9 +245,9 @@ class ModelRunner:
         """Allocate the cache; on a GPU also reserve kernel workspaces and capture decode graphs."""
         self.num_blocks = num_blocks
         for layer in self.attn_layers:
-            shape = self.backend.kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            layer.k_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
-            layer.v_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+            dims = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            layer.k_cache = self.backend.new_kv_cache(*dims, self.kv_dtype, self.device)
+            layer.v_cache = self.backend.new_kv_cache(*dims, self.kv_dtype, self.device)
             layer.backend = self.backend
         if hasattr(self.backend, "reserve"):
             a = self.attn_layers[0]

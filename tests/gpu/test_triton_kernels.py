@@ -386,3 +386,48 @@ def test_float32_uses_exact_dot():
     )
     err = ((out.cpu() - case.reference()).norm() / case.reference().norm()).item()
     assert err < 1e-5, f"float32 decode relative error {err:.2e}"
+
+
+# ------------------------------------------------------- head-major cache storage
+def _head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The engine's cache (``TritonBackend.new_kv_cache``): head-major storage, slot-major view."""
+    nb, bs, kvh, d = cache.shape
+    out = TritonBackend.new_kv_cache(nb, bs, kvh, d, cache.dtype, cache.device)
+    assert out.shape == cache.shape and not out.is_contiguous(), "storage must be head-major"
+    out.copy_(cache)
+    return out
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_kernels_read_and_write_a_head_major_cache(splits):
+    """Store, decode and prefill on the engine's head-major storage give what they give on the
+    reference's slot-major cache. Control: the same bytes read as if they were slot-major miss."""
+    rng = random.Random(90 + splits)
+    block_size, group, head_dim = 16, 2, 64
+    lens = _lengths(block_size, rng, 5 if INTERPRET else 9, MAX_CTX)
+    case = PagedCase([(n - 1, 1) for n in lens], block_size, group, head_dim, seed=rng.randint(0, 1 << 30))
+    k, v = _head_major(case.k_cache), _head_major(case.v_cache)
+    tables, lens_t = case.meta.block_tables, case.meta.seq_lens
+    out = torch.full_like(case.q, float("nan"))
+    triton_ops.paged_decode(case.q, k, v, tables, lens_t, case.scale, num_splits=splits, out=out)
+    assert_close(out, case.reference(), f"decode on a head-major cache, splits={splits}")
+    slot_major_bytes = k.transpose(1, 2).contiguous().view(k.shape), v.transpose(1, 2).contiguous().view(v.shape)
+    wrong = triton_ops.paged_decode(case.q, *slot_major_bytes, tables, lens_t, case.scale, num_splits=splits)
+    with pytest.raises(AssertionError):
+        assert_close(wrong, case.reference(), "control: head-major bytes read as slot-major")
+
+    chunks = [(c, n) for c, n in [(0, 17), (5, 9), (40, 3)]]
+    pre = PagedCase(chunks, block_size, group, head_dim, seed=splits)
+    pk, pv = _head_major(pre.k_cache), _head_major(pre.v_cache)
+    m = pre.meta
+    got = triton_ops.paged_prefill(pre.q, pk, pv, m.query_start_loc, m.seq_lens, m.block_tables, pre.scale)
+    assert_close(got, pre.reference(), "prefill on a head-major cache")
+
+    gen = torch.Generator().manual_seed(splits)
+    new = torch.randn(2, 7, NUM_KV_HEADS, head_dim, generator=gen).to(DTYPE)
+    slots = torch.randperm(k.shape[0] * block_size, generator=gen)[:7]
+    ref_k, ref_v = case.k_cache.cpu().clone(), case.v_cache.cpu().clone()
+    torch_ref.store_kv(new[0], new[1], ref_k, ref_v, slots)
+    triton_ops.store_kv(new[0].to(DEVICE), new[1].to(DEVICE), k, v, slots.to(DEVICE))
+    for got_cache, ref_cache in ((k, ref_k), (v, ref_v)):  # unused slots hold NaN in both
+        assert torch.allclose(got_cache.cpu(), ref_cache, rtol=0, atol=0, equal_nan=True), "store, head-major cache"
