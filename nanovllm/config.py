@@ -10,8 +10,10 @@ from typing import Any
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-# tokens per step when max_num_batched_tokens is not given (with chunked prefill), by device
-DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 4096}
+# tokens per step when max_num_batched_tokens is not given (with chunked prefill), by device; on CUDA
+# vLLM's offline default for large GPUs (16,384 against 8,192: about +1 % on the H200's standard
+# workload, fewer prefill steps bound by kernel launches; the memory profile sizes the cache after it)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 16384, "cpu": 4096}
 
 
 def _int_field(name: str, value, minimum: int, allow_none: bool = False) -> None:

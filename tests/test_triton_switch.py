@@ -37,10 +37,10 @@ def test_a_cpu_tensor_takes_no_kernel_outside_the_interpreter(monkeypatch):
     assert fused_qk.enabled(torch.zeros(1)) is False
 
 
-@pytest.mark.parametrize("value,expected", [(None, "None"), ("0", "None"), ("1", "8")])
-def test_the_mixed_step_split_is_off_unless_asked_for(value, expected):
-    """NANOVLLM_MIXED_DECODE_SPLIT: off by default and at "0" (not shown faster), on at "1"
-    (read at import, so each case in a fresh interpreter)."""
+@pytest.mark.parametrize("value,expected", [(None, "8"), ("0", "None"), ("1", "8")])
+def test_the_mixed_step_split_is_on_unless_turned_off(value, expected):
+    """NANOVLLM_MIXED_DECODE_SPLIT: on by default and at "1", off at "0" (read at import, so each
+    case in a fresh interpreter)."""
     env = {k: v for k, v in os.environ.items() if k != "NANOVLLM_MIXED_DECODE_SPLIT"}
     if value is not None:
         env["NANOVLLM_MIXED_DECODE_SPLIT"] = value

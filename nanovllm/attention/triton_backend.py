@@ -3,12 +3,11 @@
 Pure-decode batches (every sequence has one query token) go to the paged
 decode kernel, split-K when the batch is too small to fill the GPU; anything
 else (prefill, chunks, mixed batches) goes to the paged prefill kernel.
-With ``NANOVLLM_MIXED_DECODE_SPLIT=1`` a mixed step's leading decode rows (the
-scheduler puts running sequences first), at least ``MIN_SPLIT_DECODES`` of
-them, go to the decode kernel instead, where each costs its K/V bytes rather
-than a whole query tile's arithmetic. Off by default: not yet shown faster end
-to end (the workload's prefill steps are bound by the host's kernel launches,
-and the split adds launches; KERNEL_NOTES session 8).
+A mixed step's leading decode rows (the scheduler puts running sequences
+first), at least ``MIN_SPLIT_DECODES`` of them, go to the decode kernel
+instead, where each costs its K/V bytes rather than a whole query tile's
+arithmetic (``NANOVLLM_MIXED_DECODE_SPLIT=0`` keeps them in the prefill kernel;
+about +1 % end to end on the H200, KERNEL_NOTES session 9).
 
 CUDA-graph contract: a decode forward reads no host value but tensor shapes,
 and its split-K workspace is allocated before capture (``reserve`` or an eager
@@ -26,7 +25,7 @@ from nanovllm.attention import triton_ops
 from nanovllm.attention.metadata import AttentionMetadata
 
 # fewer leading decode rows stay in the prefill kernel (one launch); None: the split is off
-MIN_SPLIT_DECODES: int | None = 8 if os.environ.get("NANOVLLM_MIXED_DECODE_SPLIT", "0") == "1" else None
+MIN_SPLIT_DECODES: int | None = None if os.environ.get("NANOVLLM_MIXED_DECODE_SPLIT", "1") == "0" else 8
 # the cache's storage: head-major [blocks, kv heads, slots, d] (a head's keys of a block contiguous),
 # seen by the kernels through the slot-major view they address by strides; False: slot-major storage
 HEAD_MAJOR_CACHE = True

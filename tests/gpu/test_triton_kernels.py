@@ -346,7 +346,7 @@ def test_backend_mixed_step_gives_leading_decodes_to_the_decode_kernel(monkeypat
 
     specs, case = _mixed_case()
     assert case.meta.num_leading_decodes == 9
-    monkeypatch.setattr(triton_backend, "MIN_SPLIT_DECODES", 8)  # NANOVLLM_MIXED_DECODE_SPLIT=1
+    monkeypatch.setattr(triton_backend, "MIN_SPLIT_DECODES", 8)  # the default
     calls = []
     real = triton_ops.paged_decode
     monkeypatch.setattr(triton_ops, "paged_decode", lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw))
@@ -359,7 +359,7 @@ def test_backend_mixed_step_gives_leading_decodes_to_the_decode_kernel(monkeypat
     out = TritonBackend().forward(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
     assert calls == []
     _assert_rows(out, case.reference(), specs, "mixed step, no split")
-    monkeypatch.setattr(triton_backend, "MIN_SPLIT_DECODES", None)  # the default: off
+    monkeypatch.setattr(triton_backend, "MIN_SPLIT_DECODES", None)  # NANOVLLM_MIXED_DECODE_SPLIT=0
     out = TritonBackend().forward(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
     assert calls == []
     _assert_rows(out, case.reference(), specs, "mixed step, split off")
