@@ -77,7 +77,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     """Most sequences in one step."""
     max_num_batched_tokens: int | None = None
-    """Token budget of one step (None: 4096 on CPU, 8192 on GPU; at least max_model_len
+    """Token budget of one step (None: 4096 on CPU, 16384 on GPU; at least max_model_len
     without chunked prefill)."""
     max_model_len: int | None = None
     """Longest sequence, prompt plus output (None: the model's limit, at most 8192)."""
