@@ -5,8 +5,8 @@ kernels on or with the old behaviour restored in this process (KERNEL_NOTES sess
 
 old:      qk_norm_rope one head per program, the prefill kernel without SPLIT_MASK/TILE_BLOCK at
           its old tile config, mixed steps' decode rows in the prefill kernel (before session 8);
-new:      everything as shipped (add NANOVLLM_MIXED_DECODE_SPLIT=1 for the mixed-step split,
-          off by default).
+new:      everything as shipped (the mixed-step split on since session 9; split=0 or
+          NANOVLLM_MIXED_DECODE_SPLIT=0 turns it off).
 waves=N:  decode split-K aimed at N programs per SM (``triton_ops.DECODE_SPLIT_WAVES``, session 9).
 mbt=N:    N tokens per step by default on CUDA (``config.DEFAULT_MAX_NUM_BATCHED_TOKENS``, session 9).
 layout=head|slot: the Triton cache's storage (``triton_backend.HEAD_MAJOR_CACHE``, session 9).
@@ -33,15 +33,21 @@ def _set_mbt(value: str) -> None:
     config.DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda"] = int(value)
 
 
-DIGITS = [str(n) for n in range(1, 65)] + ["4096", "8192", "16384", "32768"]
-# option -> (apply, accepted values)
+def _positive(value: str) -> bool:
+    return value.isdigit() and int(value) > 0
+
+
+# option -> (apply, is the value accepted)
 SETTINGS = {
-    "waves": (_set("nanovllm.attention.triton_ops", "DECODE_SPLIT_WAVES", int), DIGITS),
-    "mbt": (_set_mbt, DIGITS),
-    "layout": (_set("nanovllm.attention.triton_backend", "HEAD_MAJOR_CACHE", lambda v: v == "head"), ["head", "slot"]),
+    "waves": (_set("nanovllm.attention.triton_ops", "DECODE_SPLIT_WAVES", int), _positive),
+    "mbt": (_set_mbt, _positive),
+    "layout": (
+        _set("nanovllm.attention.triton_backend", "HEAD_MAJOR_CACHE", lambda v: v == "head"),
+        lambda v: v in ("head", "slot"),
+    ),
     "split": (
         _set("nanovllm.attention.triton_backend", "MIN_SPLIT_DECODES", lambda v: 8 if v == "1" else None),
-        ["0", "1"],
+        lambda v: v in ("0", "1"),
     ),
 }
 
@@ -53,7 +59,7 @@ def main() -> int:
         raise SystemExit(f"variant must be old or new, got {variant!r}")
     for option in options:
         key, _, value = option.partition("=")
-        if key not in SETTINGS or value not in SETTINGS[key][1]:
+        if key not in SETTINGS or not SETTINGS[key][1](value):
             raise SystemExit(f"option must be one of {', '.join(SETTINGS)} with its values, got {option!r}")
         SETTINGS[key][0](value)
     if variant == "old":

@@ -143,6 +143,20 @@ def decode_steps(stride: int = 50) -> list[list[int]]:
     return steps
 
 
+def time_decode(q, kc, vc, bt, sl, splits: int, ref: torch.Tensor | None) -> tuple[float, float, torch.Tensor]:
+    """do_bench median (us) of one paged_decode, its output's largest distance from ``ref``, and the
+    reference for the next variants (this output when ``ref`` is None, so the first variant's)."""
+    out = torch.empty_like(q)
+
+    def fn():
+        ops.paged_decode(q, kc, vc, bt, sl, D**-0.5, num_splits=splits, out=out)
+
+    fn()
+    ref = out.clone() if ref is None else ref
+    diff = (out.float() - ref.float()).abs().max().item()
+    return do_bench(fn, warmup=10, rep=50) * 1e3, diff, ref
+
+
 def decode(stride: int = 50) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     steps = decode_steps(stride)
@@ -158,14 +172,7 @@ def decode(stride: int = 50) -> None:
             line = []
             for waves in (2, 4, 8, 16, 32):
                 splits = ops.num_decode_splits(b, HK, sms, waves)
-                out = torch.empty_like(q)
-                fn = lambda q=q, kc=kc, vc=vc, bt=bt, sl=sl, out=out, splits=splits: ops.paged_decode(  # noqa: E731
-                    q, kc, vc, bt, sl, D**-0.5, num_splits=splits, out=out
-                )
-                fn()
-                ref = out.clone() if ref is None else ref
-                diff = (out.float() - ref.float()).abs().max().item()
-                us = do_bench(fn, warmup=10, rep=50) * 1e3
+                us, diff, ref = time_decode(q, kc, vc, bt, sl, splits, ref)
                 totals[kind, waves] = totals.get((kind, waves), 0.0) + us * stride * 28 / 1e6
                 line.append(f"w{waves}:s{splits} {us:6.1f}us {gb / us * 1e3:4.2f}TB/s d{diff:.0e}")
             print(f"decode b{b:3d} ctx {sum(ctx) // b:5d} {kind}: " + "  ".join(line), flush=True)
@@ -197,14 +204,7 @@ def layout(stride: int = 50) -> None:
                 kk, vv = (kc, vc) if lay == "slot" else (head_major(kc), head_major(vc))
                 for waves in (2, 8):
                     splits = ops.num_decode_splits(b, HK, sms, waves)
-                    out = torch.empty_like(q)
-                    fn = lambda q=q, kk=kk, vv=vv, bt=bt, sl=sl, out=out, splits=splits: ops.paged_decode(  # noqa: E731
-                        q, kk, vv, bt, sl, D**-0.5, num_splits=splits, out=out
-                    )
-                    fn()
-                    ref = out.clone() if ref is None else ref
-                    diff = (out.float() - ref.float()).abs().max().item()
-                    us = do_bench(fn, warmup=10, rep=50) * 1e3
+                    us, diff, ref = time_decode(q, kk, vv, bt, sl, splits, ref)
                     key = f"{kind} {lay} w{waves}"
                     totals[key] = totals.get(key, 0.0) + us * stride * 28 / 1e6
                     line.append(f"{lay[0]}w{waves} {us:6.1f}us {gb / us * 1e3:4.2f}TB/s d{diff:.0e}")

@@ -141,7 +141,7 @@ def test_head_major_cache_gives_bitwise_the_slot_major_results(block_size, heads
                 assert not torch.allclose(wrong, want, equal_nan=True)
 
 
-def test_the_torch_backend_allocates_and_reads_a_head_major_cache():
+def test_the_torch_backend_allocates_and_reads_a_head_major_cache(monkeypatch):
     """The CPU engine's cache is head-major (the backend says its shape); the Triton backend's
     shape stays slot-major, the view its kernels read, over head-major storage by default."""
     from conformance.zoo import zoo_model
@@ -154,6 +154,11 @@ def test_the_torch_backend_allocates_and_reads_a_head_major_cache():
     cache = TritonBackend.new_kv_cache(10, 16, 2, 64, torch.float16, torch.device("cpu"))
     assert cache.shape == (10, 16, 2, 64) and cache.stride() == (2 * 16 * 64, 64, 16 * 64, 1)
     assert TorchBackend.new_kv_cache(10, 16, 2, 64, torch.float32, "cpu").is_contiguous()
+    from nanovllm.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "HEAD_MAJOR_CACHE", False)  # the A/B switch: slot-major storage
+    cache = TritonBackend.new_kv_cache(10, 16, 2, 64, torch.float16, torch.device("cpu"))
+    assert cache.shape == (10, 16, 2, 64) and cache.is_contiguous()
     llm = LLM(zoo_model("qwen3-gqa2-hd64-tied"), device="cpu", kv_cache_memory_gib=0.01)
     attn = next(m for m in llm.llm_engine.executor.runner.model.modules() if hasattr(m, "k_cache"))
     assert attn.k_cache.shape[1:] == (attn.num_kv_heads, llm.llm_engine.config.block_size, attn.head_dim)

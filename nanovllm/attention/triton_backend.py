@@ -75,15 +75,16 @@ class TritonBackend:
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (num_blocks, block_size, num_kv_heads, head_dim)  # slot-major, the view the kernels read
 
-    @staticmethod
+    @classmethod
     def new_kv_cache(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+        cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device
     ) -> torch.Tensor:
         """One layer's K or V cache: shaped ``kv_cache_shape``; its storage head-major when
         ``HEAD_MAJOR_CACHE`` (a strided view: one program's key tile is one contiguous run, not
         64 rows 2 KB apart; decode -1 to -2 % on the H200, KERNEL_NOTES session 9)."""
         if not HEAD_MAJOR_CACHE:
-            return torch.empty((num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+            shape = cls.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+            return torch.empty(shape, dtype=dtype, device=device)
         storage = torch.empty((num_blocks, num_kv_heads, block_size, head_dim), dtype=dtype, device=device)
         return storage.transpose(1, 2)
 
