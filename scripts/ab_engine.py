@@ -11,10 +11,15 @@ waves=N:  decode split-K aimed at N programs per SM (``triton_ops.DECODE_SPLIT_W
 mbt=N:    N tokens per step by default on CUDA (``config.DEFAULT_MAX_NUM_BATCHED_TOKENS``, session 9).
 layout=head|slot: the Triton cache's storage (``triton_backend.HEAD_MAJOR_CACHE``, session 9).
 split=0|1: a mixed step's leading decode rows to the decode kernel (``triton_backend.MIN_SPLIT_DECODES``).
+blas=lt|default: torch's cuBLAS front end for the linear layers (``torch.backends.cuda.preferred_blas_library``, session 10).
+tile=NxWxS: the decode kernel's keys per tile, warps and stages for 16-bit caches (session 10).
+tb=0|1:   TILE_BLOCK (one block-table entry per key tile) forced off/on in the decode kernel (session 10).
+pdl=0|1:  programmatic dependent launch of the Triton kernels (``NANOVLLM_PDL``, session 10; on by default).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -33,6 +38,37 @@ def _set_mbt(value: str) -> None:
     config.DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda"] = int(value)
 
 
+def _set_blas(value: str) -> None:
+    os.environ["TORCH_BLAS_PREFER_CUBLASLT"] = "1" if value == "lt" else "0"  # processes started later
+    import torch
+
+    torch.backends.cuda.preferred_blas_library("cublaslt" if value == "lt" else "cublas")
+
+
+def _set_tile(value: str) -> None:
+    from nanovllm.attention import triton_ops
+
+    n, w, st = map(int, value.split("x"))
+    shipped = triton_ops.decode_config
+
+    def decode_config(d, dtype, kv_fp8=False):  # 16-bit caches of 16-bit models only
+        cfg = shipped(d, dtype, kv_fp8)
+        return cfg if kv_fp8 or cfg.block_n == 32 else triton_ops.KernelConfig(16, n, w, st)
+
+    triton_ops.decode_config = decode_config
+
+
+def _set_tb(value: str) -> None:
+    from nanovllm.attention import triton_ops
+
+    triton_ops.DECODE_FLAG_OVERRIDES["TILE_BLOCK"] = value == "1"
+
+
+def _is_tile(value: str) -> bool:
+    parts = value.split("x")
+    return len(parts) == 3 and all(_positive(p) for p in parts)
+
+
 def _positive(value: str) -> bool:
     return value.isdigit() and int(value) > 0
 
@@ -45,6 +81,10 @@ SETTINGS = {
         _set("nanovllm.attention.triton_backend", "HEAD_MAJOR_CACHE", lambda v: v == "head"),
         lambda v: v in ("head", "slot"),
     ),
+    "blas": (_set_blas, lambda v: v in ("lt", "default")),
+    "tile": (_set_tile, _is_tile),
+    "tb": (_set_tb, lambda v: v in ("0", "1")),
+    "pdl": (lambda v: os.environ.__setitem__("NANOVLLM_PDL", v), lambda v: v in ("0", "1")),
     "split": (
         _set("nanovllm.attention.triton_backend", "MIN_SPLIT_DECODES", lambda v: 8 if v == "1" else None),
         lambda v: v in ("0", "1"),

@@ -1,7 +1,7 @@
 """Session 8 A/B micro-benchmarks on the GPU (KERNEL_NOTES): the kernels of a prefill step and of
 a tail step that the standard workload's profile pointed at, each variant beside the old one.
 
-    PYTHONPATH=. python3 scripts/ab_kernels.py [--only qk|prefill]
+    PYTHONPATH=. python3 scripts/ab_kernels.py [--only qk|prefill|decode|layout|tiles]
 
 1. qk_norm_rope at 8,192 tokens (a prefill step) and 23 tokens (a tail step): one head per
    program (the old kernel's grid, BLOCK_H=1) against runs of 4/8/16/32 heads.
@@ -11,6 +11,8 @@ a tail step that the standard workload's profile pointed at, each variant beside
    contexts (the requests whose max_tokens exceed the step, each at prompt + step tokens), the
    split-K factor chosen for 2/4/8/16/32 programs per SM (``DECODE_SPLIT_WAVES``), bf16 and FP8
    caches; the sum over the sampled steps x 50 x 28 layers estimates the run's decode attention.
+4. ``--only layout`` (session 9): slot-major against head-major caches; ``--only tiles`` (session
+   10): the decode tile configs and TILE_BLOCK on the head-major bf16 cache.
 
 (Its first run also timed a Triton kernel for decode-sized linear layers against cuBLAS: it did
 not win, and the kernel was removed; the numbers are in KERNEL_NOTES session 8.)
@@ -143,13 +145,15 @@ def decode_steps(stride: int = 50) -> list[list[int]]:
     return steps
 
 
-def time_decode(q, kc, vc, bt, sl, splits: int, ref: torch.Tensor | None) -> tuple[float, float, torch.Tensor]:
+def time_decode(
+    q, kc, vc, bt, sl, splits: int, ref: torch.Tensor | None, config: ops.KernelConfig | None = None
+) -> tuple[float, float, torch.Tensor]:
     """do_bench median (us) of one paged_decode, its output's largest distance from ``ref``, and the
     reference for the next variants (this output when ``ref`` is None, so the first variant's)."""
     out = torch.empty_like(q)
 
     def fn():
-        ops.paged_decode(q, kc, vc, bt, sl, D**-0.5, num_splits=splits, out=out)
+        ops.paged_decode(q, kc, vc, bt, sl, D**-0.5, num_splits=splits, out=out, config=config)
 
     fn()
     ref = out.clone() if ref is None else ref
@@ -238,10 +242,57 @@ def layout(stride: int = 50) -> None:
         print(f"layout store 8192 tokens {lay}-major: {us:6.1f} us", flush=True)
 
 
+TILES = [
+    (64, 4, 3),
+    (64, 4, 2),
+    (64, 4, 4),
+    (64, 8, 3),
+    (32, 4, 3),
+    (128, 4, 3),
+    (128, 4, 2),
+    (128, 8, 3),
+    (128, 8, 2),
+    (256, 8, 2),
+]
+
+
+def tiles(stride: int = 100) -> None:
+    """Session 10: the decode kernel's tile config (keys per tile, warps, stages) and TILE_BLOCK
+    (one block-table entry per tile) on the head-major cache, bf16 (the configs were last swept on
+    the slot-major layout). Prints the run estimate per variant and, last, the best one as
+    ``best tile NxWxS tb=0|1`` (scripts read that line)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"## decode tile configs, head-major bf16 cache, every {stride}th decode step, do_bench median")
+    totals: dict[tuple[int, int, int, bool], float] = {}
+    for ctx in decode_steps(stride):
+        q, k, v, _, sl, bt = paged([(c - 1, 1) for c in ctx])
+        kc, vc = head_major(k), head_major(v)
+        b = len(ctx)
+        gb = sum(ctx) * HK * D * 2 * 2 / 1e9
+        splits = ops.num_decode_splits(b, HK, sms)
+        ref = None
+        line = []
+        for n, w, st in TILES:
+            for tb in (False, True):
+                ops.DECODE_FLAG_OVERRIDES["TILE_BLOCK"] = tb
+                try:
+                    us, diff, ref = time_decode(q, kc, vc, bt, sl, splits, ref, ops.KernelConfig(16, n, w, st))
+                except triton.runtime.errors.OutOfResources:  # shared memory: counted as never best
+                    us, diff = float("inf"), float("nan")
+                totals[n, w, st, tb] = totals.get((n, w, st, tb), 0.0) + us * stride * 28 / 1e6
+                line.append(f"{n}x{w}x{st}{'t' if tb else ''} {gb / us * 1e3:4.2f}")
+        ops.DECODE_FLAG_OVERRIDES.pop("TILE_BLOCK", None)
+        print(f"tiles b{b:3d} ctx {sum(ctx) // b:5d} s{splits} d{diff:.0e} TB/s: " + " ".join(line), flush=True)
+    for key, t in sorted(totals.items(), key=lambda kv: kv[1]):
+        print(f"tiles run estimate {key[0]}x{key[1]}x{key[2]} tb={int(key[3])}: {t:.3f} s")
+    (n, w, st, tb), _ = min(totals.items(), key=lambda kv: kv[1])
+    print(f"best tile {n}x{w}x{st} tb={int(tb)}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--prefill-steps", type=int, default=6)
-    p.add_argument("--only", choices=["qk", "prefill", "decode", "layout"])
+    p.add_argument("--only", choices=["qk", "prefill", "decode", "layout", "tiles"])
     args = p.parse_args()
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     t0 = time.perf_counter()
@@ -253,6 +304,8 @@ def main() -> None:
         decode()
     if args.only == "layout":
         layout()
+    if args.only == "tiles":
+        tiles()
     print(f"# {time.perf_counter() - t0:.0f} s")
 
 

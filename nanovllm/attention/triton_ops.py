@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.layers import pdl
+
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
 # decode programs aimed at per SM when a batch is too small to fill the GPU (num_decode_splits)
@@ -42,12 +44,18 @@ class KernelConfig:
     num_stages: int
 
 
-def decode_config(head_dim: int, dtype: torch.dtype) -> KernelConfig:
+def decode_config(head_dim: int, dtype: torch.dtype, kv_fp8: bool = False) -> KernelConfig:
+    """The decode kernel's tiles for a model ``dtype`` and cache type (H200 sweeps, KERNEL_NOTES)."""
     if dtype == torch.float32 or head_dim > 128:
         return KernelConfig(16, 32, 4, 2)
-    # FP8 too: with one block-table entry per tile and the V widening in PTX, 64-key tiles (128
-    # registers, 4 CTAs per SM) beat 128-key ones (168 registers, 3 CTAs) on the H200 (KERNEL_NOTES)
-    return KernelConfig(16, 64, 4, 3)
+    if kv_fp8:
+        # with one block-table entry per tile and the V widening in PTX, 64-key tiles (128
+        # registers, 4 CTAs per SM) beat 128-key ones (168 registers, 3 CTAs): session 4
+        return KernelConfig(16, 64, 4, 3)
+    # 16-bit caches (head-major storage): 128-key tiles with one block-table entry per tile read
+    # 3.9-4.0 TB/s at batch 150-256 against 3.7-3.8 for 64-key tiles; the run's decode
+    # attention 3.94 s against 4.19 s, +3.8 % end to end (session 10)
+    return KernelConfig(16, 128, 4, 3)
 
 
 def prefill_config(head_dim: int, dtype: torch.dtype) -> KernelConfig:
@@ -102,7 +110,9 @@ def _store_kv_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl.wait_then_release(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
@@ -161,6 +171,7 @@ def store_kv(
         BLOCK_SIZE=block_size,
         KV_FP8=is_fp8(k_cache),
         num_warps=4,
+        **pdl.launch_args(key),
     )
 
 
@@ -227,8 +238,10 @@ def _decode_kernel(
     WIDEN: tl.constexpr,
     V_ASM: tl.constexpr = False,
     TILE_BLOCK: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Program (seq, kv head, split): the group's query heads against keys of one split."""
+    pdl.wait_then_release(PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -312,8 +325,10 @@ def _merge_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (seq, head): log-sum-exp merge of the splits; empty splits weigh 0."""
+    pdl.wait_then_release(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     row0 = (seq * tl.num_programs(1) + head) * NUM_SPLITS
@@ -348,18 +363,19 @@ def prefill_tile_flags(block_size: int, block_n: int) -> dict[str, bool]:
 
 
 def decode_tile_flags(block_size: int, block_n: int, kv_fp8: bool, dtype: torch.dtype) -> dict[str, bool]:
-    """How the decode kernel addresses and widens an FP8 K/V tile (both off for 16-bit caches,
-    where they measured no gain: the kernel is at ~98 % of bandwidth there, KERNEL_NOTES session 4).
+    """How the decode kernel addresses a K/V tile and widens an FP8 one.
 
     TILE_BLOCK: a tile never straddles two cache blocks (``block_size % block_n == 0``, and tiles
     start at multiples of ``block_n``), so one block-table entry per tile gives a scalar base and
-    the per-key offsets are one loop-invariant int32 tile: -13 % time on the H200 (128-key tiles).
+    the per-key offsets are one loop-invariant int32 tile: -13 % time on the H200 for FP8 caches
+    (session 4); for 16-bit caches it measured nothing on the slot-major layout (session 4) but
+    +2-3 % bandwidth on the head-major one with 128-key tiles (session 10).
     V_ASM: FP8 V widens to float16 by inline PTX, four bytes per call; Triton still moves the
     widening into the MMA operand layout but packs the bytes with ``prmt``: -13 %. Both, with
     64-key tiles (``decode_config``): 231 -> 178 us at batch 256, context 1024.
     """
     return dict(
-        TILE_BLOCK=kv_fp8 and block_size % block_n == 0,
+        TILE_BLOCK=block_size % block_n == 0,
         V_ASM=kv_fp8 and dtype in (torch.bfloat16, torch.float16),
     )
 
@@ -405,7 +421,7 @@ def paged_decode(
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     group = num_heads // num_kv_heads
-    cfg = config or decode_config(head_dim, q.dtype)
+    cfg = config or decode_config(head_dim, q.dtype, is_fp8(k_cache))
     out = torch.empty_like(q) if out is None else out
     if num_seqs == 0:
         return out
@@ -453,6 +469,7 @@ def paged_decode(
         KV_FP8=is_fp8(k_cache),
         WIDEN=_widen(q.dtype),
         **{**decode_tile_flags(block_size, cfg.block_n, is_fp8(k_cache), q.dtype), **DECODE_FLAG_OVERRIDES},
+        **pdl.launch_args(q),
     )
     if num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](
@@ -466,6 +483,7 @@ def paged_decode(
             NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits),
             num_warps=4,
+            **pdl.launch_args(q),
         )
     return out
 
@@ -575,12 +593,14 @@ def _prefill_kernel(
     WIDEN: tl.constexpr,
     SPLIT_MASK: tl.constexpr,
     TILE_BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (query tile, kv head): BLOCK_Q tokens x the group's heads of one sequence.
 
     Sequence s owns tiles ``query_start_loc[s] // BLOCK_Q + s + (0, 1, ...)``; the
     program finds its sequence by binary search over that non-decreasing start.
     """
+    pdl.wait_then_release(PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -758,6 +778,7 @@ def paged_prefill(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **{**prefill_tile_flags(block_size, cfg.block_n), **PREFILL_FLAG_OVERRIDES},
+        **pdl.launch_args(q),
     )
     return out
 

@@ -33,6 +33,8 @@ from nanovllm.layers.triton_switch import triton_path
 try:
     import triton
     import triton.language as tl
+
+    from nanovllm.layers import pdl
 except ImportError:  # CPU-only installs: the Sampler keeps its PyTorch path
     triton = None
 
@@ -61,10 +63,12 @@ if triton is not None:
         VOCAB: tl.constexpr,
         BLOCK: tl.constexpr,
         SPLIT: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         """Program (row, split) takes the row's tokens [split * chunk, (split + 1) * chunk). Without
         SPLIT (one split) it writes the row's token and flag; with it, the split's best score, its
         token and flag, which _sample_merge_kernel reduces."""
+        pdl.wait_then_release(PDL)
         row = tl.program_id(0)
         split = tl.program_id(1)
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
@@ -105,8 +109,11 @@ if triton is not None:
         do_not_specialize=["num_splits"],
         do_not_specialize_on_alignment=["val_ptr", "idx_ptr", "bad_ptr", "token_ptr", "nonfinite_ptr"],
     )
-    def _sample_merge_kernel(val_ptr, idx_ptr, bad_ptr, token_ptr, nonfinite_ptr, num_splits, SPLITS: tl.constexpr):
+    def _sample_merge_kernel(
+        val_ptr, idx_ptr, bad_ptr, token_ptr, nonfinite_ptr, num_splits, SPLITS: tl.constexpr, PDL: tl.constexpr = False
+    ):
         """A row's token: the best of its splits' (the earliest split on a tie: the first index)."""
+        pdl.wait_then_release(PDL)
         row = tl.program_id(0)
         offs = tl.arange(0, SPLITS)
         mask = offs < num_splits
@@ -168,16 +175,17 @@ def sample(
     if splits == 1:
         _sample_kernel[(n, 1)](
             logits, logits.stride(0), inv_temp, seeds, out[0], out[0], out[1], chunk, 1,
-            VOCAB=vocab, BLOCK=block, SPLIT=False, num_warps=warps,
+            VOCAB=vocab, BLOCK=block, SPLIT=False, num_warps=warps, **pdl.launch_args(logits),
         )  # fmt: skip
         return out[0], out[1]
     vals = torch.empty(n * splits, dtype=torch.float32, device=logits.device)
     part = torch.empty(2, n * splits, dtype=torch.int64, device=logits.device)
     _sample_kernel[(n, splits)](
         logits, logits.stride(0), inv_temp, seeds, vals, part[0], part[1], chunk, splits,
-        VOCAB=vocab, BLOCK=block, SPLIT=True, num_warps=warps,
+        VOCAB=vocab, BLOCK=block, SPLIT=True, num_warps=warps, **pdl.launch_args(logits),
     )  # fmt: skip
     _sample_merge_kernel[(n,)](
-        vals, part[0], part[1], out[0], out[1], splits, SPLITS=triton.next_power_of_2(_MAX_SPLITS)
-    )
+        vals, part[0], part[1], out[0], out[1], splits, SPLITS=triton.next_power_of_2(_MAX_SPLITS),
+        **pdl.launch_args(logits),
+    )  # fmt: skip
     return out[0], out[1]
