@@ -242,57 +242,52 @@ def layout(stride: int = 50) -> None:
         print(f"layout store 8192 tokens {lay}-major: {us:6.1f} us", flush=True)
 
 
-TILES = [
-    (64, 4, 3),
-    (64, 4, 2),
-    (64, 4, 4),
-    (64, 8, 3),
-    (32, 4, 3),
-    (128, 4, 3),
-    (128, 4, 2),
-    (128, 8, 3),
-    (128, 8, 2),
-    (256, 8, 2),
-]
+TILES = "64x4x3,64x4x2,64x4x4,64x8x3,32x4x3,128x4x3,128x4x2,128x8x3,128x8x2,256x8x2"
 
 
-def tiles(stride: int = 100) -> None:
-    """Session 10: the decode kernel's tile config (keys per tile, warps, stages) and TILE_BLOCK
-    (one block-table entry per tile) on the head-major cache, bf16 (the configs were last swept on
-    the slot-major layout). Prints the run estimate per variant and, last, the best one as
-    ``best tile NxWxS tb=0|1`` (scripts read that line)."""
+def tiles(configs: str = TILES, waves_list: str = "2", stride: int = 100) -> None:
+    """Session 10: the decode kernel's tile config (keys per tile, warps, stages), TILE_BLOCK (one
+    block-table entry per tile) and the split-K target (programs per SM) on the head-major bf16
+    cache (the configs were last swept on the slot-major layout). Prints the run estimate per
+    variant and, last, the best one as ``best tile NxWxS tb=0|1 waves=N`` (scripts read that line)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = [tuple(map(int, c.split("x"))) for c in configs.split(",")]
+    waves_all = [int(w) for w in waves_list.split(",")]
     print(f"## decode tile configs, head-major bf16 cache, every {stride}th decode step, do_bench median")
-    totals: dict[tuple[int, int, int, bool], float] = {}
+    totals: dict[tuple[int, int, int, bool, int], float] = {}
     for ctx in decode_steps(stride):
         q, k, v, _, sl, bt = paged([(c - 1, 1) for c in ctx])
         kc, vc = head_major(k), head_major(v)
         b = len(ctx)
         gb = sum(ctx) * HK * D * 2 * 2 / 1e9
-        splits = ops.num_decode_splits(b, HK, sms)
         ref = None
         line = []
-        for n, w, st in TILES:
-            for tb in (False, True):
-                ops.DECODE_FLAG_OVERRIDES["TILE_BLOCK"] = tb
-                try:
-                    us, diff, ref = time_decode(q, kc, vc, bt, sl, splits, ref, ops.KernelConfig(16, n, w, st))
-                except triton.runtime.errors.OutOfResources:  # shared memory: counted as never best
-                    us, diff = float("inf"), float("nan")
-                totals[n, w, st, tb] = totals.get((n, w, st, tb), 0.0) + us * stride * 28 / 1e6
-                line.append(f"{n}x{w}x{st}{'t' if tb else ''} {gb / us * 1e3:4.2f}")
+        for waves in waves_all:
+            splits = ops.num_decode_splits(b, HK, sms, waves)
+            for n, w, st in shapes:
+                for tb in (False, True):
+                    ops.DECODE_FLAG_OVERRIDES["TILE_BLOCK"] = tb
+                    try:
+                        us, diff, ref = time_decode(q, kc, vc, bt, sl, splits, ref, ops.KernelConfig(16, n, w, st))
+                    except triton.runtime.errors.OutOfResources:  # shared memory: counted as never best
+                        us, diff = float("inf"), float("nan")
+                    key = (n, w, st, tb, waves)
+                    totals[key] = totals.get(key, 0.0) + us * stride * 28 / 1e6
+                    line.append(f"{n}x{w}x{st}{'t' if tb else ''}w{waves}s{splits} {gb / us * 1e3:4.2f}")
         ops.DECODE_FLAG_OVERRIDES.pop("TILE_BLOCK", None)
-        print(f"tiles b{b:3d} ctx {sum(ctx) // b:5d} s{splits} d{diff:.0e} TB/s: " + " ".join(line), flush=True)
+        print(f"tiles b{b:3d} ctx {sum(ctx) // b:5d} d{diff:.0e} TB/s: " + " ".join(line), flush=True)
     for key, t in sorted(totals.items(), key=lambda kv: kv[1]):
-        print(f"tiles run estimate {key[0]}x{key[1]}x{key[2]} tb={int(key[3])}: {t:.3f} s")
-    (n, w, st, tb), _ = min(totals.items(), key=lambda kv: kv[1])
-    print(f"best tile {n}x{w}x{st} tb={int(tb)}")
+        print(f"tiles run estimate {key[0]}x{key[1]}x{key[2]} tb={int(key[3])} waves={key[4]}: {t:.3f} s")
+    (n, w, st, tb, waves), _ = min(totals.items(), key=lambda kv: kv[1])
+    print(f"best tile {n}x{w}x{st} tb={int(tb)} waves={waves}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--prefill-steps", type=int, default=6)
     p.add_argument("--only", choices=["qk", "prefill", "decode", "layout", "tiles"])
+    p.add_argument("--tiles", default=TILES, help="decode configs for --only tiles: NxWxS,...")
+    p.add_argument("--waves", default="2", help="split-K targets (programs per SM) for --only tiles: N,...")
     args = p.parse_args()
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     t0 = time.perf_counter()
@@ -305,7 +300,7 @@ def main() -> None:
     if args.only == "layout":
         layout()
     if args.only == "tiles":
-        tiles()
+        tiles(args.tiles, args.waves)
     print(f"# {time.perf_counter() - t0:.0f} s")
 
 
