@@ -5,6 +5,8 @@ kernels on or with the old behaviour restored in this process (KERNEL_NOTES sess
 
 old:      qk_norm_rope one head per program, the prefill kernel without SPLIT_MASK/TILE_BLOCK at
           its old tile config, mixed steps' decode rows in the prefill kernel (before session 8);
+          it keeps later sessions' changes (PDL, 128-key decode tiles): add pdl=0,tile=64x4x3,tb=0
+          for the kernels as they were before session 10;
 new:      everything as shipped (the mixed-step split on since session 9; split=0 or
           NANOVLLM_MIXED_DECODE_SPLIT=0 turns it off).
 waves=N:  decode split-K aimed at N programs per SM (``triton_ops.DECODE_SPLIT_WAVES``, session 9).

@@ -16,7 +16,9 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
+import pathlib
 import textwrap
 import types
 
@@ -28,16 +30,26 @@ triton = pytest.importorskip("triton", reason="the kernels need triton")
 from nanovllm.attention import triton_ops  # noqa: E402
 from nanovllm.layers import fused_ops, fused_sampler, pdl  # noqa: E402
 
-MODULES = (triton_ops, fused_ops, fused_sampler)
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "nanovllm"
+
+
+def _kernel_modules():
+    """Every module of the package that defines a Triton kernel (found by its source, so a kernel
+    added in a new module is checked too; only those modules are imported)."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "triton.jit" in path.read_text():
+            yield importlib.import_module(".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts))
+
+
+MODULES = tuple(_kernel_modules())
+HELPERS = {"wait_then_release", "_fp8_to_f16_asm", "_prefill_tile"}  # jit functions called by kernels
 
 
 def _kernels():
     for module in MODULES:
         for name, obj in vars(module).items():
-            if isinstance(obj, triton.runtime.JITFunction) and "PDL" in inspect.signature(obj.fn).parameters:
-                yield f"{module.__name__}.{name}", obj
-            elif isinstance(obj, triton.runtime.JITFunction) and name.endswith("_kernel"):
-                yield f"{module.__name__}.{name}", obj  # a launched kernel without the constexpr: flagged below
+            if isinstance(obj, triton.runtime.JITFunction) and name not in HELPERS:
+                yield f"{module.__name__}.{name}", obj  # every launched kernel: its first statement is checked
 
 
 def _first_statement_waits(fn) -> str | None:
@@ -59,6 +71,7 @@ def test_every_kernel_waits_first():
         "_store_kv_kernel", "_decode_kernel", "_merge_kernel", "_prefill_kernel", "_rms_norm_kernel",
         "_silu_mul_kernel", "_rope_kernel", "_qk_norm_rope_kernel", "_sample_kernel", "_sample_merge_kernel",
     }  # fmt: skip
+    assert {triton_ops, fused_ops, fused_sampler} <= set(MODULES), MODULES
     assert launched <= {name.rsplit(".", 1)[1] for name in kernels}, sorted(kernels)
     problems = {name: _first_statement_waits(k.fn) for name, k in kernels.items()}
     assert not {n: p for n, p in problems.items() if p}, problems
@@ -133,6 +146,11 @@ def _run_every_wrapper():
         fused_sampler.sample(logits, torch.ones(2), torch.zeros(2, dtype=torch.int64), block=1024, splits=splits)
 
 
+def _mismatched(calls) -> set[str]:
+    """The kernels launched (with PDL on) without both the constexpr and the launch option."""
+    return {name for name, kw in calls if (kw.get("PDL"), kw.get("launch_pdl")) != (True, True)}
+
+
 def test_every_wrapper_launches_with_matching_pdl_arguments(recorded):
     _run_every_wrapper()
     launched = {name for name, _ in recorded}
@@ -140,17 +158,23 @@ def test_every_wrapper_launches_with_matching_pdl_arguments(recorded):
         "_rms_norm_kernel", "_silu_mul_kernel", "_rope_kernel", "_qk_norm_rope_kernel", "_store_kv_kernel",
         "_decode_kernel", "_merge_kernel", "_prefill_kernel", "_sample_kernel", "_sample_merge_kernel",
     }, launched  # fmt: skip
-    wrong = [(name, kw.get("PDL"), kw.get("launch_pdl")) for name, kw in recorded]
-    wrong = [w for w in wrong if w[1:] != (True, True)]
-    assert not wrong, wrong
+    assert not _mismatched(recorded)
 
 
-def test_the_wrapper_check_catches_a_launch_without_the_arguments(recorded, monkeypatch):
-    """Negative control: a wrapper that drops ``launch_args`` shows up in the recorded launches."""
-    monkeypatch.setattr(pdl, "launch_args", lambda x: {"PDL": True})  # the constexpr, not the launch option
+@pytest.mark.parametrize(
+    "module,broken",
+    [
+        (fused_ops, {"_rms_norm_kernel", "_silu_mul_kernel", "_rope_kernel", "_qk_norm_rope_kernel"}),
+        (fused_sampler, {"_sample_kernel", "_sample_merge_kernel"}),
+    ],
+)
+def test_the_wrapper_check_catches_wrappers_that_drop_the_launch_option(recorded, monkeypatch, module, broken):
+    """Negative control: one module's wrappers pass the constexpr but not ``launch_pdl`` (what a
+    wrapper that built its own arguments would do); the check names exactly those kernels."""
+    stub = types.SimpleNamespace(launch_args=lambda x: {"PDL": True})
+    monkeypatch.setattr(module, "pdl", stub)
     _run_every_wrapper()
-    assert all(kw.get("launch_pdl") is None for _, kw in recorded)
-    assert any(kw.get("PDL") for _, kw in recorded)
+    assert _mismatched(recorded) == broken
 
 
 def test_the_switch(monkeypatch):
@@ -161,35 +185,86 @@ def test_the_switch(monkeypatch):
     monkeypatch.setenv("NANOVLLM_PDL", "0")
     assert not pdl.enabled(cuda) and pdl.launch_args(cuda) == {"PDL": False}
     monkeypatch.setenv("NANOVLLM_PDL", "1")
-    monkeypatch.setattr(pdl, "_capable", lambda index: False)  # an A100 (sm_80)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter cannot run griddepcontrol
+    assert not pdl.enabled(cuda)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(pdl, "SUPPORTED", False)  # a Triton without launch_pdl
+    assert not pdl.enabled(cuda)
+    monkeypatch.setattr(pdl, "SUPPORTED", True)
+    monkeypatch.setattr(pdl, "_capable", lambda index: False)  # an A100 (sm_80), or ROCm
     assert not pdl.enabled(cuda)
     assert pdl.launch_args(torch.zeros(1)) == {"PDL": False}  # the CPU
 
 
-RMS_SIGNATURE = {
-    **dict.fromkeys(["x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr"], "*bf16"),
-    **dict.fromkeys(["n_cols", "stride_x", "stride_r", "stride_o", "stride_ro"], "i32"),
-    "eps": "fp32",
-    **dict.fromkeys(["HAS_RESIDUAL", "BLOCK", "PDL"], "constexpr"),
+FLOAT_ARGS = {"eps", "qk_scale", "v_scale"}
+INT_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"}
+FLOAT32_POINTERS = {"part_ptr", "lse_ptr"}
+
+# kernel -> its constexprs (the H200's shipped shapes: Qwen3-0.6B, bf16, 256-slot blocks)
+COMPILED = {
+    "rms_norm": (fused_ops._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
+    "decode": (
+        triton_ops._decode_kernel,
+        dict(
+            GROUP=2,
+            BLOCK_G=16,
+            HEAD_DIM=128,
+            BLOCK_D=128,
+            BLOCK_N=128,
+            BLOCK_SIZE=256,
+            NUM_SPLITS=1,
+            DOT_PRECISION="tf32",
+            KV_FP8=False,
+            WIDEN=True,
+            V_ASM=False,
+            TILE_BLOCK=True,
+        ),
+    ),  # fmt: skip
+    "prefill": (
+        triton_ops._prefill_kernel,
+        dict(
+            GROUP=2,
+            GROUP_PAD=2,
+            BLOCK_Q=32,
+            HEAD_DIM=128,
+            BLOCK_D=128,
+            BLOCK_N=64,
+            BLOCK_SIZE=256,
+            DOT_PRECISION="tf32",
+            KV_FP8=False,
+            WIDEN=True,
+            SPLIT_MASK=True,
+            TILE_BLOCK=True,
+        ),
+    ),  # fmt: skip
 }
 
 
+def _signature(kernel) -> dict[str, str]:
+    def kind(param) -> str:
+        if param.is_constexpr:
+            return "constexpr"
+        if param.name.endswith("_ptr"):
+            return "*i32" if param.name in INT_POINTERS else "*fp32" if param.name in FLOAT32_POINTERS else "*bf16"
+        return "fp32" if param.name in FLOAT_ARGS else "i32"
+
+    return {p.name: kind(p) for p in kernel.params}
+
+
+@pytest.mark.parametrize("name", sorted(COMPILED))
 @pytest.mark.parametrize("on", [True, False])
-def test_compiled_for_sm90_the_kernel_waits_before_touching_memory(on):
+def test_compiled_for_sm90_the_kernel_waits_before_touching_memory(name, on):
     """Offline compile for an H100/H200 (no GPU): with PDL the PTX's first instruction that reads
-    or writes global memory comes after ``griddepcontrol.wait``, and the launch carries the
-    attribute; without it there is no ``griddepcontrol`` at all."""
+    or writes global memory (or copies from it asynchronously) comes after ``griddepcontrol.wait``,
+    and the launch carries the attribute; without it there is no ``griddepcontrol`` at all."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    source = ASTSource(
-        fn=fused_ops._rms_norm_kernel,
-        signature=RMS_SIGNATURE,
-        constexprs={"HAS_RESIDUAL": True, "BLOCK": 1024, "PDL": on},
-    )
+    kernel, constexprs = COMPILED[name]
+    source = ASTSource(fn=kernel, signature=_signature(kernel), constexprs={**constexprs, "PDL": on})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "launch_pdl": on})
     ptx = compiled.asm["ptx"]
-    first_access = min(i for i in (ptx.find("ld.global"), ptx.find("st.global")) if i >= 0)
+    first_access = min(i for i in (ptx.find(op) for op in ("ld.global", "st.global", "cp.async")) if i >= 0)
     assert compiled.metadata.launch_pdl is on
     if on:
         wait, release = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")

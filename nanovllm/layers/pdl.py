@@ -13,8 +13,10 @@ store of anything another kernel writes. Doing it first thing in the kernel keep
 construction (the kernels here do) and makes the chain transitive: a kernel that starts early
 waits for its predecessor, which finished only after waiting for its own.
 
-``NANOVLLM_PDL=0`` turns it off (A/B runs); it is off below compute capability 9.0, off on
-the CPU and under Triton's interpreter (which cannot run the ``griddepcontrol`` instructions).
+``NANOVLLM_PDL=0`` turns it off (A/B runs); it is off below compute capability 9.0, on ROCm, on
+the CPU, under Triton's interpreter (``TRITON_INTERPRET=1``: it cannot run the ``griddepcontrol``
+instructions) and with a Triton older than 3.4 (no ``launch_pdl``; ``wait_then_release`` is then a
+no-op).
 """
 
 from __future__ import annotations
@@ -25,16 +27,25 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    SUPPORTED = True
+except ImportError:  # Triton < 3.4: PDL stays off, and the kernels' `if PDL:` branch is never compiled
+    SUPPORTED = False
+    gdc_launch_dependents = gdc_wait = None
 
 
 @functools.cache
 def _capable(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def enabled(x: torch.Tensor) -> bool:
-    if not x.is_cuda or os.environ.get("NANOVLLM_PDL", "1") != "1":
+    if not (SUPPORTED and x.is_cuda) or os.environ.get("NANOVLLM_PDL", "1") != "1":
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return _capable(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
@@ -48,6 +59,6 @@ def launch_args(x: torch.Tensor) -> dict:
 @triton.jit
 def wait_then_release(PDL: tl.constexpr):
     """First thing in a kernel: wait for the kernel before it, then let the next one launch."""
-    if PDL:
+    if PDL:  # only ever True where SUPPORTED (enabled)
         gdc_wait()
         gdc_launch_dependents()

@@ -50,6 +50,18 @@ def _chain(x, positions, slots, tables, lens, caches, cos, sin, w):
     return x, logits, tokens
 
 
+CHAIN_KERNELS = [
+    fused_ops._rms_norm_kernel, fused_ops._qk_norm_rope_kernel, fused_ops._silu_mul_kernel,
+    triton_ops._store_kv_kernel, triton_ops._decode_kernel, triton_ops._merge_kernel,
+    fused_sampler._sample_kernel, fused_sampler._sample_merge_kernel,
+]  # fmt: skip
+
+
+def _launch_pdl_variants(kernel) -> set[bool]:
+    """``launch_pdl`` of every variant of ``kernel`` compiled so far in this process."""
+    return {k.metadata.launch_pdl for cache in kernel.device_caches.values() for k in cache[0].values()}
+
+
 def test_a_graph_with_pdl_equals_the_eager_chain_without_it(monkeypatch):
     g = torch.Generator(device="cuda").manual_seed(0)
     w = _weights(g)
@@ -74,6 +86,9 @@ def test_a_graph_with_pdl_equals_the_eager_chain_without_it(monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = _chain(static_x, positions, slots, tables, lens, static_caches, cos, sin, w)
+    # the launches really carried the attribute (not only the kernels' wait)
+    missing = [k.fn.__name__ for k in CHAIN_KERNELS if True not in _launch_pdl_variants(k)]
+    assert not missing, f"compiled without launch_pdl: {missing}"
 
     for replay in range(5):
         x = torch.randn(T, H, device="cuda", generator=g).bfloat16()

@@ -31,9 +31,11 @@ from nanovllm.attention.metadata import AttentionMetadata  # noqa: E402
 from nanovllm.attention.triton_backend import TritonBackend  # noqa: E402
 
 # (block_size, group, head_dim): covers every block size, every GQA ratio and both head dims
-# without compiling the whole cross product (compiles dominate the GPU run)
+# without compiling the whole cross product (compiles dominate the GPU run); under the interpreter
+# (float16) the 128-slot blocks take the shipped 16-bit default, 128-key tiles with one
+# block-table entry per tile, and the 16- and 64-slot blocks the per-key walk
 if INTERPRET:
-    SHAPES = [(16, 1, 64), (32, 2, 128), (64, 8, 64)]
+    SHAPES = [(16, 1, 64), (128, 2, 128), (64, 8, 64)]
 else:
     SHAPES = [
         (16, 1, 128),
@@ -214,9 +216,9 @@ def test_decode_padding_rows_and_empty_splits_give_zeros(splits):
 
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_tile_block_addressing(splits, monkeypatch):
-    """TILE_BLOCK (one block-table entry per key tile, the FP8 cache's default in
-    decode_tile_flags) forced on for a 16-bit cache, so the interpreter checks its addressing too.
-    Control: forced on where a 64-key tile straddles 16-slot blocks, the output misses."""
+    """TILE_BLOCK (one block-table entry per key tile; decode_tile_flags sets it wherever the
+    blocks hold whole tiles) forced on with 64-key tiles. Control: forced on where a 64-key tile
+    straddles 16-slot blocks, the output misses."""
     monkeypatch.setitem(triton_ops.DECODE_FLAG_OVERRIDES, "TILE_BLOCK", True)
 
     def run(block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
