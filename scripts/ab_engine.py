@@ -15,6 +15,7 @@ layout=head|slot: the Triton cache's storage (``triton_backend.HEAD_MAJOR_CACHE`
 split=0|1: a mixed step's leading decode rows to the decode kernel (``triton_backend.MIN_SPLIT_DECODES``).
 blas=lt|default: torch's cuBLAS front end for the linear layers (``torch.backends.cuda.preferred_blas_library``, session 10).
 tile=NxWxS: the decode kernel's keys per tile, warps and stages for 16-bit caches (session 10).
+fp8tile=NxWxS: the same for FP8 caches (session 10).
 tb=0|1:   TILE_BLOCK (one block-table entry per key tile) forced off/on in the decode kernel (session 10).
 pdl=0|1:  programmatic dependent launch of the Triton kernels (``NANOVLLM_PDL``, session 10; on by default).
 """
@@ -60,6 +61,19 @@ def _set_tile(value: str) -> None:
     triton_ops.decode_config = decode_config
 
 
+def _set_fp8_tile(value: str) -> None:
+    from nanovllm.attention import triton_ops
+
+    n, w, st = map(int, value.split("x"))
+    shipped = triton_ops.decode_config
+
+    def decode_config(d, dtype, kv_fp8=False):  # FP8 caches of 16-bit models only
+        cfg = shipped(d, dtype, kv_fp8)
+        return triton_ops.KernelConfig(16, n, w, st) if kv_fp8 and cfg.block_n != 32 else cfg
+
+    triton_ops.decode_config = decode_config
+
+
 def _set_tb(value: str) -> None:
     from nanovllm.attention import triton_ops
 
@@ -85,6 +99,7 @@ SETTINGS = {
     ),
     "blas": (_set_blas, lambda v: v in ("lt", "default")),
     "tile": (_set_tile, _is_tile),
+    "fp8tile": (_set_fp8_tile, _is_tile),
     "tb": (_set_tb, lambda v: v in ("0", "1")),
     "pdl": (lambda v: os.environ.__setitem__("NANOVLLM_PDL", v), lambda v: v in ("0", "1")),
     "split": (

@@ -245,21 +245,24 @@ def layout(stride: int = 50) -> None:
 TILES = "64x4x3,64x4x2,64x4x4,64x8x3,32x4x3,128x4x3,128x4x2,128x8x3,128x8x2,256x8x2"
 
 
-def tiles(configs: str = TILES, waves_list: str = "2", stride: int = 100) -> None:
+def tiles(configs: str = TILES, waves_list: str = "2", stride: int = 100, kv: str = "bf16") -> None:
     """Session 10: the decode kernel's tile config (keys per tile, warps, stages), TILE_BLOCK (one
     block-table entry per tile) and the split-K target (programs per SM) on the head-major bf16
     cache (the configs were last swept on the slot-major layout). Prints the run estimate per
-    variant and, last, the best one as ``best tile NxWxS tb=0|1 waves=N`` (scripts read that line)."""
+    variant and, last, the best one as ``best tile NxWxS tb=0|1 waves=N`` (scripts read that line).
+    ``kv="fp8"``: the same on an FP8 cache (its V widened by inline PTX, as shipped)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = [tuple(map(int, c.split("x"))) for c in configs.split(",")]
     waves_all = [int(w) for w in waves_list.split(",")]
-    print(f"## decode tile configs, head-major bf16 cache, every {stride}th decode step, do_bench median")
+    print(f"## decode tile configs, head-major {kv} cache, every {stride}th decode step, do_bench median")
     totals: dict[tuple[int, int, int, bool, int], float] = {}
     for ctx in decode_steps(stride):
         q, k, v, _, sl, bt = paged([(c - 1, 1) for c in ctx])
         kc, vc = head_major(k), head_major(v)
+        if kv == "fp8":
+            kc, vc = head_major(k.to(torch.float8_e4m3fn)), head_major(v.to(torch.float8_e4m3fn))
         b = len(ctx)
-        gb = sum(ctx) * HK * D * 2 * 2 / 1e9
+        gb = sum(ctx) * HK * D * 2 * kc.element_size() / 1e9
         ref = None
         line = []
         worst = 0.0  # the largest distance of any variant's output from the first's
@@ -290,6 +293,7 @@ def main() -> None:
     p.add_argument("--only", choices=["qk", "prefill", "decode", "layout", "tiles"])
     p.add_argument("--tiles", default=TILES, help="decode configs for --only tiles: NxWxS,...")
     p.add_argument("--waves", default="2", help="split-K targets (programs per SM) for --only tiles: N,...")
+    p.add_argument("--kv", choices=["bf16", "fp8"], default="bf16", help="the cache type for --only tiles")
     args = p.parse_args()
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     t0 = time.perf_counter()
@@ -302,7 +306,7 @@ def main() -> None:
     if args.only == "layout":
         layout()
     if args.only == "tiles":
-        tiles(args.tiles, args.waves)
+        tiles(args.tiles, args.waves, kv=args.kv)
     print(f"# {time.perf_counter() - t0:.0f} s")
 
 
