@@ -48,30 +48,23 @@ def _set_blas(value: str) -> None:
     torch.backends.cuda.preferred_blas_library("cublaslt" if value == "lt" else "cublas")
 
 
-def _set_tile(value: str) -> None:
-    from nanovllm.attention import triton_ops
+def _tile_setter(fp8: bool):
+    """``tile=`` (16-bit caches) or ``fp8tile=`` (FP8 caches): the decode kernel's tiles of 16-bit
+    models for that cache type; float32 models keep theirs."""
 
-    n, w, st = map(int, value.split("x"))
-    shipped = triton_ops.decode_config
+    def apply(value: str) -> None:
+        from nanovllm.attention import triton_ops
 
-    def decode_config(d, dtype, kv_fp8=False):  # 16-bit caches of 16-bit models only
-        cfg = shipped(d, dtype, kv_fp8)
-        return cfg if kv_fp8 or cfg.block_n == 32 else triton_ops.KernelConfig(16, n, w, st)
+        n, w, st = map(int, value.split("x"))
+        shipped = triton_ops.decode_config
 
-    triton_ops.decode_config = decode_config
+        def decode_config(d, dtype, kv_fp8=False):
+            cfg = shipped(d, dtype, kv_fp8)
+            return triton_ops.KernelConfig(16, n, w, st) if kv_fp8 == fp8 and cfg.block_n != 32 else cfg
 
+        triton_ops.decode_config = decode_config
 
-def _set_fp8_tile(value: str) -> None:
-    from nanovllm.attention import triton_ops
-
-    n, w, st = map(int, value.split("x"))
-    shipped = triton_ops.decode_config
-
-    def decode_config(d, dtype, kv_fp8=False):  # FP8 caches of 16-bit models only
-        cfg = shipped(d, dtype, kv_fp8)
-        return triton_ops.KernelConfig(16, n, w, st) if kv_fp8 and cfg.block_n != 32 else cfg
-
-    triton_ops.decode_config = decode_config
+    return apply
 
 
 def _set_tb(value: str) -> None:
@@ -98,8 +91,8 @@ SETTINGS = {
         lambda v: v in ("head", "slot"),
     ),
     "blas": (_set_blas, lambda v: v in ("lt", "default")),
-    "tile": (_set_tile, _is_tile),
-    "fp8tile": (_set_fp8_tile, _is_tile),
+    "tile": (_tile_setter(fp8=False), _is_tile),
+    "fp8tile": (_tile_setter(fp8=True), _is_tile),
     "tb": (_set_tb, lambda v: v in ("0", "1")),
     "pdl": (lambda v: os.environ.__setitem__("NANOVLLM_PDL", v), lambda v: v in ("0", "1")),
     "split": (

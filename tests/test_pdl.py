@@ -196,48 +196,38 @@ def test_the_switch(monkeypatch):
     assert pdl.launch_args(torch.zeros(1)) == {"PDL": False}  # the CPU
 
 
+@pytest.mark.parametrize(
+    "capability,hip,expected",
+    [((9, 0), None, True), ((10, 0), None, True), ((8, 9), None, False), ((8, 0), None, False), ((9, 4), "6.2", False)],
+)
+def test_capable_only_on_cuda_sm90_and_later(monkeypatch, capability, hip, expected):
+    """griddepcontrol exists from sm_90 on (an A100 or an L4 would fail in ptxas), and a ROCm GPU
+    reporting (9, 4) is not one."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    pdl._capable.cache_clear()
+    try:
+        assert pdl._capable(0) is expected
+    finally:
+        pdl._capable.cache_clear()
+
+
 FLOAT_ARGS = {"eps", "qk_scale", "v_scale"}
 INT_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"}
 FLOAT32_POINTERS = {"part_ptr", "lse_ptr"}
 
 # kernel -> its constexprs (the H200's shipped shapes: Qwen3-0.6B, bf16, 256-slot blocks)
+# fmt: off
 COMPILED = {
     "rms_norm": (fused_ops._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
-    "decode": (
-        triton_ops._decode_kernel,
-        dict(
-            GROUP=2,
-            BLOCK_G=16,
-            HEAD_DIM=128,
-            BLOCK_D=128,
-            BLOCK_N=128,
-            BLOCK_SIZE=256,
-            NUM_SPLITS=1,
-            DOT_PRECISION="tf32",
-            KV_FP8=False,
-            WIDEN=True,
-            V_ASM=False,
-            TILE_BLOCK=True,
-        ),
-    ),  # fmt: skip
-    "prefill": (
-        triton_ops._prefill_kernel,
-        dict(
-            GROUP=2,
-            GROUP_PAD=2,
-            BLOCK_Q=32,
-            HEAD_DIM=128,
-            BLOCK_D=128,
-            BLOCK_N=64,
-            BLOCK_SIZE=256,
-            DOT_PRECISION="tf32",
-            KV_FP8=False,
-            WIDEN=True,
-            SPLIT_MASK=True,
-            TILE_BLOCK=True,
-        ),
-    ),  # fmt: skip
+    "decode": (triton_ops._decode_kernel, dict(
+        GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=128, BLOCK_SIZE=256, NUM_SPLITS=1,
+        DOT_PRECISION="tf32", KV_FP8=False, WIDEN=True, V_ASM=False, TILE_BLOCK=True)),
+    "prefill": (triton_ops._prefill_kernel, dict(
+        GROUP=2, GROUP_PAD=2, BLOCK_Q=32, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, BLOCK_SIZE=256,
+        DOT_PRECISION="tf32", KV_FP8=False, WIDEN=True, SPLIT_MASK=True, TILE_BLOCK=True)),
 }
+# fmt: on
 
 
 def _signature(kernel) -> dict[str, str]:
