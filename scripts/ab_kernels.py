@@ -245,12 +245,14 @@ def layout(stride: int = 50) -> None:
 TILES = "64x4x3,64x4x2,64x4x4,64x8x3,32x4x3,128x4x3,128x4x2,128x8x3,128x8x2,256x8x2"
 
 
-def tiles(configs: str = TILES, waves_list: str = "2", stride: int = 100, kv: str = "bf16") -> None:
+def tiles(configs: str = TILES, waves_list: str = "2", stride: int = 100, kv: str = "bf16", modes: str = "p,t") -> None:
     """Session 10: the decode kernel's tile config (keys per tile, warps, stages), TILE_BLOCK (one
     block-table entry per tile) and the split-K target (programs per SM) on the head-major bf16
     cache (the configs were last swept on the slot-major layout). Prints the run estimate per
     variant and, last, the best one as ``best tile NxWxS tb=0|1 waves=N`` (scripts read that line).
-    ``kv="fp8"``: the same on an FP8 cache (its V widened by inline PTX, as shipped)."""
+    ``kv="fp8"``: the same on an FP8 cache (its V widened by inline PTX, as shipped). ``modes``: how
+    a tile is addressed, ``p`` one block-table entry per key, ``t`` TILE_BLOCK, ``m`` TILE_BLOCK with
+    the tile copied by TMA (session 11); a variant's key says tb=0, 1 or 2 for the three."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = [tuple(map(int, c.split("x"))) for c in configs.split(",")]
     waves_all = [int(w) for w in waves_list.split(",")]
@@ -269,8 +271,9 @@ def tiles(configs: str = TILES, waves_list: str = "2", stride: int = 100, kv: st
         for waves in waves_all:
             splits = ops.num_decode_splits(b, HK, sms, waves)
             for n, w, st in shapes:
-                for tb in (False, True):
-                    ops.DECODE_FLAG_OVERRIDES["TILE_BLOCK"] = tb
+                for mode in modes.split(","):
+                    tb = "ptm".index(mode)  # 0 per key, 1 TILE_BLOCK, 2 TMA
+                    ops.DECODE_FLAG_OVERRIDES.update(TILE_BLOCK=tb > 0, TMA=tb == 2)
                     try:
                         us, diff, ref = time_decode(q, kc, vc, bt, sl, splits, ref, ops.KernelConfig(16, n, w, st))
                     except triton.runtime.errors.OutOfResources:  # shared memory: counted as never best
@@ -278,8 +281,9 @@ def tiles(configs: str = TILES, waves_list: str = "2", stride: int = 100, kv: st
                     worst = max(worst, diff)
                     key = (n, w, st, tb, waves)
                     totals[key] = totals.get(key, 0.0) + us * stride * 28 / 1e6
-                    line.append(f"{n}x{w}x{st}{'t' if tb else ''}w{waves}s{splits} {gb / us * 1e3:4.2f}")
+                    line.append(f"{n}x{w}x{st}{'ptm'[tb]}w{waves}s{splits} {gb / us * 1e3:4.2f}")
         ops.DECODE_FLAG_OVERRIDES.pop("TILE_BLOCK", None)
+        ops.DECODE_FLAG_OVERRIDES.pop("TMA", None)
         print(f"tiles b{b:3d} ctx {sum(ctx) // b:5d} d{worst:.0e} TB/s: " + " ".join(line), flush=True)
     for key, t in sorted(totals.items(), key=lambda kv: kv[1]):
         print(f"tiles run estimate {key[0]}x{key[1]}x{key[2]} tb={int(key[3])} waves={key[4]}: {t:.3f} s")
@@ -294,6 +298,9 @@ def main() -> None:
     p.add_argument("--tiles", default=TILES, help="decode configs for --only tiles: NxWxS,...")
     p.add_argument("--waves", default="2", help="split-K targets (programs per SM) for --only tiles: N,...")
     p.add_argument("--kv", choices=["bf16", "fp8"], default="bf16", help="the cache type for --only tiles")
+    p.add_argument(
+        "--modes", default="p,t", help="tile addressing for --only tiles: p (per key), t (TILE_BLOCK), m (TMA)"
+    )
     args = p.parse_args()
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     t0 = time.perf_counter()
@@ -306,7 +313,7 @@ def main() -> None:
     if args.only == "layout":
         layout()
     if args.only == "tiles":
-        tiles(args.tiles, args.waves, kv=args.kv)
+        tiles(args.tiles, args.waves, kv=args.kv, modes=args.modes)
     print(f"# {time.perf_counter() - t0:.0f} s")
 
 

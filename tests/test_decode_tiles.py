@@ -44,3 +44,67 @@ def test_one_table_entry_per_tile_only_when_no_tile_straddles_blocks(block_size,
 def test_the_straddle_check_sees_a_straddling_tile():
     """Negative control of the property's oracle: 64-key tiles over 16-slot blocks straddle."""
     assert straddles(16, 64) and not straddles(256, 128)
+
+
+def _head_major(num_blocks: int, block_size: int, num_kv_heads: int, d: int) -> torch.Tensor:
+    storage = torch.arange(num_blocks * num_kv_heads * block_size * d, dtype=torch.float32)
+    return storage.view(num_blocks, num_kv_heads, block_size, d).transpose(1, 2)
+
+
+def test_cache_rows_maps_block_head_slot_to_the_kernels_row():
+    """The TMA path's row of (block, head, slot) is ``(block * kv_heads + head) * block_size + slot``
+    (the kernel computes it from the cache's strides); every cell checked."""
+    cache = _head_major(5, 16, 3, 8)
+    rows = triton_ops.cache_rows(cache)
+    assert rows is not None and rows.shape == (5 * 3 * 16, 8)
+    for b in range(5):
+        for h in range(3):
+            for s in range(16):
+                assert torch.equal(rows[(b * 3 + h) * 16 + s], cache[b, s, h])
+
+
+def test_cache_rows_refuses_what_a_box_cannot_address():
+    assert triton_ops.cache_rows(torch.zeros(5, 16, 3, 8)) is None  # slot-major
+    assert triton_ops.cache_rows(_head_major(6, 16, 3, 8)[1:]) is not None  # a later block: still dense rows
+    assert triton_ops.cache_rows(_head_major(5, 16, 3, 8)[:, :, :2]) is None  # some heads only
+    assert triton_ops.cache_rows(_head_major(5, 16, 3, 8)[..., :4]) is None  # part of head_dim
+
+
+def test_no_tma_on_the_cpu_outside_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cache = _head_major(5, 16, 3, 8)
+    assert triton_ops.tma_descriptors(cache, cache, 16) is None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_ops.tma_descriptors(cache, cache, 16) is not None
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8e4nv"])
+@pytest.mark.parametrize("tma", [True, False])
+def test_compiled_for_sm90_tma_tiles_are_bulk_copies(kv, tma):
+    """Offline compile for an H200 (no GPU): with TMA the decode kernel copies each K and V tile
+    with ``cp.async.bulk.tensor`` and reads the cache with no per-thread global loads (what is left
+    of ``ld.global`` reads the query, the lengths and the block table); without it, no bulk copy."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = triton_ops._decode_kernel
+    cache = "*fp8e4nv" if kv == "fp8e4nv" else "*bf16"
+    block_n = 64 if kv == "fp8e4nv" else 128
+    signature = {p.name: "constexpr" if p.is_constexpr else "i32" for p in kernel.params}
+    signature.update(q_ptr="*bf16", k_cache_ptr=cache, v_cache_ptr=cache, block_tables_ptr="*i32")
+    signature.update(seq_lens_ptr="*i32", out_ptr="*bf16", part_ptr="*fp32", lse_ptr="*fp32")
+    signature.update(qk_scale="fp32", v_scale="fp32")
+    if tma:
+        signature["k_desc"] = signature["v_desc"] = f"tensordesc<{kv}[{block_n}, 128]>"
+    constexprs = dict(
+        GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=block_n, BLOCK_SIZE=256, NUM_SPLITS=1,
+        DOT_PRECISION="ieee", KV_FP8=kv == "fp8e4nv", WIDEN=True, V_ASM=kv == "fp8e4nv", TILE_BLOCK=True,
+        TMA=tma, PDL=False,
+    )  # fmt: skip
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    if tma:
+        assert ptx.count("cp.async.bulk.tensor") >= 2 and ptx.count("ld.global") < 32
+    else:
+        assert "cp.async.bulk.tensor" not in ptx and ptx.count("ld.global") > 64

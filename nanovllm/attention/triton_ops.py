@@ -21,6 +21,8 @@ Invariants every kernel keeps:
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +30,11 @@ import triton
 import triton.language as tl
 
 from nanovllm.layers import pdl
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # Triton < 3.4: the decode kernel's TMA path stays off
+    TensorDescriptor = None
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
@@ -211,6 +218,8 @@ def _decode_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_desc,
+    v_desc,
     block_tables_ptr,
     seq_lens_ptr,
     out_ptr,
@@ -238,9 +247,15 @@ def _decode_kernel(
     WIDEN: tl.constexpr,
     V_ASM: tl.constexpr = False,
     TILE_BLOCK: tl.constexpr = False,
+    TMA: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
-    """Program (seq, kv head, split): the group's query heads against keys of one split."""
+    """Program (seq, kv head, split): the group's query heads against keys of one split.
+
+    ``TMA`` (with TILE_BLOCK on a head-major cache, ``k_desc``/``v_desc`` the caches' 2-D row
+    views): a tile is one box of ``BLOCK_N`` rows, copied by the tensor memory accelerator.
+    The box is not masked: keys past ``end`` in the tile's block are whatever the slots hold,
+    so their scores are set to -inf (as always) and their V rows to zero (0 x NaN is NaN)."""
     pdl.wait_then_release(PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -272,7 +287,12 @@ def _decode_kernel(
         pos = n0 + offs_n
         n_mask = pos < end
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        if TILE_BLOCK:
+        if TMA:
+            # rows of HEAD_DIM elements: the block's, then the head's, then the slot's
+            row = tl.load(table + n0 // BLOCK_SIZE) * (stride_cb // HEAD_DIM) + kvh * (stride_ch // HEAD_DIM)
+            row += n0 % BLOCK_SIZE
+            k = k_desc.load([row, 0])
+        elif TILE_BLOCK:
             base = tl.load(table + n0 // BLOCK_SIZE).to(tl.int64) * stride_cb + (n0 % BLOCK_SIZE) * stride_cs
             k = tl.load(k_cache_ptr + base + tile_off, mask=kv_mask, other=0.0)
         else:
@@ -287,7 +307,9 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if TILE_BLOCK:
+        if TMA:
+            v = v_desc.load([row, 0])
+        elif TILE_BLOCK:
             v = tl.load(v_cache_ptr + base + tile_off, mask=kv_mask, other=0.0)
         else:
             v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -296,6 +318,8 @@ def _decode_kernel(
                 v = _fp8_to_f16_asm(v)
             else:
                 v = v.to(q.dtype)
+        if TMA:
+            v = tl.where(n_mask[:, None], v, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -377,7 +401,48 @@ def decode_tile_flags(block_size: int, block_n: int, kv_fp8: bool, dtype: torch.
     return dict(
         TILE_BLOCK=block_size % block_n == 0,
         V_ASM=kv_fp8 and dtype in (torch.bfloat16, torch.float16),
+        TMA=DECODE_TMA,
     )
+
+
+# the decode kernel's K/V tiles by TMA where they can be (``NANOVLLM_DECODE_TMA=1``; session 11)
+DECODE_TMA = os.environ.get("NANOVLLM_DECODE_TMA", "0") == "1"
+
+
+@functools.cache
+def _has_tma(device_index: int) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def cache_rows(cache: torch.Tensor) -> torch.Tensor | None:
+    """A layer's cache seen as rows of ``head_dim`` elements, ``[blocks * kv heads * slots, d]``
+    (row ``(block * kv_heads + head) * block_size + slot``), when its storage is head-major and
+    dense, 16-byte aligned and under 2**31 rows (a TMA box's coordinates are int32); else None."""
+    num_blocks, block_size, num_kv_heads, d = cache.shape
+    if cache.stride() != (num_kv_heads * block_size * d, d, block_size * d, 1):
+        return None
+    rows = num_blocks * num_kv_heads * block_size
+    if rows >= 2**31 or cache.data_ptr() % 16 or d * cache.element_size() % 16:
+        return None
+    return cache.as_strided((rows, d), (d, 1))
+
+
+def tma_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> tuple | None:
+    """Host-side TMA descriptors of the two caches' row views, boxes of ``block_n`` keys; None
+    where TMA does not apply: no descriptor support, a GPU before Hopper, a layout that is not
+    dense head-major. Under Triton's interpreter (CPU tensors) the descriptors are emulated."""
+    if TensorDescriptor is None:
+        return None
+    if k_cache.is_cuda:
+        if not _has_tma(k_cache.device.index if k_cache.device.index is not None else torch.cuda.current_device()):
+            return None
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    k_rows, v_rows = cache_rows(k_cache), cache_rows(v_cache)
+    if k_rows is None or v_rows is None or k_cache.shape[-1] != triton.next_power_of_2(k_cache.shape[-1]):
+        return None
+    box = [block_n, k_cache.shape[-1]]
+    return TensorDescriptor.from_tensor(k_rows, box), TensorDescriptor.from_tensor(v_rows, box)
 
 
 def num_decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int, waves: int | None = None) -> int:
@@ -437,10 +502,14 @@ def paged_decode(
             raise ValueError(f"decode workspace too small: {rows} rows of {head_dim} needed, have {lse.numel()} rows")
     else:
         part = lse = out  # unused by the kernel
+    flags = {**decode_tile_flags(block_size, cfg.block_n, is_fp8(k_cache), q.dtype), **DECODE_FLAG_OVERRIDES}
+    descriptors = tma_descriptors(k_cache, v_cache, cfg.block_n) if flags["TMA"] and flags["TILE_BLOCK"] else None
+    flags["TMA"] = descriptors is not None
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
         v_cache,
+        *(descriptors or (k_cache, v_cache)),  # unused without TMA
         block_tables,
         seq_lens,
         out,
@@ -468,7 +537,7 @@ def paged_decode(
         num_stages=cfg.num_stages,
         KV_FP8=is_fp8(k_cache),
         WIDEN=_widen(q.dtype),
-        **{**decode_tile_flags(block_size, cfg.block_n, is_fp8(k_cache), q.dtype), **DECODE_FLAG_OVERRIDES},
+        **flags,
         **pdl.launch_args(q),
     )
     if num_splits > 1:

@@ -240,6 +240,62 @@ def test_decode_tile_block_addressing(splits, monkeypatch):
         assert_close(out, ref, "control: tiles straddling blocks")
 
 
+def _head_major(x: torch.Tensor) -> torch.Tensor:
+    """The same cache stored head-major (the engine's layout), seen as [blocks, slots, heads, d]."""
+    return x.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+
+
+def _decode_tma(case: PagedCase, splits: int, block_n: int) -> torch.Tensor:
+    k, v = _head_major(case.k_cache), _head_major(case.v_cache)
+    assert triton_ops.tma_descriptors(k, v, block_n) is not None, "the case must take the TMA path"
+    out = torch.full_like(case.q, float("nan"))
+    cfg = triton_ops.KernelConfig(16, block_n, 4, 3)
+    tables, lens = case.meta.block_tables, case.meta.seq_lens
+    triton_ops.paged_decode(case.q, k, v, tables, lens, case.scale, num_splits=splits, out=out, config=cfg)
+    return out
+
+
+TMA_SHAPES = [(128, 2, 64, 64)] if INTERPRET else [(256, 2, 128, 128), (128, 8, 64, 128), (64, 1, 128, 64)]
+
+
+@pytest.mark.parametrize("block_size,group,head_dim,block_n", TMA_SHAPES)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_tma_tiles(block_size, group, head_dim, block_n, splits, monkeypatch):
+    """TMA forced on (head-major cache, one box of ``block_n`` keys per tile). Unowned slots hold
+    NaN, so a box that runs past a sequence's end reads NaN keys and values: the kernel must mask
+    both (the lengths include ones that end mid-tile)."""
+    monkeypatch.setitem(triton_ops.DECODE_FLAG_OVERRIDES, "TMA", True)
+    rng = random.Random(block_size * 3 + splits)
+    lens = _lengths(block_size, rng, 5 if INTERPRET else 9, MAX_CTX)
+    assert any(n % block_n for n in lens)
+    case = PagedCase([(n - 1, 1) for n in lens], block_size, group, head_dim, seed=rng.randint(0, 1 << 30))
+    assert_close(_decode_tma(case, splits, block_n), case.reference(), f"decode TMA bs={block_size} splits={splits}")
+
+
+@pytest.mark.skipif(
+    not INTERPRET, reason="the mutant kernel is built from source text, which only the interpreter runs"
+)
+def test_decode_tma_control_unmasked_values_give_nan(monkeypatch):
+    """Negative control of test_decode_tma_tiles: the kernel without its V mask (a source mutant)
+    fails that test's check on NaN."""
+    import inspect
+    import textwrap
+
+    import triton
+
+    src = textwrap.dedent(inspect.getsource(triton_ops._decode_kernel.fn))
+    line = "            v = tl.where(n_mask[:, None], v, 0.0)\n"
+    assert src.count(line) == 1
+    scope = dict(vars(triton_ops))
+    mutant = src.replace(line, "            pass\n")
+    exec(mutant[mutant.index("def _decode_kernel(") :], scope)  # the def, without its decorator
+    monkeypatch.setattr(triton_ops, "_decode_kernel", triton.jit(scope["_decode_kernel"]))
+    monkeypatch.setitem(triton_ops.DECODE_FLAG_OVERRIDES, "TMA", True)
+    case = PagedCase([(40, 1), (99, 1)], 128, 2, 64, seed=5)
+    with pytest.raises(AssertionError, match="NaN"):
+        assert_close(_decode_tma(case, 1, 64), case.reference(), "control: V unmasked")
+
+
 # --------------------------------------------------------------------- prefill
 @pytest.mark.parametrize("block_size,group,head_dim", SHAPES)
 def test_prefill_with_cached_prefix_and_chunks(block_size, group, head_dim):
