@@ -209,6 +209,54 @@ def _fp8_to_f16_asm(x):
     )
 
 
+@triton.jit
+def _decode_tile(
+    q, m_i, l_i, acc, n0, end, table, kvh, k_cache_ptr, v_cache_ptr, k_desc, v_desc, tile_off, offs_n, offs_d,
+    qk_scale, stride_cb, stride_cs, stride_ch,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr, V_ASM: tl.constexpr, TILE_BLOCK: tl.constexpr, TMA: tl.constexpr, MASK_V: tl.constexpr,
+):  # fmt: skip
+    """One key tile [n0, n0 + BLOCK_N) of the decode kernel: the online-softmax update."""
+    pos = n0 + offs_n
+    n_mask = pos < end
+    kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    if TMA:
+        # rows of HEAD_DIM elements: the block's, then the head's, then the slot's
+        row = tl.load(table + n0 // BLOCK_SIZE) * (stride_cb // HEAD_DIM) + kvh * (stride_ch // HEAD_DIM)
+        row += n0 % BLOCK_SIZE
+        k = k_desc.load([row, 0])
+    elif TILE_BLOCK:
+        base = tl.load(table + n0 // BLOCK_SIZE).to(tl.int64) * stride_cb + (n0 % BLOCK_SIZE) * stride_cs
+        k = tl.load(k_cache_ptr + base + tile_off, mask=kv_mask, other=0.0)
+    else:
+        block = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+        k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if KV_FP8:
+        k = k.to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds a valid key
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if TMA:
+        v = v_desc.load([row, 0])
+    elif TILE_BLOCK:
+        v = tl.load(v_cache_ptr + base + tile_off, mask=kv_mask, other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if KV_FP8:
+        if V_ASM:
+            v = _fp8_to_f16_asm(v)
+        else:
+            v = v.to(q.dtype)
+    if MASK_V:
+        v = tl.where(n_mask[:, None], v, 0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 @triton.jit(
     # the block-table width is the widest table of an eager step (a mixed step's decodes): one variant
     do_not_specialize=["stride_bt"],
@@ -283,45 +331,22 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq * stride_bt
     tile_off = kvh * stride_ch + offs_n[:, None] * stride_cs + offs_d[None, :]
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        n_mask = pos < end
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        if TMA:
-            # rows of HEAD_DIM elements: the block's, then the head's, then the slot's
-            row = tl.load(table + n0 // BLOCK_SIZE) * (stride_cb // HEAD_DIM) + kvh * (stride_ch // HEAD_DIM)
-            row += n0 % BLOCK_SIZE
-            k = k_desc.load([row, 0])
-        elif TILE_BLOCK:
-            base = tl.load(table + n0 // BLOCK_SIZE).to(tl.int64) * stride_cb + (n0 % BLOCK_SIZE) * stride_cs
-            k = tl.load(k_cache_ptr + base + tile_off, mask=kv_mask, other=0.0)
-        else:
-            block = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-            off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
-            k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if KV_FP8:
-            k = k.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds a valid key
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if TMA:
-            v = v_desc.load([row, 0])
-        elif TILE_BLOCK:
-            v = tl.load(v_cache_ptr + base + tile_off, mask=kv_mask, other=0.0)
-        else:
-            v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if KV_FP8:
-            if V_ASM:
-                v = _fp8_to_f16_asm(v)
-            else:
-                v = v.to(q.dtype)
-        if TMA:
-            v = tl.where(n_mask[:, None], v, 0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    # with TMA the tiles wholly inside [start, end) run unmasked (their V stays in shared memory
+    # for the MMA); the last, partial one masks its V rows (a box reads past the sequence's end)
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N if TMA else end
+    for n0 in range(start, full_end, BLOCK_N):
+        m_i, l_i, acc = _decode_tile(
+            q, m_i, l_i, acc, n0, end, table, kvh, k_cache_ptr, v_cache_ptr, k_desc, v_desc, tile_off, offs_n,
+            offs_d, qk_scale, stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PRECISION,
+            KV_FP8, V_ASM, TILE_BLOCK, TMA, False,
+        )  # fmt: skip
+    if TMA:
+        if full_end < end:  # the partial last tile, outside the pipelined loop
+            m_i, l_i, acc = _decode_tile(
+                q, m_i, l_i, acc, full_end, end, table, kvh, k_cache_ptr, v_cache_ptr, k_desc, v_desc, tile_off,
+                offs_n, offs_d, qk_scale, stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_N, BLOCK_SIZE,
+                DOT_PRECISION, KV_FP8, V_ASM, TILE_BLOCK, TMA, True,
+            )  # fmt: skip
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty range leaves acc = 0 -> zeros
     out = acc * (v_scale / l_safe)[:, None]

@@ -276,20 +276,19 @@ def test_decode_tma_tiles(block_size, group, head_dim, block_n, splits, monkeypa
     not INTERPRET, reason="the mutant kernel is built from source text, which only the interpreter runs"
 )
 def test_decode_tma_control_unmasked_values_give_nan(monkeypatch):
-    """Negative control of test_decode_tma_tiles: the kernel without its V mask (a source mutant)
-    fails that test's check on NaN."""
+    """Negative control of test_decode_tma_tiles: the tile step without its V mask on the partial
+    last tile (a source mutant) fails that test's check on NaN."""
     import inspect
     import textwrap
 
     import triton
 
-    src = textwrap.dedent(inspect.getsource(triton_ops._decode_kernel.fn))
-    line = "            v = tl.where(n_mask[:, None], v, 0.0)\n"
+    src = textwrap.dedent(inspect.getsource(triton_ops._decode_tile.fn))
+    line = "        v = tl.where(n_mask[:, None], v, 0.0)\n"
     assert src.count(line) == 1
     scope = dict(vars(triton_ops))
-    mutant = src.replace(line, "            pass\n")
-    exec(mutant[mutant.index("def _decode_kernel(") :], scope)  # the def, without its decorator
-    monkeypatch.setattr(triton_ops, "_decode_kernel", triton.jit(scope["_decode_kernel"]))
+    exec(src.replace(line, "        pass\n").replace("@triton.jit\n", ""), scope)
+    monkeypatch.setattr(triton_ops, "_decode_tile", triton.jit(scope["_decode_tile"]))
     monkeypatch.setitem(triton_ops.DECODE_FLAG_OVERRIDES, "TMA", True)
     case = PagedCase([(40, 1), (99, 1)], 128, 2, 64, seed=5)
     with pytest.raises(AssertionError, match="NaN"):
