@@ -17,7 +17,8 @@ blas=lt|default: torch's cuBLAS front end for the linear layers (``torch.backend
 tile=NxWxS: the decode kernel's keys per tile, warps and stages for 16-bit caches (session 10).
 fp8tile=NxWxS: the same for FP8 caches (session 10).
 tb=0|1:   TILE_BLOCK (one block-table entry per key tile) forced off/on in the decode kernel (session 10).
-tma=0|1:  the decode kernel's K/V tiles copied by TMA (``NANOVLLM_DECODE_TMA``, session 11).
+tma=0|1|fp8: the decode kernel's K/V tiles copied by TMA for no cache, every 16-bit-model cache, or
+          FP8 caches only (the default; ``NANOVLLM_DECODE_TMA``, session 11).
 pdl=0|1:  programmatic dependent launch of the Triton kernels (``NANOVLLM_PDL``, session 10; on by default).
 """
 
@@ -76,7 +77,7 @@ def _set_tb(value: str) -> None:
 
 def _set_tma(value: str) -> None:
     os.environ["NANOVLLM_DECODE_TMA"] = value  # processes started later
-    _set("nanovllm.attention.triton_ops", "DECODE_TMA", lambda v: v == "1")(value)
+    _set("nanovllm.attention.triton_ops", "DECODE_TMA", str)(value)
 
 
 def _is_tile(value: str) -> bool:
@@ -100,7 +101,7 @@ SETTINGS = {
     "tile": (_tile_setter(fp8=False), _is_tile),
     "fp8tile": (_tile_setter(fp8=True), _is_tile),
     "tb": (_set_tb, lambda v: v in ("0", "1")),
-    "tma": (_set_tma, lambda v: v in ("0", "1")),
+    "tma": (_set_tma, lambda v: v in ("0", "1", "fp8")),
     "pdl": (lambda v: os.environ.__setitem__("NANOVLLM_PDL", v), lambda v: v in ("0", "1")),
     "split": (
         _set("nanovllm.attention.triton_backend", "MIN_SPLIT_DECODES", lambda v: 8 if v == "1" else None),

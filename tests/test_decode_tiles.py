@@ -18,11 +18,19 @@ from nanovllm.attention import triton_ops  # noqa: E402
 
 
 @pytest.mark.parametrize(
-    "dtype,kv_fp8,keys",
-    [(torch.bfloat16, False, 128), (torch.float16, False, 128), (torch.bfloat16, True, 64), (torch.float32, False, 32)],
+    "dtype,kv_fp8,tma,keys",
+    [
+        (torch.bfloat16, False, False, 128),
+        (torch.float16, False, False, 128),
+        (torch.bfloat16, False, True, 128),
+        (torch.bfloat16, True, False, 64),
+        (torch.bfloat16, True, True, 128),
+        (torch.float32, False, False, 32),
+    ],
 )
-def test_keys_per_tile(dtype, kv_fp8, keys):
-    assert triton_ops.decode_config(128, dtype, kv_fp8).block_n == keys
+def test_keys_per_tile(dtype, kv_fp8, tma, keys):
+    assert triton_ops.decode_config(128, dtype, kv_fp8, tma).block_n == keys
+    assert triton_ops.decode_config(128, dtype, kv_fp8, tma).block_n % (triton_ops.TMA_BLOCK_N if tma else 1) == 0
 
 
 def straddles(block_size: int, block_n: int) -> bool:
@@ -108,3 +116,23 @@ def test_compiled_for_sm90_tma_tiles_are_bulk_copies(kv, tma):
         assert ptx.count("cp.async.bulk.tensor") >= 2 and ptx.count("ld.global") < 32
     else:
         assert "cp.async.bulk.tensor" not in ptx and ptx.count("ld.global") > 64
+
+
+@pytest.mark.parametrize("setting", ["fp8", "all", "1", "0"])
+@pytest.mark.parametrize("fp8", [True, False])
+def test_which_caches_take_tma(setting, fp8, monkeypatch):
+    """``DECODE_TMA``: FP8 caches by default, every 16-bit-model cache with "all"/"1", none with
+    "0"; never a float32 model, blocks that do not hold whole boxes, or a slot-major cache."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors take boxes only under the interpreter
+    monkeypatch.setattr(triton_ops, "DECODE_TMA", setting)
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    cache = _head_major(4, 256, 2, 128).to(dtype)
+    q = torch.zeros(1, 4, 128, dtype=torch.bfloat16)
+    expected = setting in ("all", "1") or (setting == "fp8" and fp8)
+    assert triton_ops.wants_tma(q, cache, cache) is expected
+    assert not triton_ops.wants_tma(q.float(), cache, cache)
+    assert not triton_ops.wants_tma(q, cache[:, :64], cache[:, :64])  # 64-slot blocks (a view of)
+    slot_major = torch.zeros(4, 256, 2, 128, dtype=dtype)
+    assert not triton_ops.wants_tma(q, slot_major, slot_major)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert not triton_ops.wants_tma(q, cache, cache)  # a CPU tensor outside the interpreter

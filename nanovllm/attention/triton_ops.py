@@ -51,18 +51,27 @@ class KernelConfig:
     num_stages: int
 
 
-def decode_config(head_dim: int, dtype: torch.dtype, kv_fp8: bool = False) -> KernelConfig:
-    """The decode kernel's tiles for a model ``dtype`` and cache type (H200 sweeps, KERNEL_NOTES)."""
+def decode_config(head_dim: int, dtype: torch.dtype, kv_fp8: bool = False, tma: bool = False) -> KernelConfig:
+    """The decode kernel's tiles for a model ``dtype``, cache type and whether its tiles are copied
+    by TMA (H200 sweeps, KERNEL_NOTES)."""
     if dtype == torch.float32 or head_dim > 128:
         return KernelConfig(16, 32, 4, 2)
+    if kv_fp8 and tma:
+        # boxes of 128 keys, double-buffered (5 stages: 74 KB of shared memory, 3 CTAs per SM):
+        # FP8 +3.2 % end to end against the 64-key tiles below (session 11)
+        return KernelConfig(16, 128, 4, 5)
     if kv_fp8:
         # with one block-table entry per tile and the V widening in PTX, 64-key tiles (128
         # registers, 4 CTAs per SM) beat 128-key ones (168 registers, 3 CTAs): session 4
         return KernelConfig(16, 64, 4, 3)
     # 16-bit caches (head-major storage): 128-key tiles with one block-table entry per tile read
     # 3.9-4.0 TB/s at batch 150-256 against 3.7-3.8 for 64-key tiles; the run's decode
-    # attention 3.94 s against 4.19 s, +3.8 % end to end (session 10)
+    # attention 3.94 s against 4.19 s, +3.8 % end to end (session 10). TMA boxes lose here
+    # (4.44 s against 4.20 s, session 11)
     return KernelConfig(16, 128, 4, 3)
+
+
+TMA_BLOCK_N = 128  # the keys per TMA box of decode_config; TMA needs blocks that hold whole boxes
 
 
 def prefill_config(head_dim: int, dtype: torch.dtype) -> KernelConfig:
@@ -426,12 +435,12 @@ def decode_tile_flags(block_size: int, block_n: int, kv_fp8: bool, dtype: torch.
     return dict(
         TILE_BLOCK=block_size % block_n == 0,
         V_ASM=kv_fp8 and dtype in (torch.bfloat16, torch.float16),
-        TMA=DECODE_TMA,
     )
 
 
-# the decode kernel's K/V tiles by TMA where they can be (``NANOVLLM_DECODE_TMA=1``; session 11)
-DECODE_TMA = os.environ.get("NANOVLLM_DECODE_TMA", "0") == "1"
+# which caches the decode kernel reads by TMA where it can (session 11): "fp8" (the default:
+# +3.2 % end to end for FP8 caches, -5 % for 16-bit ones), "all" (or "1"), "0" none
+DECODE_TMA = os.environ.get("NANOVLLM_DECODE_TMA", "fp8")
 
 
 @functools.cache
@@ -452,22 +461,34 @@ def cache_rows(cache: torch.Tensor) -> torch.Tensor | None:
     return cache.as_strided((rows, d), (d, 1))
 
 
+def _tma_capable(cache: torch.Tensor) -> bool:
+    if TensorDescriptor is None:
+        return False
+    if cache.is_cuda:
+        return _has_tma(cache.device.index if cache.device.index is not None else torch.cuda.current_device())
+    return os.environ.get("TRITON_INTERPRET") == "1"  # CPU tensors: only the interpreter emulates boxes
+
+
 def tma_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> tuple | None:
     """Host-side TMA descriptors of the two caches' row views, boxes of ``block_n`` keys; None
     where TMA does not apply: no descriptor support, a GPU before Hopper, a layout that is not
     dense head-major. Under Triton's interpreter (CPU tensors) the descriptors are emulated."""
-    if TensorDescriptor is None:
-        return None
-    if k_cache.is_cuda:
-        if not _has_tma(k_cache.device.index if k_cache.device.index is not None else torch.cuda.current_device()):
-            return None
-    elif os.environ.get("TRITON_INTERPRET") != "1":
+    if not _tma_capable(k_cache):
         return None
     k_rows, v_rows = cache_rows(k_cache), cache_rows(v_cache)
     if k_rows is None or v_rows is None or k_cache.shape[-1] != triton.next_power_of_2(k_cache.shape[-1]):
         return None
     box = [block_n, k_cache.shape[-1]]
     return TensorDescriptor.from_tensor(k_rows, box), TensorDescriptor.from_tensor(v_rows, box)
+
+
+def wants_tma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether ``DECODE_TMA`` asks for TMA boxes for this cache and they would apply: a 16-bit
+    model, blocks of whole ``TMA_BLOCK_N``-key boxes, a dense head-major cache on a Hopper GPU."""
+    asked = DECODE_TMA in ("all", "1") or (DECODE_TMA == "fp8" and is_fp8(k_cache))
+    if not asked or q.dtype not in (torch.bfloat16, torch.float16) or k_cache.shape[1] % TMA_BLOCK_N:
+        return False
+    return _tma_capable(k_cache) and cache_rows(k_cache) is not None and cache_rows(v_cache) is not None
 
 
 def num_decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int, waves: int | None = None) -> int:
@@ -511,7 +532,8 @@ def paged_decode(
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     group = num_heads // num_kv_heads
-    cfg = config or decode_config(head_dim, q.dtype, is_fp8(k_cache))
+    tma = wants_tma(q, k_cache, v_cache)
+    cfg = config or decode_config(head_dim, q.dtype, is_fp8(k_cache), tma)
     out = torch.empty_like(q) if out is None else out
     if num_seqs == 0:
         return out
@@ -527,7 +549,11 @@ def paged_decode(
             raise ValueError(f"decode workspace too small: {rows} rows of {head_dim} needed, have {lse.numel()} rows")
     else:
         part = lse = out  # unused by the kernel
-    flags = {**decode_tile_flags(block_size, cfg.block_n, is_fp8(k_cache), q.dtype), **DECODE_FLAG_OVERRIDES}
+    flags = {
+        **decode_tile_flags(block_size, cfg.block_n, is_fp8(k_cache), q.dtype),
+        "TMA": tma,
+        **DECODE_FLAG_OVERRIDES,
+    }
     descriptors = tma_descriptors(k_cache, v_cache, cfg.block_n) if flags["TMA"] and flags["TILE_BLOCK"] else None
     flags["TMA"] = descriptors is not None
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](

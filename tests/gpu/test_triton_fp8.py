@@ -21,7 +21,15 @@ if torch.cuda.get_device_capability() < (8, 9):
     pytest.skip("float8 needs compute capability 8.9 or newer", allow_module_level=True)
 
 from nanovllm.attention import torch_ref  # noqa: E402
-from tests.gpu.test_triton_kernels import SHAPES, PagedCase, _lengths, _meta_cpu, assert_close, triton_ops  # noqa: E402
+from tests.gpu.test_triton_kernels import (  # noqa: E402
+    SHAPES,
+    PagedCase,
+    _head_major,
+    _lengths,
+    _meta_cpu,
+    assert_close,
+    triton_ops,
+)
 
 FP8 = torch.float8_e4m3fn
 K_SCALE, V_SCALE = 0.5, 2.0  # powers of two: dequantized values are exact in bfloat16
@@ -85,6 +93,35 @@ def test_decode_fp8_matches_reference(block_size, group, head_dim, splits):
 
     ref = fc.reference()
     assert_close(run(V_SCALE), ref, f"fp8 decode bs={block_size} g={group} d={head_dim} splits={splits}")
+    assert _far(run(1.0), ref), "control: the wrong v_scale must miss the reference"
+
+
+@pytest.mark.parametrize("block_size,group,head_dim", [(256, 2, 128), (128, 8, 64), (256, 1, 64)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_fp8_tma_matches_reference(block_size, group, head_dim, splits):
+    """The shipped FP8 path on a Hopper GPU: a head-major cache of whole 128-key boxes takes TMA by
+    default (128-key boxes, double-buffered); the NaN-poisoned slots past each sequence's end are
+    read by the boxes and must be masked. Control: the wrong v_scale misses."""
+    rng = random.Random(block_size * 77 + group * 10 + head_dim + splits)
+    lens = _lengths(block_size, rng, 9, 4096)
+    assert any(n % triton_ops.TMA_BLOCK_N for n in lens)
+    fc = Fp8Case(PagedCase([(n - 1, 1) for n in lens], block_size, group, head_dim, seed=rng.randint(0, 1 << 30)))
+    c = fc.case
+    k, v = _head_major(fc.k_cache), _head_major(fc.v_cache)
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA needs compute capability 9.0 or newer")
+    assert triton_ops.wants_tma(c.q, k, v), "the default must take TMA here"
+
+    def run(v_scale: float) -> torch.Tensor:
+        out = torch.full_like(c.q, float("nan"))
+        triton_ops.paged_decode(
+            c.q, k, v, c.meta.block_tables, c.meta.seq_lens, c.scale,
+            num_splits=splits, out=out, k_scale=K_SCALE, v_scale=v_scale,
+        )  # fmt: skip
+        return out
+
+    ref = fc.reference()
+    assert_close(run(V_SCALE), ref, f"fp8 TMA decode bs={block_size} g={group} d={head_dim} splits={splits}")
     assert _far(run(1.0), ref), "control: the wrong v_scale must miss the reference"
 
 
