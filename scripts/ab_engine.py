@@ -19,7 +19,6 @@ fp8tile=NxWxS: the same for FP8 caches (session 10).
 tb=0|1:   TILE_BLOCK (one block-table entry per key tile) forced off/on in the decode kernel (session 10).
 tma=0|1|fp8: the decode kernel's K/V tiles copied by TMA for no cache, every 16-bit-model cache, or
           FP8 caches only (the default; ``NANOVLLM_DECODE_TMA``, session 11).
-order=0|1: a decode step's sequences taken longest first (``NANOVLLM_DECODE_LONGEST_FIRST``, session 11).
 pdl=0|1:  programmatic dependent launch of the Triton kernels (``NANOVLLM_PDL``, session 10; on by default).
 """
 
@@ -81,11 +80,6 @@ def _set_tma(value: str) -> None:
     _set("nanovllm.attention.triton_ops", "DECODE_TMA", str)(value)
 
 
-def _set_order(value: str) -> None:
-    os.environ["NANOVLLM_DECODE_LONGEST_FIRST"] = value  # processes started later
-    _set("nanovllm.attention.triton_backend", "LONGEST_FIRST", lambda v: v == "1")(value)
-
-
 def _is_tile(value: str) -> bool:
     parts = value.split("x")
     return len(parts) == 3 and all(_positive(p) for p in parts)
@@ -108,7 +102,6 @@ SETTINGS = {
     "fp8tile": (_tile_setter(fp8=True), _is_tile),
     "tb": (_set_tb, lambda v: v in ("0", "1")),
     "tma": (_set_tma, lambda v: v in ("0", "1", "fp8")),
-    "order": (_set_order, lambda v: v in ("0", "1")),
     "pdl": (lambda v: os.environ.__setitem__("NANOVLLM_PDL", v), lambda v: v in ("0", "1")),
     "split": (
         _set("nanovllm.attention.triton_backend", "MIN_SPLIT_DECODES", lambda v: 8 if v == "1" else None),

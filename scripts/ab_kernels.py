@@ -1,7 +1,7 @@
 """Session 8 A/B micro-benchmarks on the GPU (KERNEL_NOTES): the kernels of a prefill step and of
 a tail step that the standard workload's profile pointed at, each variant beside the old one.
 
-    PYTHONPATH=. python3 scripts/ab_kernels.py [--only qk|prefill|decode|layout|tiles|order]
+    PYTHONPATH=. python3 scripts/ab_kernels.py [--only qk|prefill|decode|layout|tiles]
 
 1. qk_norm_rope at 8,192 tokens (a prefill step) and 23 tokens (a tail step): one head per
    program (the old kernel's grid, BLOCK_H=1) against runs of 4/8/16/32 heads.
@@ -12,8 +12,7 @@ a tail step that the standard workload's profile pointed at, each variant beside
    split-K factor chosen for 2/4/8/16/32 programs per SM (``DECODE_SPLIT_WAVES``), bf16 and FP8
    caches; the sum over the sampled steps x 50 x 28 layers estimates the run's decode attention.
 4. ``--only layout`` (session 9): slot-major against head-major caches; ``--only tiles`` (session
-   10): the decode tile configs and TILE_BLOCK on the head-major bf16 cache (``--modes m``: TMA
-   boxes, session 11); ``--only order`` (session 11): the decode grid's sequences longest first.
+   10): the decode tile configs and TILE_BLOCK on the head-major bf16 cache.
 
 (Its first run also timed a Triton kernel for decode-sized linear layers against cuBLAS: it did
 not win, and the kernel was removed; the numbers are in KERNEL_NOTES session 8.)
@@ -292,48 +291,10 @@ def tiles(configs: str = TILES, waves_list: str = "2", stride: int = 100, kv: st
     print(f"best tile {n}x{w}x{st} tb={int(tb)} waves={waves}")
 
 
-def order(stride: int = 50) -> None:
-    """Session 11: the decode grid's sequences longest first (``paged_decode(order=...)``) against
-    the batch order, shipped tiles, head-major bf16 and FP8 caches, every ``stride``-th step."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"## decode, batch order vs longest first, every {stride}th decode step, do_bench median")
-    totals: dict[tuple[str, bool], float] = {}
-    for ctx in decode_steps(stride):
-        q, k, v, _, sl, bt = paged([(c - 1, 1) for c in ctx])
-        b = len(ctx)
-        splits = ops.num_decode_splits(b, HK, sms)
-        longest_first = torch.argsort(sl, descending=True, stable=True).to(torch.int32)
-        line = []
-        for kind in ("bf16", "fp8"):
-            kc, vc = head_major(k), head_major(v)
-            if kind == "fp8":
-                kc, vc = head_major(k.to(torch.float8_e4m3fn)), head_major(v.to(torch.float8_e4m3fn))
-            gb = sum(ctx) * HK * D * 2 * kc.element_size() / 1e9
-            outs = []
-            for ordered in (False, True):
-                out = torch.empty_like(q)
-                o = longest_first if ordered else None
-
-                def fn(q=q, kc=kc, vc=vc, bt=bt, sl=sl, splits=splits, out=out, o=o):
-                    ops.paged_decode(q, kc, vc, bt, sl, D**-0.5, num_splits=splits, out=out, order=o)
-
-                fn()
-                outs.append(out.clone())
-                us = do_bench(fn, warmup=10, rep=50) * 1e3
-                totals[kind, ordered] = totals.get((kind, ordered), 0.0) + us * stride * 28 / 1e6
-                line.append(
-                    f"{kind}{' longest-first' if ordered else ' batch-order'} {us:6.1f}us {gb / us * 1e3:4.2f}TB/s"
-                )
-            assert torch.equal(outs[0], outs[1]), "the order must not change a bit"
-        print(f"order b{b:3d} ctx {sum(ctx) // b:5d} s{splits}: " + "  ".join(line), flush=True)
-    for (kind, ordered), t in sorted(totals.items()):
-        print(f"order run estimate {kind} {'longest-first' if ordered else 'batch-order'}: {t:.3f} s")
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--prefill-steps", type=int, default=6)
-    p.add_argument("--only", choices=["qk", "prefill", "decode", "layout", "tiles", "order"])
+    p.add_argument("--only", choices=["qk", "prefill", "decode", "layout", "tiles"])
     p.add_argument("--tiles", default=TILES, help="decode configs for --only tiles: NxWxS,...")
     p.add_argument("--waves", default="2", help="split-K targets (programs per SM) for --only tiles: N,...")
     p.add_argument("--kv", choices=["bf16", "fp8"], default="bf16", help="the cache type for --only tiles")
@@ -353,8 +314,6 @@ def main() -> None:
         layout()
     if args.only == "tiles":
         tiles(args.tiles, args.waves, kv=args.kv, modes=args.modes)
-    if args.only == "order":
-        order()
     print(f"# {time.perf_counter() - t0:.0f} s")
 
 

@@ -213,7 +213,7 @@ def test_capable_only_on_cuda_sm90_and_later(monkeypatch, capability, hip, expec
 
 
 FLOAT_ARGS = {"eps", "qk_scale", "v_scale"}
-INT_POINTERS = {"order_ptr", "block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"}
+INT_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"}
 FLOAT32_POINTERS = {"part_ptr", "lse_ptr"}
 
 # kernel -> its constexprs (the H200's shipped shapes: Qwen3-0.6B, bf16, 256-slot blocks)

@@ -26,8 +26,6 @@ class AttentionMetadata:
     # host copies (Python ints), so the CPU path never syncs on device tensors
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
-    # [num_seqs] int32: the sequences longest first (GPU decode steps take them in this order)
-    decode_order: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -29,10 +29,6 @@ MIN_SPLIT_DECODES: int | None = None if os.environ.get("NANOVLLM_MIXED_DECODE_SP
 # the cache's storage: head-major [blocks, kv heads, slots, d] (a head's keys of a block contiguous),
 # seen by the kernels through the slot-major view they address by strides; False: slot-major storage
 HEAD_MAJOR_CACHE = True
-# a decode step's sequences taken longest first (``AttentionMetadata.decode_order``): the decode
-# grid's programs are uneven (contexts of ~100 to ~2,000 keys), and started in batch order the
-# last long ones run alone at the end; ``NANOVLLM_DECODE_LONGEST_FIRST=0`` keeps the batch order
-LONGEST_FIRST = os.environ.get("NANOVLLM_DECODE_LONGEST_FIRST", "1") == "1"
 
 
 class TritonBackend:
@@ -107,10 +103,7 @@ class TritonBackend:
         v_scale: float = 1.0,
     ) -> torch.Tensor:
         if meta.is_decode_only:
-            order = meta.decode_order if LONGEST_FIRST else None
-            return self._decode(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, k_scale, v_scale, order=order
-            )
+            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, k_scale, v_scale)
         n = 0  # leading decode rows for the decode kernel
         if MIN_SPLIT_DECODES is not None and meta.num_leading_decodes >= MIN_SPLIT_DECODES:
             n = meta.num_leading_decodes
@@ -132,7 +125,7 @@ class TritonBackend:
             v_scale=v_scale,
         )
 
-    def _decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, out=None, order=None):
+    def _decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, out=None):
         num_seqs, num_heads, head_dim = q.shape
         splits = self.num_splits(num_seqs, k_cache.shape[2], q.device)
         workspace = None
@@ -150,5 +143,4 @@ class TritonBackend:
             out=out,
             k_scale=k_scale,
             v_scale=v_scale,
-            order=order,
         )

@@ -100,7 +100,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # alignment pattern, some of them mid-run. They are read as scalars, so alignment buys nothing:
 # never specialise on it (tests/gpu/test_no_jit_after_startup.py checks no kernel compiles after
 # start-up).
-METADATA_PTRS = ["slot_ptr", "block_tables_ptr", "seq_lens_ptr", "order_ptr", "query_start_loc_ptr"]
+METADATA_PTRS = ["slot_ptr", "block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"]
 
 
 # --------------------------------------------------------------------- store K/V
@@ -279,7 +279,6 @@ def _decode_kernel(
     v_desc,
     block_tables_ptr,
     seq_lens_ptr,
-    order_ptr,
     out_ptr,
     part_ptr,
     lse_ptr,
@@ -306,23 +305,16 @@ def _decode_kernel(
     V_ASM: tl.constexpr = False,
     TILE_BLOCK: tl.constexpr = False,
     TMA: tl.constexpr = False,
-    ORDERED: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """Program (seq, kv head, split): the group's query heads against keys of one split.
-
-    ``ORDERED``: program row i takes sequence ``order[i]`` (the batch longest first), so the GPU
-    starts the longest sequences first and the short ones fill in behind them at the end.
 
     ``TMA`` (with TILE_BLOCK on a head-major cache, ``k_desc``/``v_desc`` the caches' 2-D row
     views): a tile is one box of ``BLOCK_N`` rows, copied by the tensor memory accelerator.
     The box is not masked: keys past ``end`` in the tile's block are whatever the slots hold,
     so their scores are set to -inf (as always) and their V rows to zero (0 x NaN is NaN)."""
     pdl.wait_then_release(PDL)
-    if ORDERED:
-        seq = tl.load(order_ptr + tl.program_id(0))
-    else:
-        seq = tl.program_id(0)
+    seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -524,15 +516,13 @@ def paged_decode(
     config: KernelConfig | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: q [S, num_heads, d] -> [S, num_heads, d].
 
     Sequence i attends to its first ``seq_lens[i]`` positions through ``block_tables[i]``.
     With ``num_splits > 1`` the keys are cut into that many ranges whose partial
     results go to ``workspace`` = (partials [>= S*num_heads*num_splits*d] float32,
-    lse [>= S*num_heads*num_splits] float32), then merged. ``order`` (int32 [>= S], a permutation
-    of 0..S-1, the longest sequence first): the order in which the GPU takes the sequences.
+    lse [>= S*num_heads*num_splits] float32), then merged.
     """
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -566,8 +556,6 @@ def paged_decode(
     }
     descriptors = tma_descriptors(k_cache, v_cache, cfg.block_n) if flags["TMA"] and flags["TILE_BLOCK"] else None
     flags["TMA"] = descriptors is not None
-    if order is not None and order.numel() < num_seqs:
-        raise ValueError(f"order has {order.numel()} entries for {num_seqs} sequences")
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -575,7 +563,6 @@ def paged_decode(
         *(descriptors or (k_cache, v_cache)),  # unused without TMA
         block_tables,
         seq_lens,
-        seq_lens if order is None else order,  # unused without ORDERED
         out,
         part,
         lse,
@@ -602,7 +589,6 @@ def paged_decode(
         KV_FP8=is_fp8(k_cache),
         WIDEN=_widen(q.dtype),
         **flags,
-        ORDERED=order is not None,
         **pdl.launch_args(q),
     )
     if num_splits > 1:

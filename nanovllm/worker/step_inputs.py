@@ -4,11 +4,7 @@ Layout of a step with T tokens, S sequences and block-table width W (sections
 8-byte aligned, in this order)::
 
     input_ids i64[T] | positions i64[T] | slot_mapping i64[T] |
-    query_start_loc i32[S+1] | seq_lens i32[S] | decode_order i32[S] | block_tables i32[S*W] |
-    sample_rows i64[*]
-
-``decode_order`` lists the S rows longest context first (padding rows last): the order in
-which the decode kernel takes the sequences (``triton_ops.paged_decode``).
+    query_start_loc i32[S+1] | seq_lens i32[S] | block_tables i32[S*W] | sample_rows i64[*]
 
 Offsets depend on (T, S, W) only, so a decode CUDA graph captured for batch B
 (T = S = B, W = max_blocks) reads the same device addresses at every replay:
@@ -46,7 +42,6 @@ def _layout(t: int, s: int, w: int) -> dict[str, tuple[int, int, type]]:
         ("slot_mapping", t, np.int64),
         ("query_start_loc", s + 1, np.int32),
         ("seq_lens", s, np.int32),
-        ("decode_order", s, np.int32),
         ("block_tables", s * w, np.int32),
     ):
         out[name] = (off, count, dtype)
@@ -103,7 +98,6 @@ class StepInputs:
             block_size=self.block_size,
             query_start_loc_cpu=mi.query_start_loc,
             seq_lens_cpu=mi.seq_lens,
-            decode_order=self._dev(lay, "decode_order", torch.int32),
         )
         return StagedStep(
             self._dev(lay, "input_ids", torch.int64),
@@ -153,8 +147,6 @@ class StepInputs:
             arr = self._host(lay, name)
             arr[: len(values)] = values
             arr[len(values) :] = fill
-        seq_lens = self._host(lay, "seq_lens")
-        self._host(lay, "decode_order")[:] = np.argsort(-seq_lens, kind="stable")
         qsl = self._host(lay, "query_start_loc")
         qsl[: b + 1] = mi.query_start_loc
         qsl[b + 1 :] = np.arange(n + 1, n + 1 + s - b)  # padding rows: one token each

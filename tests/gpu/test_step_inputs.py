@@ -65,18 +65,6 @@ def test_padded_decode_rows_write_nothing_and_attend_to_nothing():
     assert m.query_start_loc.tolist() == [0, 1, 2, 3, 4]
     assert m.block_tables.shape == (4, MAX_BLOCKS) and m.block_tables[2:].eq(0).all()
     assert step.input_ids.tolist()[2:] == [0, 0] and step.sample_rows == slice(0, 2)
-    assert m.decode_order.tolist() == [1, 0, 2, 3]  # longest first, padding last
-
-
-def test_the_decode_order_is_longest_first_and_follows_graph_replays():
-    inputs = _inputs()
-    captured = inputs.padding_batch(6)
-    assert captured.meta.decode_order.tolist() == [0, 1, 2, 3, 4, 5]  # all padding: a permutation still
-    inputs.stage_for_graph(_decode([5, 40, 5, 90, 12]), 6)
-    assert captured.meta.decode_order.tolist() == [3, 1, 4, 0, 2, 5]  # ties keep the batch order
-    lens = captured.meta.seq_lens.tolist()
-    order = captured.meta.decode_order.tolist()
-    assert sorted(order) == list(range(6)) and [lens[i] for i in order] == sorted(lens, reverse=True)
 
 
 def test_same_padded_size_same_addresses():

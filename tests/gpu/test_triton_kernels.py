@@ -240,32 +240,6 @@ def test_decode_tile_block_addressing(splits, monkeypatch):
         assert_close(out, ref, "control: tiles straddling blocks")
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_decode_longest_first_gives_the_same_bits(splits):
-    """``order`` (the batch longest first) only changes which program takes which sequence: the
-    output equals the batch-order launch's bit for bit. Control: an order that is not a
-    permutation (every program on sequence 0) misses the reference (rows never computed)."""
-    rng = random.Random(17 + splits)
-    lens = _lengths(64, rng, 5 if INTERPRET else 9, MAX_CTX)
-    case = PagedCase([(n - 1, 1) for n in lens], 64, 2, 64, seed=rng.randint(0, 1 << 30))
-    tables, seq_lens = case.meta.block_tables, case.meta.seq_lens
-
-    def run(order):
-        out = torch.full_like(case.q, float("nan"))
-        triton_ops.paged_decode(
-            case.q, case.k_cache, case.v_cache, tables, seq_lens, case.scale, num_splits=splits, out=out, order=order
-        )
-        return out.cpu()
-
-    order = torch.argsort(seq_lens.cpu(), descending=True, stable=True).to(torch.int32).to(DEVICE)
-    assert order.tolist() != list(range(len(lens)))  # the order does move sequences
-    plain = run(None)
-    assert_close(plain, case.reference(), "decode, batch order")
-    assert torch.equal(run(order), plain)
-    with pytest.raises(AssertionError):
-        assert_close(run(torch.zeros_like(order)), case.reference(), "control: not a permutation")
-
-
 def _head_major(x: torch.Tensor) -> torch.Tensor:
     """The same cache stored head-major (the engine's layout), seen as [blocks, slots, heads, d]."""
     return x.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
