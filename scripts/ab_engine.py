@@ -60,8 +60,8 @@ def _tile_setter(fp8: bool):
         n, w, st = map(int, value.split("x"))
         shipped = triton_ops.decode_config
 
-        def decode_config(d, dtype, kv_fp8=False):
-            cfg = shipped(d, dtype, kv_fp8)
+        def decode_config(d, dtype, kv_fp8=False, tma=False):
+            cfg = shipped(d, dtype, kv_fp8, tma)
             return triton_ops.KernelConfig(16, n, w, st) if kv_fp8 == fp8 and cfg.block_n != 32 else cfg
 
         triton_ops.decode_config = decode_config

@@ -249,7 +249,8 @@ def tiles(configs: str = TILES, waves_list: str = "2", stride: int = 100, kv: st
     """Session 10: the decode kernel's tile config (keys per tile, warps, stages), TILE_BLOCK (one
     block-table entry per tile) and the split-K target (programs per SM) on the head-major bf16
     cache (the configs were last swept on the slot-major layout). Prints the run estimate per
-    variant and, last, the best one as ``best tile NxWxS tb=0|1 waves=N`` (scripts read that line).
+    variant and, last, the best one as ``best tile NxWxS tb=0|1|2 waves=N`` (scripts read that line;
+    tb=2 is TMA, ``ab_engine.py tma=1`` with ``tb=1``).
     ``kv="fp8"``: the same on an FP8 cache (its V widened by inline PTX, as shipped). ``modes``: how
     a tile is addressed, ``p`` one block-table entry per key, ``t`` TILE_BLOCK, ``m`` TILE_BLOCK with
     the tile copied by TMA (session 11); a variant's key says tb=0, 1 or 2 for the three."""

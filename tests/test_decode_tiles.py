@@ -30,7 +30,8 @@ from nanovllm.attention import triton_ops  # noqa: E402
 )
 def test_keys_per_tile(dtype, kv_fp8, tma, keys):
     assert triton_ops.decode_config(128, dtype, kv_fp8, tma).block_n == keys
-    assert triton_ops.decode_config(128, dtype, kv_fp8, tma).block_n % (triton_ops.TMA_BLOCK_N if tma else 1) == 0
+    if tma:  # a cache whose blocks hold whole boxes (what wants_tma asks) holds whole tiles: TILE_BLOCK
+        assert triton_ops.TMA_BLOCK_N % keys == 0
 
 
 def straddles(block_size: int, block_n: int) -> bool:
@@ -131,8 +132,43 @@ def test_which_caches_take_tma(setting, fp8, monkeypatch):
     expected = setting in ("all", "1") or (setting == "fp8" and fp8)
     assert triton_ops.wants_tma(q, cache, cache) is expected
     assert not triton_ops.wants_tma(q.float(), cache, cache)
-    assert not triton_ops.wants_tma(q, cache[:, :64], cache[:, :64])  # 64-slot blocks (a view of)
+    small = _head_major(4, 64, 2, 128).to(dtype)  # dense, but 64-slot blocks hold no whole box
+    assert triton_ops.cache_rows(small) is not None and not triton_ops.wants_tma(q, small, small)
+    wide = _head_major(2, 256, 1, 256).to(dtype)  # head_dim 256: wider than the kernel's tiles
+    assert not triton_ops.wants_tma(q, wide, wide)
     slot_major = torch.zeros(4, 256, 2, 128, dtype=dtype)
     assert not triton_ops.wants_tma(q, slot_major, slot_major)
     monkeypatch.delenv("TRITON_INTERPRET")
     assert not triton_ops.wants_tma(q, cache, cache)  # a CPU tensor outside the interpreter
+
+
+def test_compiled_for_sm90_the_shipped_fp8_boxes_are_double_buffered():
+    """The shipped FP8 TMA config (``decode_config(..., tma=True)``) compiles, for sm_90, to two
+    buffers of 128x128 e4m3 per operand in shared memory (``memdesc<2x128x128xf8E4M3FN>``): the next
+    box is copied while this one is used. Control: three stages give one buffer."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = triton_ops._decode_kernel
+    cfg = triton_ops.decode_config(128, torch.bfloat16, kv_fp8=True, tma=True)
+    signature = {p.name: "constexpr" if p.is_constexpr else "i32" for p in kernel.params}
+    signature.update(q_ptr="*bf16", k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv", block_tables_ptr="*i32")
+    signature.update(seq_lens_ptr="*i32", out_ptr="*bf16", part_ptr="*fp32", lse_ptr="*fp32")
+    signature.update(qk_scale="fp32", v_scale="fp32")
+    signature["k_desc"] = signature["v_desc"] = f"tensordesc<fp8e4nv[{cfg.block_n}, 128]>"
+    constexprs = dict(
+        GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=cfg.block_n, BLOCK_SIZE=256, NUM_SPLITS=1,
+        DOT_PRECISION="ieee", KV_FP8=True, WIDEN=True, V_ASM=True, TILE_BLOCK=True, TMA=True, PDL=False,
+    )  # fmt: skip
+
+    def buffers(stages: int) -> set[str]:
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+        options = {"num_warps": cfg.num_warps, "num_stages": stages}
+        ir = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ttgir"]
+        return set(re.findall(r"memdesc<(\d)x128x128xf8E4M3FN", ir))
+
+    assert buffers(cfg.num_stages) == {"2"}
+    assert buffers(3) == {"1"}

@@ -51,6 +51,9 @@ class KernelConfig:
     num_stages: int
 
 
+TMA_BLOCK_N = 128  # the keys per TMA box of decode_config; TMA needs blocks that hold whole boxes
+
+
 def decode_config(head_dim: int, dtype: torch.dtype, kv_fp8: bool = False, tma: bool = False) -> KernelConfig:
     """The decode kernel's tiles for a model ``dtype``, cache type and whether its tiles are copied
     by TMA (H200 sweeps, KERNEL_NOTES)."""
@@ -59,7 +62,7 @@ def decode_config(head_dim: int, dtype: torch.dtype, kv_fp8: bool = False, tma: 
     if kv_fp8 and tma:
         # boxes of 128 keys, double-buffered (5 stages: 74 KB of shared memory, 3 CTAs per SM):
         # FP8 +3.2 % end to end against the 64-key tiles below (session 11)
-        return KernelConfig(16, 128, 4, 5)
+        return KernelConfig(16, TMA_BLOCK_N, 4, 5)
     if kv_fp8:
         # with one block-table entry per tile and the V widening in PTX, 64-key tiles (128
         # registers, 4 CTAs per SM) beat 128-key ones (168 registers, 3 CTAs): session 4
@@ -69,9 +72,6 @@ def decode_config(head_dim: int, dtype: torch.dtype, kv_fp8: bool = False, tma: 
     # attention 3.94 s against 4.19 s, +3.8 % end to end (session 10). TMA boxes lose here
     # (4.44 s against 4.20 s, session 11)
     return KernelConfig(16, 128, 4, 3)
-
-
-TMA_BLOCK_N = 128  # the keys per TMA box of decode_config; TMA needs blocks that hold whole boxes
 
 
 def prefill_config(head_dim: int, dtype: torch.dtype) -> KernelConfig:
@@ -340,8 +340,10 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq * stride_bt
     tile_off = kvh * stride_ch + offs_n[:, None] * stride_cs + offs_d[None, :]
-    # with TMA the tiles wholly inside [start, end) run unmasked (their V stays in shared memory
-    # for the MMA); the last, partial one masks its V rows (a box reads past the sequence's end)
+    # with TMA the tiles wholly inside [start, end) run unmasked (a 16-bit V stays in shared memory
+    # for the MMA; an FP8 one is widened in registers either way); the last, partial one masks its
+    # V rows (a box reads past the sequence's end). An empty split (end < start) gets full_end <=
+    # start: Triton's integer division truncates toward zero, so no tile runs
     full_end = start + (end - start) // BLOCK_N * BLOCK_N if TMA else end
     for n0 in range(start, full_end, BLOCK_N):
         m_i, l_i, acc = _decode_tile(
@@ -408,7 +410,7 @@ def _merge_kernel(
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-DECODE_FLAG_OVERRIDES: dict[str, bool] = {}  # tests and scripts/sweep_kv_fp8.py force a flag on or off
+DECODE_FLAG_OVERRIDES: dict[str, bool] = {}  # tests and scripts (sweep_kv_fp8, ab_kernels, ab_engine) force a flag
 PREFILL_FLAG_OVERRIDES: dict[str, bool] = {}  # tests and scripts/ab_kernels.py force a flag on or off
 
 
@@ -439,21 +441,29 @@ def decode_tile_flags(block_size: int, block_n: int, kv_fp8: bool, dtype: torch.
 
 
 # which caches the decode kernel reads by TMA where it can (session 11): "fp8" (the default:
-# +3.2 % end to end for FP8 caches, -5 % for 16-bit ones), "all" (or "1"), "0" none
+# +3.2 % end to end for FP8 caches, -4.4 % for 16-bit ones), "all" (or "1"), "0" none
 DECODE_TMA = os.environ.get("NANOVLLM_DECODE_TMA", "fp8")
+if DECODE_TMA not in ("fp8", "all", "1", "0"):
+    raise ValueError(f"NANOVLLM_DECODE_TMA must be fp8, all, 1 or 0, got {DECODE_TMA!r}")
+TMA_MAX_BOX = 256  # a TMA box's largest dimension
 
 
 @functools.cache
 def _has_tma(device_index: int) -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
+    """Hopper (compute capability 9.x): where the TMA path was measured; later GPUs have TMA too
+    but other shared memory sizes, and stay on the plain loads until measured."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] == 9
 
 
 def cache_rows(cache: torch.Tensor) -> torch.Tensor | None:
     """A layer's cache seen as rows of ``head_dim`` elements, ``[blocks * kv heads * slots, d]``
-    (row ``(block * kv_heads + head) * block_size + slot``), when its storage is head-major and
-    dense, 16-byte aligned and under 2**31 rows (a TMA box's coordinates are int32); else None."""
+    (row ``(block * kv_heads + head) * block_size + slot``), when a TMA box can address it: storage
+    head-major and dense, ``head_dim`` a power of two up to 128 (the kernel's ``BLOCK_D``), 16-byte
+    aligned, under 2**31 rows (a box's coordinates are int32); else None."""
     num_blocks, block_size, num_kv_heads, d = cache.shape
     if cache.stride() != (num_kv_heads * block_size * d, d, block_size * d, 1):
+        return None
+    if d > 128 or d != triton.next_power_of_2(d):
         return None
     rows = num_blocks * num_kv_heads * block_size
     if rows >= 2**31 or cache.data_ptr() % 16 or d * cache.element_size() % 16:
@@ -471,20 +481,22 @@ def _tma_capable(cache: torch.Tensor) -> bool:
 
 def tma_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> tuple | None:
     """Host-side TMA descriptors of the two caches' row views, boxes of ``block_n`` keys; None
-    where TMA does not apply: no descriptor support, a GPU before Hopper, a layout that is not
-    dense head-major. Under Triton's interpreter (CPU tensors) the descriptors are emulated."""
-    if not _tma_capable(k_cache):
+    where TMA does not apply: no descriptor support, not a Hopper GPU, a layout ``cache_rows``
+    refuses, a box longer than ``TMA_MAX_BOX``. Under Triton's interpreter (CPU tensors) the
+    descriptors are emulated."""
+    if block_n > TMA_MAX_BOX or not _tma_capable(k_cache):
         return None
     k_rows, v_rows = cache_rows(k_cache), cache_rows(v_cache)
-    if k_rows is None or v_rows is None or k_cache.shape[-1] != triton.next_power_of_2(k_cache.shape[-1]):
+    if k_rows is None or v_rows is None:
         return None
     box = [block_n, k_cache.shape[-1]]
     return TensorDescriptor.from_tensor(k_rows, box), TensorDescriptor.from_tensor(v_rows, box)
 
 
 def wants_tma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether ``DECODE_TMA`` asks for TMA boxes for this cache and they would apply: a 16-bit
-    model, blocks of whole ``TMA_BLOCK_N``-key boxes, a dense head-major cache on a Hopper GPU."""
+    """Whether ``DECODE_TMA`` asks for TMA boxes for this cache and they apply: a 16-bit model,
+    blocks of whole ``TMA_BLOCK_N``-key boxes, a cache ``cache_rows`` takes, on a Hopper GPU (the
+    same checks as ``tma_descriptors``, so the config chosen for TMA is launched with it)."""
     asked = DECODE_TMA in ("all", "1") or (DECODE_TMA == "fp8" and is_fp8(k_cache))
     if not asked or q.dtype not in (torch.bfloat16, torch.float16) or k_cache.shape[1] % TMA_BLOCK_N:
         return False
@@ -522,7 +534,9 @@ def paged_decode(
     Sequence i attends to its first ``seq_lens[i]`` positions through ``block_tables[i]``.
     With ``num_splits > 1`` the keys are cut into that many ranges whose partial
     results go to ``workspace`` = (partials [>= S*num_heads*num_splits*d] float32,
-    lse [>= S*num_heads*num_splits] float32), then merged.
+    lse [>= S*num_heads*num_splits] float32), then merged. ``config`` replaces the tiles of
+    ``decode_config``; K/V tiles are still copied by TMA wherever ``wants_tma`` says so (set
+    ``DECODE_FLAG_OVERRIDES["TMA"] = False`` for the plain loads).
     """
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape

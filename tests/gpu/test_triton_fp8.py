@@ -98,7 +98,7 @@ def test_decode_fp8_matches_reference(block_size, group, head_dim, splits):
 
 @pytest.mark.parametrize("block_size,group,head_dim", [(256, 2, 128), (128, 8, 64), (256, 1, 64)])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_decode_fp8_tma_matches_reference(block_size, group, head_dim, splits):
+def test_decode_fp8_tma_matches_reference(block_size, group, head_dim, splits, monkeypatch):
     """The shipped FP8 path on a Hopper GPU: a head-major cache of whole 128-key boxes takes TMA by
     default (128-key boxes, double-buffered); the NaN-poisoned slots past each sequence's end are
     read by the boxes and must be masked. Control: the wrong v_scale misses."""
@@ -111,6 +111,9 @@ def test_decode_fp8_tma_matches_reference(block_size, group, head_dim, splits):
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("TMA needs compute capability 9.0 or newer")
     assert triton_ops.wants_tma(c.q, k, v), "the default must take TMA here"
+    made = []
+    real = triton_ops.tma_descriptors
+    monkeypatch.setattr(triton_ops, "tma_descriptors", lambda *a: made.append(real(*a)) or made[-1])
 
     def run(v_scale: float) -> torch.Tensor:
         out = torch.full_like(c.q, float("nan"))
@@ -122,6 +125,7 @@ def test_decode_fp8_tma_matches_reference(block_size, group, head_dim, splits):
 
     ref = fc.reference()
     assert_close(run(V_SCALE), ref, f"fp8 TMA decode bs={block_size} g={group} d={head_dim} splits={splits}")
+    assert made and all(d is not None for d in made), "the launch must have used TMA descriptors"
     assert _far(run(1.0), ref), "control: the wrong v_scale must miss the reference"
 
 

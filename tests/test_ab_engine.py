@@ -1,0 +1,65 @@
+"""scripts/ab_engine.py's switches (the GPU A/B runner): each one applies on a CPU-only machine, and
+the tile overrides take every argument ``paged_decode`` passes to ``decode_config`` (a 3-argument
+override crashed every ``tile=`` run after ``decode_config`` grew its ``tma`` argument)."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import pathlib
+
+import pytest
+import torch
+
+triton_ops = pytest.importorskip(
+    "nanovllm.attention.triton_ops", reason="the switches patch the Triton kernels' module"
+)
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "ab_engine.py"
+
+
+@pytest.fixture
+def ab_engine(monkeypatch):
+    spec = importlib.util.spec_from_file_location("ab_engine", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(triton_ops, "decode_config", triton_ops.decode_config)  # restored after the test
+    monkeypatch.setattr(triton_ops, "DECODE_TMA", triton_ops.DECODE_TMA)
+    monkeypatch.setattr(triton_ops, "DECODE_FLAG_OVERRIDES", {})
+    for name in ("NANOVLLM_DECODE_TMA", "NANOVLLM_PDL"):
+        monkeypatch.delenv(name, raising=False)
+    return module
+
+
+def _call_like_paged_decode(dtype, fp8, tma):
+    """The call in ``paged_decode`` (four positional arguments) of whatever ``decode_config`` is now."""
+    line = next(x for x in inspect.getsource(triton_ops.paged_decode).splitlines() if "decode_config(" in x)
+    assert line.count(",") == 3, line  # (head_dim, dtype, kv_fp8, tma): update this helper with it
+    return triton_ops.decode_config(128, dtype, fp8, tma)
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_tile_overrides_take_paged_decodes_arguments(ab_engine, tma):
+    apply, valid = ab_engine.SETTINGS["tile"]
+    assert valid("64x4x2")
+    apply("64x4x2")
+    call = _call_like_paged_decode
+    assert call(torch.bfloat16, False, tma) == triton_ops.KernelConfig(16, 64, 4, 2)
+    assert call(torch.bfloat16, True, tma).block_n == (128 if tma else 64)  # FP8 keeps its own
+    assert call(torch.float32, False, tma).block_n == 32  # float32 models keep theirs
+    ab_engine.SETTINGS["fp8tile"][0]("64x4x3")
+    assert call(torch.bfloat16, True, tma) == triton_ops.KernelConfig(16, 64, 4, 3)
+    assert call(torch.bfloat16, False, tma) == triton_ops.KernelConfig(16, 64, 4, 2)
+
+
+@pytest.mark.parametrize("value,expected", [("0", "0"), ("1", "1"), ("fp8", "fp8")])
+def test_the_tma_switch(ab_engine, value, expected):
+    apply, valid = ab_engine.SETTINGS["tma"]
+    assert valid(value) and not valid("yes")
+    apply(value)
+    assert triton_ops.DECODE_TMA == expected
+
+
+def test_the_tile_block_switch(ab_engine):
+    ab_engine.SETTINGS["tb"][0]("0")
+    assert triton_ops.DECODE_FLAG_OVERRIDES == {"TILE_BLOCK": False}
