@@ -87,32 +87,38 @@ def test_no_tma_on_the_cpu_outside_the_interpreter(monkeypatch):
     assert triton_ops.tma_descriptors(cache, cache, 16) is not None
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8e4nv"])
-@pytest.mark.parametrize("tma", [True, False])
-def test_compiled_for_sm90_tma_tiles_are_bulk_copies(kv, tma):
-    """Offline compile for an H200 (no GPU): with TMA the decode kernel copies each K and V tile
-    with ``cp.async.bulk.tensor`` and reads the cache with no per-thread global loads (what is left
-    of ``ld.global`` reads the query, the lengths and the block table); without it, no bulk copy."""
+def _compile_decode_for_sm90(kv: str, block_n: int, tma: bool, num_stages: int = 3):
+    """The decode kernel compiled offline for an H200 (no GPU needed): ``kv`` the cache's Triton
+    type (``bf16`` or ``fp8e4nv``), one 256-slot block per table entry, TILE_BLOCK on."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     kernel = triton_ops._decode_kernel
-    cache = "*fp8e4nv" if kv == "fp8e4nv" else "*bf16"
-    block_n = 64 if kv == "fp8e4nv" else 128
+    fp8 = kv == "fp8e4nv"
     signature = {p.name: "constexpr" if p.is_constexpr else "i32" for p in kernel.params}
-    signature.update(q_ptr="*bf16", k_cache_ptr=cache, v_cache_ptr=cache, block_tables_ptr="*i32")
+    signature.update(q_ptr="*bf16", k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}", block_tables_ptr="*i32")
     signature.update(seq_lens_ptr="*i32", out_ptr="*bf16", part_ptr="*fp32", lse_ptr="*fp32")
     signature.update(qk_scale="fp32", v_scale="fp32")
     if tma:
         signature["k_desc"] = signature["v_desc"] = f"tensordesc<{kv}[{block_n}, 128]>"
     constexprs = dict(
         GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=block_n, BLOCK_SIZE=256, NUM_SPLITS=1,
-        DOT_PRECISION="ieee", KV_FP8=kv == "fp8e4nv", WIDEN=True, V_ASM=kv == "fp8e4nv", TILE_BLOCK=True,
-        TMA=tma, PDL=False,
+        DOT_PRECISION="ieee", KV_FP8=fp8, WIDEN=True, V_ASM=fp8, TILE_BLOCK=True, TMA=tma, PDL=False,
     )  # fmt: skip
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    options = {"num_warps": 4, "num_stages": num_stages}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8e4nv"])
+@pytest.mark.parametrize("tma", [True, False])
+def test_compiled_for_sm90_tma_tiles_are_bulk_copies(kv, tma):
+    """Offline compile for an H200 (no GPU): with TMA the decode kernel copies each K and V tile
+    with ``cp.async.bulk.tensor`` and reads the cache with no per-thread global loads (what is left
+    of ``ld.global`` reads the query, the lengths and the block table); without it, no bulk copy."""
+    block_n = 64 if kv == "fp8e4nv" else 128
+    ptx = _compile_decode_for_sm90(kv, block_n, tma).asm["ptx"]
     if tma:
         assert ptx.count("cp.async.bulk.tensor") >= 2 and ptx.count("ld.global") < 32
     else:
@@ -148,26 +154,11 @@ def test_compiled_for_sm90_the_shipped_fp8_boxes_are_double_buffered():
     box is copied while this one is used. Control: three stages give one buffer."""
     import re
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    kernel = triton_ops._decode_kernel
     cfg = triton_ops.decode_config(128, torch.bfloat16, kv_fp8=True, tma=True)
-    signature = {p.name: "constexpr" if p.is_constexpr else "i32" for p in kernel.params}
-    signature.update(q_ptr="*bf16", k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv", block_tables_ptr="*i32")
-    signature.update(seq_lens_ptr="*i32", out_ptr="*bf16", part_ptr="*fp32", lse_ptr="*fp32")
-    signature.update(qk_scale="fp32", v_scale="fp32")
-    signature["k_desc"] = signature["v_desc"] = f"tensordesc<fp8e4nv[{cfg.block_n}, 128]>"
-    constexprs = dict(
-        GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=cfg.block_n, BLOCK_SIZE=256, NUM_SPLITS=1,
-        DOT_PRECISION="ieee", KV_FP8=True, WIDEN=True, V_ASM=True, TILE_BLOCK=True, TMA=True, PDL=False,
-    )  # fmt: skip
+    assert cfg.num_warps == 4  # the helper compiles with 4 warps
 
     def buffers(stages: int) -> set[str]:
-        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-        options = {"num_warps": cfg.num_warps, "num_stages": stages}
-        ir = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ttgir"]
+        ir = _compile_decode_for_sm90("fp8e4nv", cfg.block_n, tma=True, num_stages=stages).asm["ttgir"]
         return set(re.findall(r"memdesc<(\d)x128x128xf8E4M3FN", ir))
 
     assert buffers(cfg.num_stages) == {"2"}
