@@ -218,3 +218,24 @@ def test_reset_prefix_cache():
         engine.check_invariants()
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("device,expected", [("cpu", 128), ("cuda", 256)])
+def test_default_block_size_per_device(device, expected, monkeypatch):
+    """``block_size=None`` resolves to 128 slots on the CPU (the attention kernel streams each block
+    and kv head as one run; BENCHMARKS 2026-12-04) and 256 on CUDA. Both hold whole 128-key decode
+    tiles and TMA boxes of the GPU kernel and whole 16-slot chunks of the CPU kernel; an explicit
+    value is kept."""
+    import types
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # resolve a CUDA config on any host
+    hf = types.SimpleNamespace(max_position_embeddings=4096, vocab_size=1000)
+    config = EngineConfig(device=device)
+    config.resolve(hf, "unused")
+    assert config.block_size == expected
+    assert config.block_size % 128 == 0 and config.block_size % 16 == 0  # 128: triton_ops.TMA_BLOCK_N
+    explicit = EngineConfig(device=device, block_size=32)
+    explicit.resolve(hf, "unused")
+    assert explicit.block_size == 32
