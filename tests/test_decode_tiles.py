@@ -163,3 +163,19 @@ def test_compiled_for_sm90_the_shipped_fp8_boxes_are_double_buffered():
 
     assert buffers(cfg.num_stages) == {"2"}
     assert buffers(3) == {"1"}
+
+
+@pytest.mark.parametrize(
+    "capability,hip,expected",
+    [((9, 0), None, True), ((10, 0), None, False), ((8, 9), None, False), ((9, 4), "6.2", False)],
+)
+def test_tma_only_on_hopper(monkeypatch, capability, hip, expected):
+    """The TMA path was measured on Hopper (9.x) only: an sm_100 or sm_120 part (other shared
+    memory sizes) keeps the plain loads, an Ada part has no TMA, a ROCm GPU reporting (9, 4) is not one."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    triton_ops._has_tma.cache_clear()
+    try:
+        assert triton_ops._has_tma(0) is expected
+    finally:
+        triton_ops._has_tma.cache_clear()
