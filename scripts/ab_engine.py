@@ -20,6 +20,10 @@ tb=0|1:   TILE_BLOCK (one block-table entry per key tile) forced off/on in the d
 tma=0|1|fp8: the decode kernel's K/V tiles copied by TMA for no cache, every 16-bit-model cache, or
           FP8 caches only (the default; ``NANOVLLM_DECODE_TMA``, session 11).
 pdl=0|1:  programmatic dependent launch of the Triton kernels (``NANOVLLM_PDL``, session 10; on by default).
+gemm=0|1: the decode-batch linear layers in Triton with PDL and an L2 prefetch (``NANOVLLM_DECODE_GEMM``,
+          session 12); gemmrows=N: the most rows it takes (``decode_gemm.MAX_ROWS``);
+          gemmcfg=BIG/SMALLxBKxWxS{p|n}: its config (column strips for N >= 4096 / below, K step,
+          warps, stages, prefetch on/off), as ``ab_kernels.py --only gemm`` names them.
 """
 
 from __future__ import annotations
@@ -80,6 +84,26 @@ def _set_tma(value: str) -> None:
     _set("nanovllm.attention.triton_ops", "DECODE_TMA", str)(value)
 
 
+def _set_gemm_config(value: str) -> None:
+    from nanovllm.layers import decode_gemm
+
+    strips, bk, w, st = value[:-1].split("x")
+    big, small = map(int, strips.split("/"))
+    decode_gemm.default_config = lambda n, k: decode_gemm.GemmConfig(
+        big if n >= 4096 else small, int(bk), int(w), int(st), value[-1] == "p"
+    )
+
+
+def _is_gemm_config(value: str) -> bool:
+    parts = value[:-1].split("x")
+    return (
+        value[-1:] in ("p", "n")
+        and len(parts) == 4
+        and all(_positive(p) for p in parts[0].split("/") + parts[1:])
+        and len(parts[0].split("/")) == 2
+    )
+
+
 def _is_tile(value: str) -> bool:
     parts = value.split("x")
     return len(parts) == 3 and all(_positive(p) for p in parts)
@@ -103,6 +127,9 @@ SETTINGS = {
     "tb": (_set_tb, lambda v: v in ("0", "1")),
     "tma": (_set_tma, lambda v: v in ("0", "1", "fp8")),
     "pdl": (lambda v: os.environ.__setitem__("NANOVLLM_PDL", v), lambda v: v in ("0", "1")),
+    "gemm": (lambda v: os.environ.__setitem__("NANOVLLM_DECODE_GEMM", v), lambda v: v in ("0", "1")),
+    "gemmrows": (_set("nanovllm.layers.decode_gemm", "MAX_ROWS", int), _positive),
+    "gemmcfg": (_set_gemm_config, _is_gemm_config),
     "split": (
         _set("nanovllm.attention.triton_backend", "MIN_SPLIT_DECODES", lambda v: 8 if v == "1" else None),
         lambda v: v in ("0", "1"),

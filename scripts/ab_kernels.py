@@ -1,7 +1,7 @@
 """Session 8 A/B micro-benchmarks on the GPU (KERNEL_NOTES): the kernels of a prefill step and of
 a tail step that the standard workload's profile pointed at, each variant beside the old one.
 
-    PYTHONPATH=. python3 scripts/ab_kernels.py [--only qk|prefill|decode|layout|tiles]
+    PYTHONPATH=. python3 scripts/ab_kernels.py [--only qk|prefill|decode|layout|tiles|gemm]
 
 1. qk_norm_rope at 8,192 tokens (a prefill step) and 23 tokens (a tail step): one head per
    program (the old kernel's grid, BLOCK_H=1) against runs of 4/8/16/32 heads.
@@ -12,7 +12,8 @@ a tail step that the standard workload's profile pointed at, each variant beside
    split-K factor chosen for 2/4/8/16/32 programs per SM (``DECODE_SPLIT_WAVES``), bf16 and FP8
    caches; the sum over the sampled steps x 50 x 28 layers estimates the run's decode attention.
 4. ``--only layout`` (session 9): slot-major against head-major caches; ``--only tiles`` (session
-   10): the decode tile configs and TILE_BLOCK on the head-major bf16 cache.
+   10): the decode tile configs and TILE_BLOCK on the head-major bf16 cache; ``--only gemm``
+   (session 12): the decode-batch linear layers, Triton with PDL and an L2 prefetch against cuBLAS.
 
 (Its first run also timed a Triton kernel for decode-sized linear layers against cuBLAS: it did
 not win, and the kernel was removed; the numbers are in KERNEL_NOTES session 8.)
@@ -292,10 +293,97 @@ def tiles(configs: str = TILES, waves_list: str = "2", stride: int = 100, kv: st
     print(f"best tile {n}x{w}x{st} tb={int(tb)} waves={waves}")
 
 
+GEMMS = "cublas,32/16x256x4x3p,32/16x256x4x3n,16/16x128x4x4p,64/16x128x4x3p,32/16x128x8x3p,32/16x256x4x4p"
+
+
+def _gemm_config(spec: str):
+    """``BIG/SMALLxBKxWxS{p|n}``: column strips for N >= 4096 / below, K step, warps, stages, prefetch."""
+    from nanovllm.layers import decode_gemm
+
+    strips, bk, w, st = spec[:-1].split("x")
+    big, small = map(int, strips.split("/"))
+    return lambda n: decode_gemm.GemmConfig(big if n >= 4096 else small, int(bk), int(w), int(st), spec[-1] == "p")
+
+
+def gemm(configs: str = GEMMS, rows: str = "1,8,16,23,32,48,64,96,128,192,256") -> None:
+    """Session 12: the decode-batch linear layers (``layers/decode_gemm.py``: Triton, PDL, the weight
+    strip prefetched into L2 before the wait) against cuBLAS, in what surrounds them in a decode step:
+    28 layers of RMSNorm -> qkv -> (SiLU-and-mul as the attention's stand-in, 4,096 -> 2,048) -> o_proj
+    -> RMSNorm -> gate_up -> SiLU-and-mul -> down, each layer its own weights (Qwen3-0.6B's, 0.8 GB:
+    past the L2), captured in one CUDA graph and replayed (do_bench median). The figure is per layer."""
+    from nanovllm.layers import decode_gemm
+
+    decode_gemm.MAX_ROWS = 1 << 30
+    hidden, inter, qkv_n, layers = 1024, 3072, (HQ + 2 * HK) * D, 28
+    dt = torch.bfloat16
+    ws = [
+        [
+            torch.randn(n, k, device="cuda", dtype=dt) / k**0.5
+            for n, k in ((qkv_n, hidden), (hidden, HQ * D), (2 * inter, hidden), (hidden, inter))
+        ]
+        for _ in range(layers)
+    ]
+    norm_w = torch.ones(hidden, device="cuda", dtype=dt)
+    print(f"## decode-batch linear layers, {layers} layers of Qwen3-0.6B in one CUDA graph, us per layer")
+    times: dict[str, dict[int, float]] = {}
+    for m in map(int, rows.split(",")):
+        x0 = torch.randn(m, hidden, device="cuda", dtype=dt)
+        line, ref = [], None
+        for spec in configs.split(","):
+            if spec == "cublas":
+                lin = lambda x, w: torch.nn.functional.linear(x, w)  # noqa: E731
+            else:
+                cfg = _gemm_config(spec)
+                lin = lambda x, w, cfg=cfg: decode_gemm.linear(x, w, cfg(w.shape[0]))  # noqa: E731
+
+            def step(lin=lin, x0=x0):
+                h, res = x0, x0
+                for wq, wo, wgu, wd in ws:
+                    n1, res = fused_ops.rms_norm(h, norm_w, 1e-6, res)
+                    a = fused_ops.silu_and_mul(lin(n1, wq))
+                    n2, res = fused_ops.rms_norm(lin(a, wo), norm_w, 1e-6, res)
+                    h = lin(fused_ops.silu_and_mul(lin(n2, wgu)), wd)
+                return h
+
+            try:
+                step()
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = step()
+                graph.replay()
+                torch.cuda.synchronize()
+                diff = 0.0 if ref is None else float((out.float() - ref.float()).abs().max())
+                ref = out.clone() if ref is None else ref
+                us = do_bench(graph.replay, warmup=10, rep=100) * 1e3 / layers
+                times.setdefault(spec, {})[m] = us
+                line.append(f"{spec} {us:6.2f} (d{diff:.0e})")
+            except Exception as e:  # a config that does not compile or fit: reported, never best
+                line.append(f"{spec} failed: {type(e).__name__}: {str(e)[:80]}")
+        print(f"gemm M={m:3d}: " + "  ".join(line), flush=True)
+    # the best Triton config: the most rows up to which it beats cuBLAS at every batch size, then the
+    # most time saved there (scripts read this line: ab_engine.py gemm=1,gemmrows=N,gemmcfg=CFG)
+    base = times.get("cublas", {})
+    best = None
+    for spec, by_m in times.items():
+        if spec == "cublas":
+            continue
+        upto, saved = 0, 0.0
+        for m in sorted(by_m):
+            if m not in base or by_m[m] >= base[m]:
+                break
+            upto, saved = m, saved + base[m] - by_m[m]
+        if upto and (best is None or (upto, saved) > best[:2]):
+            best = (upto, saved, spec)
+    print(f"best gemm {best[2]} rows={best[0]} saved={best[1]:.2f}" if best else "best gemm none")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--prefill-steps", type=int, default=6)
-    p.add_argument("--only", choices=["qk", "prefill", "decode", "layout", "tiles"])
+    p.add_argument("--only", choices=["qk", "prefill", "decode", "layout", "tiles", "gemm"])
+    p.add_argument("--gemms", default=GEMMS, help="configs for --only gemm: cublas or BIG/SMALLxBKxWxS{p|n},...")
+    p.add_argument("--rows", default="1,8,16,23,32,48,64,96,128,192,256", help="batch sizes for --only gemm")
     p.add_argument("--tiles", default=TILES, help="decode configs for --only tiles: NxWxS,...")
     p.add_argument("--waves", default="2", help="split-K targets (programs per SM) for --only tiles: N,...")
     p.add_argument("--kv", choices=["bf16", "fp8"], default="bf16", help="the cache type for --only tiles")
@@ -315,6 +403,8 @@ def main() -> None:
         layout()
     if args.only == "tiles":
         tiles(args.tiles, args.waves, kv=args.kv, modes=args.modes)
+    if args.only == "gemm":
+        gemm(args.gemms, args.rows)
     print(f"# {time.perf_counter() - t0:.0f} s")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import os
 import pathlib
 
 import pytest
@@ -26,8 +27,9 @@ def ab_engine(monkeypatch):
     monkeypatch.setattr(triton_ops, "decode_config", triton_ops.decode_config)  # restored after the test
     monkeypatch.setattr(triton_ops, "DECODE_TMA", triton_ops.DECODE_TMA)
     monkeypatch.setattr(triton_ops, "DECODE_FLAG_OVERRIDES", {})
-    for name in ("NANOVLLM_DECODE_TMA", "NANOVLLM_PDL"):
-        monkeypatch.delenv(name, raising=False)
+    for name in ("NANOVLLM_DECODE_TMA", "NANOVLLM_PDL", "NANOVLLM_DECODE_GEMM"):
+        monkeypatch.setenv(name, "")  # recorded, so what the switches write into os.environ is undone
+        monkeypatch.delenv(name)
     return module
 
 
@@ -63,3 +65,22 @@ def test_the_tma_switch(ab_engine, value, expected):
 def test_the_tile_block_switch(ab_engine):
     ab_engine.SETTINGS["tb"][0]("0")
     assert triton_ops.DECODE_FLAG_OVERRIDES == {"TILE_BLOCK": False}
+
+
+def test_the_decode_gemm_options(ab_engine, monkeypatch):
+    """``gemm=``, ``gemmrows=`` and ``gemmcfg=`` reach ``layers/decode_gemm.py``; malformed values are
+    refused before anything runs."""
+    decode_gemm = pytest.importorskip("nanovllm.layers.decode_gemm")
+    monkeypatch.setattr(decode_gemm, "default_config", decode_gemm.default_config)
+    monkeypatch.setattr(decode_gemm, "MAX_ROWS", decode_gemm.MAX_ROWS)
+    apply, valid = ab_engine.SETTINGS["gemm"]
+    assert valid("1") and not valid("on")
+    apply("1")
+    assert os.environ["NANOVLLM_DECODE_GEMM"] == "1"
+    ab_engine.SETTINGS["gemmrows"][0]("128")
+    assert decode_gemm.MAX_ROWS == 128
+    apply, valid = ab_engine.SETTINGS["gemmcfg"]
+    assert valid("64/16x128x8x4n") and not valid("64x128x8x4n") and not valid("64/16x128x8x4") and not valid("x")
+    apply("64/16x128x8x4n")
+    assert decode_gemm.default_config(6144, 1024) == decode_gemm.GemmConfig(64, 128, 8, 4, False)
+    assert decode_gemm.default_config(1024, 3072) == decode_gemm.GemmConfig(16, 128, 8, 4, False)

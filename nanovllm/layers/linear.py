@@ -13,7 +13,21 @@ from torch import nn
 
 from nanovllm.layers import cpu_linear
 from nanovllm.layers.parallel import all_reduce, divide, tp_rank, tp_size
+from nanovllm.layers.triton_switch import LazyKernels
 from nanovllm.loader.model_loader import set_weight
+
+decode_gemm = LazyKernels("nanovllm.layers.decode_gemm", "NANOVLLM_DECODE_GEMM")
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+) -> torch.Tensor:
+    """y = x @ weight.T + bias: the Triton decode-batch kernel where it is on and applies (CUDA, few
+    rows; on the CPU only in the kernel tests under Triton's interpreter), oneDNN's packed weights on
+    the CPU, ``F.linear`` elsewhere."""
+    if decode_gemm.enabled(x) and decode_gemm.applies(x, weight, bias):
+        return decode_gemm.linear(x, weight)
+    return cpu_linear.linear(x, weight, bias, packed)
 
 
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
@@ -57,7 +71,7 @@ class LinearBase(nn.Module):
         _copy_checked(param, self._shard(param, loaded), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_linear.linear(x, self.weight, self.bias, self.packed_weight)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -130,8 +144,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
-            return cpu_linear.linear(x, self.weight, self.bias, self.packed_weight)
+            return linear(x, self.weight, self.bias, self.packed_weight)
         # the bias is added once, after the reduction
-        y = cpu_linear.linear(x, self.weight, None, self.packed_weight)
+        y = linear(x, self.weight, None, self.packed_weight)
         y = all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -1,0 +1,171 @@
+"""Linear layers at decode batch sizes on the GPU: y = x @ w.T for a few rows (Triton), launched with
+programmatic dependent launch and its weights prefetched into L2 before it waits.
+
+At decode batch sizes a linear layer reads its whole weight matrix to do little arithmetic. cuBLAS
+takes ~5-8 us for the 4-13 MB matrices of a Qwen3-0.6B layer on the H200 (KERNEL_NOTES session 8),
+against 1-3 us for their bytes: most of each product is the gap before it starts and the ramp of
+its first loads, and it is paid four times per layer and step. cuBLAS kernels cannot be launched
+with PDL (``layers/pdl.py``), so they also wait in full for the Triton kernel before them.
+
+This kernel gives each program a strip of output columns, all rows of x in one tile. Launched with
+PDL, it may start while the kernel before it (RMSNorm, SiLU-and-mul, the attention merge) still
+runs: it first asks L2 for its strip of the weight matrix (``prefetch.global.L2``, one per 128-byte
+line; the weights are written once at load time, never by a kernel, so reading them early is
+safe), then waits for its predecessor (``pdl.wait_then_release``) and multiplies with the weights
+already on their way. ``NANOVLLM_DECODE_GEMM=1`` turns it on (off by default until measured ahead
+end to end); rows above ``MAX_ROWS`` always take cuBLAS.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.layers import pdl
+from nanovllm.layers.triton_switch import triton_path
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+SWITCH = "NANOVLLM_DECODE_GEMM"
+DEFAULT = "0"  # off until an end-to-end A/B keeps it
+MAX_ROWS = int(os.environ.get("NANOVLLM_DECODE_GEMM_MAX_ROWS", "64"))  # rows above this take cuBLAS
+MAX_BLOCK_M = 64  # rows per program; more rows take more programs, the strip then read again from L2
+LINE = 64  # 16-bit elements per 128-byte cache line: one prefetch each
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_n: int  # output columns per program
+    block_k: int  # weight columns per step of the K loop
+    num_warps: int
+    num_stages: int
+    prefetch: bool = True  # the strip asked of L2 before the wait
+
+
+CONFIG_OVERRIDE: GemmConfig | None = None  # A/B runs (scripts/ab_kernels.py, ab_engine.py)
+
+
+def default_config(n: int, k: int) -> GemmConfig:
+    """32-column strips where that still gives >= 128 programs (the 132 SMs), 16 otherwise."""
+    if CONFIG_OVERRIDE is not None:
+        return CONFIG_OVERRIDE
+    return GemmConfig(32 if n >= 128 * 32 else 16, 256 if k % 256 == 0 else 128, 4, 3)
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """On where Triton runs for ``x`` (a CUDA tensor; the interpreter in the CPU kernel tests) and the
+    switch says so (default: ``DEFAULT``)."""
+    return triton is not None and triton_path(x, SWITCH) and os.environ.get(SWITCH, DEFAULT) == "1"
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """This kernel takes the product: 2-D rows, 1 to MAX_ROWS of them, 16-bit, no bias, unit column
+    strides, K a multiple of the 128-byte line (whole lines to prefetch, whole K steps)."""
+    return (
+        bias is None
+        and x.dim() == 2
+        and 0 < x.shape[0] <= MAX_ROWS
+        and x.dtype == weight.dtype
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+        and weight.dim() == 2
+        and weight.shape[1] == x.shape[1]
+        and x.shape[1] % 128 == 0
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _prefetch_l2(ptrs):
+        """Ask L2 for the 128-byte line at each pointer (no register written, nothing waited for)."""
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+        )
+
+    @triton.jit(do_not_specialize=["M"])
+    def _decode_gemm_kernel(
+        x_ptr,
+        w_ptr,
+        y_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_ym,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PREFETCH: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):
+        """Program (column strip, row block): y[rows, strip] = x[rows, :] @ w[strip, :].T, float32
+        accumulation over K in order (a row's result does not depend on the other rows), rounded once."""
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        w_rows = w_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn
+        if PREFETCH:
+            if tl.program_id(1) == 0:  # the other row blocks find the strip in L2
+                lines = tl.arange(0, BLOCK_K // 64)[None, :] * 64
+                for k0 in range(0, K, BLOCK_K):
+                    _prefetch_l2(w_rows + k0 + lines)
+        # nothing read before this point is written by another kernel (only the weights)
+        pdl.wait_then_release(PDL)
+        offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_mask = offs_m < M
+        x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+        w_ptrs = w_rows + offs_k[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for _ in range(0, K, BLOCK_K):
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs)
+            acc = tl.dot(x, tl.trans(w), acc)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def block_m(rows: int) -> int:
+    return max(16, min(MAX_BLOCK_M, triton.next_power_of_2(rows)))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T -> [M, N] in x's dtype (``applies`` must hold)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    cfg = config or default_config(n, k)
+    if k % cfg.block_k:
+        raise ValueError(f"decode_gemm: K={k} is not a multiple of block_k={cfg.block_k}")
+    bm = block_m(m)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, bm))
+    launch = pdl.launch_args(x)
+    _decode_gemm_kernel[grid](
+        x,
+        weight,
+        y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        BLOCK_M=bm,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        PREFETCH=cfg.prefetch and x.is_cuda,  # the interpreter cannot run the PTX
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **launch,
+    )
+    return y

@@ -1,0 +1,139 @@
+"""The decode-batch linear kernel (nanovllm/layers/decode_gemm.py) against F.linear.
+
+On a GPU (marker ``gpu``) in bfloat16 and float16, with the L2 prefetch and PDL on and off; under
+Triton's CPU interpreter (test_triton_interpret.py) in float16 (the interpreter runs neither the
+prefetch's PTX nor PDL). The reference is the float32 product rounded once, which the kernel computes
+too (float32 accumulation): they agree within one rounding of the dtype plus float32's summation-order
+error over K terms.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+INTERPRET = os.environ.get("NANOVLLM_TRITON_INTERPRET") == "1"
+pytestmark = [] if INTERPRET else [pytest.mark.gpu]
+DEVICE = "cpu" if INTERPRET else "cuda"
+DTYPES = [torch.float16] if INTERPRET else [torch.bfloat16, torch.float16]
+gemm = pytest.importorskip("nanovllm.layers.decode_gemm", reason="needs triton")
+if gemm.triton is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+
+def _case(m: int, n: int, k: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(m, k, device=DEVICE, generator=g).to(dtype)
+    w = (torch.randn(n, k, device=DEVICE, generator=g) / k**0.5).to(dtype)
+    return x, w
+
+
+def _close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    want = F.linear(x.float(), w.float()).to(x.dtype)
+    tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[x.dtype]
+    torch.testing.assert_close(y, want, atol=tol, rtol=tol)
+
+
+SHAPES = (
+    [(1, 48, 128), (7, 100, 256), (23, 64, 512), (70, 32, 128)]
+    if INTERPRET
+    else [
+        (1, 4096, 1024),  # Qwen3-0.6B's qkv
+        (23, 6144, 1024),  # gate_up
+        (64, 1024, 3072),  # down
+        (17, 1024, 2048),  # o_proj
+        (5, 1000, 384),  # N not a multiple of a strip, K not of 256
+        (200, 4096, 1024),  # several row blocks (MAX_ROWS raised for the test)
+    ]
+)
+
+
+@pytest.fixture(autouse=True)
+def _rows_up_to_256(monkeypatch):
+    monkeypatch.setattr(gemm, "MAX_ROWS", 256)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_decode_gemm_matches_f_linear(m, n, k, dtype):
+    x, w = _case(m, n, k, dtype, seed=m * n + k)
+    assert gemm.applies(x, w, None)
+    y = gemm.linear(x, w)
+    assert y.shape == (m, n) and y.dtype == dtype
+    _close(y, x, w)
+
+
+CONFIGS = [gemm.GemmConfig(16, 128, 4, 2, False), gemm.GemmConfig(64, 128, 4, 4, True), gemm.GemmConfig(32, 256, 8, 3)]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_decode_gemm_configs(config):
+    """Other strips, K steps, warps, stages, and the prefetch off (the micro-benchmark's sweep) give the
+    same product."""
+    x, w = _case(9, 96, 512, DTYPES[0], seed=3)
+    _close(gemm.linear(x, w, config), x, w)
+
+
+def test_rows_do_not_depend_on_their_batch():
+    """A row's result is the same bits alone and in any batch (the K loop's order is the row's own)."""
+    x, w = _case(40, 64, 256, DTYPES[0], seed=5)
+    full = gemm.linear(x, w)
+    for rows in (x[:1], x[3:20], x[39:]):
+        start = int((x == rows[0]).all(dim=1).nonzero()[0])
+        assert torch.equal(gemm.linear(rows.contiguous(), w), full[start : start + rows.shape[0]])
+
+
+def test_decode_gemm_comparison_rejects_a_wrong_product():
+    """Negative control: the rule refuses the product with one weight row shifted, and with the last K
+    half of K dropped (what a K loop that stops early would give)."""
+    x, w = _case(5, 48, 256, DTYPES[0], seed=11)
+    with pytest.raises(AssertionError):
+        _close(gemm.linear(x, torch.roll(w, 1, dims=0)), x, w)
+    cut = w.clone()
+    cut[:, 128:] = 0
+    with pytest.raises(AssertionError):
+        _close(gemm.linear(x, cut), x, w)
+
+
+def test_applies_only_to_decode_sized_16_bit_rows(monkeypatch):
+    monkeypatch.setattr(gemm, "MAX_ROWS", 64)
+    x, w = _case(4, 32, 128, DTYPES[0], seed=1)
+    assert gemm.applies(x, w, None)
+    assert not gemm.applies(torch.zeros(65, 128, dtype=x.dtype, device=DEVICE), w, None)
+    assert not gemm.applies(x.float(), w.float(), None)
+    assert not gemm.applies(x[:0], w, None)
+    assert not gemm.applies(x, w, torch.zeros(32, dtype=x.dtype, device=DEVICE))  # a bias: cuBLAS
+    assert not gemm.applies(x[:, :64], w[:, :64], None)  # K not whole 128-element lines
+    assert not gemm.applies(x, w[:, :96], None)  # inner dimensions differ
+    wide = torch.zeros(4, 256, dtype=x.dtype, device=DEVICE)
+    assert not gemm.applies(wide[:, ::2], w, None)  # columns not contiguous
+
+
+def test_refuses_k_not_a_multiple_of_the_step():
+    x, w = _case(4, 32, 384, DTYPES[0], seed=1)
+    with pytest.raises(ValueError, match="K=384 is not a multiple of block_k=256"):
+        gemm.linear(x, w, gemm.GemmConfig(32, 256, 4, 3))
+
+
+@pytest.mark.parametrize("switch,rows,taken", [("1", 8, True), ("1", 65, False), ("0", 8, False), (None, 8, False)])
+def test_linear_layers_take_the_kernel(monkeypatch, switch, rows, taken):
+    """The model's linear layers route decode-sized 16-bit batches here when the switch is "1" (off by
+    default), not above MAX_ROWS; the output is the layer's either way."""
+    from nanovllm.layers import linear as linear_mod
+
+    monkeypatch.setattr(gemm, "MAX_ROWS", 64)
+    if switch is None:
+        monkeypatch.delenv(gemm.SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(gemm.SWITCH, switch)
+    calls = []
+    real = gemm.linear
+    monkeypatch.setattr(gemm, "linear", lambda x, w, config=None: calls.append(x.shape) or real(x, w, config))
+    layer = linear_mod.ColumnParallelLinear(128, 48).to(device=DEVICE, dtype=DTYPES[0])
+    x, w = _case(rows, 48, 128, DTYPES[0], seed=rows)
+    layer.weight.data.copy_(w)
+    _close(layer(x), x, w)
+    assert bool(calls) == taken, calls
