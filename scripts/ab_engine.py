@@ -20,10 +20,10 @@ tb=0|1:   TILE_BLOCK (one block-table entry per key tile) forced off/on in the d
 tma=0|1|fp8: the decode kernel's K/V tiles copied by TMA for no cache, every 16-bit-model cache, or
           FP8 caches only (the default; ``NANOVLLM_DECODE_TMA``, session 11).
 pdl=0|1:  programmatic dependent launch of the Triton kernels (``NANOVLLM_PDL``, session 10; on by default).
-gemm=0|1: the decode-batch linear layers in Triton with PDL and an L2 prefetch (``NANOVLLM_DECODE_GEMM``,
-          session 12); gemmrows=N: the most rows it takes (``decode_gemm.MAX_ROWS``);
-          gemmcfg=BIG/SMALLxBKxWxS{p|n}: its config (column strips for N >= 4096 / below, K step,
-          warps, stages, prefetch on/off), as ``ab_kernels.py --only gemm`` names them.
+gemm=0|1: the smallest decode batches' linear layers in Triton with PDL (``NANOVLLM_DECODE_GEMM``,
+          session 12; on by default); gemmrows=N: the most rows it takes (``decode_gemm.MAX_ROWS``);
+          gemmcfg=BIG/SMALLxBKxWxS: its config (column strips for N >= 4096 / below, K step,
+          warps, stages), as ``ab_kernels.py --only gemm`` names them.
 """
 
 from __future__ import annotations
@@ -87,20 +87,17 @@ def _set_tma(value: str) -> None:
 def _set_gemm_config(value: str) -> None:
     from nanovllm.layers import decode_gemm
 
-    strips, bk, w, st = value[:-1].split("x")
+    strips, bk, w, st = value.split("x")
     big, small = map(int, strips.split("/"))
     decode_gemm.default_config = lambda n, k: decode_gemm.GemmConfig(
-        big if n >= 4096 else small, int(bk), int(w), int(st), value[-1] == "p"
+        big if n >= 4096 else small, int(bk), int(w), int(st)
     )
 
 
 def _is_gemm_config(value: str) -> bool:
-    parts = value[:-1].split("x")
+    parts = value.split("x")
     return (
-        value[-1:] in ("p", "n")
-        and len(parts) == 4
-        and all(_positive(p) for p in parts[0].split("/") + parts[1:])
-        and len(parts[0].split("/")) == 2
+        len(parts) == 4 and all(_positive(p) for p in parts[0].split("/") + parts[1:]) and len(parts[0].split("/")) == 2
     )
 
 

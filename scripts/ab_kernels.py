@@ -13,7 +13,7 @@ a tail step that the standard workload's profile pointed at, each variant beside
    caches; the sum over the sampled steps x 50 x 28 layers estimates the run's decode attention.
 4. ``--only layout`` (session 9): slot-major against head-major caches; ``--only tiles`` (session
    10): the decode tile configs and TILE_BLOCK on the head-major bf16 cache; ``--only gemm``
-   (session 12): the decode-batch linear layers, Triton with PDL and an L2 prefetch against cuBLAS.
+   (session 12): the decode-batch linear layers, Triton with PDL against cuBLAS.
 
 (Its first run also timed a Triton kernel for decode-sized linear layers against cuBLAS: it did
 not win, and the kernel was removed; the numbers are in KERNEL_NOTES session 8.)
@@ -293,21 +293,21 @@ def tiles(configs: str = TILES, waves_list: str = "2", stride: int = 100, kv: st
     print(f"best tile {n}x{w}x{st} tb={int(tb)} waves={waves}")
 
 
-GEMMS = "cublas,32/16x256x4x3p,32/16x256x4x3n,16/16x128x4x4p,64/16x128x4x3p,32/16x128x8x3p,32/16x256x4x4p"
+GEMMS = "cublas,32/16x256x4x3,16/16x128x4x4,64/16x128x4x3,32/16x128x8x3,32/16x256x4x4"
 
 
 def _gemm_config(spec: str):
-    """``BIG/SMALLxBKxWxS{p|n}``: column strips for N >= 4096 / below, K step, warps, stages, prefetch."""
+    """``BIG/SMALLxBKxWxS``: column strips for N >= 4096 / below, K step, warps, stages."""
     from nanovllm.layers import decode_gemm
 
-    strips, bk, w, st = spec[:-1].split("x")
+    strips, bk, w, st = spec.split("x")
     big, small = map(int, strips.split("/"))
-    return lambda n: decode_gemm.GemmConfig(big if n >= 4096 else small, int(bk), int(w), int(st), spec[-1] == "p")
+    return lambda n: decode_gemm.GemmConfig(big if n >= 4096 else small, int(bk), int(w), int(st))
 
 
 def gemm(configs: str = GEMMS, rows: str = "1,8,16,23,32,48,64,96,128,192,256") -> None:
-    """Session 12: the decode-batch linear layers (``layers/decode_gemm.py``: Triton, PDL, the weight
-    strip prefetched into L2 before the wait) against cuBLAS, in what surrounds them in a decode step:
+    """Session 12: the decode-batch linear layers (``layers/decode_gemm.py``: Triton, PDL) against
+    cuBLAS, in what surrounds them in a decode step:
     28 layers of RMSNorm -> qkv -> (SiLU-and-mul as the attention's stand-in, 4,096 -> 2,048) -> o_proj
     -> RMSNorm -> gate_up -> SiLU-and-mul -> down, each layer its own weights (Qwen3-0.6B's, 0.8 GB:
     past the L2), captured in one CUDA graph and replayed (do_bench median). The figure is per layer."""
@@ -382,7 +382,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--prefill-steps", type=int, default=6)
     p.add_argument("--only", choices=["qk", "prefill", "decode", "layout", "tiles", "gemm"])
-    p.add_argument("--gemms", default=GEMMS, help="configs for --only gemm: cublas or BIG/SMALLxBKxWxS{p|n},...")
+    p.add_argument("--gemms", default=GEMMS, help="configs for --only gemm: cublas or BIG/SMALLxBKxWxS,...")
     p.add_argument("--rows", default="1,8,16,23,32,48,64,96,128,192,256", help="batch sizes for --only gemm")
     p.add_argument("--tiles", default=TILES, help="decode configs for --only tiles: NxWxS,...")
     p.add_argument("--waves", default="2", help="split-K targets (programs per SM) for --only tiles: N,...")

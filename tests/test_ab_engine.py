@@ -80,7 +80,8 @@ def test_the_decode_gemm_options(ab_engine, monkeypatch):
     ab_engine.SETTINGS["gemmrows"][0]("128")
     assert decode_gemm.MAX_ROWS == 128
     apply, valid = ab_engine.SETTINGS["gemmcfg"]
-    assert valid("64/16x128x8x4n") and not valid("64x128x8x4n") and not valid("64/16x128x8x4") and not valid("x")
-    apply("64/16x128x8x4n")
-    assert decode_gemm.default_config(6144, 1024) == decode_gemm.GemmConfig(64, 128, 8, 4, False)
-    assert decode_gemm.default_config(1024, 3072) == decode_gemm.GemmConfig(16, 128, 8, 4, False)
+    assert valid("64/16x128x8x4") and not valid("64x128x8x4") and not valid("64/16x128x8") and not valid("x")
+    assert not valid("64/0x128x8x4")
+    apply("64/16x128x8x4")
+    assert decode_gemm.default_config(6144, 1024) == decode_gemm.GemmConfig(64, 128, 8, 4)
+    assert decode_gemm.default_config(1024, 3072) == decode_gemm.GemmConfig(16, 128, 8, 4)

@@ -1,19 +1,17 @@
-"""Linear layers at decode batch sizes on the GPU: y = x @ w.T for a few rows (Triton), launched with
-programmatic dependent launch and its weights prefetched into L2 before it waits.
+"""Linear layers at the smallest decode batches on the GPU: y = x @ w.T for 1-16 rows (Triton),
+launched with programmatic dependent launch.
 
-At decode batch sizes a linear layer reads its whole weight matrix to do little arithmetic. cuBLAS
-takes ~5-8 us for the 4-13 MB matrices of a Qwen3-0.6B layer on the H200 (KERNEL_NOTES session 8),
-against 1-3 us for their bytes: most of each product is the gap before it starts and the ramp of
-its first loads, and it is paid four times per layer and step. cuBLAS kernels cannot be launched
-with PDL (``layers/pdl.py``), so they also wait in full for the Triton kernel before them.
+At decode batch sizes a linear layer reads its whole weight matrix to do little arithmetic, and
+cuBLAS takes ~5-8 us for the 4-13 MB matrices of a Qwen3-0.6B layer on the H200 (KERNEL_NOTES
+sessions 8 and 12), against 1-3 us for their bytes. cuBLAS kernels cannot be launched with PDL
+(``layers/pdl.py``), so each also waits in full for the Triton kernel before it, four times per
+layer and step. This kernel gives each program a strip of output columns and all rows of x in one
+tile, its K loop pipelined, and is launched with PDL like the Triton kernels around it.
 
-This kernel gives each program a strip of output columns, all rows of x in one tile. Launched with
-PDL, it may start while the kernel before it (RMSNorm, SiLU-and-mul, the attention merge) still
-runs: it first asks L2 for its strip of the weight matrix (``prefetch.global.L2``, one per 128-byte
-line; the weights are written once at load time, never by a kernel, so reading them early is
-safe), then waits for its predecessor (``pdl.wait_then_release``) and multiplies with the weights
-already on their way. ``NANOVLLM_DECODE_GEMM=1`` turns it on (off by default until measured ahead
-end to end); rows above ``MAX_ROWS`` always take cuBLAS.
+Measured (session 12, 28 layers of RMSNorm, the four products and SiLU-and-mul in one CUDA graph):
+27.7-29.0 against 32.3-34.4 us per layer at 1-16 rows; 1-4 % ahead at 23-64 rows, behind from 96
+rows on. Rows above ``MAX_ROWS`` (16: where the gain is clear) take cuBLAS.
+``NANOVLLM_DECODE_GEMM=0`` keeps cuBLAS for every batch (A/B runs).
 """
 
 from __future__ import annotations
@@ -33,10 +31,9 @@ except ImportError:  # CPU-only installs
     triton = None
 
 SWITCH = "NANOVLLM_DECODE_GEMM"
-DEFAULT = "0"  # off until an end-to-end A/B keeps it
-MAX_ROWS = int(os.environ.get("NANOVLLM_DECODE_GEMM_MAX_ROWS", "64"))  # rows above this take cuBLAS
-MAX_BLOCK_M = 64  # rows per program; more rows take more programs, the strip then read again from L2
-LINE = 64  # 16-bit elements per 128-byte cache line: one prefetch each
+DEFAULT = "1"
+MAX_ROWS = 16  # rows above this take cuBLAS
+MAX_BLOCK_M = 64  # rows per program (a larger MAX_ROWS in A/B runs: more row blocks, the strip read again)
 
 
 @dataclass(frozen=True)
@@ -45,7 +42,6 @@ class GemmConfig:
     block_k: int  # weight columns per step of the K loop
     num_warps: int
     num_stages: int
-    prefetch: bool = True  # the strip asked of L2 before the wait
 
 
 CONFIG_OVERRIDE: GemmConfig | None = None  # A/B runs (scripts/ab_kernels.py, ab_engine.py)
@@ -66,7 +62,7 @@ def enabled(x: torch.Tensor) -> bool:
 
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """This kernel takes the product: 2-D rows, 1 to MAX_ROWS of them, 16-bit, no bias, unit column
-    strides, K a multiple of the 128-byte line (whole lines to prefetch, whole K steps)."""
+    strides, K a multiple of 128 (whole K steps, no mask on K)."""
     return (
         bias is None
         and x.dim() == 2
@@ -83,13 +79,6 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 if triton is not None:
 
-    @triton.jit
-    def _prefetch_l2(ptrs):
-        """Ask L2 for the 128-byte line at each pointer (no register written, nothing waited for)."""
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-        )
-
     @triton.jit(do_not_specialize=["M"])
     def _decode_gemm_kernel(
         x_ptr,
@@ -104,21 +93,14 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        PREFETCH: tl.constexpr,
         PDL: tl.constexpr = False,
     ):
         """Program (column strip, row block): y[rows, strip] = x[rows, :] @ w[strip, :].T, float32
         accumulation over K in order (a row's result does not depend on the other rows), rounded once."""
+        pdl.wait_then_release(PDL)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
-        w_rows = w_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn
-        if PREFETCH:
-            if tl.program_id(1) == 0:  # the other row blocks find the strip in L2
-                lines = tl.arange(0, BLOCK_K // 64)[None, :] * 64
-                for k0 in range(0, K, BLOCK_K):
-                    _prefetch_l2(w_rows + k0 + lines)
-        # nothing read before this point is written by another kernel (only the weights)
-        pdl.wait_then_release(PDL)
+        w_rows = w_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn  # rows past N: N - 1's
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_k = tl.arange(0, BLOCK_K)
         m_mask = offs_m < M
@@ -163,7 +145,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None = No
         BLOCK_M=bm,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
-        PREFETCH=cfg.prefetch and x.is_cuda,  # the interpreter cannot run the PTX
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch,

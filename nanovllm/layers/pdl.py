@@ -11,10 +11,7 @@ and its writes are visible, and lets its own successor be scheduled early
 Invariant: a kernel launched with PDL calls :func:`wait_then_release` before its first load or
 store of anything another kernel writes. Doing it first thing in the kernel keeps that true by
 construction (the kernels here do) and makes the chain transitive: a kernel that starts early
-waits for its predecessor, which finished only after waiting for its own. The one kernel that does
-work before its wait, the decode-batch GEMM (``decode_gemm.py``), only computes addresses and asks
-L2 for lines of its weights, which no kernel writes (tests/test_pdl.py checks every kernel's
-statements before the wait for loads, stores and atomics).
+waits for its predecessor, which finished only after waiting for its own.
 
 ``NANOVLLM_PDL=0`` turns it off (A/B runs); it is off below compute capability 9.0, on ROCm, on
 the CPU, under Triton's interpreter (``TRITON_INTERPRET=1``: it cannot run the ``griddepcontrol``
