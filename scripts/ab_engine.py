@@ -20,7 +20,7 @@ tb=0|1:   TILE_BLOCK (one block-table entry per key tile) forced off/on in the d
 tma=0|1|fp8: the decode kernel's K/V tiles copied by TMA for no cache, every 16-bit-model cache, or
           FP8 caches only (the default; ``NANOVLLM_DECODE_TMA``, session 11).
 pdl=0|1:  programmatic dependent launch of the Triton kernels (``NANOVLLM_PDL``, session 10; on by default).
-gemm=0|1: the smallest decode batches' linear layers in Triton with PDL (``NANOVLLM_DECODE_GEMM``,
+gemm=0|1: the smallest decode batches' (1-4 rows) linear layers in Triton with PDL (``NANOVLLM_DECODE_GEMM``,
           session 12; on by default); gemmrows=N: the most rows it takes (``decode_gemm.MAX_ROWS``);
           gemmcfg=BIG/SMALLxBKxWxS: its config (column strips for N >= 4096 / below, K step,
           warps, stages), as ``ab_kernels.py --only gemm`` names them.

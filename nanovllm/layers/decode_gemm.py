@@ -1,4 +1,4 @@
-"""Linear layers at the smallest decode batches on the GPU: y = x @ w.T for 1-16 rows (Triton),
+"""Linear layers at the smallest decode batches on the GPU: y = x @ w.T for 1-4 rows (Triton),
 launched with programmatic dependent launch.
 
 At decode batch sizes a linear layer reads its whole weight matrix to do little arithmetic, and
@@ -8,10 +8,11 @@ sessions 8 and 12), against 1-3 us for their bytes. cuBLAS kernels cannot be lau
 layer and step. This kernel gives each program a strip of output columns and all rows of x in one
 tile, its K loop pipelined, and is launched with PDL like the Triton kernels around it.
 
-Measured (session 12, 28 layers of RMSNorm, the four products and SiLU-and-mul in one CUDA graph):
-27.7-29.0 against 32.3-34.4 us per layer at 1-16 rows; 1-4 % ahead at 23-64 rows, behind from 96
-rows on. Rows above ``MAX_ROWS`` (16: where the gain is clear) take cuBLAS.
-``NANOVLLM_DECODE_GEMM=0`` keeps cuBLAS for every batch (A/B runs).
+Measured on an H200 (session 12): 28 layers of RMSNorm, the four products and SiLU-and-mul in one
+CUDA graph ran 27.7-29.0 against cuBLAS's 32.3-34.4 us per layer at 1-16 rows; in the engine (Qwen3-
+0.6B shape, 128 tokens per request) the time per output token went 1.255 -> 1.075 ms at batch 1 and
+1.17-1.30 -> 1.11 ms at batch 4, but 1.133 -> 1.154 ms at batch 8 and 1.239 -> 1.249 at 16 (slower).
+So rows above ``MAX_ROWS`` (4) take cuBLAS; ``NANOVLLM_DECODE_GEMM=0`` keeps it for every batch.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ except ImportError:  # CPU-only installs
 
 SWITCH = "NANOVLLM_DECODE_GEMM"
 DEFAULT = "1"
-MAX_ROWS = 16  # rows above this take cuBLAS
+MAX_ROWS = 4  # rows above this take cuBLAS (measured slower in the engine from batch 8)
 MAX_BLOCK_M = 64  # rows per program (a larger MAX_ROWS in A/B runs: more row blocks, the strip read again)
 
 
