@@ -28,8 +28,20 @@ def available_devices() -> list[str]:
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+def parametrizes(metafunc, name: str) -> bool:
+    """Whether the test's own ``@pytest.mark.parametrize`` names ``name``."""
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0] if mark.args else mark.kwargs.get("argnames", ())
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        if name in names:
+            return True
+    return False
+
+
 def pytest_generate_tests(metafunc):
-    if "device" in metafunc.fixturenames:
+    # a test that parametrizes ``device`` itself keeps its own values (on a CUDA host a second
+    # parametrization of the name would fail the whole module's collection)
+    if "device" in metafunc.fixturenames and not parametrizes(metafunc, "device"):
         devices = available_devices()
         if len(devices) > 1:
             metafunc.parametrize("device", devices, indirect=True, scope="module")

@@ -44,3 +44,31 @@ def test_engine_args_carry_every_keyword():
         for line in _mixed_calls(path.read_text())
     ]
     assert not bad, "pass keywords inside engine_args(...), not next to it: " + ", ".join(bad)
+
+
+def test_the_device_hook_keeps_a_tests_own_device_parametrization(monkeypatch):
+    """On a CUDA host the conftest parametrizes every ``device`` argument over cpu and cuda; a test
+    that parametrizes ``device`` itself must keep its own values: a second parametrization of the
+    name fails the whole module's collection, and every test in it goes unrun (GPU CI, session 12:
+    tests/test_api.py). Checked here with the host's devices faked."""
+    import types
+
+    import pytest
+
+    from tests import conftest
+
+    monkeypatch.setattr(conftest, "available_devices", lambda: ["cpu", "cuda"])
+    calls: list = []
+
+    def metafunc(*marks):
+        definition = types.SimpleNamespace(iter_markers=lambda name: [m.mark for m in marks if m.mark.name == name])
+        return types.SimpleNamespace(
+            fixturenames=["device", "expected"], definition=definition, parametrize=lambda *a, **k: calls.append(a[0])
+        )
+
+    conftest.pytest_generate_tests(metafunc(pytest.mark.parametrize("device,expected", [("cpu", 1)])))
+    conftest.pytest_generate_tests(metafunc(pytest.mark.parametrize(("expected", "device"), [(1, "cpu")])))
+    conftest.pytest_generate_tests(metafunc(pytest.mark.parametrize(argnames="device", argvalues=["cpu"])))
+    assert calls == []
+    conftest.pytest_generate_tests(metafunc(pytest.mark.parametrize("expected", [1]), pytest.mark.slow))
+    assert calls == ["device"]
