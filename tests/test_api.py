@@ -239,3 +239,26 @@ def test_default_block_size_per_device(device, expected, monkeypatch):
     explicit = EngineConfig(device=device, block_size=32)
     explicit.resolve(hf, "unused")
     assert explicit.block_size == 32
+
+
+def test_close_frees_the_weights_without_waiting_for_the_garbage_collector():
+    """``LLM.close()`` on the CPU gives back the weights (and their oneDNN-packed copies) at once. The
+    modules hold reference cycles (a parameter's ``weight_loader`` is its layer's bound method), so
+    only a collection frees them: before close() did one on the CPU, a process that made and closed
+    engines one after another (``nanovllm bench --repeat 3``) grew by ~0.9 GB per SmolLM2 engine."""
+    import gc
+    import weakref
+
+    llm = LLM(zoo_model(MODEL), block_size=16, seed=0)
+    runner = llm.llm_engine.executor.runner
+    weight = weakref.ref(next(runner.model.parameters()))
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    del runner
+    enabled = gc.isenabled()
+    gc.disable()  # no automatic collection between close() and the check
+    try:
+        llm.close()
+        assert weight() is None, "the engine's weights outlived close()"
+    finally:
+        if enabled:
+            gc.enable()
