@@ -242,23 +242,34 @@ def test_default_block_size_per_device(device, expected, monkeypatch):
 
 
 def test_close_frees_the_weights_without_waiting_for_the_garbage_collector():
-    """``LLM.close()`` on the CPU gives back the weights (and their oneDNN-packed copies) at once. The
-    modules hold reference cycles (a parameter's ``weight_loader`` is its layer's bound method), so
-    only a collection frees them: before close() did one on the CPU, a process that made and closed
-    engines one after another (``nanovllm bench --repeat 3``) grew by ~0.9 GB per SmolLM2 engine."""
+    """``LLM.close()`` on the CPU gives back the weights and their oneDNN-packed copies at once, with
+    no garbage collection (one costs ~0.2 s of a CLI command's exit). The modules hold reference
+    cycles (a parameter's ``weight_loader`` is its layer's bound method), so dropping the model alone
+    leaves them to the next full collection: a process that made and closed engines one after another
+    (``nanovllm bench --repeat 3``) grew by ~0.9 GB per SmolLM2 engine."""
     import gc
     import weakref
 
     llm = LLM(zoo_model(MODEL), block_size=16, seed=0)
     runner = llm.llm_engine.executor.runner
-    weight = weakref.ref(next(runner.model.parameters()))
+    param = weakref.ref(next(runner.model.parameters()))
+    packed = [
+        weakref.ref(m.packed_weight) for m in runner.model.modules() if getattr(m, "packed_weight", None) is not None
+    ]
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     del runner
     enabled = gc.isenabled()
-    gc.disable()  # no automatic collection between close() and the check
+    gc.disable()  # no collection between close() and the checks, automatic or in close()
+    collect = gc.collect
+    calls = []
+    gc.collect = lambda *a: calls.append(a) or 0
     try:
         llm.close()
-        assert weight() is None, "the engine's weights outlived close()"
+        alive = param()
+        assert alive is None or alive.numel() == 0, "a weight kept its storage after close()"
+        assert packed and all(ref() is None for ref in packed), "a packed weight outlived close()"
+        assert calls == [], "close() ran a garbage collection on the CPU"
     finally:
+        gc.collect = collect
         if enabled:
             gc.enable()

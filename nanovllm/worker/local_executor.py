@@ -35,10 +35,11 @@ class LocalExecutor:
             torch.cuda.synchronize(self.runner.device)
         self.runner.free_kv_cache()
         # the weights (on the CPU also their oneDNN-packed copies), graphs, workspaces and buffers go
-        # with the runner; the modules hold reference cycles (each parameter's weight_loader is a
-        # bound method of its layer), so only a collection frees them: without it every engine made
-        # and closed in one process kept ~0.9 GB (SmolLM2-135M, float32) until the next full one
+        # with the runner (``release`` drops the weights' storage itself: without that, every engine
+        # made and closed in one process kept ~0.9 GB (SmolLM2-135M, float32) until the next full
+        # garbage collection)
         self.runner.release()
-        gc.collect()
         if self.runner.device.type == "cuda":
-            torch.cuda.empty_cache()  # back to the device: other processes, or the next engine, can take it
+            # and back to the device: other processes, or the next engine, can take it
+            gc.collect()
+            torch.cuda.empty_cache()

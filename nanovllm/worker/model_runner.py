@@ -272,7 +272,18 @@ class ModelRunner:
     def release(self) -> None:
         """Drop everything this runner holds on its device (after free_kv_cache; the runner is not
         used again): weights, the attention layers and their backend's workspace, the staging
-        buffers, the sampler's generators and the last step's tokens."""
+        buffers, the sampler's generators and the last step's tokens.
+
+        The weights' storage is dropped here, tensor by tensor: the modules hold reference cycles (a
+        parameter's ``weight_loader`` is a bound method of its layer), so dropping the model alone
+        would leave every weight (and, on the CPU, its oneDNN-packed copy) to the next full garbage
+        collection, and a collection at every close costs ~0.2 s of a CLI command's exit."""
+        if self.model is not None:
+            for module in self.model.modules():
+                for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+                    tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+                if getattr(module, "packed_weight", None) is not None:
+                    module.packed_weight = None
         self.model = None
         self.attn_layers = []
         self.backend = None
