@@ -87,18 +87,17 @@ def _set_tma(value: str) -> None:
 def _set_gemm_config(value: str) -> None:
     from nanovllm.layers import decode_gemm
 
-    strips, bk, w, st = value.split("x")
-    big, small = map(int, strips.split("/"))
-    decode_gemm.default_config = lambda n, k: decode_gemm.GemmConfig(
-        big if n >= 4096 else small, int(bk), int(w), int(st)
-    )
+    decode_gemm.default_config = decode_gemm.parse_config(value)  # applies() reads it too: K falls back
 
 
 def _is_gemm_config(value: str) -> bool:
-    parts = value.split("x")
-    return (
-        len(parts) == 4 and all(_positive(p) for p in parts[0].split("/") + parts[1:]) and len(parts[0].split("/")) == 2
-    )
+    from nanovllm.layers import decode_gemm
+
+    try:
+        decode_gemm.parse_config(value)
+    except ValueError:
+        return False
+    return True
 
 
 def _is_tile(value: str) -> bool:

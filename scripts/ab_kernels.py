@@ -16,7 +16,8 @@ a tail step that the standard workload's profile pointed at, each variant beside
    (session 12): the decode-batch linear layers, Triton with PDL against cuBLAS.
 
 (Its first run also timed a Triton kernel for decode-sized linear layers against cuBLAS: it did
-not win, and the kernel was removed; the numbers are in KERNEL_NOTES session 8.)
+not win then, and was removed (KERNEL_NOTES session 8); session 12's ``--only gemm`` times its
+successor, ``layers/decode_gemm.py``, launched with PDL.)
 """
 
 from __future__ import annotations
@@ -296,15 +297,6 @@ def tiles(configs: str = TILES, waves_list: str = "2", stride: int = 100, kv: st
 GEMMS = "cublas,32/16x256x4x3,16/16x128x4x4,64/16x128x4x3,32/16x128x8x3,32/16x256x4x4"
 
 
-def _gemm_config(spec: str):
-    """``BIG/SMALLxBKxWxS``: column strips for N >= 4096 / below, K step, warps, stages."""
-    from nanovllm.layers import decode_gemm
-
-    strips, bk, w, st = spec.split("x")
-    big, small = map(int, strips.split("/"))
-    return lambda n: decode_gemm.GemmConfig(big if n >= 4096 else small, int(bk), int(w), int(st))
-
-
 def gemm(configs: str = GEMMS, rows: str = "1,8,16,23,32,48,64,96,128,192,256") -> None:
     """Session 12: the decode-batch linear layers (``layers/decode_gemm.py``: Triton, PDL) against
     cuBLAS, in what surrounds them in a decode step:
@@ -333,8 +325,8 @@ def gemm(configs: str = GEMMS, rows: str = "1,8,16,23,32,48,64,96,128,192,256") 
             if spec == "cublas":
                 lin = lambda x, w: torch.nn.functional.linear(x, w)  # noqa: E731
             else:
-                cfg = _gemm_config(spec)
-                lin = lambda x, w, cfg=cfg: decode_gemm.linear(x, w, cfg(w.shape[0]))  # noqa: E731
+                cfg = decode_gemm.parse_config(spec)
+                lin = lambda x, w, cfg=cfg: decode_gemm.linear(x, w, cfg(*w.shape))  # noqa: E731
 
             def step(lin=lin, x0=x0):
                 h, res = x0, x0

@@ -81,7 +81,32 @@ def test_the_decode_gemm_options(ab_engine, monkeypatch):
     assert decode_gemm.MAX_ROWS == 128
     apply, valid = ab_engine.SETTINGS["gemmcfg"]
     assert valid("64/16x128x8x4") and not valid("64x128x8x4") and not valid("64/16x128x8") and not valid("x")
-    assert not valid("64/0x128x8x4")
+    assert not valid("64/0x128x8x4") and not valid("64/8x128x8x4") and not valid("48/16x128x8x4")  # tl.dot tiles
     apply("64/16x128x8x4")
     assert decode_gemm.default_config(6144, 1024) == decode_gemm.GemmConfig(64, 128, 8, 4)
     assert decode_gemm.default_config(1024, 3072) == decode_gemm.GemmConfig(16, 128, 8, 4)
+
+
+def test_decode_gemm_config_specs_parse_or_say_what_is_wrong():
+    decode_gemm = pytest.importorskip("nanovllm.layers.decode_gemm")
+    cfg = decode_gemm.parse_config("32/16x256x4x3")
+    assert cfg(6144, 1024) == decode_gemm.GemmConfig(32, 256, 4, 3) == decode_gemm.default_config(6144, 1024)
+    assert cfg(1024, 3072) == decode_gemm.GemmConfig(16, 256, 4, 3) == decode_gemm.default_config(1024, 3072)
+    with pytest.raises(ValueError, match="'32x256' is not BIG/SMALLxBKxWxS"):
+        decode_gemm.parse_config("32x256")
+    with pytest.raises(ValueError, match="'32/12x256x4x3': strips and the K step must be powers of two >= 16"):
+        decode_gemm.parse_config("32/12x256x4x3")
+
+
+def test_a_k_step_the_weights_do_not_divide_falls_back_to_cublas(ab_engine, monkeypatch):
+    """``gemmcfg`` with a 256-wide K step: a 384-column layer is left to cuBLAS (``applies`` reads the
+    config), not an error in the middle of a run."""
+    decode_gemm = pytest.importorskip("nanovllm.layers.decode_gemm")
+    monkeypatch.setattr(decode_gemm, "default_config", decode_gemm.default_config)
+    x = torch.zeros(2, 384, dtype=torch.bfloat16)
+    assert decode_gemm.applies(x, torch.zeros(64, 384, dtype=torch.bfloat16), None)  # shipped: 128-wide steps
+    ab_engine.SETTINGS["gemmcfg"][0]("32/16x256x4x3")
+    assert not decode_gemm.applies(x, torch.zeros(64, 384, dtype=torch.bfloat16), None)
+    assert decode_gemm.applies(
+        torch.zeros(2, 512, dtype=torch.bfloat16), torch.zeros(64, 512, dtype=torch.bfloat16), None
+    )

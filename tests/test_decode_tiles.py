@@ -11,6 +11,8 @@ import re
 import pytest
 import torch
 
+from tests.compile_hints import runtime_hints  # noqa: E402
+
 pytest.importorskip("triton", reason="the tile rules live in the Triton kernels' module")
 
 from hypothesis import given  # noqa: E402
@@ -89,21 +91,12 @@ def test_no_tma_on_the_cpu_outside_the_interpreter(monkeypatch):
     assert triton_ops.tma_descriptors(cache, cache, 16) is not None
 
 
-def runtime_hints(kernel) -> dict:
-    """``tt.divisibility`` 16 on what the engine always passes 16-byte aligned or divisible by 16 at
-    the benchmark shape: the cache, query, output and partial pointers and every stride (the
-    metadata pointers are ``do_not_specialize_on_alignment``: tests/test_kernel_specialisation.py)."""
-    aligned = {"q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "part_ptr", "lse_ptr"}
-    names = [p.name for p in kernel.params]
-    return {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in aligned or n.startswith("stride")}
-
-
 def _compile_decode_for_sm90(kv: str, block_n: int, tma: bool, num_stages: int = 3, hints: bool = True):
     """The decode kernel compiled offline for an H200 (no GPU needed): ``kv`` the cache's Triton
     type (``bf16`` or ``fp8e4nv``), one 256-slot block per table entry, TILE_BLOCK on. The data
     pointers and strides carry the divisibility by 16 that Triton specializes on at run time
     (``runtime_hints``): without them the compile is not the kernel the engine runs (no cp.async
-    pipelining at all; KERNEL_NOTES session 12)."""
+    pipelining at all; KERNEL_NOTES session 12; tests/compile_hints.py)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

@@ -29,6 +29,7 @@ triton = pytest.importorskip("triton", reason="the kernels need triton")
 
 from nanovllm.attention import triton_ops  # noqa: E402
 from nanovllm.layers import decode_gemm, fused_ops, fused_sampler, pdl  # noqa: E402
+from tests.compile_hints import runtime_hints  # noqa: E402
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "nanovllm"
 
@@ -256,12 +257,10 @@ def test_compiled_for_sm90_the_kernel_waits_before_touching_memory(name, on):
     from triton.compiler import ASTSource
 
     kernel, constexprs = COMPILED[name]
-    attrs = {  # the run time's divisibility by 16 of data pointers and strides: its pipelined copies included
-        (i,): [["tt.divisibility", 16]]
-        for i, p in enumerate(kernel.params)
-        if (p.name.endswith("_ptr") and p.name not in INT_POINTERS) or p.name.startswith("stride")
-    }
-    source = ASTSource(fn=kernel, signature=_signature(kernel), constexprs={**constexprs, "PDL": on}, attrs=attrs)
+    # the run time's divisibility hints: the kernel the engine runs, its pipelined copies included
+    source = ASTSource(
+        fn=kernel, signature=_signature(kernel), constexprs={**constexprs, "PDL": on}, attrs=runtime_hints(kernel)
+    )
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "launch_pdl": on})
     ptx = compiled.asm["ptx"]
     first_access = min(i for i in (ptx.find(op) for op in ("ld.global", "st.global", "cp.async")) if i >= 0)

@@ -18,104 +18,113 @@ So rows above ``MAX_ROWS`` (4) take cuBLAS; ``NANOVLLM_DECODE_GEMM=0`` keeps it 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 from nanovllm.layers import pdl
 from nanovllm.layers.triton_switch import triton_path
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs
-    triton = None
-
 SWITCH = "NANOVLLM_DECODE_GEMM"
-DEFAULT = "1"
 MAX_ROWS = 4  # rows above this take cuBLAS (measured slower in the engine from batch 8)
 MAX_BLOCK_M = 64  # rows per program (a larger MAX_ROWS in A/B runs: more row blocks, the strip read again)
+WIDE_N = 128 * 32  # outputs this wide get 32-column strips: still >= 128 programs for the 132 SMs
 
 
 @dataclass(frozen=True)
 class GemmConfig:
-    block_n: int  # output columns per program
+    block_n: int  # output columns per program (a power of two >= 16: tl.dot's smallest tile)
     block_k: int  # weight columns per step of the K loop
     num_warps: int
     num_stages: int
 
 
-CONFIG_OVERRIDE: GemmConfig | None = None  # A/B runs (scripts/ab_kernels.py, ab_engine.py)
-
-
 def default_config(n: int, k: int) -> GemmConfig:
     """32-column strips where that still gives >= 128 programs (the 132 SMs), 16 otherwise."""
-    if CONFIG_OVERRIDE is not None:
-        return CONFIG_OVERRIDE
-    return GemmConfig(32 if n >= 128 * 32 else 16, 256 if k % 256 == 0 else 128, 4, 3)
+    return GemmConfig(32 if n >= WIDE_N else 16, 256 if k % 256 == 0 else 128, 4, 3)
+
+
+def parse_config(spec: str) -> Callable[[int, int], GemmConfig]:
+    """``BIG/SMALLxBKxWxS`` (A/B runs: scripts/ab_kernels.py, ab_engine.py): column strips for outputs
+    of at least ``WIDE_N`` / narrower ones, K step, warps, stages -> a ``default_config`` stand-in.
+    Raises ValueError naming the spec when it is malformed or a strip is not a power of two >= 16."""
+    try:
+        strips, bk, warps, stages = spec.split("x")
+        big, small = (int(v) for v in strips.split("/"))
+        numbers = (big, small, int(bk), int(warps), int(stages))
+    except ValueError:
+        raise ValueError(f"decode GEMM config {spec!r} is not BIG/SMALLxBKxWxS (e.g. 32/16x256x4x3)") from None
+    if min(numbers) <= 0 or any(v < 16 or v & (v - 1) for v in (big, small, numbers[2])):
+        raise ValueError(f"decode GEMM config {spec!r}: strips and the K step must be powers of two >= 16")
+    return lambda n, k: GemmConfig(big if n >= WIDE_N else small, *numbers[2:])
 
 
 def enabled(x: torch.Tensor) -> bool:
-    """On where Triton runs for ``x`` (a CUDA tensor; the interpreter in the CPU kernel tests) and the
-    switch says so (default: ``DEFAULT``)."""
-    return triton is not None and triton_path(x, SWITCH) and os.environ.get(SWITCH, DEFAULT) == "1"
+    """On where Triton runs for ``x`` (a CUDA tensor; the interpreter in the CPU kernel tests):
+    ``NANOVLLM_DECODE_GEMM=1`` or ``0`` decides; unset, it is on where the launches overlap (PDL:
+    Hopper and later), the only GPUs it was measured on and the reason it exists."""
+    if not triton_path(x, SWITCH):
+        return False
+    switch = os.environ.get(SWITCH)
+    return pdl.enabled(x) if switch is None else switch == "1"
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """This kernel takes the product: 2-D rows, 1 to MAX_ROWS of them, 16-bit, no bias, unit column
-    strides, K a multiple of 128 (whole K steps, no mask on K)."""
+    strides, K a multiple of the config's K step (whole steps, no mask on K)."""
     return (
         bias is None
         and x.dim() == 2
+        and weight.dim() == 2
         and 0 < x.shape[0] <= MAX_ROWS
         and x.dtype == weight.dtype
         and x.dtype in (torch.bfloat16, torch.float16)
         and x.stride(1) == 1
         and weight.stride(1) == 1
-        and weight.dim() == 2
         and weight.shape[1] == x.shape[1]
-        and x.shape[1] % 128 == 0
+        and x.shape[1] % default_config(weight.shape[0], x.shape[1]).block_k == 0
     )
 
 
-if triton is not None:
-
-    @triton.jit(do_not_specialize=["M"])
-    def _decode_gemm_kernel(
-        x_ptr,
-        w_ptr,
-        y_ptr,
-        M,
-        N,
-        K,
-        stride_xm,
-        stride_wn,
-        stride_ym,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        PDL: tl.constexpr = False,
-    ):
-        """Program (column strip, row block): y[rows, strip] = x[rows, :] @ w[strip, :].T, float32
-        accumulation over K in order (a row's result does not depend on the other rows), rounded once."""
-        pdl.wait_then_release(PDL)
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
-        w_rows = w_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn  # rows past N: N - 1's
-        offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_k = tl.arange(0, BLOCK_K)
-        m_mask = offs_m < M
-        x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-        w_ptrs = w_rows + offs_k[None, :]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for _ in range(0, K, BLOCK_K):
-            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-            w = tl.load(w_ptrs)
-            acc = tl.dot(x, tl.trans(w), acc)
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+@triton.jit(do_not_specialize=["M"])
+def _decode_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """Program (column strip, row block): y[rows, strip] = x[rows, :] @ w[strip, :].T, float32
+    accumulation over K in order (a row's result does not depend on the other rows), rounded once."""
+    pdl.wait_then_release(PDL)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    w_rows = w_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn  # rows past N: N - 1's
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    w_ptrs = w_rows + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for _ in range(0, K, BLOCK_K):
+        x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        w = tl.load(w_ptrs)
+        acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 def block_m(rows: int) -> int:

@@ -34,10 +34,10 @@ class LocalExecutor:
             # Ctrl-C after its launch): nothing it reads or writes is freed before it ends
             torch.cuda.synchronize(self.runner.device)
         self.runner.free_kv_cache()
-        # the weights (on the CPU also their oneDNN-packed copies), graphs, workspaces and buffers go
-        # with the runner (``release`` drops the weights' storage itself: without that, every engine
-        # made and closed in one process kept ~0.9 GB (SmolLM2-135M, float32) until the next full
-        # garbage collection)
+        # the weights (on the CPU also their oneDNN-packed copies), workspaces and buffers go with
+        # the runner (free_kv_cache dropped the graphs; ``release`` drops the weights' storage itself:
+        # without that, every engine made and closed in one process kept ~0.9 GB (SmolLM2-135M,
+        # float32) until the next full garbage collection)
         self.runner.release()
         if self.runner.device.type == "cuda":
             # and back to the device: other processes, or the next engine, can take it

@@ -1,7 +1,7 @@
 """The decode-batch linear kernel (nanovllm/layers/decode_gemm.py) against F.linear.
 
 On a GPU (marker ``gpu``) in bfloat16 and float16, launched with PDL where the GPU has it; under
-Triton's CPU interpreter (test_triton_interpret.py) in float16 (without PDL). The reference is the float32 product rounded once, which the kernel computes
+Triton's CPU interpreter (test_triton_interpret.py) in float16, without PDL. The reference is the float32 product rounded once, which the kernel computes
 too (float32 accumulation): they agree within one rounding of the dtype plus float32's summation-order
 error over K terms.
 """
@@ -19,8 +19,6 @@ pytestmark = [] if INTERPRET else [pytest.mark.gpu]
 DEVICE = "cpu" if INTERPRET else "cuda"
 DTYPES = [torch.float16] if INTERPRET else [torch.bfloat16, torch.float16]
 gemm = pytest.importorskip("nanovllm.layers.decode_gemm", reason="needs triton")
-if gemm.triton is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
 
 
 def _case(m: int, n: int, k: int, dtype: torch.dtype, seed: int):
@@ -68,6 +66,16 @@ def test_decode_gemm_matches_f_linear(m, n, k, dtype):
 CONFIGS = [gemm.GemmConfig(16, 128, 4, 2), gemm.GemmConfig(64, 128, 4, 4), gemm.GemmConfig(32, 256, 8, 3)]
 
 
+def test_row_strides_are_the_tensors_own():
+    """x and the weight as views whose rows are longer than K (a slice of wider tensors: row strides
+    that are not K), and an output check against the same product: swapped or assumed strides fail."""
+    dtype = DTYPES[0]
+    x_wide, w_wide = _case(6, 80, 384, dtype, seed=21)
+    x, w = x_wide[:, :256], w_wide[:, 128:]
+    assert x.stride(0) == 384 and w.stride(0) == 384 and gemm.applies(x, w, None)
+    _close(gemm.linear(x, w), x.contiguous(), w.contiguous())
+
+
 @pytest.mark.parametrize("config", CONFIGS)
 def test_decode_gemm_configs(config):
     """Other strips, K steps, warps and stages (the micro-benchmark's sweep) give the same product."""
@@ -85,8 +93,8 @@ def test_rows_do_not_depend_on_their_batch():
 
 
 def test_decode_gemm_comparison_rejects_a_wrong_product():
-    """Negative control: the rule refuses the product with one weight row shifted, and with the last K
-    half of K dropped (what a K loop that stops early would give)."""
+    """Negative control: the rule refuses the product with one weight row shifted, and with the
+    second half of K dropped (what a K loop that stops early would give)."""
     x, w = _case(5, 48, 256, DTYPES[0], seed=11)
     with pytest.raises(AssertionError):
         _close(gemm.linear(x, torch.roll(w, 1, dims=0)), x, w)
@@ -106,6 +114,7 @@ def test_applies_only_to_decode_sized_16_bit_rows(monkeypatch):
     assert not gemm.applies(x, w, torch.zeros(32, dtype=x.dtype, device=DEVICE))  # a bias: cuBLAS
     assert not gemm.applies(x[:, :64], w[:, :64], None)  # K not whole 128-element lines
     assert not gemm.applies(x, w[:, :96], None)  # inner dimensions differ
+    assert not gemm.applies(x, w[0], None)  # a 1-D weight: refused, not an IndexError
     wide = torch.zeros(4, 256, dtype=x.dtype, device=DEVICE)
     assert not gemm.applies(wide[:, ::2], w, None)  # columns not contiguous
 
@@ -116,10 +125,11 @@ def test_refuses_k_not_a_multiple_of_the_step():
         gemm.linear(x, w, gemm.GemmConfig(32, 256, 4, 3))
 
 
-@pytest.mark.parametrize("switch,rows,taken", [(None, 1, True), ("1", 4, True), ("1", 5, False), ("0", 1, False)])
-def test_linear_layers_take_the_kernel(monkeypatch, switch, rows, taken):
-    """The model's linear layers route the smallest 16-bit decode batches here (on by default), not
-    above MAX_ROWS, not with the switch "0"; the output is the layer's either way."""
+@pytest.mark.parametrize("switch,rows", [(None, 1), ("1", 4), ("1", 5), ("0", 1)])
+def test_linear_layers_take_the_kernel(monkeypatch, switch, rows):
+    """The model's linear layers route the smallest 16-bit decode batches here: with the switch "1",
+    or unset where PDL is on (Hopper and later; not under the interpreter), never above MAX_ROWS
+    or with the switch "0"; the output is the layer's either way."""
     from nanovllm.layers import linear as linear_mod
 
     monkeypatch.setattr(gemm, "MAX_ROWS", 4)
@@ -134,4 +144,7 @@ def test_linear_layers_take_the_kernel(monkeypatch, switch, rows, taken):
     x, w = _case(rows, 48, 128, DTYPES[0], seed=rows)
     layer.weight.data.copy_(w)
     _close(layer(x), x, w)
-    assert bool(calls) == taken, calls
+    on = switch == "1" or (switch is None and gemm.pdl.enabled(x))
+    assert bool(calls) == (on and rows <= 4), calls
+    if switch is None and not INTERPRET and torch.cuda.get_device_capability()[0] >= 9:
+        assert calls, "on by default on a Hopper GPU"
