@@ -12,7 +12,9 @@ Measured on an H200 (session 12): 28 layers of RMSNorm, the four products and Si
 CUDA graph ran 27.7-29.0 against cuBLAS's 32.3-34.4 us per layer at 1-16 rows; in the engine (Qwen3-
 0.6B shape, 128 tokens per request) the time per output token went 1.255 -> 1.075 ms at batch 1 and
 1.17-1.30 -> 1.11 ms at batch 4, but 1.133 -> 1.154 ms at batch 8 and 1.239 -> 1.249 at 16 (slower).
-So rows above ``MAX_ROWS`` (4) take cuBLAS; ``NANOVLLM_DECODE_GEMM=0`` keeps it for every batch.
+So rows above ``MAX_ROWS`` (4) take cuBLAS. It is on by default where PDL is (Hopper and later, the
+only GPUs it was measured on); ``NANOVLLM_DECODE_GEMM=1`` forces it on elsewhere, ``=0`` keeps cuBLAS
+for every batch.
 """
 
 from __future__ import annotations
