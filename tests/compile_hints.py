@@ -12,7 +12,7 @@ and every stride. The metadata pointers are never specialized on alignment
 
 from __future__ import annotations
 
-METADATA_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"}
+METADATA_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"}  # int32, never aligned-specialized
 
 
 def runtime_hints(kernel) -> dict:

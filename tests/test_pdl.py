@@ -29,7 +29,7 @@ triton = pytest.importorskip("triton", reason="the kernels need triton")
 
 from nanovllm.attention import triton_ops  # noqa: E402
 from nanovllm.layers import decode_gemm, fused_ops, fused_sampler, pdl  # noqa: E402
-from tests.compile_hints import runtime_hints  # noqa: E402
+from tests.compile_hints import METADATA_POINTERS, runtime_hints  # noqa: E402
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "nanovllm"
 
@@ -218,7 +218,7 @@ def test_capable_only_on_cuda_sm90_and_later(monkeypatch, capability, hip, expec
 
 
 FLOAT_ARGS = {"eps", "qk_scale", "v_scale"}
-INT_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"}
+INT_POINTERS = METADATA_POINTERS  # the int32 block tables, lengths and query offsets
 FLOAT32_POINTERS = {"part_ptr", "lse_ptr"}
 
 # kernel -> its constexprs (the H200's shipped shapes: Qwen3-0.6B, bf16, 256-slot blocks)
