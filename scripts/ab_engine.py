@@ -24,6 +24,8 @@ gemm=0|1: the smallest decode batches' (1-4 rows) linear layers in Triton with P
           session 12; on by default); gemmrows=N: the most rows it takes (``decode_gemm.MAX_ROWS``);
           gemmcfg=BIG/SMALLxBKxWxS: its config (column strips for N >= 4096 / below, K step,
           warps, stages), as ``ab_kernels.py --only gemm`` names them.
+kvstore=0|1: Qwen3's fused q/k norm + RoPE kernel also writes K/V into the cache (1, the default since
+          session 13) or leaves it to the store kernel (``NANOVLLM_FUSED_KV_STORE``).
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ SETTINGS = {
     "gemm": (lambda v: os.environ.__setitem__("NANOVLLM_DECODE_GEMM", v), lambda v: v in ("0", "1")),
     "gemmrows": (_set("nanovllm.layers.decode_gemm", "MAX_ROWS", int), _positive),
     "gemmcfg": (_set_gemm_config, _is_gemm_config),
+    "kvstore": (lambda v: os.environ.__setitem__("NANOVLLM_FUSED_KV_STORE", v), lambda v: v in ("0", "1")),
     "split": (
         _set("nanovllm.attention.triton_backend", "MIN_SPLIT_DECODES", lambda v: 8 if v == "1" else None),
         lambda v: v in ("0", "1"),

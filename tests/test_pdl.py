@@ -135,6 +135,9 @@ def _run_every_wrapper():
     norm = (torch.ones(d, **bf), 1e-6)
     fused_ops.qk_norm_rope(positions, qkv, hq, hk, norm, norm, cos, sin)
     cache = torch.zeros(blocks, bs, hk, d, **bf)
+    fused_ops.qk_norm_rope(
+        positions, qkv, hq, hk, norm, norm, cos, sin, fused_ops.CacheWrite(cache, cache, torch.arange(t))
+    )
     kv = torch.randn(t, hk, d, **bf)
     triton_ops.store_kv(kv, kv, cache, cache, torch.arange(t))
     q = torch.randn(t, hq, d, **bf)

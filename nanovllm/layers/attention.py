@@ -29,7 +29,11 @@ class Attention(nn.Module):
         self.v_scale = 1.0
         self.backend: Any = None  # the runner sets it
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, heads, d]; k, v: [T, kv_heads, d] -> [T, heads, d]."""
-        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q: [T, heads, d]; k, v: [T, kv_heads, d] -> [T, heads, d]. k None: the caller's kernel
+        already wrote this step's k and v into the cache (Qwen3's fused q/k kernel on the GPU)."""
+        if k is not None:
+            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         return self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)

@@ -14,6 +14,8 @@ one bf16 ulp). The layers call these only for CUDA tensors (``enabled(x)``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from nanovllm.layers.triton_switch import triton_path
@@ -22,6 +24,7 @@ try:
     import triton
     import triton.language as tl
 
+    from nanovllm.attention.triton_ops import FP8_MAX
     from nanovllm.layers import pdl
 except ImportError:  # CPU-only installs: the layers keep their PyTorch code
     triton = None
@@ -132,25 +135,42 @@ if triton is not None:
         stride_cos,
         q_eps,
         k_eps,
+        k_cache_ptr,
+        v_cache_ptr,
+        slot_ptr,
+        k_scale,
+        v_scale,
+        stride_cb,
+        stride_cs,
+        stride_ch,
         NUM_Q_HEADS: tl.constexpr,
         NUM_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         HALF: tl.constexpr,
         BLOCK: tl.constexpr,
         BLOCK_H: tl.constexpr,
+        NUM_KV_HEADS: tl.constexpr = 0,
+        BLOCK_SIZE: tl.constexpr = 1,
+        STORE: tl.constexpr = False,
+        KV_FP8: tl.constexpr = False,
         PDL: tl.constexpr = False,
     ):
         """Program (token, run of BLOCK_H heads) over heads 0..NUM_HEADS-1: q's heads, then k's
         (k's follow q's in a qkv row). Each head: RMSNorm (float32, rounded to the model dtype,
         times the weight, rounded again), then RoPE (float32, rounded once) into the contiguous
         output. A tile of heads per program, not one head: 196,608 programs of 128 elements each made
-        an 8,192-token prefill step's call 141-160 us on the H200; 8 heads per program, 33 us."""
+        an 8,192-token prefill step's call 141-160 us on the H200; 8 heads per program, 33 us.
+
+        STORE: k's heads go into the paged cache at the token's slot instead of k_out, and the
+        heads NUM_HEADS.. (v's, NUM_KV_HEADS of them, after k's in the qkv row) are copied there
+        unchanged, as ``triton_ops.store_kv`` would (slot -1 writes nothing; an FP8 cache holds
+        clamp(x / scale, +-448)): one launch per layer fewer."""
         pdl.wait_then_release(PDL)
         tok = tl.program_id(0).to(tl.int64)
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         offs = tl.arange(0, BLOCK)
         is_q = heads < NUM_Q_HEADS
-        mask = (heads < NUM_HEADS)[:, None] & (offs < HALF)[None, :]
+        mask = (heads < NUM_HEADS + NUM_KV_HEADS)[:, None] & (offs < HALF)[None, :]  # NUM_KV_HEADS: 0 unless STORE
         src = qkv_ptr + tok * stride_t + heads[:, None] * HEAD_DIM + offs[None, :]
         dtype = q_out_ptr.dtype.element_ty
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
@@ -174,13 +194,38 @@ if triton is not None:
         out1 = (y1 * cos - y2 * sin).to(dtype)
         out2 = (y2 * cos + y1 * sin).to(dtype)
         q_dst = q_out_ptr + tok * stride_qo + heads[:, None] * HEAD_DIM + offs[None, :]
-        k_dst = k_out_ptr + tok * stride_ko + (heads - NUM_Q_HEADS)[:, None] * HEAD_DIM + offs[None, :]
         q_mask = mask & is_q[:, None]
-        k_mask = mask & (heads >= NUM_Q_HEADS)[:, None]
         tl.store(q_dst, out1, mask=q_mask)
         tl.store(q_dst + HALF, out2, mask=q_mask)
-        tl.store(k_dst, out1, mask=k_mask)
-        tl.store(k_dst + HALF, out2, mask=k_mask)
+        if STORE:
+            is_v = heads >= NUM_HEADS
+            slot = tl.load(slot_ptr + tok).to(tl.int64)
+            kv_head = tl.where(is_v, heads - NUM_HEADS, heads - NUM_Q_HEADS)
+            dst = (
+                (tl.maximum(slot, 0) // BLOCK_SIZE) * stride_cb
+                + (tl.maximum(slot, 0) % BLOCK_SIZE) * stride_cs
+                + kv_head[:, None] * stride_ch
+                + offs[None, :]
+            )
+            in_cache = mask & (slot >= 0)
+            k_mask = in_cache & ~is_q[:, None] & ~is_v[:, None]
+            v_mask = in_cache & is_v[:, None]
+            k1, k2, v1, v2 = out1.to(tl.float32), out2.to(tl.float32), x1, x2
+            if KV_FP8:
+                k1 = tl.minimum(tl.maximum(k1 / k_scale, -FP8_MAX), FP8_MAX)
+                k2 = tl.minimum(tl.maximum(k2 / k_scale, -FP8_MAX), FP8_MAX)
+                v1 = tl.minimum(tl.maximum(v1 / v_scale, -FP8_MAX), FP8_MAX)
+                v2 = tl.minimum(tl.maximum(v2 / v_scale, -FP8_MAX), FP8_MAX)
+            cache_dtype = k_cache_ptr.dtype.element_ty
+            tl.store(k_cache_ptr + dst, k1.to(cache_dtype), mask=k_mask)
+            tl.store(k_cache_ptr + dst + HALF, k2.to(cache_dtype), mask=k_mask)
+            tl.store(v_cache_ptr + dst, v1.to(cache_dtype), mask=v_mask)
+            tl.store(v_cache_ptr + dst + HALF, v2.to(cache_dtype), mask=v_mask)
+        else:
+            k_dst = k_out_ptr + tok * stride_ko + (heads - NUM_Q_HEADS)[:, None] * HEAD_DIM + offs[None, :]
+            k_mask = mask & (heads >= NUM_Q_HEADS)[:, None]
+            tl.store(k_dst, out1, mask=k_mask)
+            tl.store(k_dst + HALF, out2, mask=k_mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -259,6 +304,31 @@ def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torc
         )
 
 
+@dataclass(frozen=True)
+class CacheWrite:
+    """Where ``qk_norm_rope`` puts this step's k and v: one layer's paged caches as the Triton
+    kernels address them (the view ``[blocks, block_size, kv_heads, d]``, any storage order, last
+    dim contiguous), the tokens' slots (-1: nothing written), and an FP8 cache's scales."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    def check(self, n_tokens: int, num_kv_heads: int, d: int) -> None:
+        k, v = self.k_cache, self.v_cache
+        if k.dim() != 4 or tuple(k.shape[2:]) != (num_kv_heads, d) or k.stride(-1) != 1:
+            raise ValueError(f"qk_norm_rope: k_cache {tuple(k.shape)} is not [blocks, slots, {num_kv_heads}, {d}]")
+        if v.shape != k.shape or v.stride() != k.stride() or v.dtype != k.dtype:
+            raise ValueError(
+                f"qk_norm_rope: v_cache {tuple(v.shape)}, strides {v.stride()}, {v.dtype} differs from "
+                f"k_cache {tuple(k.shape)}, strides {k.stride()}, {k.dtype}"
+            )
+        if self.slot_mapping.numel() < n_tokens:
+            raise ValueError(f"qk_norm_rope: slot_mapping has {self.slot_mapping.numel()} slots for {n_tokens} tokens")
+
+
 def qk_norm_rope(
     positions: torch.Tensor,
     qkv: torch.Tensor,
@@ -268,10 +338,14 @@ def qk_norm_rope(
     k_norm: tuple[torch.Tensor, float],
     cos: torch.Tensor,
     sin: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    cache: CacheWrite | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Qwen3's q/k path in one kernel: qkv [T, (Hq + 2 Hk) d] -> (q [T, Hq, d], k [T, Hk, d]), each
     head RMSNorm-ed with its (weight, eps) and rotated; v is left in qkv. Replaces two strided
-    copies, two RMSNorm kernels and the RoPE kernel of the unfused path."""
+    copies, two RMSNorm kernels and the RoPE kernel of the unfused path.
+
+    With ``cache``, k and v go straight into the paged cache (the K/V store's launch saved) and
+    the second result is None."""
     n_tokens = qkv.shape[0]
     d = q_norm[0].shape[0]
     if qkv.stride(-1) != 1 or qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * d:
@@ -279,14 +353,25 @@ def qk_norm_rope(
             f"qk_norm_rope needs qkv [T, {(num_q_heads + 2 * num_kv_heads) * d}] rows, got {tuple(qkv.shape)}"
         )
     q = torch.empty((n_tokens, num_q_heads, d), dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty((n_tokens, num_kv_heads, d), dtype=qkv.dtype, device=qkv.device)
+    k = None if cache else torch.empty((n_tokens, num_kv_heads, d), dtype=qkv.dtype, device=qkv.device)
+    if cache:
+        cache.check(n_tokens, num_kv_heads, d)
+        kc = cache.k_cache
+        store = dict(
+            NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=kc.shape[1], STORE=True, KV_FP8=kc.dtype == torch.float8_e4m3fn
+        )
+        cache_args = (kc, cache.v_cache, cache.slot_mapping, cache.k_scale, cache.v_scale, *kc.stride()[:3])
+    else:
+        store = {}
+        cache_args = (q, q, positions, 1.0, 1.0, 0, 0, 0)  # not read: STORE is off
     if n_tokens:
         num_heads = num_q_heads + num_kv_heads
         block_h = min(QK_HEADS_PER_PROGRAM, triton.next_power_of_2(num_heads))
-        _qk_norm_rope_kernel[(n_tokens, triton.cdiv(num_heads, block_h))](
+        heads = num_heads + (num_kv_heads if cache else 0)
+        _qk_norm_rope_kernel[(n_tokens, triton.cdiv(heads, block_h))](
             qkv,
             q,
-            k,
+            q if k is None else k,
             q_norm[0],
             k_norm[0],
             cos,
@@ -294,16 +379,18 @@ def qk_norm_rope(
             positions,
             qkv.stride(0),
             q.stride(0),
-            k.stride(0),
+            0 if k is None else k.stride(0),
             cos.stride(0),
             q_norm[1],
             k_norm[1],
+            *cache_args,
             NUM_Q_HEADS=num_q_heads,
             NUM_HEADS=num_heads,
             HEAD_DIM=d,
             HALF=d // 2,
             BLOCK=triton.next_power_of_2(d // 2),
             BLOCK_H=block_h,
+            **store,
             **pdl.launch_args(qkv),
         )
     return q, k

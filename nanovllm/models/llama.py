@@ -8,6 +8,7 @@ normalizes each head of q and k (RMSNorm) before RoPE.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ from nanovllm.layers.triton_switch import LazyKernels
 # Qwen3's q/k norm + RoPE in one GPU kernel (fused_ops.qk_norm_rope); its own A/B switch on top of
 # NANOVLLM_FUSED_OPS: NANOVLLM_FUSED_QK_ROPE=0 keeps the norm and RoPE kernels
 fused_qk = LazyKernels("nanovllm.layers.fused_ops", "NANOVLLM_FUSED_QK_ROPE")
+FUSED_KV_STORE = "NANOVLLM_FUSED_KV_STORE"  # "0": the fused q/k kernel leaves the K/V store to the backend
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ class LlamaAttention(nn.Module):
                 (self.k_norm.weight, self.k_norm.eps),
                 self.rotary_emb.cos,
                 self.rotary_emb.sin,
+                cache=self._cache_write(meta),
             )
         else:
             q = q.view(-1, self.num_heads, self.head_dim)
@@ -89,8 +92,16 @@ class LlamaAttention(nn.Module):
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v, meta)
+        o = self.attn(q, k, v, meta)  # k None: already in the cache
         return self.o_proj(o.flatten(1))
+
+    def _cache_write(self, meta: AttentionMetadata):
+        """The fused q/k kernel also stores k and v where the Triton backend holds the cache
+        (``NANOVLLM_FUSED_KV_STORE=0``: the backend's own store kernel, for A/B runs)."""
+        if self.attn.backend.name != "triton" or os.environ.get(FUSED_KV_STORE, "1") != "1":
+            return None
+        a = self.attn
+        return fused_qk.CacheWrite(a.k_cache, a.v_cache, meta.slot_mapping, a.k_scale, a.v_scale)
 
 
 class LlamaMLP(nn.Module):

@@ -152,3 +152,77 @@ def test_qk_norm_rope_refuses_a_qkv_of_the_wrong_width():
     rope, qkv, pos, q_w, k_w = _qk_case(torch.float32)
     with pytest.raises(ValueError, match="qkv"):
         fused_ops.qk_norm_rope(pos, qkv[:, :-64], 4, 2, (q_w, 1e-6), (k_w, 1e-6), rope.cos, rope.sin)
+
+
+def _cache_case(dtype, t, hk, d, block_size=16, num_blocks=6, seed=0):
+    """Head-major caches as the Triton backend makes them, filled with a sentinel, and slots for
+    t tokens: distinct, scattered over the blocks, every third -1 (a CUDA-graph padding row)."""
+    from nanovllm.attention.triton_backend import TritonBackend
+
+    g = torch.Generator().manual_seed(seed)
+    caches = [TritonBackend.new_kv_cache(num_blocks, block_size, hk, d, dtype, DEVICE) for _ in range(2)]
+    for c in caches:
+        c.fill_(-7.0)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:t]
+    slots[::3] = -1
+    return caches, slots.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,hq,hk,d", [(13, 4, 2, 64), (7, 16, 8, 128), (5, 2, 2, 128)])
+def test_qk_norm_rope_writes_the_cache_as_the_store_kernel_does(dtype, t, hq, hk, d):
+    """With a CacheWrite the kernel puts k and v where ``triton_ops.store_kv`` would (bitwise, every
+    slot of both caches: -1 slots and the others untouched) and q is unchanged."""
+    from nanovllm.attention import triton_ops
+
+    rope, qkv, pos, q_w, k_w = _qk_case(dtype, t, hq, hk, d, seed=t + d)
+    (want_kc, want_vc), slots = _cache_case(dtype, t, hk, d, seed=t)
+    (kc, vc), _ = _cache_case(dtype, t, hk, d, seed=t)
+    norms = ((q_w, 1e-6), (k_w, 1e-5))
+    want_q, k = fused_ops.qk_norm_rope(pos, qkv, hq, hk, *norms, rope.cos, rope.sin)
+    v = qkv[:, (hq + hk) * d :].view(t, hk, d)
+    triton_ops.store_kv(k, v, want_kc, want_vc, slots)
+    q, none = fused_ops.qk_norm_rope(
+        pos, qkv, hq, hk, *norms, rope.cos, rope.sin, cache=fused_ops.CacheWrite(kc, vc, slots)
+    )
+    assert none is None
+    assert torch.equal(q, want_q)
+    assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
+    assert (want_kc != -7.0).any() and (want_vc != -7.0).any(), "the reference wrote nothing: a vacuous check"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_cache_comparison_rejects_shifted_slots_and_swapped_caches(dtype):
+    """Negative controls for the rule above: slots one further, or k's and v's caches exchanged,
+    each makes the caches differ from the store kernel's."""
+    from nanovllm.attention import triton_ops
+
+    t, hq, hk, d = 9, 4, 2, 64
+    rope, qkv, pos, q_w, k_w = _qk_case(dtype, t, hq, hk, d, seed=3)
+    (want_kc, want_vc), slots = _cache_case(dtype, t, hk, d)
+    norms = ((q_w, 1e-6), (k_w, 1e-6))
+    _, k = fused_ops.qk_norm_rope(pos, qkv, hq, hk, *norms, rope.cos, rope.sin)
+    triton_ops.store_kv(k, qkv[:, (hq + hk) * d :].view(t, hk, d), want_kc, want_vc, slots)
+    shifted = torch.where(slots >= 0, slots + 1, slots)
+    for write in (lambda c: fused_ops.CacheWrite(*c, shifted), lambda c: fused_ops.CacheWrite(c[1], c[0], slots)):
+        caches, _ = _cache_case(dtype, t, hk, d)
+        fused_ops.qk_norm_rope(pos, qkv, hq, hk, *norms, rope.cos, rope.sin, cache=write(caches))
+        assert not (torch.equal(caches[0], want_kc) and torch.equal(caches[1], want_vc))
+
+
+def test_qk_norm_rope_refuses_a_cache_of_the_wrong_shape():
+    rope, qkv, pos, q_w, k_w = _qk_case(torch.float32)
+    (kc, vc), slots = _cache_case(torch.float32, 13, 2, 64)
+    norms = ((q_w, 1e-6), (k_w, 1e-6))
+    with pytest.raises(ValueError, match=r"k_cache \(6, 16, 2, 32\)"):
+        fused_ops.qk_norm_rope(
+            pos, qkv, 4, 2, *norms, rope.cos, rope.sin, cache=fused_ops.CacheWrite(kc[..., :32], vc[..., :32], slots)
+        )
+    with pytest.raises(ValueError, match="v_cache"):
+        fused_ops.qk_norm_rope(
+            pos, qkv, 4, 2, *norms, rope.cos, rope.sin, cache=fused_ops.CacheWrite(kc, vc.contiguous(), slots)
+        )
+    with pytest.raises(ValueError, match="slot_mapping has 12 slots for 13 tokens"):
+        fused_ops.qk_norm_rope(
+            pos, qkv, 4, 2, *norms, rope.cos, rope.sin, cache=fused_ops.CacheWrite(kc, vc, slots[:12])
+        )

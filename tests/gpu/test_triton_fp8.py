@@ -21,6 +21,8 @@ if torch.cuda.get_device_capability() < (8, 9):
     pytest.skip("float8 needs compute capability 8.9 or newer", allow_module_level=True)
 
 from nanovllm.attention import torch_ref  # noqa: E402
+from nanovllm.layers import fused_ops  # noqa: E402
+from tests.gpu.test_fused_ops import _cache_case, _qk_case  # noqa: E402
 from tests.gpu.test_triton_kernels import (  # noqa: E402
     SHAPES,
     PagedCase,
@@ -147,3 +149,24 @@ def test_prefill_fp8_matches_reference(block_size, group, head_dim):
     ref = fc.reference()
     assert_close(run(K_SCALE), ref, f"fp8 prefill bs={block_size} g={group} d={head_dim}")
     assert _far(run(4 * K_SCALE), ref), "control: the wrong k_scale must miss the reference"
+
+
+def test_qk_norm_rope_writes_an_fp8_cache_with_its_scales():
+    """Qwen3's fused q/k kernel with the K/V store (``fused_ops.CacheWrite``) quantizes as the store
+    kernel does: the same bytes, with a control told another v_scale."""
+    t, hq, hk, d = 11, 16, 8, 128
+    rope, qkv, pos, q_w, k_w = _qk_case(torch.bfloat16, t, hq, hk, d, seed=5)
+    (want_kc, want_vc), slots = _cache_case(FP8, t, hk, d)
+    (kc, vc), _ = _cache_case(FP8, t, hk, d)
+
+    def fused(k_scale, v_scale):
+        write = fused_ops.CacheWrite(kc, vc, slots, k_scale, v_scale)
+        fused_ops.qk_norm_rope(pos, qkv, hq, hk, (q_w, 1e-6), (k_w, 1e-6), rope.cos, rope.sin, cache=write)
+
+    _, k = fused_ops.qk_norm_rope(pos, qkv, hq, hk, (q_w, 1e-6), (k_w, 1e-6), rope.cos, rope.sin)
+    triton_ops.store_kv(k, qkv[:, (hq + hk) * d :].view(t, hk, d), want_kc, want_vc, slots, 0.05, 0.5)
+    fused(0.05, 0.5)
+    assert torch.equal(kc.view(torch.uint8), want_kc.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), want_vc.view(torch.uint8))
+    fused(0.05, 1.0)
+    assert not torch.equal(vc.view(torch.uint8), want_vc.view(torch.uint8)), "control: another v_scale"
