@@ -43,13 +43,7 @@ def _kernel_modules():
 
 
 MODULES = tuple(_kernel_modules())
-HELPERS = {
-    "wait_then_release",
-    "_fp8_to_f16_asm",
-    "_prefill_tile",
-    "_decode_tile",
-    "_log2",
-}  # jit functions called by kernels
+HELPERS = {"wait_then_release", "_fp8_to_f16_asm", "_prefill_tile", "_decode_tile"}  # jit functions called by kernels
 
 
 def _kernels():
