@@ -16,9 +16,7 @@
 from __future__ import annotations
 
 import ast
-import importlib
 import inspect
-import pathlib
 import textwrap
 import types
 
@@ -30,19 +28,9 @@ triton = pytest.importorskip("triton", reason="the kernels need triton")
 from nanovllm.attention import triton_ops  # noqa: E402
 from nanovllm.layers import decode_gemm, fused_ops, fused_sampler, pdl  # noqa: E402
 from tests.compile_hints import METADATA_POINTERS, runtime_hints  # noqa: E402
+from tests.kernel_modules import kernel_modules  # noqa: E402
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "nanovllm"
-
-
-def _kernel_modules():
-    """Every module of the package that defines a Triton kernel (found by its source, so a kernel
-    added in a new module is checked too; only those modules are imported)."""
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if "triton.jit" in path.read_text():
-            yield importlib.import_module(".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts))
-
-
-MODULES = tuple(_kernel_modules())
+MODULES = kernel_modules()
 HELPERS = {"wait_then_release", "_fp8_to_f16_asm", "_prefill_tile", "_decode_tile"}  # jit functions called by kernels
 
 

@@ -24,7 +24,7 @@ try:
     import triton
     import triton.language as tl
 
-    from nanovllm.attention.triton_ops import FP8_MAX
+    from nanovllm.attention.triton_ops import FP8_MAX, METADATA_PTRS
     from nanovllm.layers import pdl
 except ImportError:  # CPU-only installs: the layers keep their PyTorch code
     triton = None
@@ -119,7 +119,7 @@ if triton is not None:
         tl.store(base + offs, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(base + HALF + offs, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize_on_alignment=METADATA_PTRS)  # slot_ptr: a slice of the step buffer
     def _qk_norm_rope_kernel(
         qkv_ptr,
         q_out_ptr,

@@ -156,14 +156,17 @@ def test_qk_norm_rope_refuses_a_qkv_of_the_wrong_width():
 
 def _cache_case(dtype, t, hk, d, block_size=16, num_blocks=6, seed=0):
     """Head-major caches as the Triton backend makes them, filled with a sentinel, and slots for
-    t tokens: distinct, scattered over the blocks, every third -1 (a CUDA-graph padding row)."""
+    t tokens: distinct, scattered over the blocks but the last slot, every third -1 (a CUDA-graph
+    padding row)."""
     from nanovllm.attention.triton_backend import TritonBackend
 
     g = torch.Generator().manual_seed(seed)
     caches = [TritonBackend.new_kv_cache(num_blocks, block_size, hk, d, dtype, DEVICE) for _ in range(2)]
     for c in caches:
         c.fill_(-7.0)
-    slots = torch.randperm(num_blocks * block_size, generator=g)[:t]
+    slots = torch.randperm(num_blocks * block_size - 1, generator=g)[
+        :t
+    ]  # the last slot free: slots + 1 stay in the cache
     slots[::3] = -1
     return caches, slots.to(DEVICE)
 

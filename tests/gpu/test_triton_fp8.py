@@ -151,10 +151,11 @@ def test_prefill_fp8_matches_reference(block_size, group, head_dim):
     assert _far(run(4 * K_SCALE), ref), "control: the wrong k_scale must miss the reference"
 
 
-def test_qk_norm_rope_writes_an_fp8_cache_with_its_scales():
+@pytest.mark.parametrize("t,hq,hk,d", [(11, 16, 8, 128), (13, 4, 2, 64)])  # the second mixes q, k, v heads in a tile
+@pytest.mark.parametrize("v_scale", [0.5, 0.005])  # 0.005: v / scale beyond 448, so the clamp decides bytes
+def test_qk_norm_rope_writes_an_fp8_cache_with_its_scales(t, hq, hk, d, v_scale):
     """Qwen3's fused q/k kernel with the K/V store (``fused_ops.CacheWrite``) quantizes as the store
     kernel does: the same bytes, with a control told another v_scale."""
-    t, hq, hk, d = 11, 16, 8, 128
     rope, qkv, pos, q_w, k_w = _qk_case(torch.bfloat16, t, hq, hk, d, seed=5)
     (want_kc, want_vc), slots = _cache_case(FP8, t, hk, d)
     (kc, vc), _ = _cache_case(FP8, t, hk, d)
@@ -164,9 +165,11 @@ def test_qk_norm_rope_writes_an_fp8_cache_with_its_scales():
         fused_ops.qk_norm_rope(pos, qkv, hq, hk, (q_w, 1e-6), (k_w, 1e-6), rope.cos, rope.sin, cache=write)
 
     _, k = fused_ops.qk_norm_rope(pos, qkv, hq, hk, (q_w, 1e-6), (k_w, 1e-6), rope.cos, rope.sin)
-    triton_ops.store_kv(k, qkv[:, (hq + hk) * d :].view(t, hk, d), want_kc, want_vc, slots, 0.05, 0.5)
-    fused(0.05, 0.5)
+    triton_ops.store_kv(k, qkv[:, (hq + hk) * d :].view(t, hk, d), want_kc, want_vc, slots, 0.05, v_scale)
+    if v_scale < 0.1:
+        assert (qkv[:, (hq + hk) * d :].float().abs() / v_scale > 448).any(), "no value reaches the clamp"
+    fused(0.05, v_scale)
     assert torch.equal(kc.view(torch.uint8), want_kc.view(torch.uint8))
     assert torch.equal(vc.view(torch.uint8), want_vc.view(torch.uint8))
-    fused(0.05, 1.0)
+    fused(0.05, 2 * v_scale)
     assert not torch.equal(vc.view(torch.uint8), want_vc.view(torch.uint8)), "control: another v_scale"
