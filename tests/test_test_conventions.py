@@ -5,11 +5,16 @@ defaults (the KV-cache share of the test process, a cap on sequences) unless the
 A call ``LLM(path, **engine_args(device), max_num_seqs=4)`` passes a key twice on CUDA only: a
 TypeError that no CPU run can show (found by GPU CI). Every such call must pass its own keywords
 inside ``engine_args(...)``.
+
+Kernel tests written for Triton's interpreter run on a CPU-only CI only through
+``tests/gpu/test_triton_interpret.py``, which lists its files: every file that reads
+``NANOVLLM_TRITON_INTERPRET`` must be on that list.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,3 +77,26 @@ def test_the_device_hook_keeps_a_tests_own_device_parametrization(monkeypatch):
     assert calls == []
     conftest.pytest_generate_tests(metafunc(pytest.mark.parametrize("expected", [1]), pytest.mark.slow))
     assert calls == ["device"]
+
+
+GPU_TESTS = ROOT / "tests" / "gpu"
+
+
+def _interpreter_gaps(runner_source: str, files: dict[str, str]) -> set[str]:
+    """Kernel test files written for Triton's interpreter (they read ``NANOVLLM_TRITON_INTERPRET``)
+    that the interpreter runner does not run: on a CPU-only CI they would never run at all."""
+    listed = set(re.findall(r'"(test_\w+\.py)"', runner_source))
+    supports = {name for name, text in files.items() if "NANOVLLM_TRITON_INTERPRET" in text}
+    return supports - listed - {"test_triton_interpret.py"}
+
+
+def test_the_interpreter_runner_runs_every_kernel_test_file_written_for_it():
+    files = {p.name: p.read_text() for p in GPU_TESTS.glob("test_*.py")}
+    assert not _interpreter_gaps(files["test_triton_interpret.py"], files)
+
+
+def test_the_gap_check_sees_a_file_the_runner_misses():
+    """Negative control: a new interpreter-ready kernel test file that the runner does not list."""
+    files = {p.name: p.read_text() for p in GPU_TESTS.glob("test_*.py")}
+    files["test_new_kernel.py"] = 'INTERPRET = os.environ.get("NANOVLLM_TRITON_INTERPRET") == "1"'
+    assert _interpreter_gaps(files["test_triton_interpret.py"], files) == {"test_new_kernel.py"}
