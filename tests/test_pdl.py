@@ -31,7 +31,14 @@ from tests.compile_hints import METADATA_POINTERS, runtime_hints  # noqa: E402
 from tests.kernel_modules import kernel_modules  # noqa: E402
 
 MODULES = kernel_modules()
-HELPERS = {"wait_then_release", "_fp8_to_f16_asm", "_prefill_tile", "_decode_tile"}  # jit functions called by kernels
+HELPERS = {
+    "wait_then_release",
+    "_fp8_to_f16_asm",
+    "_prefill_tile",
+    "_decode_tile",
+    "slot_offset",
+    "fp8_saturate",
+}  # jit functions called by kernels
 
 
 def _kernels():

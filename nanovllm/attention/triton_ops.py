@@ -104,6 +104,19 @@ METADATA_PTRS = ["slot_ptr", "block_tables_ptr", "seq_lens_ptr", "query_start_lo
 
 
 # --------------------------------------------------------------------- store K/V
+@triton.jit
+def slot_offset(slot, BLOCK_SIZE: tl.constexpr, stride_cb, stride_cs):
+    """Where slot ``slot`` (int64, >= 0) starts in a cache addressed by strides: its block, then its
+    position in the block (shared by the store kernel and Qwen3's fused q/k kernel, which stores too)."""
+    return (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+
+
+@triton.jit
+def fp8_saturate(x, scale):
+    """What an FP8 cache holds for ``x``, before the cast: clamp(x / scale, +-448) in float32."""
+    return tl.minimum(tl.maximum(x.to(tl.float32) / scale, -FP8_MAX), FP8_MAX)
+
+
 @triton.jit(do_not_specialize_on_alignment=METADATA_PTRS)
 def _store_kv_kernel(
     k_ptr,
@@ -134,18 +147,16 @@ def _store_kv_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM) & (slot >= 0)
-    safe = tl.maximum(slot, 0)
     dst = (
-        (safe // BLOCK_SIZE) * stride_cb
-        + (safe % BLOCK_SIZE) * stride_cs
+        slot_offset(tl.maximum(slot, 0), BLOCK_SIZE, stride_cb, stride_cs)
         + offs_h[:, None] * stride_ch
         + offs_d[None, :]
     )
     k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     if KV_FP8:
-        k = tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -FP8_MAX), FP8_MAX).to(k_cache_ptr.dtype.element_ty)
-        v = tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX).to(v_cache_ptr.dtype.element_ty)
+        k = fp8_saturate(k, k_scale).to(k_cache_ptr.dtype.element_ty)
+        v = fp8_saturate(v, v_scale).to(v_cache_ptr.dtype.element_ty)
     tl.store(k_cache_ptr + dst, k, mask=mask)
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
@@ -164,7 +175,7 @@ def store_kv(
     if num_tokens == 0:
         return
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    _check_cache(k_cache, v_cache)
+    check_cache(k_cache, v_cache)
     _store_kv_kernel[(num_tokens,)](
         key,
         value,
@@ -195,7 +206,7 @@ def is_fp8(cache: torch.Tensor) -> bool:
     return cache.dtype == torch.float8_e4m3fn
 
 
-def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError(
             f"k_cache and v_cache need equal strides with a contiguous last dim, got "
@@ -540,7 +551,7 @@ def paged_decode(
     """
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    _check_cache(k_cache, v_cache)
+    check_cache(k_cache, v_cache)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     if not 1 <= num_splits <= MAX_SPLITS:
@@ -868,7 +879,7 @@ def paged_prefill(
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    _check_cache(k_cache, v_cache)
+    check_cache(k_cache, v_cache)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     group = num_heads // num_kv_heads

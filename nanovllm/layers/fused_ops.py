@@ -24,7 +24,7 @@ try:
     import triton
     import triton.language as tl
 
-    from nanovllm.attention.triton_ops import FP8_MAX, METADATA_PTRS
+    from nanovllm.attention.triton_ops import METADATA_PTRS, check_cache, fp8_saturate, slot_offset
     from nanovllm.layers import pdl
 except ImportError:  # CPU-only installs: the layers keep their PyTorch code
     triton = None
@@ -202,20 +202,17 @@ if triton is not None:
             slot = tl.load(slot_ptr + tok).to(tl.int64)
             kv_head = tl.where(is_v, heads - NUM_HEADS, heads - NUM_Q_HEADS)
             dst = (
-                (tl.maximum(slot, 0) // BLOCK_SIZE) * stride_cb
-                + (tl.maximum(slot, 0) % BLOCK_SIZE) * stride_cs
+                slot_offset(tl.maximum(slot, 0), BLOCK_SIZE, stride_cb, stride_cs)
                 + kv_head[:, None] * stride_ch
                 + offs[None, :]
             )
             in_cache = mask & (slot >= 0)
             k_mask = in_cache & ~is_q[:, None] & ~is_v[:, None]
             v_mask = in_cache & is_v[:, None]
-            k1, k2, v1, v2 = out1.to(tl.float32), out2.to(tl.float32), x1, x2
+            k1, k2, v1, v2 = out1, out2, x1, x2
             if KV_FP8:
-                k1 = tl.minimum(tl.maximum(k1 / k_scale, -FP8_MAX), FP8_MAX)
-                k2 = tl.minimum(tl.maximum(k2 / k_scale, -FP8_MAX), FP8_MAX)
-                v1 = tl.minimum(tl.maximum(v1 / v_scale, -FP8_MAX), FP8_MAX)
-                v2 = tl.minimum(tl.maximum(v2 / v_scale, -FP8_MAX), FP8_MAX)
+                k1, k2 = fp8_saturate(k1, k_scale), fp8_saturate(k2, k_scale)
+                v1, v2 = fp8_saturate(v1, v_scale), fp8_saturate(v2, v_scale)
             cache_dtype = k_cache_ptr.dtype.element_ty
             tl.store(k_cache_ptr + dst, k1.to(cache_dtype), mask=k_mask)
             tl.store(k_cache_ptr + dst + HALF, k2.to(cache_dtype), mask=k_mask)
@@ -318,13 +315,12 @@ class CacheWrite:
 
     def check(self, n_tokens: int, num_kv_heads: int, d: int) -> None:
         k, v = self.k_cache, self.v_cache
-        if k.dim() != 4 or tuple(k.shape[2:]) != (num_kv_heads, d) or k.stride(-1) != 1:
-            raise ValueError(f"qk_norm_rope: k_cache {tuple(k.shape)} is not [blocks, slots, {num_kv_heads}, {d}]")
-        if v.shape != k.shape or v.stride() != k.stride() or v.dtype != k.dtype:
+        if k.dim() != 4 or tuple(k.shape[2:]) != (num_kv_heads, d) or v.shape != k.shape:
             raise ValueError(
-                f"qk_norm_rope: v_cache {tuple(v.shape)}, strides {v.stride()}, {v.dtype} differs from "
-                f"k_cache {tuple(k.shape)}, strides {k.stride()}, {k.dtype}"
+                f"qk_norm_rope: k_cache {tuple(k.shape)} and v_cache {tuple(v.shape)} are not "
+                f"[blocks, slots, {num_kv_heads}, {d}]"
             )
+        check_cache(k, v)  # the attention kernels' rule: equal strides and dtype, last dim contiguous
         if self.slot_mapping.numel() < n_tokens:
             raise ValueError(f"qk_norm_rope: slot_mapping has {self.slot_mapping.numel()} slots for {n_tokens} tokens")
 
