@@ -71,6 +71,28 @@ def test_prefill_rows_equal_the_oracle(block_size, heads, kv_heads, head_dim, sp
     torch.testing.assert_close(_prefill(q, k_cache, v_cache, meta, scale), want, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("specs", [DECODE_SPECS[2], PREFILL_SPECS[1]])
+def test_a_query_view_of_the_qkv_projection_is_read_in_place(specs):
+    """q as the engine hands it (a [T, heads, d] view of the fused qkv rows, each row wider than its
+    heads) gives bitwise the contiguous copy's result; control: the same memory read as if
+    contiguous (a kernel ignoring the row stride) gives another one."""
+    heads, kv_heads, d = 9, 3, 64
+    q, _, _, k_cache, v_cache, meta = _build(specs, heads, kv_heads, d, 16, seed=7)
+    qkv = torch.randn(q.shape[0], (heads + 2 * kv_heads) * d)
+    qkv[:, : heads * d] = q.flatten(1)
+    view = qkv[:, : heads * d].view(-1, heads, d)
+    assert not view.is_contiguous() and view.stride(0) == qkv.shape[1]
+    rows = None if specs is DECODE_SPECS[2] else cpu_kernels.prefill_rows(meta.query_start_loc_cpu, meta.seq_lens_cpu)
+    k, v = _head_major(k_cache), _head_major(v_cache)
+    want = cpu_kernels.paged_attention(q.contiguous(), k, v, meta.block_tables, meta.seq_lens, d**-0.5, rows)
+    got = cpu_kernels.paged_attention(view, k, v, meta.block_tables, meta.seq_lens, d**-0.5, rows)
+    assert torch.equal(got, want)
+    assert torch.equal(view, qkv[:, : heads * d].view(-1, heads, d)), "q was modified"
+    as_if_contiguous = qkv.flatten()[: q.numel()].view_as(q)
+    wrong = cpu_kernels.paged_attention(as_if_contiguous, k, v, meta.block_tables, meta.seq_lens, d**-0.5, rows)
+    assert not torch.allclose(wrong, want)
+
+
 def test_negative_control_prefill_rows_that_see_one_slot_too_few_or_start_at_the_top_are_caught():
     """The comparison above fails for rows that see one slot too few, and for a causal mask aligned
     top-left (row j seeing slots 0..j, wrong where the chunk follows cached context)."""

@@ -120,7 +120,12 @@ def test_rmsnorm_and_silu_equal_hf_formulas_and_leave_inputs(cpu_path):
     """Bitwise transformers' formulas with the CPU kernels on or off (RMSNorm and SiLU stay in
     PyTorch: a C version's last-bit differences moved a greedy token of the FP8 golden test); the
     inputs are left as they were."""
-    width, rows = 600, 300  # 600 = 37 x 16 + 8: a masked tail; 300 x 600 > one thread's share
+    for rows, width in ((300, 600), (1, 576), (2100, 576)):
+        # 600 = 37 x 16 + 8: a masked tail; 300 x 600 > one thread's share; a decode row; a prefill chunk
+        _check_rmsnorm_and_silu(rows, width)
+
+
+def _check_rmsnorm_and_silu(rows: int, width: int) -> None:
     norm = RMSNorm(width, 1e-6)
     norm.weight.data = torch.randn(width)
     x, r = torch.randn(rows, width), torch.randn(rows, width)
@@ -143,6 +148,9 @@ def test_rmsnorm_and_silu_equal_hf_formulas_and_leave_inputs(cpu_path):
     assert not same(norm(x), norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-3)))
     assert not same(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
     assert not same(SiluAndMul()(gate_up), torch.sigmoid(kept[:, :width]) * kept[:, width:])
+    if rows > 1:  # and a last-bit difference: the mean of squares summed in float64 instead
+        mean64 = x.double().pow(2).mean(-1, keepdim=True).float()
+        assert not same(norm(x), norm.weight * (x * torch.rsqrt(mean64 + 1e-6)))
 
 
 @pytest.mark.skipif(

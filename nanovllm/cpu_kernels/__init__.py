@@ -107,6 +107,7 @@ def load() -> Kernels | None:
     attention = library.paged_attention_f32
     attention.restype = ctypes.c_int
     attention.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    attention.argtypes += [ctypes.c_int64]
     store = library.store_kv_f32
     store.restype = ctypes.c_int
     store.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_int64]
@@ -218,7 +219,7 @@ def paged_attention(
     _, num_kv_heads, block_size, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim or num_heads % num_kv_heads or v_cache.shape != k_cache.shape:
         raise ValueError(f"paged_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
-    q = q.contiguous()
+    q = q if _rows(q) else q.contiguous()  # a view of the qkv projection is read in place
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     if rows is None:
@@ -229,7 +230,7 @@ def paged_attention(
         raise ValueError(f"paged_attention: {num_rows} query rows, {row_len.numel()} row lengths")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("paged_attention: the caches must be contiguous")
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype)
     status = kernels.paged_attention(
         q.data_ptr(),
         k_cache.data_ptr(),
@@ -249,6 +250,7 @@ def paged_attention(
         scale,
         torch.get_num_threads(),
         k_cache.shape[0],
+        q.stride(0),
     )
     if status == -2:  # checked before any read
         raise IndexError(

@@ -173,15 +173,16 @@ static inline __attribute__((always_inline)) void vec_item(
 
 /* Paged attention for query rows: row r belongs to sequence row_seq[r] (NULL: row r is sequence r,
  * the decode case) and sees that sequence's slots 0 .. row_len[r]-1 (a prefill chunk's row j of n
- * sees seq_len - n + j + 1 of them: causal, bottom-right aligned). q, out: [num_rows, num_heads,
- * head_dim]; block_tables: [num_seqs, table_width] int32; seq_lens: [num_seqs] int32 (the lengths the
+ * sees seq_len - n + j + 1 of them: causal, bottom-right aligned). q: [num_rows, num_heads, head_dim],
+ * rows q_row_stride floats apart (a view of the fused qkv projection), each row's heads contiguous;
+ * out: [num_rows, num_heads, head_dim] contiguous; block_tables: [num_seqs, table_width] int32; seq_lens: [num_seqs] int32 (the lengths the
  * tables cover); num_threads: torch's (torch.get_num_threads()). Returns 0; -1 when scratch memory
  * could not be allocated; -2 (before reading anything) when a length does not fit its table, a row
  * reaches past its sequence or names none, or a block id used lies outside the cache. */
 int paged_attention_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
                         const int32_t *seq_lens, const int32_t *row_seq, const int32_t *row_len, float *out,
                         int num_seqs, int num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                        int table_width, float scale, int num_threads, int num_blocks) {
+                        int table_width, float scale, int num_threads, int num_blocks, int64_t q_row_stride) {
     for (int seq = 0; seq < num_seqs; seq++) {
         const int len = seq_lens[seq], used = (len + block_size - 1) / block_size;
         if (len < 1 || used > table_width) return -2;
@@ -204,7 +205,7 @@ int paged_attention_f32(const float *q, const float *k_cache, const float *v_cac
         const int row = (int)(item / num_kv_heads), kvh = (int)(item % num_kv_heads);
         const int len = row_len[row];
         const int32_t *table = block_tables + (int64_t)(row_seq ? row_seq[row] : row) * table_width;
-        const float *qg = q + ((int64_t)row * num_heads + (int64_t)kvh * group) * head_dim;
+        const float *qg = q + (int64_t)row * q_row_stride + (int64_t)kvh * group * head_dim;
         float *og = out + ((int64_t)row * num_heads + (int64_t)kvh * group) * head_dim;
         /* scratch, one allocation for either loop: group rows of len scores rounded up to 16 (the
          * vector loop's chunks), which also leaves room for the portable loop's group denominators */

