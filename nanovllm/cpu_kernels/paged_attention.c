@@ -199,42 +199,49 @@ int paged_attention_f32(const float *q, const float *k_cache, const float *v_cac
     const int64_t head_stride = (int64_t)block_size * head_dim;
     const int64_t block_stride = head_stride * num_kv_heads;
     const int vec = HAVE_VEC_ITEM && head_dim % 16 == 0 && head_dim <= 256 && group <= 64;
-    int failed = 0;
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) reduction(| : failed)
-    for (int64_t item = 0; item < (int64_t)num_rows * num_kv_heads; item++) {
-        const int row = (int)(item / num_kv_heads), kvh = (int)(item % num_kv_heads);
-        const int len = row_len[row];
-        const int32_t *table = block_tables + (int64_t)(row_seq ? row_seq[row] : row) * table_width;
-        const float *qg = q + (int64_t)row * q_row_stride + (int64_t)kvh * group * head_dim;
-        float *og = out + ((int64_t)row * num_heads + (int64_t)kvh * group) * head_dim;
-        /* scratch, one allocation for either loop: group rows of len scores rounded up to 16 (the
-         * vector loop's chunks), which also leaves room for the portable loop's group denominators */
-        float *scores = aligned_alloc(64, sizeof(float) * (size_t)group * (size_t)((len + 16) & ~15));
-        if (scores == NULL) {
-            failed = 1;
-            continue;
-        }
+    int failed = 0, max_len = 0;
+    for (int r = 0; r < num_rows; r++) max_len = row_len[r] > max_len ? row_len[r] : max_len;
+    /* scratch, one allocation per thread for either loop: group rows of max_len scores rounded up to 16
+     * (the vector loop's chunks), which also leaves room for the portable loop's group denominators */
+    const size_t scratch_floats = (size_t)group * (size_t)((max_len + 16) & ~15);
+    /* a prefill chunk's thousands of small items are handed out 16 at a time (one at a time, a
+     * grab per item cost ~6 % of a 4,096-row chunk); a decode step's few larger ones singly */
+    const int64_t num_items = (int64_t)num_rows * num_kv_heads;
+    const int grab = num_items >= 1024 * (int64_t)num_threads ? 16 : 1;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *scores = aligned_alloc(64, sizeof(float) * scratch_floats);
+        failed = scores == NULL;
+#pragma omp for schedule(dynamic, grab)
+        for (int64_t item = 0; item < num_items; item++) {
+            if (scores == NULL) continue;
+            const int row = (int)(item / num_kv_heads), kvh = (int)(item % num_kv_heads);
+            const int len = row_len[row];
+            const int32_t *table = block_tables + (int64_t)(row_seq ? row_seq[row] : row) * table_width;
+            const float *qg = q + (int64_t)row * q_row_stride + (int64_t)kvh * group * head_dim;
+            float *og = out + ((int64_t)row * num_heads + (int64_t)kvh * group) * head_dim;
 #if HAVE_VEC_ITEM
-        if (vec) {
+            if (vec) {
 #define VEC(HD) vec_item(qg, k_cache, v_cache, table, og, scores, len, group, kvh, HD, block_size, block_stride, \
-                         head_stride, scale)
-            switch (head_dim) { /* the same code; constant bounds for the common sizes */
-                case 64: VEC(64); break;
-                case 128: VEC(128); break;
-                default: VEC(head_dim);
-            }
+                             head_stride, scale)
+                switch (head_dim) { /* the same code; constant bounds for the common sizes */
+                    case 64: VEC(64); break;
+                    case 128: VEC(128); break;
+                    default: VEC(head_dim);
+                }
 #undef VEC
-        } else
+            } else
 #endif
-        {
+            {
 #define ITEM(HD) decode_item(qg, k_cache, v_cache, table, og, scores, len, group, kvh, HD, block_size, \
-                             block_stride, head_stride, scale)
-            switch (head_dim) {
-                case 64: ITEM(64); break;
-                case 128: ITEM(128); break;
-                default: ITEM(head_dim);
-            }
+                                 block_stride, head_stride, scale)
+                switch (head_dim) {
+                    case 64: ITEM(64); break;
+                    case 128: ITEM(128); break;
+                    default: ITEM(head_dim);
+                }
 #undef ITEM
+            }
         }
         free(scores);
     }
