@@ -52,3 +52,15 @@ def test_the_mixed_step_split_is_on_unless_turned_off(value, expected):
         check=True,
     )
     assert out.stdout.strip() == expected, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("value,expected", [(None, "False"), ("0", "False"), ("1", "True")])
+def test_the_interpreter_switch_is_read_when_the_process_starts(value, expected):
+    """NANOVLLM_TRITON_INTERPRET=1 in the environment a process starts with sends CPU tensors to the
+    Triton kernels (the interpreter's test runner); otherwise they stay on the PyTorch path."""
+    env = {k: v for k, v in os.environ.items() if k != "NANOVLLM_TRITON_INTERPRET"}
+    if value is not None:
+        env["NANOVLLM_TRITON_INTERPRET"] = value
+    code = "import torch; from nanovllm.layers.triton_switch import triton_path; print(triton_path(torch.zeros(1), 'X'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == expected, out.stdout + out.stderr
