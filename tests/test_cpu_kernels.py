@@ -293,3 +293,48 @@ def test_called_directly_the_kernels_refuse_what_they_cannot_read():
     with pytest.raises(ValueError, match="bfloat16"):
         cpu_kernels.store_kv(q[:, :2].bfloat16(), q[:, :2].bfloat16(), kc, kc.clone(), torch.zeros(1))
     cpu_kernels.paged_decode(q, kc, kc, tables, lens, 0.125)  # control: float32 runs
+
+
+RMS_SHAPES = [(1, 576), (32, 576), (3, 17), (5, 600), (300, 960), (2, 4096), (4, 16384), (2100, 576)]
+
+
+@pytest.mark.parametrize("rows,n", RMS_SHAPES)
+def test_rms_norm_kernel_is_torchs_rms_norm_bitwise(rows, n):
+    """The C RMSNorm (and its residual add) gives F.rms_norm's floats bitwise: a decode batch, a
+    scalar tail, the cascade's levels (16,384 floats), a prefill chunk on both threads; a row
+    stride of its own (a view) is read in place; the inputs are left as they were."""
+    import torch.nn.functional as F
+
+    assert cpu_kernels.rms_norm_lanes() is not None, "the C RMSNorm was refused on this machine's torch"
+    g = torch.Generator().manual_seed(rows + n)
+    wide = torch.randn(rows, n + 7, generator=g) * 4
+    x, r, w = wide[:, :n], torch.randn(rows, n, generator=g), torch.randn(n, generator=g)
+    kept = (x.clone(), r.clone())
+    assert torch.equal(cpu_kernels.rms_norm(x, w, 1e-6), F.rms_norm(x, (n,), w, 1e-6))
+    out, summed = cpu_kernels.rms_norm(x, w, 1e-5, r)
+    assert torch.equal(summed, x + r) and torch.equal(out, F.rms_norm(x + r, (n,), w, 1e-5))
+    assert torch.equal(x, kept[0]) and torch.equal(r, kept[1])
+
+
+def test_negative_control_the_rms_norm_check_tells_an_order_apart():
+    """The other vector width (another order of the same sums) differs from torch in the last bit on
+    the probe rows, so the bitwise comparison above and the lane probe can fail."""
+    import torch.nn.functional as F
+
+    lanes = cpu_kernels.rms_norm_lanes()
+    other = 16 if lanes == 8 else 8
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(64, 576, generator=g) * 3, torch.randn(576, generator=g)
+    wrong = cpu_kernels._rms_norm_call(cpu_kernels.load(), x, w, 1e-6, None, other)
+    assert not torch.equal(wrong, F.rms_norm(x, (576,), w, 1e-6))
+    assert torch.allclose(wrong, F.rms_norm(x, (576,), w, 1e-6), rtol=1e-5, atol=1e-6)  # the same norm otherwise
+
+
+def test_rms_norm_takes_the_kernel_only_where_it_applies():
+    w = torch.ones(8 * 16)
+    x = torch.randn(4, 8 * 16)
+    assert cpu_kernels.rms_norm_applies(x, w, None) and cpu_kernels.rms_norm_applies(x, w, x)
+    assert not cpu_kernels.rms_norm_applies(x.double(), w.double(), None)  # float32 only
+    assert not cpu_kernels.rms_norm_applies(x.view(4, 8, 16), w[:16], None)  # rows, not heads
+    assert not cpu_kernels.rms_norm_applies(x.t(), torch.ones(4), None)  # a strided last dimension
+    assert not cpu_kernels.rms_norm_applies(x, w[:64], None)  # a weight of another size

@@ -61,6 +61,8 @@ def test_the_interpreter_switch_is_read_when_the_process_starts(value, expected)
     env = {k: v for k, v in os.environ.items() if k != "NANOVLLM_TRITON_INTERPRET"}
     if value is not None:
         env["NANOVLLM_TRITON_INTERPRET"] = value
-    code = "import torch; from nanovllm.layers.triton_switch import triton_path; print(triton_path(torch.zeros(1), 'X'))"
+    code = (
+        "import torch; from nanovllm.layers.triton_switch import triton_path; print(triton_path(torch.zeros(1), 'X'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == expected, out.stdout + out.stderr

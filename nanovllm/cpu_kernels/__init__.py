@@ -86,6 +86,7 @@ class Kernels(NamedTuple):
     store_kv: Any
     rotary_neox: Any
     greedy: Any
+    rms_norm: Any
 
 
 @cache
@@ -117,7 +118,11 @@ def load() -> Kernels | None:
     greedy = library.greedy_f32
     greedy.restype = None
     greedy.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_int64, ctypes.c_int]
-    return Kernels(attention, store, rope, greedy)
+    norm = library.rms_norm_f32
+    norm.restype = ctypes.c_int
+    norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2 + [ctypes.c_int64] * 2
+    norm.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    return Kernels(attention, store, rope, greedy, norm)
 
 
 def _float32_cpu(*tensors: torch.Tensor) -> bool:
@@ -325,3 +330,74 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     else:
         tokens.zero_(), finite.fill_(True)
     return tokens, finite
+
+
+# (rows, n) probes for the RMSNorm lane check: a decode row, scalar tails, the cascade's levels
+_NORM_PROBES = ((3, 16), (5, 17), (7, 576), (2, 600), (3, 1000), (2, 4096), (2, 16384))
+
+
+def _rms_norm_call(kernels: Kernels, x, weight, eps, residual, lanes: int):
+    rows, n = x.shape
+    out = torch.empty(rows, n)
+    summed = torch.empty(rows, n) if residual is not None else None
+    status = kernels.rms_norm(
+        x.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        out.data_ptr(),
+        None if summed is None else summed.data_ptr(),
+        weight.data_ptr(),
+        rows,
+        n,
+        x.stride(0),
+        0 if residual is None else residual.stride(0),
+        eps,
+        lanes,
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(f"rms_norm: lanes {lanes} outside 1..16")
+    return out if residual is None else (out, summed)
+
+
+@cache
+def rms_norm_lanes() -> int | None:
+    """The vector width (8 or 16 floats) in whose order this torch sums a float32 row, found by
+    comparing the C RMSNorm with ``F.rms_norm`` bitwise on probe rows (with and without a residual);
+    None, and PyTorch keeps RMSNorm, where neither width gives torch's result everywhere."""
+    import torch.nn.functional as F
+
+    kernels = load()
+    if kernels is None:
+        return None
+    g = torch.Generator().manual_seed(0)
+    for lanes in (8, 16):
+        same = True
+        for rows, n in _NORM_PROBES:
+            x, r, w = (torch.randn(rows, n, generator=g) * 3 for _ in range(3))
+            w = w[0].contiguous()
+            out, summed = _rms_norm_call(kernels, x, w, 1e-6, r, lanes)
+            same &= torch.equal(summed, x + r) and torch.equal(out, F.rms_norm(x + r, (n,), w, 1e-6))
+        if same:
+            return lanes
+    logger.info("the C RMSNorm does not add in this torch's order: RMSNorm stays in PyTorch")
+    return None
+
+
+def rms_norm_applies(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    """float32 CPU rows (a 2-d tensor, its last dimension contiguous; the residual likewise) and a
+    C RMSNorm that adds in torch's order (``rms_norm_lanes``)."""
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    if not _float32_cpu(*tensors) or x.dim() != 2 or x.stride(1) != 1 or not weight.is_contiguous():
+        return False
+    if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
+        return False
+    return weight.shape == (x.shape[1],) and load() is not None and rms_norm_lanes() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """``F.rms_norm(x, weight, eps)``, or with a residual ``(F.rms_norm(x + residual), x + residual)``,
+    bitwise, in one pass per row (``rms_norm_applies`` says where)."""
+    lanes = rms_norm_lanes()
+    if lanes is None:
+        raise RuntimeError("the C RMSNorm is not available (see the log for why)")
+    return _rms_norm_call(_kernels(x, weight), x, weight, eps, residual, lanes)

@@ -1,15 +1,19 @@
 /* Elementwise work of the CPU path, float32, one pass where PyTorch takes several operators (and as
  * many passes over memory, and as many OpenMP regions), with PyTorch's results bitwise: rotary
- * embedding (the "neox" half rotation) in place, and the greedy rows of the sampler.
+ * embedding (the "neox" half rotation) in place, RMSNorm with its residual add, and the greedy rows of
+ * the sampler.
  *
  * RoPE is x1*cos - x2*sin and x2*cos + x1*sin with each product rounded, then the sum (no fused
- * multiply-add: -std=c11), as PyTorch computes it. RMSNorm and SiLU were tried here too and dropped:
- * their float32 results differ from PyTorch's in the last bit (the order of a sum, a polynomial
- * e^x), which moved a greedy token of the FP8-cache golden test, for a gain the noise of the
- * development machine hid (BENCHMARKS.md). Small calls (decode steps) stay on one thread: an
- * OpenMP region costs more than their work.
+ * multiply-add: -std=c11), as PyTorch computes it. RMSNorm adds its squares in the order of
+ * PyTorch's float32 sum over a row (ATen's cascade sum, SumKernel.cpp), so it too is PyTorch's result
+ * bitwise; the vector width that order depends on is found by the Python side, which also checks
+ * the result against torch before using it. A first RMSNorm here summed in another order: its
+ * last-bit differences moved a greedy token of the FP8-cache golden test (BENCHMARKS.md). SiLU stays
+ * in PyTorch (its e^x is Sleef's). Small calls (decode steps) stay on one thread: an OpenMP region
+ * costs more than their work.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #define PARALLEL_MIN_ELEMENTS 65536
@@ -68,4 +72,91 @@ void greedy_f32(const float *logits, int64_t *tokens, uint8_t *finite, int rows,
         tokens[r] = arg;
         finite[r] = (uint8_t)all_finite;
     }
+}
+
+
+enum { SUM_MAX_LANES = 16, SUM_LEVELS = 4, SUM_ILP = 4 };
+
+/* The sum of the squares of a row of n floats, added in the order of ATen's float32 sum over a
+ * contiguous last dimension with ``lanes``-float vectors (SumKernel.cpp: vectorized_inner_sum ->
+ * row_sum -> multi_row_sum): the row's vectors are read as rows of four (ILP); each of the four
+ * accumulators adds its column in a cascade of up to four levels (level_step vectors per level-0
+ * chunk); leftover vectors go to the first accumulator; the four are added in order; then the scalar
+ * tail and the lanes in order onto a float starting at 0. Each square is rounded to float first
+ * (PyTorch materialises x.pow(2)). Lane-wise sums: plain loops give the vector unit's results. */
+static inline __attribute__((always_inline)) float cascade_sum_of_squares(const float *restrict x, int64_t n,
+                                                                         int lanes) {
+    const int64_t vec_size = n / lanes, size = vec_size / SUM_ILP;
+    int64_t bits = 1; /* CeilLog2(size): 1 up to 2, else the bit width of size - 1 */
+    if (size > 2)
+        for (bits = 0; ((size - 1) >> bits) != 0; bits++) {
+        }
+    const int64_t level_power = bits / SUM_LEVELS > 4 ? bits / SUM_LEVELS : 4;
+    const int64_t level_step = (int64_t)1 << level_power, level_mask = level_step - 1;
+    float acc[SUM_LEVELS][SUM_ILP][SUM_MAX_LANES] = {{{0.0f}}};
+    int64_t i = 0;
+#define ADD_SQUARES(dst, v)                                                     \
+    do {                                                                         \
+        const float *restrict src = x + (int64_t)(v) * lanes;                    \
+        for (int l = 0; l < lanes; l++) (dst)[l] += src[l] * src[l];             \
+    } while (0)
+    while (i + level_step <= size) {
+        for (int64_t j = 0; j < level_step; j++, i++)
+            for (int k = 0; k < SUM_ILP; k++) ADD_SQUARES(acc[0][k], SUM_ILP * i + k);
+        for (int j = 1; j < SUM_LEVELS; j++) {
+            for (int k = 0; k < SUM_ILP; k++)
+                for (int l = 0; l < lanes; l++) {
+                    acc[j][k][l] += acc[j - 1][k][l];
+                    acc[j - 1][k][l] = 0.0f;
+                }
+            if ((i & (level_mask << (j * level_power))) != 0) break;
+        }
+    }
+    for (; i < size; i++)
+        for (int k = 0; k < SUM_ILP; k++) ADD_SQUARES(acc[0][k], SUM_ILP * i + k);
+    for (int j = 1; j < SUM_LEVELS; j++)
+        for (int k = 0; k < SUM_ILP; k++)
+            for (int l = 0; l < lanes; l++) acc[0][k][l] += acc[j][k][l];
+    for (int64_t v = size * SUM_ILP; v < vec_size; v++) ADD_SQUARES(acc[0][0], v);
+#undef ADD_SQUARES
+    for (int k = 1; k < SUM_ILP; k++)
+        for (int l = 0; l < lanes; l++) acc[0][0][l] += acc[0][k][l];
+    float total = 0.0f;
+    for (int64_t t = vec_size * lanes; t < n; t++) {
+        const float square = x[t] * x[t];
+        total += square;
+    }
+    for (int l = 0; l < lanes; l++) total += acc[0][0][l];
+    return total;
+}
+
+/* RMSNorm of rows of n floats with PyTorch's float32 arithmetic (F.rms_norm), given the vector width
+ * ``lanes`` (1..16) of PyTorch's row sum: with a residual, s = x + residual goes to res_out first
+ * (else s = x); out = (s * (1 / sqrt(sum(s^2) / n + eps))) * weight. x, residual: rows x_stride /
+ * r_stride floats apart; out, res_out contiguous. Returns 0, or -1 (nothing written) for a lane
+ * count outside 1..16. */
+int rms_norm_f32(const float *x, const float *residual, float *out, float *res_out, const float *weight, int rows,
+                 int n, int64_t x_stride, int64_t r_stride, float eps, int lanes, int num_threads) {
+    if (lanes < 1 || lanes > SUM_MAX_LANES) return -1;
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * n >= PARALLEL_MIN_ELEMENTS) schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const float *restrict s = x + (int64_t)r * x_stride;
+        if (residual != NULL) {
+            float *restrict sum = res_out + (int64_t)r * n;
+            const float *restrict add = residual + (int64_t)r * r_stride;
+#pragma omp simd
+            for (int i = 0; i < n; i++) sum[i] = s[i] + add[i];
+            s = sum;
+        }
+        /* the same code; a constant lane count for the widths PyTorch uses (AVX2, AVX-512) */
+        const float sum = lanes == 8 ? cascade_sum_of_squares(s, n, 8)
+                          : lanes == 16 ? cascade_sum_of_squares(s, n, 16)
+                                        : cascade_sum_of_squares(s, n, lanes);
+        const float mean = sum / (float)n;
+        const float inv = 1.0f / sqrtf(mean + eps);
+        float *restrict o = out + (int64_t)r * n;
+#pragma omp simd
+        for (int i = 0; i < n; i++) o[i] = (s[i] * inv) * weight[i];
+    }
+    return 0;
 }
