@@ -338,3 +338,61 @@ def test_rms_norm_takes_the_kernel_only_where_it_applies():
     assert not cpu_kernels.rms_norm_applies(x.view(4, 8, 16), w[:16], None)  # rows, not heads
     assert not cpu_kernels.rms_norm_applies(x.t(), torch.ones(4), None)  # a strided last dimension
     assert not cpu_kernels.rms_norm_applies(x, w[:64], None)  # a weight of another size
+
+
+SILU_SHAPES = [(1, 1536), (32, 1536), (31, 1536), (4, 100), (3, 600), (3, 11008), (41, 1000), (1024, 1536), (5, 7)]
+
+
+@pytest.mark.parametrize("rows,n", SILU_SHAPES)
+def test_silu_and_mul_kernel_is_torchs_bitwise(rows, n):
+    """The C SiLU-and-multiply gives F.silu(gate) * up's floats bitwise: decode rows, scalar tails,
+    torch's threads' pieces cut mid-row, a prefill tile, a row shorter than one vector block; the
+    merged projection is read in place and left as it was."""
+    import torch.nn.functional as F
+
+    assert cpu_kernels.silu_lanes() is not None, "the C SiLU was refused on this machine's torch"
+    x = torch.randn(rows, 2 * n, generator=torch.Generator().manual_seed(rows * n)) * 4
+    kept = x.clone()
+    gate, up = x.chunk(2, dim=-1)
+    assert torch.equal(cpu_kernels.silu_and_mul(x), F.silu(gate) * up)
+    assert torch.equal(x, kept)
+
+
+def test_negative_control_the_silu_check_tells_torchs_exp_from_libms():
+    """Every float through libm's e^x (lanes=1: no vector blocks) differs from torch in the last bit
+    somewhere in a prefill tile, so the comparison above and the lane probe can fail."""
+    import torch.nn.functional as F
+
+    x = torch.randn(1024, 3072, generator=torch.Generator().manual_seed(5)) * 4
+    gate, up = x.chunk(2, dim=-1)
+    scalar = cpu_kernels._silu_call(cpu_kernels.load(), x, 1)
+    want = F.silu(gate) * up
+    assert not torch.equal(scalar, want) and torch.allclose(scalar, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_silu_and_rms_norm_kernels_follow_torchs_threads(threads):
+    """torch's SiLU cuts its floats into one piece per thread (its pieces decide which floats take
+    the vector e^x): with 1, 2 or 3 threads the C kernels still give torch's floats bitwise."""
+    import torch.nn.functional as F
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows, n in ((300, 600), (41, 1000), (2100, 576)):
+            x = torch.randn(rows, 2 * n, generator=torch.Generator().manual_seed(n)) * 4
+            gate, up = x.chunk(2, dim=-1)
+            assert torch.equal(cpu_kernels.silu_and_mul(x), F.silu(gate) * up), (threads, rows, n)
+            w = torch.randn(n)
+            assert torch.equal(cpu_kernels.rms_norm(gate, w, 1e-6), F.rms_norm(gate, (n,), w, 1e-6))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_silu_takes_the_kernel_only_where_it_applies():
+    x = torch.randn(4, 64)
+    assert cpu_kernels.silu_applies(x)
+    assert not cpu_kernels.silu_applies(x.double())  # float32 only
+    assert not cpu_kernels.silu_applies(x[:, :63])  # no even split into gate and up
+    assert not cpu_kernels.silu_applies(x.t())  # a strided last dimension
+    assert not cpu_kernels.silu_applies(x.view(4, 4, 16))  # rows only

@@ -87,6 +87,7 @@ class Kernels(NamedTuple):
     rotary_neox: Any
     greedy: Any
     rms_norm: Any
+    silu_and_mul: Any
 
 
 @cache
@@ -122,7 +123,23 @@ def load() -> Kernels | None:
     norm.restype = ctypes.c_int
     norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2 + [ctypes.c_int64] * 2
     norm.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    return Kernels(attention, store, rope, greedy, norm)
+    silu = library.silu_and_mul_f32
+    silu.restype = ctypes.c_int
+    silu.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 3
+    library.set_sleef_exp.restype = None
+    library.set_sleef_exp.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    library.set_sleef_exp(*_sleef_exp())
+    return Kernels(attention, store, rope, greedy, norm, silu)
+
+
+def _sleef_exp() -> tuple[int | None, int | None]:
+    """The addresses of torch's own vector e^x (Sleef, 8 and 16 lanes) in libtorch_cpu, or None."""
+    try:
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+    except OSError:
+        return None, None
+    found = [getattr(lib, name, None) for name in ("Sleef_expf8_u10", "Sleef_expf16_u10")]
+    return tuple(None if f is None else ctypes.cast(f, ctypes.c_void_p).value for f in found)  # type: ignore[return-value]
 
 
 def _float32_cpu(*tensors: torch.Tensor) -> bool:
@@ -401,3 +418,72 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if lanes is None:
         raise RuntimeError("the C RMSNorm is not available (see the log for why)")
     return _rms_norm_call(_kernels(x, weight), x, weight, eps, residual, lanes)
+
+
+GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: below it torch runs an elementwise operator on one thread
+# (rows, n) probes for the SiLU check: a decode batch, scalar tails (600 and 48: a tail of 8 lanes'
+# blocks of 16, inside 16 lanes' blocks of 32: the probe that tells the widths apart on one thread),
+# pieces cut mid-row, a prefill tile
+_SILU_PROBES = ((1, 1536), (32, 1536), (31, 1536), (4, 100), (3, 600), (2, 48), (3, 11008), (41, 1000), (1024, 1536))
+
+
+def _torch_pieces(numel: int) -> int:
+    """How many pieces torch's parallel_for cuts an elementwise operator over numel floats into."""
+    threads = torch.get_num_threads()
+    if numel < GRAIN_SIZE or threads == 1:
+        return 1
+    return min(threads, -(-numel // GRAIN_SIZE))
+
+
+def _silu_call(kernels: Kernels, x: torch.Tensor, lanes: int) -> torch.Tensor:
+    rows, n = x.shape[0], x.shape[1] // 2
+    out = torch.empty(rows, n)
+    pieces = _torch_pieces(rows * n)
+    status = kernels.silu_and_mul(
+        x.data_ptr(), x[:, n:].data_ptr(), out.data_ptr(), rows, n, x.stride(0), x.stride(0), lanes, pieces, pieces
+    )
+    if status != 0:
+        raise ValueError(f"silu_and_mul: no vector e^x of {lanes} lanes here")
+    return out
+
+
+@cache
+def silu_lanes() -> int | None:
+    """The vector width (8 or 16 floats) of torch's SiLU kernel, found by comparing the C SiLU-and-
+    multiply with ``F.silu(gate).mul_(up)`` bitwise on probe shapes; None, and PyTorch keeps SiLU,
+    where neither width (or torch's e^x) gives torch's result everywhere."""
+    import torch.nn.functional as F
+
+    kernels = load()
+    if kernels is None:
+        return None
+    g = torch.Generator().manual_seed(0)
+    probes = [torch.randn(rows, 2 * n, generator=g) * 4 for rows, n in _SILU_PROBES]
+    for lanes in (8, 16):
+        try:
+            if all(
+                torch.equal(_silu_call(kernels, x, lanes), F.silu(x.chunk(2, -1)[0]) * x.chunk(2, -1)[1])
+                for x in probes
+            ):
+                return lanes
+        except ValueError:
+            continue
+    logger.info("the C SiLU does not compute as this torch does: SiLU stays in PyTorch")
+    return None
+
+
+def silu_applies(x: torch.Tensor) -> bool:
+    """[rows, 2n] float32 CPU (the merged [gate | up] projection, its last dimension contiguous) and
+    a C SiLU that computes as torch does (``silu_lanes``)."""
+    return (
+        _float32_cpu(x) and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 2 == 0
+        and load() is not None and silu_lanes() is not None
+    )  # fmt: skip
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` for x = [gate | up] ([rows, 2n] -> [rows, n]), bitwise, in one pass."""
+    lanes = silu_lanes()
+    if lanes is None:
+        raise RuntimeError("the C SiLU is not available (see the log for why)")
+    return _silu_call(_kernels(x), x, lanes)

@@ -8,13 +8,17 @@
  * PyTorch's float32 sum over a row (ATen's cascade sum, SumKernel.cpp), so it too is PyTorch's result
  * bitwise; the vector width that order depends on is found by the Python side, which also checks
  * the result against torch before using it. A first RMSNorm here summed in another order: its
- * last-bit differences moved a greedy token of the FP8-cache golden test (BENCHMARKS.md). SiLU stays
- * in PyTorch (its e^x is Sleef's). Small calls (decode steps) stay on one thread: an OpenMP region
- * costs more than their work.
+ * last-bit differences moved a greedy token of the FP8-cache golden test (BENCHMARKS.md). SiLU times
+ * up is PyTorch's too: x / (1 + e^-x) with torch's own Sleef e^x (its address handed in) in PyTorch's
+ * vector blocks, libm's on the scalar tails, over the pieces torch's threads would take. Small
+ * calls (decode steps) stay on one thread: an OpenMP region costs more than their work.
  */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #define PARALLEL_MIN_ELEMENTS 65536
 
@@ -157,6 +161,95 @@ int rms_norm_f32(const float *x, const float *residual, float *out, float *res_o
         float *restrict o = out + (int64_t)r * n;
 #pragma omp simd
         for (int i = 0; i < n; i++) o[i] = (s[i] * inv) * weight[i];
+    }
+    return 0;
+}
+
+#if defined(__AVX2__)
+typedef __m256 (*exp8_fn)(__m256);
+static exp8_fn sleef_exp8; /* torch's Sleef_expf8_u10, set by set_sleef_exp */
+#if defined(__AVX512F__)
+typedef __m512 (*exp16_fn)(__m512);
+static exp16_fn sleef_exp16; /* Sleef_expf16_u10 */
+#endif
+#endif
+
+/* The e^x that torch's vectorised float kernels call (8 and 16 lanes; NULL where absent). */
+void set_sleef_exp(void *exp8, void *exp16) {
+#if defined(__AVX2__)
+    sleef_exp8 = (exp8_fn)exp8;
+#if defined(__AVX512F__)
+    sleef_exp16 = (exp16_fn)exp16;
+#endif
+#endif
+    (void)exp8, (void)exp16;
+}
+
+/* PyTorch's scalar SiLU (a loop's tail): not vectorised by the compiler, whose vector e^x would differ */
+static __attribute__((noinline)) float silu_scalar(float x) { return x / (1.0f + expf(-x)); }
+
+/* out = silu(gate) * up over one run of m floats, in PyTorch's blocks: two vectors of ``lanes``
+ * floats at a time from the run's start, then the tail one float at a time. */
+static void silu_mul_run(const float *restrict x, const float *restrict y, float *restrict o, int m, int lanes) {
+    int i = 0;
+#if defined(__AVX2__)
+    if (lanes == 8 && sleef_exp8 != NULL) {
+        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+        for (; i <= m - 16; i += 16)
+            for (int h = i; h < i + 16; h += 8) {
+                const __m256 v = _mm256_loadu_ps(x + h);
+                const __m256 silu = _mm256_div_ps(v, _mm256_add_ps(one, sleef_exp8(_mm256_sub_ps(zero, v))));
+                _mm256_storeu_ps(o + h, _mm256_mul_ps(silu, _mm256_loadu_ps(y + h)));
+            }
+    }
+#if defined(__AVX512F__)
+    if (lanes == 16 && sleef_exp16 != NULL) {
+        const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+        for (; i <= m - 32; i += 32)
+            for (int h = i; h < i + 32; h += 16) {
+                const __m512 v = _mm512_loadu_ps(x + h);
+                const __m512 silu = _mm512_div_ps(v, _mm512_add_ps(one, sleef_exp16(_mm512_sub_ps(zero, v))));
+                _mm512_storeu_ps(o + h, _mm512_mul_ps(silu, _mm512_loadu_ps(y + h)));
+            }
+    }
+#endif
+#endif
+    for (; i < m; i++) {
+        const float silu = silu_scalar(x[i]);
+        o[i] = silu * y[i];
+    }
+}
+
+/* out = silu(gate) * up for rows of n floats (gate, up: rows gate_stride / up_stride floats apart, as
+ * the halves of the merged [gate | up] projection; out contiguous), as PyTorch's F.silu(gate).mul_(up)
+ * computes it, bitwise: the rows taken as one flat range cut into ``pieces`` equal pieces (torch's
+ * threads' shares), each piece's part of a row one run. ``lanes``: the vector width of torch's
+ * kernel (8 or 16; 1: every float scalar). Returns 0, or -1 (nothing written) where that width has
+ * no e^x here. */
+int silu_and_mul_f32(const float *gate, const float *up, float *out, int rows, int n, int64_t gate_stride,
+                     int64_t up_stride, int lanes, int pieces, int num_threads) {
+    if (lanes != 1) {
+#if defined(__AVX2__)
+        if (lanes == 8 && sleef_exp8 == NULL) return -1;
+#if defined(__AVX512F__)
+        if (lanes == 16 && sleef_exp16 == NULL) return -1;
+#else
+        if (lanes == 16) return -1;
+#endif
+        if (lanes != 8 && lanes != 16) return -1;
+#else
+        return -1;
+#endif
+    }
+    const int64_t numel = (int64_t)rows * n, piece = (numel + pieces - 1) / pieces;
+#pragma omp parallel for num_threads(num_threads) if (pieces > 1) schedule(static)
+    for (int p = 0; p < pieces; p++) {
+        const int64_t end = (p + 1) * piece < numel ? (p + 1) * piece : numel;
+        for (int64_t e = p * piece; e < end;) {
+            const int64_t r = e / n, i = e % n, run = (r + 1) * n < end ? (r + 1) * n - e : end - e;
+            silu_mul_run(gate + r * gate_stride + i, up + r * up_stride + i, out + e, (int)run, lanes);
+            e += run;
+        }
     }
     return 0;
 }
