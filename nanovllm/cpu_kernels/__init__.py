@@ -423,8 +423,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: below it torch runs an elementwise operator on one thread
 # (rows, n) probes for the SiLU check: a decode batch, scalar tails (600 and 48: a tail of 8 lanes'
 # blocks of 16, inside 16 lanes' blocks of 32: the probe that tells the widths apart on one thread),
-# pieces cut mid-row, a prefill tile
-_SILU_PROBES = ((1, 1536), (32, 1536), (31, 1536), (4, 100), (3, 600), (2, 48), (3, 11008), (41, 1000), (1024, 1536))
+# pieces cut mid-row, a larger tile
+_SILU_PROBES = ((1, 1536), (32, 1536), (31, 1536), (4, 100), (3, 600), (2, 48), (3, 11008), (41, 1000), (160, 1536))
 
 
 def _torch_pieces(numel: int) -> int:
