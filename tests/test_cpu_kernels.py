@@ -301,14 +301,15 @@ RMS_SHAPES = [(1, 576), (32, 576), (3, 17), (5, 600), (300, 960), (2, 4096), (4,
 @pytest.mark.parametrize("rows,n", RMS_SHAPES)
 def test_rms_norm_kernel_is_torchs_rms_norm_bitwise(rows, n):
     """The C RMSNorm (and its residual add) gives F.rms_norm's floats bitwise: a decode batch, a
-    scalar tail, the cascade's levels (16,384 floats), a prefill chunk on both threads; a row
-    stride of its own (a view) is read in place; the inputs are left as they were."""
+    scalar tail, the cascade's levels (16,384 floats), a prefill chunk on both threads; x and the
+    residual with row strides of their own (views) are read in place; the inputs are left as they were."""
     import torch.nn.functional as F
 
     assert cpu_kernels.rms_norm_lanes() is not None, "the C RMSNorm was refused on this machine's torch"
     g = torch.Generator().manual_seed(rows + n)
     wide = torch.randn(rows, n + 7, generator=g) * 4
-    x, r, w = wide[:, :n], torch.randn(rows, n, generator=g), torch.randn(n, generator=g)
+    x, w = wide[:, :n], torch.randn(n, generator=g)
+    r = torch.randn(rows, n + 3, generator=g)[:, 3:]  # its own row stride too
     kept = (x.clone(), r.clone())
     assert torch.equal(cpu_kernels.rms_norm(x, w, 1e-6), F.rms_norm(x, (n,), w, 1e-6))
     out, summed = cpu_kernels.rms_norm(x, w, 1e-5, r)
@@ -396,3 +397,22 @@ def test_silu_takes_the_kernel_only_where_it_applies():
     assert not cpu_kernels.silu_applies(x[:, :63])  # no even split into gate and up
     assert not cpu_kernels.silu_applies(x.t())  # a strided last dimension
     assert not cpu_kernels.silu_applies(x.view(4, 4, 16))  # rows only
+
+
+def test_rms_norm_and_silu_kernels_return_float32_whatever_torchs_default_dtype():
+    """The kernels write float32: their outputs are float32 tensors even where a caller changed
+    torch's default dtype, and still torch's results."""
+    import torch.nn.functional as F
+
+    x = torch.randn(4, 64)
+    w = torch.randn(32)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        normed = cpu_kernels.rms_norm(x[:, :32], w, 1e-6, x[:, 32:])
+        silu = cpu_kernels.silu_and_mul(x)
+    finally:
+        torch.set_default_dtype(before)
+    assert normed[0].dtype == normed[1].dtype == silu.dtype == torch.float32
+    assert torch.equal(normed[0], F.rms_norm(x[:, :32] + x[:, 32:], (32,), w, 1e-6))
+    assert torch.equal(silu, F.silu(x[:, :32]) * x[:, 32:])

@@ -355,8 +355,8 @@ _NORM_PROBES = ((3, 16), (5, 17), (7, 576), (2, 600), (3, 1000), (2, 4096), (2, 
 
 def _rms_norm_call(kernels: Kernels, x, weight, eps, residual, lanes: int):
     rows, n = x.shape
-    out = torch.empty(rows, n)
-    summed = torch.empty(rows, n) if residual is not None else None
+    out = torch.empty(rows, n, dtype=torch.float32)
+    summed = torch.empty(rows, n, dtype=torch.float32) if residual is not None else None
     status = kernels.rms_norm(
         x.data_ptr(),
         None if residual is None else residual.data_ptr(),
@@ -390,7 +390,7 @@ def rms_norm_lanes() -> int | None:
     for lanes in (8, 16):
         same = True
         for rows, n in _NORM_PROBES:
-            x, r, w = (torch.randn(rows, n, generator=g) * 3 for _ in range(3))
+            x, r, w = (torch.randn(rows, n, generator=g, dtype=torch.float32) * 3 for _ in range(3))
             w = w[0].contiguous()
             out, summed = _rms_norm_call(kernels, x, w, 1e-6, r, lanes)
             same &= torch.equal(summed, x + r) and torch.equal(out, F.rms_norm(x + r, (n,), w, 1e-6))
@@ -437,7 +437,7 @@ def _torch_pieces(numel: int) -> int:
 
 def _silu_call(kernels: Kernels, x: torch.Tensor, lanes: int) -> torch.Tensor:
     rows, n = x.shape[0], x.shape[1] // 2
-    out = torch.empty(rows, n)
+    out = torch.empty(rows, n, dtype=torch.float32)
     pieces = _torch_pieces(rows * n)
     status = kernels.silu_and_mul(
         x.data_ptr(), x[:, n:].data_ptr(), out.data_ptr(), rows, n, x.stride(0), x.stride(0), lanes, pieces, pieces
@@ -458,7 +458,7 @@ def silu_lanes() -> int | None:
     if kernels is None:
         return None
     g = torch.Generator().manual_seed(0)
-    probes = [torch.randn(rows, 2 * n, generator=g) * 4 for rows, n in _SILU_PROBES]
+    probes = [torch.randn(rows, 2 * n, generator=g, dtype=torch.float32) * 4 for rows, n in _SILU_PROBES]
     for lanes in (8, 16):
         try:
             if all(

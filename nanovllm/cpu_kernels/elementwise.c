@@ -78,7 +78,6 @@ void greedy_f32(const float *logits, int64_t *tokens, uint8_t *finite, int rows,
     }
 }
 
-
 enum { SUM_MAX_LANES = 16, SUM_LEVELS = 4, SUM_ILP = 4 };
 
 /* The sum of the squares of a row of n floats, added in the order of ATen's float32 sum over a
