@@ -38,6 +38,7 @@ HELPERS = {
     "_decode_tile",
     "slot_offset",
     "fp8_saturate",
+    "_log2",
 }  # jit functions called by kernels
 
 

@@ -10,8 +10,9 @@ What it computes, per row r with inverse temperature ``inv_temp[r]``:
 - otherwise argmax over tokens of ``logit * inv_temp + G`` with ``G = -log(-log U)``
   standard Gumbel noise: an exact draw from ``softmax(logit * inv_temp)`` (the
   Gumbel-max trick, equivalent to the PyTorch path's exponential race). ``U`` is
-  Philox uniform noise keyed by ``(seed[r], token index)``, so a row's draw depends
-  on its seed only, never on its batch-mates or its position in the batch.
+  Philox uniform noise keyed by ``(seed[r], token index)`` (token ``4q + j`` takes word ``j``
+  of Philox counter ``q``), so a row's draw depends on its seed only, never on its
+  batch-mates, its position in the batch or how the row is split over programs.
   ``U == 0`` gives ``G = -inf``: that token is not drawn (probability ~2^-31).
 - ``nonfinite[r]``: whether the row holds a NaN or an infinity (the engine ends
   such a request with an error instead of sampling it).
@@ -46,6 +47,17 @@ def enabled(x: torch.Tensor) -> bool:
 if triton is not None:
     # the per-row pointers are slices of step buffers whose alignment changes with the batch:
     # one compiled variant, not one per alignment pattern (compiled mid-run otherwise)
+    @triton.jit
+    def _log2(x, FAST: tl.constexpr):
+        """log2 of float32 ``x``; FAST: the GPU's approximate instruction (relative error ~2^-22,
+        one special-function op) instead of libdevice's polynomial (~25 instructions)."""
+        if FAST:
+            return tl.inline_asm_elementwise(
+                "lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+            )
+        else:
+            return tl.log2(x)
+
     @triton.jit(
         do_not_specialize_on_alignment=["inv_temp_ptr", "seed_ptr", "val_ptr", "idx_ptr", "bad_ptr"],
         do_not_specialize=["chunk", "num_splits"],
@@ -63,6 +75,7 @@ if triton is not None:
         VOCAB: tl.constexpr,
         BLOCK: tl.constexpr,
         SPLIT: tl.constexpr,
+        FAST_LOG: tl.constexpr = False,
         PDL: tl.constexpr = False,
     ):
         """Program (row, split) takes the row's tokens [split * chunk, (split + 1) * chunk). Without
@@ -73,28 +86,45 @@ if triton is not None:
         split = tl.program_id(1)
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         inv_temp = tl.load(inv_temp_ptr + row)
+        scale = inv_temp * 1.4426950408889634  # log2(e)
         seed = tl.load(seed_ptr + row)
+        # a tile is [BLOCK / 4, 4]: token 4q + j takes word j of Philox counter q, so one Philox
+        # evaluation serves four tokens (tl.rand runs one per token and keeps one of its four words).
+        # The tile is loaded flat and reshaped, so each thread holds whole groups of four tokens
+        # (a [BLOCK / 4, 4] load spreads a group over threads, which then all run its Philox).
         offs = tl.arange(0, BLOCK)
+        quads = tl.arange(0, BLOCK // 4)
+        lanes = tl.arange(0, 4)[None, :]
         best_val = tl.full((), float("-inf"), tl.float32)
         best_idx = tl.full((), 0, tl.int32) + split * chunk
         bad = tl.full((), 0, tl.int32)
         for tile in range(0, chunk // BLOCK):  # chunk: whole tiles, so a tile never crosses splits
-            start = split * chunk + tile * BLOCK
-            cols = start + offs
+            start = (split * (chunk // BLOCK) + tile) * BLOCK  # a multiple of BLOCK, visibly: vector loads
+            flat = start + offs
+            x = tl.load(row_ptr + flat, mask=flat < VOCAB, other=0.0).to(tl.float32)
+            x = tl.reshape(x, [BLOCK // 4, 4])
+            cols = tl.reshape(flat, [BLOCK // 4, 4])
             mask = cols < VOCAB
-            x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             is_bad = mask & ((x != x) | (tl.abs(x) == float("inf")))
-            bad = tl.maximum(bad, tl.max(is_bad.to(tl.int32), axis=0))
+            bad = tl.maximum(bad, tl.max(tl.max(is_bad.to(tl.int32), axis=1), axis=0))
             if inv_temp > 0:
-                u = tl.rand(seed, cols)
-                score = x * inv_temp - tl.log(-tl.log(u))
+                r0, r1, r2, r3 = tl.randint4x(seed, start // 4 + quads)
+                r = tl.where(
+                    lanes < 2,
+                    tl.where(lanes == 0, r0[:, None], r1[:, None]),
+                    tl.where(lanes == 2, r2[:, None], r3[:, None]),
+                )
+                u = tl.uint_to_uniform_float(r)
+                # base 2: x / T / ln 2 - log2(-log2 u) is (x / T + G) / ln 2 plus a constant, same argmax
+                score = x * scale - _log2(-_log2(u, FAST_LOG), FAST_LOG)
             else:
                 score = x
             score = tl.where(mask, score, float("-inf"))
-            tile_val = tl.max(score, axis=0)
-            tile_idx = tl.argmax(score, axis=0)
+            tile_val = tl.max(tl.max(score, axis=1), axis=0)
+            # the first token holding it (torch.argmax's rule); none for a NaN maximum, never taken
+            tile_idx = tl.min(tl.min(tl.where(score == tile_val, cols, VOCAB), axis=1), axis=0)
             take = tile_val > best_val  # strict: ties keep the earlier tile (first index)
-            best_idx = tl.where(take, start + tile_idx, best_idx)
+            best_idx = tl.where(take, tile_idx, best_idx)
             best_val = tl.where(take, tile_val, best_val)
         if SPLIT:
             slot = row * num_splits + split
@@ -168,21 +198,24 @@ def sample(
     if not n:
         return out[0], out[1]
     block = block or min(4096, triton.next_power_of_2(vocab))
+    if block < 4 or block & (block - 1):
+        raise ValueError(f"fused sampler block={block}: a power of two >= 4 (tiles of four-token Philox groups)")
     splits = min(splits or num_splits(n, vocab, block, logits.device), _MAX_SPLITS)  # the merge reads <= 64
     chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block  # whole tiles per split
     splits = triton.cdiv(vocab, chunk)  # none empty
     warps = 8 if block >= 2048 else 4
+    fast_log = logits.is_cuda and torch.version.hip is None  # PTX: NVIDIA GPUs (not the interpreter)
     if splits == 1:
         _sample_kernel[(n, 1)](
             logits, logits.stride(0), inv_temp, seeds, out[0], out[0], out[1], chunk, 1,
-            VOCAB=vocab, BLOCK=block, SPLIT=False, num_warps=warps, **pdl.launch_args(logits),
+            VOCAB=vocab, BLOCK=block, SPLIT=False, FAST_LOG=fast_log, num_warps=warps, **pdl.launch_args(logits),
         )  # fmt: skip
         return out[0], out[1]
     vals = torch.empty(n * splits, dtype=torch.float32, device=logits.device)
     part = torch.empty(2, n * splits, dtype=torch.int64, device=logits.device)
     _sample_kernel[(n, splits)](
         logits, logits.stride(0), inv_temp, seeds, vals, part[0], part[1], chunk, splits,
-        VOCAB=vocab, BLOCK=block, SPLIT=True, num_warps=warps, **pdl.launch_args(logits),
+        VOCAB=vocab, BLOCK=block, SPLIT=True, FAST_LOG=fast_log, num_warps=warps, **pdl.launch_args(logits),
     )  # fmt: skip
     _sample_merge_kernel[(n,)](
         vals, part[0], part[1], out[0], out[1], splits, SPLITS=triton.next_power_of_2(_MAX_SPLITS),
