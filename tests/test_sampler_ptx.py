@@ -1,5 +1,6 @@
 """What the fused sampler compiles to for an H100/H200 (offline, no GPU): one Philox evaluation per
-four tokens and the GPU's approximate log2, not a Philox and two libdevice logarithms per token.
+four tokens and one approximate log2 per token (the outer log of the Gumbel noise; the inner one
+stays libdevice's), not a Philox and two libdevice logarithms per token.
 
 At batch 129 of the standard GPU workload the sampler took ~157 us of a 5.1 ms decode step
 (KERNEL_NOTES session 13), bound by its arithmetic: ``tl.rand`` runs a whole Philox per token and keeps
@@ -50,7 +51,7 @@ def _counts(ptx: str) -> tuple[int, int]:
 def test_one_philox_per_four_tokens_and_the_fast_log2():
     mulhi, lg2 = _counts(_ptx(fused_sampler._sample_kernel))
     assert mulhi <= PHILOX_MULHI * TOKENS_PER_THREAD // 4, mulhi
-    assert lg2 == 2 * TOKENS_PER_THREAD, lg2
+    assert lg2 == TOKENS_PER_THREAD, lg2  # the outer log only: the inner one stays exact
     assert "lg2.approx" not in _ptx(fused_sampler._sample_kernel, fast_log=False)  # the interpreter's path
 
 
@@ -68,7 +69,6 @@ def _per_token_philox_kernel(
 
 
 def test_the_count_rejects_a_philox_per_token():
-    """Negative control: the per-token kernel exceeds both bounds."""
-    mulhi, lg2 = _counts(_ptx(_per_token_philox_kernel))
+    """Negative control: the per-token kernel exceeds the Philox bound."""
+    mulhi, _ = _counts(_ptx(_per_token_philox_kernel))
     assert mulhi > PHILOX_MULHI * TOKENS_PER_THREAD // 4, mulhi
-    assert lg2 != 2 * TOKENS_PER_THREAD, lg2

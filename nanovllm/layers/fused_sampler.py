@@ -45,12 +45,12 @@ def enabled(x: torch.Tensor) -> bool:
 
 
 if triton is not None:
-    # the per-row pointers are slices of step buffers whose alignment changes with the batch:
-    # one compiled variant, not one per alignment pattern (compiled mid-run otherwise)
+
     @triton.jit
     def _log2(x, FAST: tl.constexpr):
-        """log2 of float32 ``x``; FAST: the GPU's approximate instruction (relative error ~2^-22,
-        one special-function op) instead of libdevice's polynomial (~25 instructions)."""
+        """log2 of float32 ``x``; FAST: the GPU's approximate instruction (one special-function op,
+        an *absolute* error up to ~2^-22 for x in [0.5, 2]) instead of libdevice's polynomial (~25
+        instructions, ~1 ulp relative). Only for a value whose absolute error is what matters."""
         if FAST:
             return tl.inline_asm_elementwise(
                 "lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
@@ -58,6 +58,8 @@ if triton is not None:
         else:
             return tl.log2(x)
 
+    # the per-row pointers are slices of step buffers whose alignment changes with the batch:
+    # one compiled variant, not one per alignment pattern (compiled mid-run otherwise)
     @triton.jit(
         do_not_specialize_on_alignment=["inv_temp_ptr", "seed_ptr", "val_ptr", "idx_ptr", "bad_ptr"],
         do_not_specialize=["chunk", "num_splits"],
@@ -115,8 +117,11 @@ if triton is not None:
                     tl.where(lanes == 2, r2[:, None], r3[:, None]),
                 )
                 u = tl.uint_to_uniform_float(r)
-                # base 2: x / T / ln 2 - log2(-log2 u) is (x / T + G) / ln 2 plus a constant, same argmax
-                score = x * scale - _log2(-_log2(u, FAST_LOG), FAST_LOG)
+                # base 2: x / T / ln 2 - log2(-log2 u) is (x / T + G) / ln 2 plus a constant, same argmax.
+                # The inner log exactly (u near 1 gives -log2 u near 0, where an absolute error of
+                # 2^-22 would be all of it: such a token drawn at any logit, or never); the outer one
+                # fast (its absolute error is the score's)
+                score = x * scale - _log2(-tl.log2(u), FAST_LOG)
             else:
                 score = x
             score = tl.where(mask, score, float("-inf"))
@@ -197,14 +202,15 @@ def sample(
     out = torch.empty(2, n, dtype=torch.int64, device=logits.device)
     if not n:
         return out[0], out[1]
-    block = block or min(4096, triton.next_power_of_2(vocab))
+    block = block or max(4, min(4096, triton.next_power_of_2(vocab)))
     if block < 4 or block & (block - 1):
         raise ValueError(f"fused sampler block={block}: a power of two >= 4 (tiles of four-token Philox groups)")
     splits = min(splits or num_splits(n, vocab, block, logits.device), _MAX_SPLITS)  # the merge reads <= 64
     chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block  # whole tiles per split
     splits = triton.cdiv(vocab, chunk)  # none empty
     warps = 8 if block >= 2048 else 4
-    fast_log = logits.is_cuda and torch.version.hip is None  # PTX: NVIDIA GPUs (not the interpreter)
+    # PTX: NVIDIA GPUs, not ROCm, not the interpreter (which cannot run inline assembly)
+    fast_log = logits.is_cuda and torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1"
     if splits == 1:
         _sample_kernel[(n, 1)](
             logits, logits.stride(0), inv_temp, seeds, out[0], out[0], out[1], chunk, 1,
