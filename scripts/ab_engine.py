@@ -26,6 +26,9 @@ gemm=0|1: the smallest decode batches' (1-4 rows) linear layers in Triton with P
           warps, stages), as ``ab_kernels.py --only gemm`` names them.
 kvstore=0|1: Qwen3's fused q/k norm + RoPE kernel also writes K/V into the cache (1, the default since
           session 13) or leaves it to the store kernel (``NANOVLLM_FUSED_KV_STORE``).
+sampler=PATH: the fused sampler's module loaded from PATH (another version of
+          ``nanovllm/layers/fused_sampler.py``, e.g. ``git show REV:nanovllm/layers/fused_sampler.py``)
+          in place of the shipped one (session 15).
 """
 
 from __future__ import annotations
@@ -111,6 +114,17 @@ def _positive(value: str) -> bool:
     return value.isdigit() and int(value) > 0
 
 
+def _set_sampler(path: str) -> None:
+    """Load PATH as ``nanovllm.layers.fused_sampler`` before the engine's lazy import asks for it."""
+    import importlib.util
+
+    name = "nanovllm.layers.fused_sampler"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+
+
 # option -> (apply, is the value accepted)
 SETTINGS = {
     "waves": (_set("nanovllm.attention.triton_ops", "DECODE_SPLIT_WAVES", int), _positive),
@@ -129,6 +143,7 @@ SETTINGS = {
     "gemmrows": (_set("nanovllm.layers.decode_gemm", "MAX_ROWS", int), _positive),
     "gemmcfg": (_set_gemm_config, _is_gemm_config),
     "kvstore": (lambda v: os.environ.__setitem__("NANOVLLM_FUSED_KV_STORE", v), lambda v: v in ("0", "1")),
+    "sampler": (_set_sampler, os.path.isfile),
     "split": (
         _set("nanovllm.attention.triton_backend", "MIN_SPLIT_DECODES", lambda v: 8 if v == "1" else None),
         lambda v: v in ("0", "1"),
