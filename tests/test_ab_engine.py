@@ -8,6 +8,7 @@ import importlib.util
 import inspect
 import os
 import pathlib
+import sys
 
 import pytest
 import torch
@@ -110,3 +111,16 @@ def test_a_k_step_the_weights_do_not_divide_falls_back_to_cublas(ab_engine, monk
     assert decode_gemm.applies(
         torch.zeros(2, 512, dtype=torch.bfloat16), torch.zeros(64, 512, dtype=torch.bfloat16), None
     )
+
+
+def test_the_sampler_option_loads_another_module_in_place_of_the_shipped_one(ab_engine, tmp_path, monkeypatch):
+    """``sampler=PATH`` (session 15's A/B against the sampler of an older commit): the engine's lazy
+    import of ``nanovllm.layers.fused_sampler`` then gets PATH's module; a missing file is refused."""
+    name = "nanovllm.layers.fused_sampler"
+    stand_in = tmp_path / "fused_sampler_other.py"
+    stand_in.write_text("WHICH = 'the other sampler'\n")
+    apply, valid = ab_engine.SETTINGS["sampler"]
+    assert valid(str(stand_in)) and not valid(str(tmp_path / "missing.py"))
+    monkeypatch.setitem(sys.modules, name, None)  # the shipped module (or none) is restored after the test
+    apply(str(stand_in))
+    assert importlib.import_module(name).WHICH == "the other sampler"
