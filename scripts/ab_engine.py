@@ -24,6 +24,10 @@ gemm=0|1: the smallest decode batches' (1-4 rows) linear layers in Triton with P
           session 12; on by default); gemmrows=N: the most rows it takes (``decode_gemm.MAX_ROWS``);
           gemmcfg=BIG/SMALLxBKxWxS: its config (column strips for N >= 4096 / below, K step,
           warps, stages), as ``ab_kernels.py --only gemm`` names them.
+pre=N:    the preloading linear kernel (weights loaded before the PDL wait) for up to N rows
+          (``decode_gemm.PRELOAD_MAX_ROWS``, session 16; 0 by default); precfg=BIG/SMALLxBMxW: its config;
+          early=0|1: RMSNorm and SiLU-and-mul let their successor launch before they wait
+          (``fused_ops.EARLY_RELEASE``), so the preloading kernel overlaps two kernels.
 kvstore=0|1: Qwen3's fused q/k norm + RoPE kernel also writes K/V into the cache (1, the default since
           session 13) or leaves it to the store kernel (``NANOVLLM_FUSED_KV_STORE``).
 sampler=PATH: the fused sampler's module loaded from PATH (another version of
@@ -105,6 +109,22 @@ def _is_gemm_config(value: str) -> bool:
     return True
 
 
+def _set_preload_config(value: str) -> None:
+    from nanovllm.layers import decode_gemm
+
+    decode_gemm.preload_config = decode_gemm.parse_preload_config(value)
+
+
+def _is_preload_config(value: str) -> bool:
+    from nanovllm.layers import decode_gemm
+
+    try:
+        decode_gemm.parse_preload_config(value)
+    except ValueError:
+        return False
+    return True
+
+
 def _is_tile(value: str) -> bool:
     parts = value.split("x")
     return len(parts) == 3 and all(_positive(p) for p in parts)
@@ -142,6 +162,9 @@ SETTINGS = {
     "gemm": (lambda v: os.environ.__setitem__("NANOVLLM_DECODE_GEMM", v), lambda v: v in ("0", "1")),
     "gemmrows": (_set("nanovllm.layers.decode_gemm", "MAX_ROWS", int), _positive),
     "gemmcfg": (_set_gemm_config, _is_gemm_config),
+    "pre": (_set("nanovllm.layers.decode_gemm", "PRELOAD_MAX_ROWS", int), str.isdigit),
+    "precfg": (_set_preload_config, _is_preload_config),
+    "early": (_set("nanovllm.layers.fused_ops", "EARLY_RELEASE", lambda v: v == "1"), lambda v: v in ("0", "1")),
     "kvstore": (lambda v: os.environ.__setitem__("NANOVLLM_FUSED_KV_STORE", v), lambda v: v in ("0", "1")),
     "sampler": (_set_sampler, os.path.isfile),
     "split": (

@@ -294,7 +294,7 @@ def tiles(configs: str = TILES, waves_list: str = "2", stride: int = 100, kv: st
     print(f"best tile {n}x{w}x{st} tb={int(tb)} waves={waves}")
 
 
-GEMMS = "cublas,32/16x256x4x3,16/16x128x4x4,64/16x128x4x3,32/16x128x8x3,32/16x256x4x4"
+GEMMS = "cublas,32/16x256x4x3,pre32/16x16x8,pre32/16x16x8e,pre32/16x32x8e,pre32/16x16x4e,pre64/16x16x8e"
 
 
 def gemm(configs: str = GEMMS, rows: str = "1,8,16,23,32,48,64,96,128,192,256") -> None:
@@ -322,8 +322,12 @@ def gemm(configs: str = GEMMS, rows: str = "1,8,16,23,32,48,64,96,128,192,256") 
         x0 = torch.randn(m, hidden, device="cuda", dtype=dt)
         line, ref = [], None
         for spec in configs.split(","):
+            early = spec.startswith("pre") and spec.endswith("e")  # RMSNorm and SiLU release early
             if spec == "cublas":
                 lin = lambda x, w: torch.nn.functional.linear(x, w)  # noqa: E731
+            elif spec.startswith("pre"):  # session 16: the preloading kernel, BIG/SMALLxBMxW[e]
+                pcfg = decode_gemm.parse_preload_config(spec[3 : len(spec) - early])
+                lin = lambda x, w, pcfg=pcfg: decode_gemm.preload_linear(x, w, pcfg(*w.shape))  # noqa: E731
             else:
                 cfg = decode_gemm.parse_config(spec)
                 lin = lambda x, w, cfg=cfg: decode_gemm.linear(x, w, cfg(*w.shape))  # noqa: E731
@@ -337,12 +341,14 @@ def gemm(configs: str = GEMMS, rows: str = "1,8,16,23,32,48,64,96,128,192,256") 
                     h = lin(fused_ops.silu_and_mul(lin(n2, wgu)), wd)
                 return h
 
+            fused_ops.EARLY_RELEASE = early
             try:
                 step()
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     out = step()
+                fused_ops.EARLY_RELEASE = False
                 graph.replay()
                 torch.cuda.synchronize()
                 diff = 0.0 if ref is None else float((out.float() - ref.float()).abs().max())
@@ -351,12 +357,13 @@ def gemm(configs: str = GEMMS, rows: str = "1,8,16,23,32,48,64,96,128,192,256") 
                 times.setdefault(spec, {})[m] = us
                 line.append(f"{spec} {us:6.2f} (d{diff:.0e})")
             except Exception as e:  # a config that does not compile or fit: reported, never best
+                fused_ops.EARLY_RELEASE = False
                 line.append(f"{spec} failed: {type(e).__name__}: {str(e)[:80]}")
         print(f"gemm M={m:3d}: " + "  ".join(line), flush=True)
     # the best Triton config: the most rows up to which it beats cuBLAS at every batch size, then the
     # most time saved there (scripts read this line: ab_engine.py gemm=1,gemmrows=N,gemmcfg=CFG)
     base = times.get("cublas", {})
-    best = None
+    best, best_pre = None, None
     for spec, by_m in times.items():
         if spec == "cublas":
             continue
@@ -367,14 +374,20 @@ def gemm(configs: str = GEMMS, rows: str = "1,8,16,23,32,48,64,96,128,192,256") 
             upto, saved = m, saved + base[m] - by_m[m]
         if upto and (best is None or (upto, saved) > best[:2]):
             best = (upto, saved, spec)
+        if upto and spec.startswith("pre") and (best_pre is None or (upto, saved) > best_pre[:2]):
+            best_pre = (upto, saved, spec)
     print(f"best gemm {best[2]} rows={best[0]} saved={best[1]:.2f}" if best else "best gemm none")
+    # the preloading kernel's best (session 16: ab_engine.py pre=N,precfg=CFG[,early=1])
+    print(f"best preload {best_pre[2]} rows={best_pre[0]} saved={best_pre[1]:.2f}" if best_pre else "best preload none")
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--prefill-steps", type=int, default=6)
     p.add_argument("--only", choices=["qk", "prefill", "decode", "layout", "tiles", "gemm"])
-    p.add_argument("--gemms", default=GEMMS, help="configs for --only gemm: cublas or BIG/SMALLxBKxWxS,...")
+    p.add_argument(
+        "--gemms", default=GEMMS, help="configs for --only gemm: cublas, BIG/SMALLxBKxWxS or preBIG/SMALLxBMxW[e],..."
+    )
     p.add_argument("--rows", default="1,8,16,23,32,48,64,96,128,192,256", help="batch sizes for --only gemm")
     p.add_argument("--tiles", default=TILES, help="decode configs for --only tiles: NxWxS,...")
     p.add_argument("--waves", default="2", help="split-K targets (programs per SM) for --only tiles: N,...")

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton", reason="the kernels need triton")
+tl = triton.language
 
 from nanovllm.attention import triton_ops  # noqa: E402
 from nanovllm.layers import decode_gemm, fused_ops, fused_sampler, pdl  # noqa: E402
@@ -33,6 +34,7 @@ from tests.kernel_modules import kernel_modules  # noqa: E402
 MODULES = kernel_modules()
 HELPERS = {
     "wait_then_release",
+    "release_then_wait",
     "_fp8_to_f16_asm",
     "_prefill_tile",
     "_decode_tile",
@@ -49,17 +51,42 @@ def _kernels():
                 yield f"{module.__name__}.{name}", obj  # every launched kernel: its first statement is checked
 
 
+WAITS = (
+    "pdl.wait_then_release(PDL)",
+    # RMSNorm and SiLU-and-mul may let their successor launch first (fused_ops.EARLY_RELEASE): still no
+    # access before the wait
+    "if EARLY:\n    pdl.release_then_wait(PDL)\nelse:\n    pdl.wait_then_release(PDL)",
+)
+# kernels that load what no kernel writes before they wait: the pointer parameters they may touch there
+PRELOADS = {"_preload_gemm_kernel": {"w_ptr"}}
+
+
 def _first_statement_waits(fn) -> str | None:
-    """None when ``fn``'s first statement (after its docstring) is ``pdl.wait_then_release(PDL)``;
-    otherwise what is wrong."""
-    if "PDL" not in inspect.signature(fn).parameters:
+    """None when ``fn``'s first statement (after its docstring) is the wait (``WAITS``), or, for a kernel
+    in ``PRELOADS``, when the statements before the wait store nothing and name no pointer parameter
+    but the ones it preloads; otherwise what is wrong."""
+    params = inspect.signature(fn).parameters
+    if "PDL" not in params:
         return "has no PDL parameter"
     tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     body = tree.body[0].body
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]  # the docstring
-    first = ast.unparse(body[0]) if body else ""
-    return None if first == "pdl.wait_then_release(PDL)" else f"starts with {first!r}"
+    preloaded = PRELOADS.get(fn.__name__, set())
+    before = []
+    for statement in body:
+        if ast.unparse(statement) in WAITS:
+            break
+        before.append(statement)
+    else:
+        return "never waits"
+    for statement in before:
+        text = ast.unparse(statement)
+        names = {n.id for n in ast.walk(statement) if isinstance(n, ast.Name)}
+        pointers = {n for n in names if n in params and n.endswith("_ptr")}
+        if not preloaded or "store" in text or "atomic" in text or pointers - preloaded:
+            return f"starts with {ast.unparse(before[0])!r}"
+    return None
 
 
 def test_every_kernel_waits_first():
@@ -67,7 +94,7 @@ def test_every_kernel_waits_first():
     launched = {
         "_store_kv_kernel", "_decode_kernel", "_merge_kernel", "_prefill_kernel", "_rms_norm_kernel",
         "_silu_mul_kernel", "_rope_kernel", "_qk_norm_rope_kernel", "_sample_kernel", "_sample_merge_kernel",
-        "_decode_gemm_kernel",
+        "_decode_gemm_kernel", "_preload_gemm_kernel",
     }  # fmt: skip
     assert {triton_ops, fused_ops, fused_sampler} <= set(MODULES), MODULES
     assert launched <= {name.rsplit(".", 1)[1] for name in kernels}, sorted(kernels)
@@ -91,6 +118,14 @@ def test_the_first_statement_rule_flags_a_kernel_that_loads_first():
         pdl.wait_then_release(PDL)
 
     assert _first_statement_waits(loads_first) == "starts with 'x = x_ptr + 1'"
+
+    def _preload_gemm_kernel(x_ptr, w_ptr, PDL):
+        w = tl.load(w_ptr)
+        x = tl.load(x_ptr)  # an input another kernel writes, read before the wait
+        pdl.wait_then_release(PDL)
+        return w, x
+
+    assert _first_statement_waits(_preload_gemm_kernel) == "starts with 'w = tl.load(w_ptr)'"
     assert _first_statement_waits(no_constexpr) == "has no PDL parameter"
     assert _first_statement_waits(waits) is None
 

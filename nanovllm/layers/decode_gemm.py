@@ -32,6 +32,8 @@ from nanovllm.layers.triton_switch import triton_path
 
 SWITCH = "NANOVLLM_DECODE_GEMM"
 MAX_ROWS = 4  # rows above this take cuBLAS (measured slower in the engine from batch 8)
+PRELOAD_MAX_ROWS = 0  # rows up to which the preloading kernel takes the product (0: off; session 16 A/B)
+MAX_K_CHUNKS = 4  # the preloading kernel holds K as up to four power-of-two chunks of the weight strip
 MAX_BLOCK_M = 64  # rows per program (a larger MAX_ROWS in A/B runs: more row blocks, the strip read again)
 WIDE_N = 128 * 32  # outputs this wide get 32-column strips: still >= 128 programs for the 132 SMs
 
@@ -160,5 +162,135 @@ def linear(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None = No
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch,
+    )
+    return y
+
+
+@dataclass(frozen=True)
+class PreloadConfig:
+    block_n: int  # output columns per program (a power of two >= 16)
+    block_m: int  # rows per step of the row loop (a power of two >= 16)
+    num_warps: int
+
+
+def preload_config(n: int, k: int) -> PreloadConfig:
+    """32-column strips for outputs of at least ``WIDE_N`` (>= 128 programs), 16 below; 16 rows per step
+    and 8 warps (a 32 x 1,024 strip is 64 KB: 64 registers a thread before it goes to shared memory)."""
+    return PreloadConfig(32 if n >= WIDE_N else 16, 16, 8)
+
+
+def parse_preload_config(spec: str) -> Callable[[int, int], PreloadConfig]:
+    """``BIG/SMALLxBMxW`` (A/B runs): strips for outputs of at least ``WIDE_N`` / narrower ones, rows per
+    step, warps -> a ``preload_config`` stand-in. Raises ValueError naming a malformed spec."""
+    try:
+        strips, bm, warps = spec.split("x")
+        big, small = (int(v) for v in strips.split("/"))
+        numbers = (big, small, int(bm), int(warps))
+    except ValueError:
+        raise ValueError(f"preload GEMM config {spec!r} is not BIG/SMALLxBMxW (e.g. 32/16x16x8)") from None
+    if min(numbers) <= 0 or any(v < 16 or v & (v - 1) for v in numbers[:3]):
+        raise ValueError(f"preload GEMM config {spec!r}: strips and rows per step must be powers of two >= 16")
+    return lambda n, k: PreloadConfig(big if n >= WIDE_N else small, numbers[2], numbers[3])
+
+
+def k_chunks(k: int) -> tuple[int, int] | None:
+    """K as ``count`` chunks of ``size`` (the largest power of two dividing K, at most 1,024), or None
+    where that takes more than ``MAX_K_CHUNKS`` chunks or a chunk is under 16 (tl.dot's smallest K)."""
+    size = min(1024, k & -k)
+    return (size, k // size) if size >= 16 and k // size <= MAX_K_CHUNKS else None
+
+
+def preload_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """The preloading kernel takes the product: as ``applies`` for 1 to PRELOAD_MAX_ROWS rows, K in
+    at most ``MAX_K_CHUNKS`` power-of-two chunks."""
+    return (
+        bias is None
+        and x.dim() == 2
+        and weight.dim() == 2
+        and 0 < x.shape[0] <= PRELOAD_MAX_ROWS
+        and x.dtype == weight.dtype
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+        and weight.shape[1] == x.shape[1]
+        and k_chunks(x.shape[1]) is not None
+    )
+
+
+@triton.jit(do_not_specialize=["M"])
+def _preload_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    M,
+    N,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BK: tl.constexpr,
+    NK: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """Program (column strip): its whole weight strip w[strip, :] is loaded *before* the wait for the
+    kernel before it (the weights are no kernel's output), so with PDL those bytes stream while that
+    kernel still runs; then y[rows, strip] = x @ strip.T, BLOCK_M rows at a time, float32 accumulation
+    over K in chunk order (a row's result does not depend on the other rows), rounded once."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    w_rows = w_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn  # rows past N: N - 1's
+    offs_k = tl.arange(0, BK)
+    w0 = tl.load(w_rows + offs_k[None, :])
+    w1 = w0  # chunks past NK are never used (static branches below)
+    w2 = w0
+    w3 = w0
+    if NK > 1:
+        w1 = tl.load(w_rows + BK + offs_k[None, :])
+    if NK > 2:
+        w2 = tl.load(w_rows + 2 * BK + offs_k[None, :])
+    if NK > 3:
+        w3 = tl.load(w_rows + 3 * BK + offs_k[None, :])
+    pdl.wait_then_release(PDL)
+    for m0 in range(0, M, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < M
+        x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+        acc = tl.dot(tl.load(x_ptrs, mask=m_mask[:, None], other=0.0), tl.trans(w0))
+        if NK > 1:
+            acc = tl.dot(tl.load(x_ptrs + BK, mask=m_mask[:, None], other=0.0), tl.trans(w1), acc)
+        if NK > 2:
+            acc = tl.dot(tl.load(x_ptrs + 2 * BK, mask=m_mask[:, None], other=0.0), tl.trans(w2), acc)
+        if NK > 3:
+            acc = tl.dot(tl.load(x_ptrs + 3 * BK, mask=m_mask[:, None], other=0.0), tl.trans(w3), acc)
+        y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def preload_linear(x: torch.Tensor, weight: torch.Tensor, config: PreloadConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T -> [M, N] in x's dtype (``preload_applies`` must hold)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    chunks = k_chunks(k)
+    if chunks is None:
+        raise ValueError(f"preload_gemm: K={k} is not {MAX_K_CHUNKS} or fewer power-of-two chunks of 16-1,024")
+    cfg = config or preload_config(n, k)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _preload_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x,
+        weight,
+        y,
+        m,
+        n,
+        x.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BK=chunks[0],
+        NK=chunks[1],
+        num_warps=cfg.num_warps,
+        num_stages=1,
+        **pdl.launch_args(x),
     )
     return y

@@ -30,6 +30,10 @@ except ImportError:  # CPU-only installs: the layers keep their PyTorch code
     triton = None
 
 QK_HEADS_PER_PROGRAM = 8  # heads per program of qk_norm_rope, a power of two (8 measured best: KERNEL_NOTES)
+# RMSNorm and SiLU-and-mul let their successor launch before they wait (``pdl.release_then_wait``), so
+# a preloading linear layer after them (``decode_gemm``) streams its weights during the kernel before
+# them as well. Off until measured (session 16 A/B).
+EARLY_RELEASE = False
 
 
 def enabled(x: torch.Tensor) -> bool:
@@ -54,8 +58,12 @@ if triton is not None:
         HAS_RESIDUAL: tl.constexpr,
         BLOCK: tl.constexpr,
         PDL: tl.constexpr = False,
+        EARLY: tl.constexpr = False,
     ):
-        pdl.wait_then_release(PDL)
+        if EARLY:
+            pdl.release_then_wait(PDL)
+        else:
+            pdl.wait_then_release(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -74,8 +82,20 @@ if triton is not None:
         )
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-        pdl.wait_then_release(PDL)
+    def _silu_mul_kernel(
+        x_ptr,
+        out_ptr,
+        n_cols,
+        stride_x,
+        stride_o,
+        BLOCK: tl.constexpr,
+        PDL: tl.constexpr = False,
+        EARLY: tl.constexpr = False,
+    ):
+        if EARLY:
+            pdl.release_then_wait(PDL)
+        else:
+            pdl.wait_then_release(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -230,6 +250,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+def _early(launch: dict) -> dict:
+    return {**launch, "EARLY": True} if EARLY_RELEASE and launch["PDL"] else launch
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """rms_norm(x) or, with residual, (rms_norm(x + residual), x + residual)."""
     shape = x.shape
@@ -257,7 +281,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             HAS_RESIDUAL=residual is not None,
             BLOCK=triton.next_power_of_2(n_cols),
             num_warps=4 if n_cols <= 2048 else 8,
-            **pdl.launch_args(x2),
+            **_early(pdl.launch_args(x2)),
         )
     if residual is None:
         return out.view(shape)
@@ -271,7 +295,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(n))
     if n_rows:
         _silu_mul_kernel[(n_rows, triton.cdiv(n, block))](
-            x2, out, n, x2.stride(0), out.stride(0), BLOCK=block, **pdl.launch_args(x2)
+            x2, out, n, x2.stride(0), out.stride(0), BLOCK=block, **_early(pdl.launch_args(x2))
         )
     return out.view(*x.shape[:-1], n)
 

@@ -25,8 +25,11 @@ def linear(
     """y = x @ weight.T + bias: the Triton decode-batch kernel where it is on and applies (CUDA, few
     rows; on the CPU only in the kernel tests under Triton's interpreter), oneDNN's packed weights on
     the CPU, ``F.linear`` elsewhere."""
-    if decode_gemm.enabled(x) and decode_gemm.applies(x, weight, bias):
-        return decode_gemm.linear(x, weight)
+    if decode_gemm.enabled(x):
+        if decode_gemm.preload_applies(x, weight, bias):
+            return decode_gemm.preload_linear(x, weight)
+        if decode_gemm.applies(x, weight, bias):
+            return decode_gemm.linear(x, weight)
     return cpu_linear.linear(x, weight, bias, packed)
 
 

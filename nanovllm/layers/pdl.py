@@ -62,3 +62,13 @@ def wait_then_release(PDL: tl.constexpr):
     if PDL:  # only ever True where SUPPORTED (enabled)
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def release_then_wait(PDL: tl.constexpr):
+    """First thing in a kernel whose successor preloads what no kernel writes (a linear layer's weights,
+    ``decode_gemm``'s preloading kernel): let the successor launch, then wait. The successor's own wait
+    still orders its reads of this kernel's outputs, and this kernel's wait those of its predecessor."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()

@@ -148,3 +148,101 @@ def test_linear_layers_take_the_kernel(monkeypatch, switch, rows):
     assert bool(calls) == (on and rows <= 4), calls
     if switch is None and not INTERPRET and torch.cuda.get_device_capability()[0] >= 9:
         assert calls, "on by default on a Hopper GPU"
+
+
+# The preloading kernel (session 16): the whole weight strip loaded before the PDL wait, K in up to
+# four power-of-two chunks, the rows BLOCK_M at a time.
+PRELOAD_SHAPES = (
+    [(1, 48, 128), (7, 100, 256), (23, 64, 384), (40, 32, 512), (3, 16, 48)]
+    if INTERPRET
+    else [
+        (1, 4096, 1024),  # qkv: one chunk
+        (23, 6144, 1024),  # gate_up
+        (64, 1024, 3072),  # down: three chunks of 1,024
+        (17, 1024, 2048),  # o_proj: two chunks
+        (5, 1000, 384),  # N not a multiple of a strip; three chunks of 128
+        (200, 4096, 1024),  # 13 row steps of 16
+        (9, 512, 4096),  # four chunks
+    ]
+)
+
+
+@pytest.fixture
+def preload_rows(monkeypatch):
+    monkeypatch.setattr(gemm, "PRELOAD_MAX_ROWS", 256)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", PRELOAD_SHAPES)
+def test_preload_gemm_matches_f_linear(m, n, k, dtype, preload_rows):
+    x, w = _case(m, n, k, dtype, seed=m * n + k + 1)
+    assert gemm.preload_applies(x, w, None)
+    y = gemm.preload_linear(x, w)
+    assert y.shape == (m, n) and y.dtype == dtype
+    _close(y, x, w)
+
+
+@pytest.mark.parametrize("config", [gemm.PreloadConfig(16, 32, 4), gemm.PreloadConfig(64, 16, 8)])
+def test_preload_gemm_configs_and_row_strides(config):
+    """Other strips, row steps and warps give the same product; x and the weight as views whose rows
+    are longer than K (swapped or assumed strides fail)."""
+    x_wide, w_wide = _case(37, 80, 384, DTYPES[0], seed=23)
+    x, w = x_wide[:, :256], w_wide[:, 128:]
+    assert x.stride(0) == 384 and w.stride(0) == 384
+    _close(gemm.preload_linear(x, w, config), x.contiguous(), w.contiguous())
+
+
+def test_preload_rows_do_not_depend_on_their_batch():
+    """A row's result is the same bits alone and in any batch, whichever row step it falls in."""
+    x, w = _case(40, 64, 256, DTYPES[0], seed=5)
+    full = gemm.preload_linear(x, w)
+    for start, stop in ((0, 1), (3, 20), (17, 18), (39, 40)):
+        assert torch.equal(gemm.preload_linear(x[start:stop].contiguous(), w), full[start:stop])
+
+
+def test_preload_comparison_rejects_a_wrong_product():
+    """Negative control: one weight row shifted, and the last K chunk dropped (a kernel that used
+    NK - 1 chunks), each fail the rule."""
+    x, w = _case(5, 48, 384, DTYPES[0], seed=11)
+    with pytest.raises(AssertionError):
+        _close(gemm.preload_linear(x, torch.roll(w, 1, dims=0)), x, w)
+    cut = w.clone()
+    cut[:, 256:] = 0
+    with pytest.raises(AssertionError):
+        _close(gemm.preload_linear(x, cut), x, w)
+
+
+def test_k_chunks_and_what_the_preload_kernel_takes(preload_rows):
+    assert gemm.k_chunks(1024) == (1024, 1) and gemm.k_chunks(3072) == (1024, 3)
+    assert gemm.k_chunks(384) == (128, 3) and gemm.k_chunks(4096) == (1024, 4)
+    assert gemm.k_chunks(1280) is None  # five chunks of 256
+    assert gemm.k_chunks(40) is None  # chunks of 8: under tl.dot's 16
+    x, w = _case(4, 32, 128, DTYPES[0], seed=1)
+    assert gemm.preload_applies(x, w, None)
+    assert not gemm.preload_applies(torch.zeros(257, 128, dtype=x.dtype, device=DEVICE), w, None)
+    assert not gemm.preload_applies(x.float(), w.float(), None)
+    assert not gemm.preload_applies(x[:0], w, None)
+    assert not gemm.preload_applies(x, w, torch.zeros(32, dtype=x.dtype, device=DEVICE))
+    assert not gemm.preload_applies(x[:, :40], w[:, :40], None)
+    with pytest.raises(ValueError, match="K=1280 is not 4 or fewer power-of-two chunks"):
+        gemm.preload_linear(
+            torch.zeros(2, 1280, dtype=x.dtype, device=DEVICE), torch.zeros(16, 1280, dtype=x.dtype, device=DEVICE)
+        )
+
+
+@pytest.mark.parametrize("limit,rows,taken", [(0, 1, False), (8, 8, True), (8, 9, False)])
+def test_linear_layers_take_the_preload_kernel(monkeypatch, limit, rows, taken):
+    """Up to PRELOAD_MAX_ROWS rows the model's linear layers take the preloading kernel (before the
+    strip kernel); 0 leaves it off. The output is the layer's either way."""
+    from nanovllm.layers import linear as linear_mod
+
+    monkeypatch.setattr(gemm, "PRELOAD_MAX_ROWS", limit)
+    monkeypatch.setenv(gemm.SWITCH, "1")
+    calls = []
+    real = gemm.preload_linear
+    monkeypatch.setattr(gemm, "preload_linear", lambda x, w, config=None: calls.append(x.shape) or real(x, w, config))
+    layer = linear_mod.ColumnParallelLinear(128, 48).to(device=DEVICE, dtype=DTYPES[0])
+    x, w = _case(rows, 48, 128, DTYPES[0], seed=rows)
+    layer.weight.data.copy_(w)
+    _close(layer(x), x, w)
+    assert bool(calls) == taken, calls
