@@ -178,6 +178,7 @@ def _run_every_wrapper():
     triton_ops.paged_decode(q, cache, cache, tables, lens, 1.0, num_splits=2)  # + the merge
     triton_ops.paged_prefill(q, cache, cache, torch.tensor([0, t], dtype=torch.int32), lens[:1], tables[:1], 1.0)
     decode_gemm.linear(torch.randn(t, 128, **bf), torch.randn(48, 128, **bf))
+    decode_gemm.preload_linear(torch.randn(t, 128, **bf), torch.randn(48, 128, **bf))
     logits = torch.randn(2, 10_000)
     for splits in (1, 4):  # one program per row, and split rows + the merge
         fused_sampler.sample(logits, torch.ones(2), torch.zeros(2, dtype=torch.int64), block=1024, splits=splits)
@@ -194,7 +195,7 @@ def test_every_wrapper_launches_with_matching_pdl_arguments(recorded):
     assert launched == {
         "_rms_norm_kernel", "_silu_mul_kernel", "_rope_kernel", "_qk_norm_rope_kernel", "_store_kv_kernel",
         "_decode_kernel", "_merge_kernel", "_prefill_kernel", "_sample_kernel", "_sample_merge_kernel",
-        "_decode_gemm_kernel",
+        "_decode_gemm_kernel", "_preload_gemm_kernel",
     }, launched  # fmt: skip
     assert not _mismatched(recorded)
 
@@ -204,7 +205,7 @@ def test_every_wrapper_launches_with_matching_pdl_arguments(recorded):
     [
         (fused_ops, {"_rms_norm_kernel", "_silu_mul_kernel", "_rope_kernel", "_qk_norm_rope_kernel"}),
         (fused_sampler, {"_sample_kernel", "_sample_merge_kernel"}),
-        (decode_gemm, {"_decode_gemm_kernel"}),
+        (decode_gemm, {"_decode_gemm_kernel", "_preload_gemm_kernel"}),
     ],
 )
 def test_the_wrapper_check_catches_wrappers_that_drop_the_launch_option(recorded, monkeypatch, module, broken):
@@ -304,3 +305,49 @@ def test_compiled_for_sm90_the_kernel_waits_before_touching_memory(name, on):
         assert 0 <= wait < release < first_access, (wait, release, first_access)
     else:
         assert "griddepcontrol" not in ptx
+
+
+def _compile_sm90(kernel, constexprs: dict, num_warps: int, num_stages: int = 3) -> str:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = ASTSource(fn=kernel, signature=_signature(kernel), constexprs=constexprs, attrs=runtime_hints(kernel))
+    target = GPUTarget("cuda", 90, 32)
+    return triton.compile(
+        source, target=target, options={"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": True}
+    ).asm["ptx"]
+
+
+def _loads_before_wait(ptx: str) -> tuple[int, int]:
+    lines = ptx.splitlines()
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    return sum("ld.global" in line for line in lines[:wait]), sum("st.global" in line for line in lines[:wait])
+
+
+@pytest.mark.parametrize("block_n,nk,warps", [(32, 1, 8), (16, 3, 8)])
+def test_compiled_for_sm90_the_preload_kernel_loads_only_its_weight_strip_before_the_wait(block_n, nk, warps):
+    """The preloading kernel's PTX: before ``griddepcontrol.wait``, exactly the 16-byte loads of its
+    weight strip (BLOCK_N x K bf16 over the threads) and no store; x's loads come after. The control:
+    the strip kernel, which waits first, has none before the wait (the count is not the same anyway)."""
+    constexprs = dict(BLOCK_M=16, BLOCK_N=block_n, BK=1024, NK=nk, PDL=True)
+    ptx = _compile_sm90(decode_gemm._preload_gemm_kernel, constexprs, warps, num_stages=1)  # as launched
+    loads, stores = _loads_before_wait(ptx)
+    strip_loads = block_n * 1024 * nk * 2 // (32 * warps * 16)
+    assert (loads, stores) == (strip_loads, 0), (loads, stores, strip_loads)
+    lines = ptx.splitlines()
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    assert any("ld.global" in line for line in lines[wait:])  # x, after the wait
+    strip = _compile_sm90(decode_gemm._decode_gemm_kernel, dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256, PDL=True), 4)
+    assert _loads_before_wait(strip) == (0, 0)
+
+
+def test_compiled_for_sm90_an_early_release_comes_before_the_wait_and_every_access():
+    """RMSNorm with EARLY: ``launch_dependents`` first, then the wait, then the first global access;
+    without EARLY the order is the usual wait, release."""
+    for early in (True, False):
+        constexprs = dict(HAS_RESIDUAL=True, BLOCK=1024, PDL=True, EARLY=early)
+        ptx = _compile_sm90(fused_ops._rms_norm_kernel, constexprs, 4)
+        wait, release = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+        first_access = min(i for i in (ptx.find(op) for op in ("ld.global", "st.global")) if i >= 0)
+        assert 0 <= (release < wait if early else wait < release) and max(wait, release) < first_access
+        assert (release < wait) is early
