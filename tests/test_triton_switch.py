@@ -10,6 +10,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 pytest.importorskip("triton", reason="the switches answer False without triton")
 
@@ -66,3 +67,39 @@ def test_the_interpreter_switch_is_read_when_the_process_starts(value, expected)
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == expected, out.stdout + out.stderr
+
+
+def test_inline_ptx_runs_only_for_cuda_tensors_of_an_nvidia_gpu_outside_the_interpreter(monkeypatch):
+    """``nvidia_ptx``: the one place that says where the kernels' inline PTX (PDL's griddepcontrol, the
+    sampler's lg2.approx) can run; each exclusion flips it."""
+    from nanovllm.layers.triton_switch import nvidia_ptx
+
+    cuda = types.SimpleNamespace(is_cuda=True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert nvidia_ptx(cuda) and not nvidia_ptx(torch.zeros(1))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not nvidia_ptx(cuda)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert not nvidia_ptx(cuda)
+
+
+def test_the_sampler_asks_for_the_fast_log_where_inline_ptx_runs(monkeypatch):
+    """The fused sampler's FAST_LOG constexpr is ``nvidia_ptx`` of its logits (recorded launches: a
+    CPU tensor gives False; the same call with ``nvidia_ptx`` saying yes gives True)."""
+    fused_sampler = pytest.importorskip("nanovllm.layers.fused_sampler", reason="needs triton")
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(kwargs.get("FAST_LOG"))
+
+    monkeypatch.setattr(fused_sampler, "_sample_kernel", Recorder())
+    monkeypatch.setattr(fused_sampler, "_sample_merge_kernel", Recorder())
+    logits = torch.randn(2, 5000)
+    args = (logits, torch.ones(2), torch.zeros(2, dtype=torch.int64))
+    fused_sampler.sample(*args, block=1024, splits=1)
+    monkeypatch.setattr(fused_sampler, "nvidia_ptx", lambda x: True)
+    fused_sampler.sample(*args, block=1024, splits=1)
+    assert seen == [False, True], seen

@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from nanovllm.layers.triton_switch import triton_path
+from nanovllm.layers.triton_switch import nvidia_ptx, triton_path
 
 try:
     import triton
@@ -210,7 +210,7 @@ def sample(
     splits = triton.cdiv(vocab, chunk)  # none empty
     warps = 8 if block >= 2048 else 4
     # PTX: NVIDIA GPUs, not ROCm, not the interpreter (which cannot run inline assembly)
-    fast_log = logits.is_cuda and torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1"
+    fast_log = nvidia_ptx(logits)
     if splits == 1:
         _sample_kernel[(n, 1)](
             logits, logits.stride(0), inv_temp, seeds, out[0], out[0], out[1], chunk, 1,

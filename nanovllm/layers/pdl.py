@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.layers.triton_switch import nvidia_ptx
+
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
@@ -43,9 +45,7 @@ def _capable(device_index: int) -> bool:
 
 
 def enabled(x: torch.Tensor) -> bool:
-    if not (SUPPORTED and x.is_cuda) or os.environ.get("NANOVLLM_PDL", "1") != "1":
-        return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if not (SUPPORTED and nvidia_ptx(x)) or os.environ.get("NANOVLLM_PDL", "1") != "1":
         return False
     return _capable(x.device.index if x.device.index is not None else torch.cuda.current_device())
 

@@ -21,6 +21,13 @@ HAVE_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRET = os.environ.get("NANOVLLM_TRITON_INTERPRET") == "1"
 
 
+def nvidia_ptx(x: torch.Tensor) -> bool:
+    """Inline PTX in a kernel can run for ``x``: a CUDA tensor on an NVIDIA GPU (not ROCm), not under
+    Triton's interpreter (``TRITON_INTERPRET=1``, which cannot run it). PDL's ``griddepcontrol`` and the
+    sampler's ``lg2.approx`` both ask this; PDL also needs sm_90 (``pdl.enabled``)."""
+    return x.is_cuda and torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1"
+
+
 def triton_path(x: torch.Tensor, switch: str) -> bool:
     if not HAVE_TRITON:
         return False
