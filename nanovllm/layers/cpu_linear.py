@@ -5,7 +5,8 @@ on plain row-major weights reaches a fraction of memory bandwidth there, while
 oneDNN's prepacked (blocked) weights run about 2x faster for 1-64 rows (measured
 on the 2-core development machine: 31 rows through SmolLM2's 30 layers, 158 ->
 81 ms). oneDNN's result for a row also does not depend on the other rows of the
-batch, which keeps batch-invariance exact.
+batch, which keeps batch-invariance exact, once a row alone is multiplied as a pair where oneDNN
+sums a single row in another order (``linear``: K > 1,024 on the development machine).
 
 The packed copy is made once, after the weights are loaded
 (``pack_linear_weights``); the plain weight stays the source of truth for
@@ -58,12 +59,43 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
 
 
+# (N, K, dtype, bias) -> whether one row alone must be multiplied as a pair (``_single_row_differs``)
+_PAIR_SINGLE_ROWS: dict[tuple, bool] = {}
+
+
+def _product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _single_row_differs(packed: torch.Tensor, bias: torch.Tensor | None, k: int, dtype: torch.dtype) -> bool:
+    """Whether oneDNN multiplies one row with another summation order than the same row among others.
+
+    It does for K > 1,024 on the development machine (torch 2.13.0+cpu, AVX-512): one row's products
+    are summed in K blocks of 512, each block from zero, where two or more rows chain the blocks in
+    pairs, so the last bits differ, and a batch-1 decode step would not give the bits the same row
+    gets in a batch (for K <= 1,024, and between any two batch sizes >= 2 up to 4,096, the orders
+    agree). Asked once per shape with a random row alone and in a pair: where the orders differ they
+    differ in nearly every output."""
+    probe = torch.randn(2, k, generator=torch.Generator().manual_seed(0)).to(dtype)
+    return not torch.equal(_product(probe[:1], packed, bias)[0], _product(probe, packed, bias)[0])
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
 ) -> torch.Tensor:
+    """x @ weight.T + bias; with oneDNN's packed weight a row's result does not depend on the rows
+    beside it: a row alone goes in as a pair (itself twice) where oneDNN would sum it otherwise."""
     if packed is None or x.dim() != 2 or x.dtype != packed.dtype:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    x = x.contiguous()
+    if x.shape[0] == 1:
+        key = (weight.shape[0], weight.shape[1], x.dtype, bias is not None)
+        pair = _PAIR_SINGLE_ROWS.get(key)
+        if pair is None:
+            pair = _PAIR_SINGLE_ROWS[key] = _single_row_differs(packed, bias, weight.shape[1], x.dtype)
+        if pair:
+            return _product(x.expand(2, -1).contiguous(), packed, bias)[:1]
+    return _product(x, packed, bias)
 
 
 def pack_linear_weights(model: nn.Module, threads: int | None = None) -> int:
