@@ -11,7 +11,11 @@ and its writes are visible, and lets its own successor be scheduled early
 Invariant: a kernel launched with PDL calls :func:`wait_then_release` before its first load or
 store of anything another kernel writes. Doing it first thing in the kernel keeps that true by
 construction (the kernels here do) and makes the chain transitive: a kernel that starts early
-waits for its predecessor, which finished only after waiting for its own.
+waits for its predecessor, which finished only after waiting for its own. Two relaxations, both off
+by default and kept to the invariant: ``decode_gemm``'s preloading kernel reads its weights (no
+kernel's output) before its wait, and RMSNorm / SiLU-and-mul may release their successor before they
+wait (``release_then_wait``, ``fused_ops.EARLY_RELEASE``) so that such a kernel starts one kernel
+earlier; the successor's own wait still orders its reads after them.
 
 ``NANOVLLM_PDL=0`` turns it off (A/B runs); it is off below compute capability 9.0, on ROCm, on
 the CPU, under Triton's interpreter (``TRITON_INTERPRET=1``: it cannot run the ``griddepcontrol``
