@@ -294,6 +294,8 @@ def tiles(configs: str = TILES, waves_list: str = "2", stride: int = 100, kv: st
     print(f"best tile {n}x{w}x{st} tb={int(tb)} waves={waves}")
 
 
+# the chain's output against cuBLAS's after 28 layers, bf16: session 12 saw up to 9e-2 from rounding alone
+MAX_CHAIN_DIFF = 0.25
 GEMMS = "cublas,32/16x256x4x3,pre32/16x16x8,pre32/16x16x8e,pre32/16x32x8e,pre32/16x16x4e,pre64/16x16x8e"
 
 
@@ -332,11 +334,13 @@ def gemm(configs: str = GEMMS, rows: str = "1,8,16,23,32,48,64,96,128,192,256") 
                 cfg = decode_gemm.parse_config(spec)
                 lin = lambda x, w, cfg=cfg: decode_gemm.linear(x, w, cfg(*w.shape))  # noqa: E731
 
-            def step(lin=lin, x0=x0):
+            def step(lin=lin, x0=x0, early=early):
                 h, res = x0, x0
                 for wq, wo, wgu, wd in ws:
                     n1, res = fused_ops.rms_norm(h, norm_w, 1e-6, res)
+                    fused_ops.EARLY_RELEASE = False  # the attention stand-in: attention never releases early
                     a = fused_ops.silu_and_mul(lin(n1, wq))
+                    fused_ops.EARLY_RELEASE = early
                     n2, res = fused_ops.rms_norm(lin(a, wo), norm_w, 1e-6, res)
                     h = lin(fused_ops.silu_and_mul(lin(n2, wgu)), wd)
                 return h
@@ -354,8 +358,9 @@ def gemm(configs: str = GEMMS, rows: str = "1,8,16,23,32,48,64,96,128,192,256") 
                 diff = 0.0 if ref is None else float((out.float() - ref.float()).abs().max())
                 ref = out.clone() if ref is None else ref
                 us = do_bench(graph.replay, warmup=10, rep=100) * 1e3 / layers
-                times.setdefault(spec, {})[m] = us
-                line.append(f"{spec} {us:6.2f} (d{diff:.0e})")
+                if diff <= MAX_CHAIN_DIFF:  # a config whose output is off (a bug, a race) is never best
+                    times.setdefault(spec, {})[m] = us
+                line.append(f"{spec} {us:6.2f} (d{diff:.0e}{'' if diff <= MAX_CHAIN_DIFF else ' WRONG'})")
             except Exception as e:  # a config that does not compile or fit: reported, never best
                 fused_ops.EARLY_RELEASE = False
                 line.append(f"{spec} failed: {type(e).__name__}: {str(e)[:80]}")

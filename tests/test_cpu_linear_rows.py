@@ -1,4 +1,5 @@
-"""A row's product does not depend on the rows beside it on the CPU (float32, bitwise), for every K.
+"""A row's product does not depend on the rows beside it on the CPU (bitwise), for every K: float32, and
+bfloat16 where this CPU's oneDNN runs it natively.
 
 oneDNN's packed linear sums one row alone in another order than the same row among others where
 K > 1,024 (torch 2.13.0+cpu on the AVX-512 development machine: 512-element K blocks each summed
@@ -22,26 +23,48 @@ KS = (64, 576, 1024, 1088, 1536, 2048, 3072, 4096)  # both sides of every K bloc
 BATCHES = (1, 2, 3, 7, 33, 200)
 
 
-def _packed(n: int, k: int, seed: int):
-    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) / k**0.5
+def _packed(n: int, k: int, seed: int, dtype: torch.dtype = torch.float32):
+    w = (torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) / k**0.5).to(dtype)
     return w, torch.ops.mkldnn._reorder_linear_weight(w, cpu_linear.PACK_BATCH_HINT)
 
 
-def _rows_alone_and_in_batches(product, k: int, seed: int) -> list[int]:
-    """The batch sizes at which row 0's result differs from its result alone."""
-    x = torch.randn(max(BATCHES), k, generator=torch.Generator().manual_seed(seed + 1))
-    alone = product(x[:1])[0]
-    return [m for m in BATCHES if not torch.equal(product(x[:m])[0], alone)]
+ROWS = 16  # rows checked alone: a 16-bit output hides most order differences in any single row
 
 
+def _rows_alone_and_in_batches(product, k: int, seed: int, dtype: torch.dtype = torch.float32) -> list[int]:
+    """The batch sizes at which one of the first ROWS rows' results differs from its result alone."""
+    x = torch.randn(max(BATCHES) + ROWS, k, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    alone = [product(x[r : r + 1])[0] for r in range(ROWS)]
+    return [m for m in BATCHES if any(not torch.equal(product(x[r : r + m])[0], alone[r]) for r in range(ROWS))]
+
+
+DTYPES = [torch.float32] + [torch.bfloat16] * (torch.bfloat16 in cpu_linear.packable_dtypes())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("n", (48, 576))
 @pytest.mark.parametrize("bias", (False, True))
-def test_a_rows_product_is_the_same_alone_and_in_any_batch(k, n, bias):
-    w, packed = _packed(n, k, seed=k + n)
-    b = torch.randn(n) if bias else None
-    differ = _rows_alone_and_in_batches(lambda x: cpu_linear.linear(x, w, b, packed), k, seed=k)
-    assert not differ, f"K={k}: row 0 alone differs from row 0 in batches of {differ}"
+def test_a_rows_product_is_the_same_alone_and_in_any_batch(k, n, bias, dtype):
+    w, packed = _packed(n, k, seed=k + n, dtype=dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    differ = _rows_alone_and_in_batches(lambda x: cpu_linear.linear(x, w, b, packed), k, seed=k, dtype=dtype)
+    assert not differ, f"K={k} {dtype}: a row alone differs from the same row in batches of {differ}"
+
+
+def test_the_decision_is_asked_per_thread_count(monkeypatch):
+    """The cached answer is per (shape, dtype, bias, thread count): oneDNN's order for one row can depend
+    on the threads, and tests and engines change them within a process."""
+    monkeypatch.setattr(cpu_linear, "_PAIR_SINGLE_ROWS", {})
+    w, packed = _packed(48, 576, seed=2)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            cpu_linear.linear(torch.randn(1, 576), w, None, packed)
+    finally:
+        torch.set_num_threads(threads)
+    assert sorted(key[-1] for key in cpu_linear._PAIR_SINGLE_ROWS) == [1, 2]
 
 
 def test_the_rule_catches_onednn_called_directly():
@@ -52,6 +75,28 @@ def test_the_rule_catches_onednn_called_directly():
     if not differ:
         pytest.skip("this machine's oneDNN sums one row like a batch at K=1536: there is no bad input to show")
     assert differ == list(BATCHES[1:])  # every batch differs from the row alone, none from each other
+
+
+def test_the_rule_catches_a_probe_that_trusts_one_bfloat16_row(monkeypatch):
+    """Negative control for 16-bit rows: deciding by one bfloat16 probe row (what the first version did)
+    leaves lone rows unpaired at K = 1,536, and the rule sees rows that differ."""
+    if torch.bfloat16 not in cpu_linear.packable_dtypes():
+        pytest.skip("this CPU's oneDNN does not run bfloat16 natively: those weights are not packed")
+    w, packed = _packed(576, 1536, seed=1, dtype=torch.bfloat16)
+
+    def one_row_probe(packed, bias, k, dtype):
+        probe = torch.randn(2, k, generator=torch.Generator().manual_seed(0)).to(dtype)
+        return not torch.equal(
+            cpu_linear._product(probe[:1], packed, bias)[0], cpu_linear._product(probe, packed, bias)[0]
+        )
+
+    monkeypatch.setattr(cpu_linear, "_PAIR_SINGLE_ROWS", {})
+    monkeypatch.setattr(cpu_linear, "_single_row_differs", one_row_probe)
+    if not one_row_probe(packed, None, 1536, torch.bfloat16):
+        differ = _rows_alone_and_in_batches(lambda x: cpu_linear.linear(x, w, None, packed), 1536, 1, torch.bfloat16)
+        assert differ, "a lone bfloat16 row matched its batches here: nothing to control"
+    else:
+        pytest.skip("one bfloat16 probe row shows the difference on this machine")
 
 
 @pytest.fixture(scope="module")

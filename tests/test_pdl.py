@@ -84,8 +84,10 @@ def _first_statement_waits(fn) -> str | None:
         text = ast.unparse(statement)
         names = {n.id for n in ast.walk(statement) if isinstance(n, ast.Name)}
         pointers = {n for n in names if n in params and n.endswith("_ptr")}
-        if not preloaded or "store" in text or "atomic" in text or pointers - preloaded:
+        if not preloaded:
             return f"starts with {ast.unparse(before[0])!r}"
+        if "store" in text or "atomic" in text or pointers - preloaded:
+            return f"before its wait: {text!r}"
     return None
 
 
@@ -125,7 +127,14 @@ def test_the_first_statement_rule_flags_a_kernel_that_loads_first():
         pdl.wait_then_release(PDL)
         return w, x
 
-    assert _first_statement_waits(_preload_gemm_kernel) == "starts with 'w = tl.load(w_ptr)'"
+    assert _first_statement_waits(_preload_gemm_kernel) == "before its wait: 'x = tl.load(x_ptr)'"
+
+    def _preload_gemm_kernel(x_ptr, w_ptr, PDL):  # noqa: F811 (the same name: PRELOADS is by name)
+        w = tl.load(w_ptr)  # the weights alone before the wait: accepted
+        pdl.wait_then_release(PDL)
+        return w, tl.load(x_ptr)
+
+    assert _first_statement_waits(_preload_gemm_kernel) is None
     assert _first_statement_waits(no_constexpr) == "has no PDL parameter"
     assert _first_statement_waits(waits) is None
 
@@ -341,13 +350,32 @@ def test_compiled_for_sm90_the_preload_kernel_loads_only_its_weight_strip_before
     assert _loads_before_wait(strip) == (0, 0)
 
 
-def test_compiled_for_sm90_an_early_release_comes_before_the_wait_and_every_access():
-    """RMSNorm with EARLY: ``launch_dependents`` first, then the wait, then the first global access;
-    without EARLY the order is the usual wait, release."""
+def _release_wait_access(ptx: str) -> tuple[int, int, int]:
+    wait, release = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    first_access = min(i for i in (ptx.find(op) for op in ("ld.global", "st.global")) if i >= 0)
+    return release, wait, first_access
+
+
+@pytest.mark.parametrize("kernel", ["rms_norm", "silu"])
+def test_compiled_for_sm90_an_early_release_comes_before_the_wait_and_every_access(kernel):
+    """RMSNorm and SiLU-and-mul with EARLY: ``launch_dependents`` first, then the wait, then the first
+    global access; without EARLY the usual wait, release, access. Both instructions must be there."""
+    fn, constexprs = {
+        "rms_norm": (fused_ops._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
+        "silu": (fused_ops._silu_mul_kernel, dict(BLOCK=1024)),
+    }[kernel]
     for early in (True, False):
-        constexprs = dict(HAS_RESIDUAL=True, BLOCK=1024, PDL=True, EARLY=early)
-        ptx = _compile_sm90(fused_ops._rms_norm_kernel, constexprs, 4)
-        wait, release = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
-        first_access = min(i for i in (ptx.find(op) for op in ("ld.global", "st.global")) if i >= 0)
-        assert 0 <= (release < wait if early else wait < release) and max(wait, release) < first_access
-        assert (release < wait) is early
+        release, wait, first_access = _release_wait_access(
+            _compile_sm90(fn, {**constexprs, "PDL": True, "EARLY": early}, 4)
+        )
+        assert release >= 0 and wait >= 0, (release, wait)
+        if early:
+            assert release < wait < first_access, (release, wait, first_access)
+        else:
+            assert wait < release < first_access, (release, wait, first_access)
+
+
+def test_the_order_rule_rejects_a_kernel_that_never_releases():
+    """Negative control: PTX without ``launch_dependents`` (release = -1) fails the rule's first check."""
+    release, wait, _ = _release_wait_access("griddepcontrol.wait;\nld.global.b32 %r1, [%rd1];")
+    assert release == -1 and not (release >= 0 and wait >= 0)

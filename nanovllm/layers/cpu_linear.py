@@ -59,7 +59,8 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
 
 
-# (N, K, dtype, bias) -> whether one row alone must be multiplied as a pair (``_single_row_differs``)
+# (N, K, dtype, bias, threads) -> whether one row alone is multiplied as a pair (``_single_row_differs``;
+# oneDNN's order for one row can depend on the thread count)
 _PAIR_SINGLE_ROWS: dict[tuple, bool] = {}
 
 
@@ -74,9 +75,13 @@ def _single_row_differs(packed: torch.Tensor, bias: torch.Tensor | None, k: int,
     are summed in K blocks of 512, each block from zero, where two or more rows chain the blocks in
     pairs, so the last bits differ, and a batch-1 decode step would not give the bits the same row
     gets in a batch (for K <= 1,024, and between any two batch sizes >= 2 up to 4,096, the orders
-    agree). Asked once per shape with a random row alone and in a pair: where the orders differ they
-    differ in nearly every output."""
-    probe = torch.randn(2, k, generator=torch.Generator().manual_seed(0)).to(dtype)
+    agree). Asked once per shape and thread count with a random float32 row alone and in a pair: where
+    the orders differ they differ in nearly every float32 output. A 16-bit output rounds most such
+    differences away, so one probe row would miss them (a review found 6-16 of 64 bfloat16 rows
+    differing where the probe saw none): 16-bit rows are always paired."""
+    if dtype != torch.float32:
+        return True
+    probe = torch.randn(2, k, generator=torch.Generator().manual_seed(0))
     return not torch.equal(_product(probe[:1], packed, bias)[0], _product(probe, packed, bias)[0])
 
 
@@ -89,7 +94,7 @@ def linear(
         return F.linear(x, weight, bias)
     x = x.contiguous()
     if x.shape[0] == 1:
-        key = (weight.shape[0], weight.shape[1], x.dtype, bias is not None)
+        key = (weight.shape[0], weight.shape[1], x.dtype, bias is not None, torch.get_num_threads())
         pair = _PAIR_SINGLE_ROWS.get(key)
         if pair is None:
             pair = _PAIR_SINGLE_ROWS[key] = _single_row_differs(packed, bias, weight.shape[1], x.dtype)

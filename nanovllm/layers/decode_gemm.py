@@ -33,7 +33,8 @@ from nanovllm.layers.triton_switch import triton_path
 SWITCH = "NANOVLLM_DECODE_GEMM"
 MAX_ROWS = 4  # rows above this take cuBLAS (measured slower in the engine from batch 8)
 PRELOAD_MAX_ROWS = 0  # rows up to which the preloading kernel takes the product (0: off; session 16 A/B)
-MAX_K_CHUNKS = 4  # the preloading kernel holds K as up to four power-of-two chunks of the weight strip
+MAX_K_CHUNKS = 4  # the preloading kernel holds K as up to four power-of-two chunks (w0..w3 in the kernel)
+SHARED_MEMORY = 232_448  # bytes a program may use on sm_90 (H100/H200); the preloading kernel's must fit
 MAX_BLOCK_M = 64  # rows per program (a larger MAX_ROWS in A/B runs: more row blocks, the strip read again)
 WIDE_N = 128 * 32  # outputs this wide get 32-column strips: still >= 128 programs for the 132 SMs
 
@@ -175,8 +176,16 @@ class PreloadConfig:
 
 def preload_config(n: int, k: int) -> PreloadConfig:
     """32-column strips for outputs of at least ``WIDE_N`` (>= 128 programs), 16 below; 16 rows per step
-    and 8 warps (a 32 x 1,024 strip is 64 KB: 64 registers a thread before it goes to shared memory)."""
+    and 8 warps. The strip is held in registers across the wait (a 32 x 1,024 bf16 strip: 64 KB, 64
+    registers a thread at 8 warps), then copied to shared memory for the products (``shared_bytes``)."""
     return PreloadConfig(32 if n >= WIDE_N else 16, 16, 8)
+
+
+def shared_bytes(cfg: PreloadConfig, k: int, chunk: int) -> int:
+    """The preloading kernel's shared memory in bytes: the strip (``block_n x K``) and a step of x
+    (``block_m x`` one chunk), 16-bit values, as Triton 3.6 allocates them for sm_90 (offline compiles:
+    98,304 bytes at 32 x 1,024 with 16-row steps, 131,072 at 16 x 3,072, 294,912 at 32 x 4,096)."""
+    return 2 * (cfg.block_n * k + cfg.block_m * chunk)
 
 
 def parse_preload_config(spec: str) -> Callable[[int, int], PreloadConfig]:
@@ -202,19 +211,23 @@ def k_chunks(k: int) -> tuple[int, int] | None:
 
 def preload_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """The preloading kernel takes the product: as ``applies`` for 1 to PRELOAD_MAX_ROWS rows, K in
-    at most ``MAX_K_CHUNKS`` power-of-two chunks."""
-    return (
-        bias is None
+    at most ``MAX_K_CHUNKS`` power-of-two chunks, and its shared memory within ``SHARED_MEMORY`` (a
+    32-column strip of K = 4,096 is not: an 8B model's qkv takes cuBLAS)."""
+    if not (
+        0 < x.shape[0] <= PRELOAD_MAX_ROWS
+        and bias is None
         and x.dim() == 2
         and weight.dim() == 2
-        and 0 < x.shape[0] <= PRELOAD_MAX_ROWS
         and x.dtype == weight.dtype
         and x.dtype in (torch.bfloat16, torch.float16)
         and x.stride(1) == 1
         and weight.stride(1) == 1
         and weight.shape[1] == x.shape[1]
-        and k_chunks(x.shape[1]) is not None
-    )
+    ):
+        return False
+    k = x.shape[1]
+    chunks = k_chunks(k)
+    return chunks is not None and shared_bytes(preload_config(weight.shape[0], k), k, chunks[0]) <= SHARED_MEMORY
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -237,6 +250,7 @@ def _preload_gemm_kernel(
     kernel before it (the weights are no kernel's output), so with PDL those bytes stream while that
     kernel still runs; then y[rows, strip] = x @ strip.T, BLOCK_M rows at a time, float32 accumulation
     over K in chunk order (a row's result does not depend on the other rows), rounded once."""
+    tl.static_assert(NK <= 4, "the kernel holds at most four K chunks (w0..w3)")
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     w_rows = w_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn  # rows past N: N - 1's

@@ -15,7 +15,8 @@ waits for its predecessor, which finished only after waiting for its own. Two re
 by default and kept to the invariant: ``decode_gemm``'s preloading kernel reads its weights (no
 kernel's output) before its wait, and RMSNorm / SiLU-and-mul may release their successor before they
 wait (``release_then_wait``, ``fused_ops.EARLY_RELEASE``) so that such a kernel starts one kernel
-earlier; the successor's own wait still orders its reads after them.
+earlier; the successor's own wait still orders its reads after them. Both rest on no kernel launched
+with PDL writing a weight (weights are written only when loaded, with plain copies).
 
 ``NANOVLLM_PDL=0`` turns it off (A/B runs); it is off below compute capability 9.0, on ROCm, on
 the CPU, under Triton's interpreter (``TRITON_INTERPRET=1``: it cannot run the ``griddepcontrol``

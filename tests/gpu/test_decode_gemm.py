@@ -185,10 +185,11 @@ def test_preload_gemm_matches_f_linear(m, n, k, dtype, preload_rows):
 @pytest.mark.parametrize("config", [gemm.PreloadConfig(16, 32, 4), gemm.PreloadConfig(64, 16, 8)])
 def test_preload_gemm_configs_and_row_strides(config):
     """Other strips, row steps and warps give the same product; x and the weight as views whose rows
-    are longer than K (swapped or assumed strides fail)."""
-    x_wide, w_wide = _case(37, 80, 384, DTYPES[0], seed=23)
-    x, w = x_wide[:, :256], w_wide[:, 128:]
-    assert x.stride(0) == 384 and w.stride(0) == 384
+    are longer than K, K in three chunks (swapped or assumed strides, or chunk offsets taken from K
+    instead of the chunk, fail)."""
+    x_wide, w_wide = _case(37, 80, 512, DTYPES[0], seed=23)
+    x, w = x_wide[:, :384], w_wide[:, 128:]
+    assert x.stride(0) == 512 and w.stride(0) == 512 and gemm.k_chunks(384) == (128, 3)
     _close(gemm.preload_linear(x, w, config), x.contiguous(), w.contiguous())
 
 
@@ -224,10 +225,23 @@ def test_k_chunks_and_what_the_preload_kernel_takes(preload_rows):
     assert not gemm.preload_applies(x[:0], w, None)
     assert not gemm.preload_applies(x, w, torch.zeros(32, dtype=x.dtype, device=DEVICE))
     assert not gemm.preload_applies(x[:, :40], w[:, :40], None)
+    # shared memory: a 32-column strip of K = 4,096 needs 294,912 bytes (over sm_90's 232,448): cuBLAS;
+    # a 16-column one fits
+    big = torch.zeros(4096, 4096, dtype=x.dtype, device="meta")
+    assert not gemm.preload_applies(torch.zeros(1, 4096, dtype=x.dtype, device="meta"), big, None)
+    assert gemm.preload_applies(torch.zeros(1, 4096, dtype=x.dtype, device="meta"), big[:512], None)
+    assert gemm.shared_bytes(gemm.preload_config(4096, 1024), 1024, 1024) == 98_304
     with pytest.raises(ValueError, match="K=1280 is not 4 or fewer power-of-two chunks"):
         gemm.preload_linear(
             torch.zeros(2, 1280, dtype=x.dtype, device=DEVICE), torch.zeros(16, 1280, dtype=x.dtype, device=DEVICE)
         )
+
+
+def test_the_preloading_kernel_and_the_early_release_ship_off():
+    """Neither has run on a GPU against cuBLAS yet (KERNEL_NOTES session 16): off until measured."""
+    from nanovllm.layers import fused_ops
+
+    assert gemm.PRELOAD_MAX_ROWS == 0 and fused_ops.EARLY_RELEASE is False
 
 
 @pytest.mark.parametrize("limit,rows,taken", [(0, 1, False), (8, 8, True), (8, 9, False)])
