@@ -99,30 +99,25 @@ def _set_gemm_config(value: str) -> None:
     decode_gemm.default_config = decode_gemm.parse_config(value)  # applies() reads it too: K falls back
 
 
-def _is_gemm_config(value: str) -> bool:
-    from nanovllm.layers import decode_gemm
+def _parses(parser: str):
+    """A validator: ``decode_gemm.<parser>(value)`` does not raise ValueError."""
 
-    try:
-        decode_gemm.parse_config(value)
-    except ValueError:
-        return False
-    return True
+    def valid(value: str) -> bool:
+        from nanovllm.layers import decode_gemm
+
+        try:
+            getattr(decode_gemm, parser)(value)
+        except ValueError:
+            return False
+        return True
+
+    return valid
 
 
 def _set_preload_config(value: str) -> None:
     from nanovllm.layers import decode_gemm
 
     decode_gemm.preload_config = decode_gemm.parse_preload_config(value)
-
-
-def _is_preload_config(value: str) -> bool:
-    from nanovllm.layers import decode_gemm
-
-    try:
-        decode_gemm.parse_preload_config(value)
-    except ValueError:
-        return False
-    return True
 
 
 def _is_tile(value: str) -> bool:
@@ -161,9 +156,9 @@ SETTINGS = {
     "pdl": (lambda v: os.environ.__setitem__("NANOVLLM_PDL", v), lambda v: v in ("0", "1")),
     "gemm": (lambda v: os.environ.__setitem__("NANOVLLM_DECODE_GEMM", v), lambda v: v in ("0", "1")),
     "gemmrows": (_set("nanovllm.layers.decode_gemm", "MAX_ROWS", int), _positive),
-    "gemmcfg": (_set_gemm_config, _is_gemm_config),
+    "gemmcfg": (_set_gemm_config, _parses("parse_config")),
     "pre": (_set("nanovllm.layers.decode_gemm", "PRELOAD_MAX_ROWS", int), str.isdigit),
-    "precfg": (_set_preload_config, _is_preload_config),
+    "precfg": (_set_preload_config, _parses("parse_preload_config")),
     "early": (_set("nanovllm.layers.fused_ops", "EARLY_RELEASE", lambda v: v == "1"), lambda v: v in ("0", "1")),
     "kvstore": (lambda v: os.environ.__setitem__("NANOVLLM_FUSED_KV_STORE", v), lambda v: v in ("0", "1")),
     "sampler": (_set_sampler, os.path.isfile),

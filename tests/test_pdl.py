@@ -35,6 +35,7 @@ MODULES = kernel_modules()
 HELPERS = {
     "wait_then_release",
     "release_then_wait",
+    "enter",
     "_fp8_to_f16_asm",
     "_prefill_tile",
     "_decode_tile",
@@ -55,7 +56,7 @@ WAITS = (
     "pdl.wait_then_release(PDL)",
     # RMSNorm and SiLU-and-mul may let their successor launch first (fused_ops.EARLY_RELEASE): still no
     # access before the wait
-    "if EARLY:\n    pdl.release_then_wait(PDL)\nelse:\n    pdl.wait_then_release(PDL)",
+    "pdl.enter(PDL, EARLY)",
 )
 # kernels that load what no kernel writes before they wait: the pointer parameters they may touch there
 PRELOADS = {"_preload_gemm_kernel": {"w_ptr"}}

@@ -77,19 +77,27 @@ def enabled(x: torch.Tensor) -> bool:
     return pdl.enabled(x) if switch is None else switch == "1"
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """This kernel takes the product: 2-D rows, 1 to MAX_ROWS of them, 16-bit, no bias, unit column
-    strides, K a multiple of the config's K step (whole steps, no mask on K)."""
+def _decode_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int) -> bool:
+    """What both decode-batch kernels need: 2-D rows, 1 to ``max_rows`` of them, 16-bit, no bias, unit
+    column strides, matching K."""
     return (
         bias is None
         and x.dim() == 2
         and weight.dim() == 2
-        and 0 < x.shape[0] <= MAX_ROWS
+        and 0 < x.shape[0] <= max_rows
         and x.dtype == weight.dtype
         and x.dtype in (torch.bfloat16, torch.float16)
         and x.stride(1) == 1
         and weight.stride(1) == 1
         and weight.shape[1] == x.shape[1]
+    )
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """This kernel takes the product: a decode product (``_decode_product``) of 1 to MAX_ROWS rows, K a
+    multiple of the config's K step (whole steps, no mask on K)."""
+    return (
+        _decode_product(x, weight, bias, MAX_ROWS)
         and x.shape[1] % default_config(weight.shape[0], x.shape[1]).block_k == 0
     )
 
@@ -210,20 +218,10 @@ def k_chunks(k: int) -> tuple[int, int] | None:
 
 
 def preload_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """The preloading kernel takes the product: as ``applies`` for 1 to PRELOAD_MAX_ROWS rows, K in
-    at most ``MAX_K_CHUNKS`` power-of-two chunks, and its shared memory within ``SHARED_MEMORY`` (a
-    32-column strip of K = 4,096 is not: an 8B model's qkv takes cuBLAS)."""
-    if not (
-        0 < x.shape[0] <= PRELOAD_MAX_ROWS
-        and bias is None
-        and x.dim() == 2
-        and weight.dim() == 2
-        and x.dtype == weight.dtype
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and x.stride(1) == 1
-        and weight.stride(1) == 1
-        and weight.shape[1] == x.shape[1]
-    ):
+    """The preloading kernel takes the product: a decode product (``_decode_product``) of 1 to
+    PRELOAD_MAX_ROWS rows, K in at most ``MAX_K_CHUNKS`` power-of-two chunks, and its shared memory within
+    ``SHARED_MEMORY`` (a 32-column strip of K = 4,096 is not: an 8B model's qkv takes cuBLAS)."""
+    if not _decode_product(x, weight, bias, PRELOAD_MAX_ROWS):
         return False
     k = x.shape[1]
     chunks = k_chunks(k)

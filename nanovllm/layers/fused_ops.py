@@ -60,10 +60,7 @@ if triton is not None:
         PDL: tl.constexpr = False,
         EARLY: tl.constexpr = False,
     ):
-        if EARLY:
-            pdl.release_then_wait(PDL)
-        else:
-            pdl.wait_then_release(PDL)
+        pdl.enter(PDL, EARLY)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -92,10 +89,7 @@ if triton is not None:
         PDL: tl.constexpr = False,
         EARLY: tl.constexpr = False,
     ):
-        if EARLY:
-            pdl.release_then_wait(PDL)
-        else:
-            pdl.wait_then_release(PDL)
+        pdl.enter(PDL, EARLY)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols

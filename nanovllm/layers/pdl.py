@@ -77,3 +77,13 @@ def release_then_wait(PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
+
+
+@triton.jit
+def enter(PDL: tl.constexpr, EARLY: tl.constexpr):
+    """First thing in a kernel that may release early (``fused_ops.EARLY_RELEASE``): ``release_then_wait``
+    with EARLY, else ``wait_then_release``."""
+    if EARLY:
+        release_then_wait(PDL)
+    else:
+        wait_then_release(PDL)
