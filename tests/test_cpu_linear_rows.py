@@ -130,18 +130,35 @@ def _differing(by_batch: dict) -> list[int]:
     return [n for n, lp in by_batch.items() if lp != by_batch[1]]
 
 
-def test_engine_logprobs_are_bitwise_the_same_alone_and_in_a_batch(wide_mlp_model, monkeypatch):
+ENGINE_PATHS = ["onednn"] + ["rows"] * cpu_linear.rows_enabled()
+
+
+@pytest.mark.parametrize("path", ENGINE_PATHS)
+def test_engine_logprobs_are_bitwise_the_same_alone_and_in_a_batch(wide_mlp_model, monkeypatch, path):
     """Float32 on the CPU: the needle's greedy logprobs, alone and among 1, 2 and 6 others, equal
-    bitwise (decode steps at batch 1 go through K = 1,536). Control: with a lone row passed to
-    oneDNN as it is, the same comparison fails."""
-    from nanovllm import LLM
+    bitwise (decode steps at batch 1 go through K = 1,536), on either product: oneDNN's packed one
+    and the rows kernel. Controls: a lone row summed in oneDNN's one-row order (oneDNN given the row as
+    it is; the rows kernel given 512-element segments for it), and the same comparison fails."""
+    from nanovllm import LLM, cpu_kernels
     from tests.conftest import engine_args
 
+    if path == "onednn":
+        monkeypatch.setenv(cpu_linear.ROWS_SWITCH, "0")
     llm = LLM(wide_mlp_model, **engine_args("cpu", block_size=16, seed=0))
     try:
+        down = llm.llm_engine.executor.runner.model.model.layers[0].mlp.down_proj
+        assert isinstance(down.packed_weight, cpu_linear.RowsWeight) == (path == "rows")
         assert not _differing(_needle_logprobs(llm, (1, 2, 3, 7)))
-        monkeypatch.setattr(cpu_linear, "_PAIR_SINGLE_ROWS", {})
-        monkeypatch.setattr(cpu_linear, "_single_row_differs", lambda *args: False)
+        if path == "onednn":
+            monkeypatch.setattr(cpu_linear, "_PAIR_SINGLE_ROWS", {})
+            monkeypatch.setattr(cpu_linear, "_single_row_differs", lambda *args: False)
+        else:
+            rows_linear = cpu_kernels.rows_linear
+
+            def one_row_order(x, strips, n, bias, segment):
+                return rows_linear(x, strips, n, bias, 512 if x.shape[0] == 1 else segment)
+
+            monkeypatch.setattr(cpu_kernels, "rows_linear", one_row_order)
         assert _differing(_needle_logprobs(llm, (1, 2))) == [2], "the control shows nothing"
     finally:
         llm.close()

@@ -36,7 +36,7 @@ from nanovllm.loader.cache import build_once, cache_root
 
 logger = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = [HERE / "paged_attention.c", HERE / "elementwise.c"]
+SOURCES = [HERE / "paged_attention.c", HERE / "elementwise.c", HERE / "rows_linear.c"]
 HEADERS = [HERE / "vec_exp.h"]
 LIBRARY = "cpu_kernels.so"
 SWITCH = "NANOVLLM_CPU_KERNELS"
@@ -88,6 +88,8 @@ class Kernels(NamedTuple):
     greedy: Any
     rms_norm: Any
     silu_and_mul: Any
+    rows_linear: Any  # None where the build has no AVX-512 (rows_linear.c)
+    rows_pack: Any
 
 
 @cache
@@ -129,7 +131,23 @@ def load() -> Kernels | None:
     library.set_sleef_exp.restype = None
     library.set_sleef_exp.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     library.set_sleef_exp(*_sleef_exp())
-    return Kernels(attention, store, rope, greedy, norm, silu)
+    rows_linear = library.rows_linear_f32
+    rows_linear.restype = ctypes.c_int
+    rows_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
+    rows_pack = library.rows_pack_f32
+    rows_pack.restype = None
+    rows_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
+    vectorized = bool(library.rows_linear_vectorized())
+    return Kernels(
+        attention,
+        store,
+        rope,
+        greedy,
+        norm,
+        silu,
+        rows_linear if vectorized else None,
+        rows_pack if vectorized else None,
+    )
 
 
 def _sleef_exp() -> tuple[int | None, int | None]:
@@ -347,6 +365,63 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     else:
         tokens.zero_(), finite.fill_(True)
     return tokens, finite
+
+
+ROWS_STRIP = 16  # output columns per strip of a rows-packed weight (rows_linear.c)
+
+
+def rows_linear_available() -> bool:
+    """Whether the rows linear kernel is built (float32, AVX-512) and not switched off."""
+    kernels = load()
+    return kernels is not None and kernels.rows_linear is not None
+
+
+def rows_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight [N, K] packed for ``rows_linear``: strips of 16 output columns,
+    [ceil(N / 16), K, 16], zero columns past N."""
+    kernels = _kernels(weight)
+    if kernels.rows_pack is None or weight.dim() != 2:
+        raise ValueError(f"rows_pack: needs a 2-D weight and the AVX-512 build, got {tuple(weight.shape)}")
+    weight = weight.detach().contiguous()
+    n, k = weight.shape
+    out = torch.empty(-(-n // ROWS_STRIP), k, ROWS_STRIP, dtype=torch.float32)
+    kernels.rows_pack(weight.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
+    return out
+
+
+def rows_linear(x: torch.Tensor, strips: torch.Tensor, n: int, bias: torch.Tensor | None, segment: int) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) -> [M, n] with W packed by ``rows_pack`` into ``strips``: each output a
+    fused multiply-add chain over K, restarted every ``segment`` elements, the segments added in
+    order, then the bias (rows_linear.c)."""
+    kernels = _kernels(x, strips, *([] if bias is None else [bias]))
+    if kernels.rows_linear is None:
+        raise RuntimeError("rows_linear: this build has no AVX-512 kernel")
+    if x.dim() != 2 or x.stride(1) != 1:
+        x = x.reshape(-1, x.shape[-1]).contiguous()
+    m, k = x.shape
+    if strips.dim() != 3 or strips.shape[1] != k or strips.shape[0] * ROWS_STRIP < n or not strips.is_contiguous():
+        raise ValueError(f"rows_linear: x {tuple(x.shape)} does not fit packed strips {tuple(strips.shape)} for N={n}")
+    if bias is not None and (bias.numel() != n or not bias.is_contiguous()):
+        raise ValueError(f"rows_linear: bias of {bias.numel()} values for N={n}")
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m == 0:
+        return out
+    status = kernels.rows_linear(
+        x.data_ptr(),
+        strips.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        m,
+        n,
+        k,
+        x.stride(0),
+        n,
+        segment,
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(f"rows_linear: bad arguments (x {tuple(x.shape)}, N={n}, segment {segment})")
+    return out
 
 
 # (rows, n) probes for the RMSNorm lane check: a decode row, scalar tails, the cascade's levels

@@ -16,17 +16,26 @@ bfloat16 weights are packed too where the CPU multiplies bfloat16 natively (oneD
 AVX-512 BF16 or AMX): there a bfloat16 matmul runs at about twice the float32 rate (2-core
 development machine, 4096x576 @ 576x1728: 186 -> 383 GFLOP/s). Elsewhere oneDNN would emulate
 bfloat16, so those weights keep ``F.linear``.
+
+float32 weights go to our own kernel where it is built (``rows_linear.c``: AVX-512) and gives
+oneDNN's bits for the weight's shape (``_rows_agree``, asked once per shape at packing): it streams
+a decode step's weights faster than oneDNN (1.5-1.9x at 1-4 rows, 1.1-1.3x at 8-64, level for
+prefill chunks; development machine, SmolLM2-135M), needs no pairing for a lone row, and its packed
+copy (``RowsWeight``) replaces oneDNN's, so memory stays one packed copy per weight. A shape where the
+bits differ keeps oneDNN's packed copy (a log line says so).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm import cpu_kernels
 from nanovllm.cpu_threads import physical_cores
 
 logger = logging.getLogger(__name__)
@@ -34,6 +43,30 @@ PACK_BATCH_HINT = 32  # decode-sized batches are where packing pays
 
 
 MLP_ROW_TILE = 1024
+ROWS_SWITCH = "NANOVLLM_CPU_ROWS_LINEAR"  # "0": float32 weights keep oneDNN's packed copy (A/B runs)
+
+
+class RowsWeight:
+    """A float32 weight packed for ``cpu_kernels.rows_linear`` (strips of 16 output columns) and the
+    K segment its sums restart at, oneDNN's on this machine (``segment``)."""
+
+    dtype = torch.float32
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.n, self.k = weight.shape
+        self.segment = segment(self.k)
+        self.strips = cpu_kernels.rows_pack(weight)
+
+
+def segment(k: int) -> int:
+    """Where oneDNN's float32 product (two or more rows) restarts a sum along K on the AVX-512
+    development machine: nowhere up to K = 512, every 512 up to 1,024, every 1,024 beyond (measured
+    for K 64-8,192; ``_rows_agree`` checks it for each shape before the kernel is used)."""
+    return k if k <= 512 else 512 if k <= 1024 else 1024
+
+
+def rows_enabled() -> bool:
+    return os.environ.get(ROWS_SWITCH, "1") != "0" and cpu_kernels.rows_linear_available()
 
 
 def mlp_row_tile(x: torch.Tensor) -> int | None:
@@ -85,13 +118,44 @@ def _single_row_differs(packed: torch.Tensor, bias: torch.Tensor | None, k: int,
     return not torch.equal(_product(probe[:1], packed, bias)[0], _product(probe, packed, bias)[0])
 
 
+# probe rows for ``_rows_agree``: a lone row (which oneDNN takes as a pair), decode batches around the
+# kernel's 6-row tiles, a prefill-sized piece
+_AGREE_ROWS = (1, 2, 7, 37, 300)
+AGREE_COLUMNS = 4096  # output columns probed at most (an LM head's 49,152 would cost ~0.3 s of start-up)
+
+
+def _rows_agree(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the rows kernel gives oneDNN's packed product bitwise for this weight's shape, on random
+    rows (1, 2, 7, 37 and 300 of them, a lone row as oneDNN's pair): then either may multiply it and a
+    row's bits stay the same. Random rows, because the summation order does not depend on values; at
+    most the first 4,096 output columns, because it does not depend on N either (oneDNN's was measured
+    the same for N from 17 to 49,152 on the development machine)."""
+    weight = weight.detach()[:AGREE_COLUMNS]
+    bias = None if bias is None else bias.detach()[:AGREE_COLUMNS]
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+    rows = RowsWeight(weight)
+    probe = torch.randn(max(_AGREE_ROWS), weight.shape[1], generator=torch.Generator().manual_seed(0))
+    for m in _AGREE_ROWS:
+        x = probe[:m]
+        want = _product(x.expand(2, -1).contiguous(), packed, bias)[:1] if m == 1 else _product(x, packed, bias)
+        if not torch.equal(cpu_kernels.rows_linear(x, rows.strips, rows.n, bias, rows.segment), want):
+            return False
+    return True
+
+
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor | RowsWeight | None,
 ) -> torch.Tensor:
-    """x @ weight.T + bias; with oneDNN's packed weight a row's result does not depend on the rows
-    beside it: a row alone goes in as a pair (itself twice) where oneDNN would sum it otherwise."""
+    """x @ weight.T + bias; with a packed weight a row's result does not depend on the rows beside it.
+    ``RowsWeight``: the rows kernel. oneDNN's packed weight: a row alone goes in as a pair (itself
+    twice) where oneDNN would sum it otherwise."""
     if packed is None or x.dim() != 2 or x.dtype != packed.dtype:
         return F.linear(x, weight, bias)
+    if isinstance(packed, RowsWeight):
+        return cpu_kernels.rows_linear(x, packed.strips, packed.n, bias, packed.segment)
     x = x.contiguous()
     if x.shape[0] == 1:
         key = (weight.shape[0], weight.shape[1], x.dtype, bias is not None, torch.get_num_threads())
@@ -104,8 +168,10 @@ def linear(
 
 
 def pack_linear_weights(model: nn.Module, threads: int | None = None) -> int:
-    """Give every module with a ``packed_weight`` slot a oneDNN-packed copy of its weight (float32,
-    or bfloat16 where the CPU runs it natively: ``packable_dtypes``).
+    """Give every module with a ``packed_weight`` slot a packed copy of its weight: float32 weights
+    a ``RowsWeight`` where the rows kernel gives oneDNN's bits for their shape (``_rows_agree``, once
+    per shape), else oneDNN's packed copy (float32, or bfloat16 where the CPU runs it natively:
+    ``packable_dtypes``).
 
     oneDNN packs one matrix on one thread, so the matrices are packed ``threads`` at a time
     (default: the physical cores this process may use, even where torch was given fewer threads
@@ -121,6 +187,8 @@ def pack_linear_weights(model: nn.Module, threads: int | None = None) -> int:
         for module in model.modules()
         if hasattr(module, "packed_weight") and module.weight.dtype in dtypes and module.weight.device.type == "cpu"
     ]
+    rows_modules = _pack_rows([m for m in modules if m.weight.dtype == torch.float32]) if rows_enabled() else []
+    modules = [m for m in modules if m not in rows_modules]
 
     def pack(module: nn.Module) -> torch.Tensor:
         weight: torch.Tensor = module.weight  # type: ignore[assignment]
@@ -134,4 +202,23 @@ def pack_linear_weights(model: nn.Module, threads: int | None = None) -> int:
             packed = list(pool.map(pack, modules))
     for module, weight in zip(modules, packed):
         module.packed_weight = weight
-    return len(modules)
+    return len(modules) + len(rows_modules)
+
+
+def _pack_rows(modules: list[nn.Module]) -> list[nn.Module]:
+    """Pack for the rows kernel each float32 module whose shape passes ``_rows_agree`` (asked with the
+    first module of each shape); returns the modules packed so."""
+    verdict: dict[tuple, bool] = {}
+    done = []
+    for module in modules:
+        weight: torch.Tensor = module.weight  # type: ignore[assignment]
+        bias = getattr(module, "bias", None)
+        key = (*weight.shape, bias is not None)
+        if key not in verdict:
+            verdict[key] = _rows_agree(weight, bias)
+            if not verdict[key]:
+                logger.info("the rows kernel does not give oneDNN's bits for weights %s: oneDNN multiplies them", key)
+        if verdict[key]:
+            module.packed_weight = RowsWeight(weight.detach())  # type: ignore[assignment]
+            done.append(module)
+    return done

@@ -111,6 +111,35 @@ def prefill_mask_top_left() -> ContextManager:
     )
 
 
+# ------------------------------------------------------- CPU linear layers (rows kernel)
+def rows_linear_bias_dropped() -> ContextManager:
+    """The rows linear kernel leaves out the bias (Qwen2's q/k/v projections have one). The check that
+    decides which product multiplies a weight (``_rows_agree``) then sends biased weights back to
+    oneDNN, so only the kernel's own tests see it."""
+    cpu_kernels = _modules("nanovllm.cpu_kernels")[0]
+    orig = cpu_kernels.rows_linear
+
+    def rows_linear(x, strips, n, bias, segment):
+        return orig(x, strips, n, None, segment)
+
+    return _patched((cpu_kernels, "rows_linear", rows_linear))
+
+
+def rows_order_unchecked() -> ContextManager:
+    """The rows kernel sums each output as one chain over K (not oneDNN's segments) and nothing checks
+    it against oneDNN before use: the bits move from oneDNN's for K > 512, and a lone row's path and a
+    batch's may differ where a shape still takes oneDNN."""
+    cpu_linear = _modules("nanovllm.layers.cpu_linear")[0]
+
+    def segment(k):
+        return k
+
+    def _rows_agree(weight, bias):
+        return True
+
+    return _patched((cpu_linear, "segment", segment), (cpu_linear, "_rows_agree", _rows_agree))
+
+
 # ------------------------------------------------------------------- sampler
 def top_p_one_too_few() -> ContextManager:
     """top_p drops the token that crosses the threshold (inclusive cumulative mass)."""

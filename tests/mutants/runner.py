@@ -98,6 +98,7 @@ OPTS = "tests/test_sampling_options.py"
 GREEDY_OPTS = OPTS + "::test_greedy_with_option_matches_transformers_processors"  # ids gain [cuda] on GPU hosts
 PAR = "tests/test_parallel_sampling.py"
 FP8 = "tests/test_kv_cache_fp8.py"
+ROWS = "tests/test_cpu_rows_linear.py"
 
 CPU_PATH = "patches a path the CUDA engine does not take"
 
@@ -321,6 +322,9 @@ _CLASS_MUTANTS = {
     "decoded_token_of_sampled": [OPTIONS],
     # 9. accounting
     "prompt_tokens_skip_recompute_tail": [STATS, POLICY],
+    # the CPU's float32 linear layers (rows kernel)
+    "rows_linear_bias_dropped": [ROWS],
+    "rows_order_unchecked": [ROWS],
 }
 ENGINE_MUTANTS += [Mutant(name, getattr(engine_mutants, name), checks) for name, checks in _CLASS_MUTANTS.items()]
 
@@ -390,6 +394,8 @@ _NOT_ON_CUDA = {
     "gguf_eps_key_wrong": "the GGUF conversion runs on the host before any device is used",
     "gguf_qk_unpermute_skipped": "the GGUF conversion runs on the host before any device is used",
     "gguf_cache_key_file_only": "the GGUF conversion cache is the host's",
+    "rows_linear_bias_dropped": CPU_PATH,
+    "rows_order_unchecked": CPU_PATH,
 }
 
 

@@ -1,0 +1,155 @@
+"""The rows linear kernel (``cpu_kernels/rows_linear.c``): float32 products with oneDNN's bits.
+
+It replaces oneDNN's packed product for float32 weights wherever it gives the same bits for the
+weight's shape (``cpu_linear._rows_agree``), so a row's result must be oneDNN's bitwise, for every
+row count a step can have (one row alone: oneDNN's pair), with and without bias, on rows with a
+stride of their own, at any thread count; a wrong summation order must be caught by the check that
+decides, and then oneDNN keeps the weight.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from nanovllm import cpu_kernels
+from nanovllm.layers import cpu_linear
+
+pytestmark = pytest.mark.skipif(
+    not (cpu_linear.available() and cpu_kernels.rows_linear_available()),
+    reason="the rows kernel needs oneDNN to compare with and an AVX-512 build of the CPU kernels",
+)
+
+# (N, K): SmolLM2-135M's four layer products and its LM head's K, Qwen3-0.6B's MLP, and shapes with a
+# last strip of 1-15 columns and segments that do not divide K
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536), (1024, 3072), (17, 1100), (100, 700), (33, 64))
+ROW_COUNTS = (1, 2, 5, 6, 7, 13, 32, 37, 300)
+
+
+def _weight(n: int, k: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) / k**0.5
+
+
+def _onednn(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's packed product, a lone row as a pair (what ``cpu_linear.linear`` gives on that path)."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, cpu_linear.PACK_BATCH_HINT)
+    pair = x.shape[0] == 1
+    y = cpu_linear._product((x.expand(2, -1) if pair else x).contiguous(), packed, bias)
+    return y[:1] if pair else y
+
+
+def _rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return cpu_linear.linear(x, w, bias, cpu_linear.RowsWeight(w))
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("bias", (False, True))
+def test_the_rows_kernel_gives_onednns_bits(n, k, bias):
+    w = _weight(n, k, seed=n + k)
+    b = torch.randn(n) if bias else None
+    x = torch.randn(max(ROW_COUNTS), k, generator=torch.Generator().manual_seed(k))
+    differ = [m for m in ROW_COUNTS if not torch.equal(_rows(x[:m], w, b), _onednn(x[:m], w, b))]
+    assert not differ, f"N={n} K={k}: the rows kernel differs from oneDNN at {differ} rows"
+
+
+@pytest.mark.parametrize("n,k", SHAPES[:4])
+def test_a_row_is_the_same_alone_in_any_batch_and_at_any_thread_count(n, k):
+    w = _weight(n, k, seed=1)
+    rows = cpu_linear.RowsWeight(w)
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(2))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = cpu_linear.linear(x, w, None, rows)
+        torch.set_num_threads(2)
+        for m in (1, 2, 3, 7, 31, 64):
+            got = cpu_linear.linear(x[:m], w, None, rows)
+            assert torch.equal(got, one_thread[:m]), f"{m} rows on 2 threads differ from the rows on 1"
+        alone = torch.cat([cpu_linear.linear(x[r : r + 1], w, None, rows) for r in range(8)])
+        assert torch.equal(alone, one_thread[:8])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_rows_with_a_stride_of_their_own_are_read_in_place():
+    """A view of wider rows (a slice of a fused projection's output) gives the contiguous rows' bits."""
+    w = _weight(96, 576, seed=3)
+    wide = torch.randn(9, 700)
+    x = wide[:, 50:626]
+    assert x.stride(0) == 700 and not x.is_contiguous()
+    assert torch.equal(_rows(x, w, None), _rows(x.contiguous(), w, None))
+
+
+def test_the_rows_kernel_is_close_to_a_float64_product():
+    """Not only equal to oneDNN: right (guards a shared mistake in both, such as a dropped column)."""
+    w = _weight(100, 1100, seed=4)
+    b = torch.randn(100)
+    x = torch.randn(11, 1100)
+    want = (x.double() @ w.double().T + b.double()).float()
+    torch.testing.assert_close(_rows(x, w, b), want, rtol=1e-5, atol=1e-5)
+
+
+def test_no_rows_give_an_empty_product():
+    w = _weight(40, 64, seed=5)
+    assert _rows(torch.empty(0, 64), w, None).shape == (0, 40)
+
+
+def test_bad_shapes_are_refused_with_the_shapes_named():
+    w = _weight(40, 64, seed=6)
+    rows = cpu_linear.RowsWeight(w)
+    with pytest.raises(ValueError, match=r"x \(3, 65\) does not fit packed strips \(3, 64, 16\)"):
+        cpu_kernels.rows_linear(torch.randn(3, 65), rows.strips, 40, None, 64)
+    with pytest.raises(ValueError, match="bias of 39 values for N=40"):
+        cpu_kernels.rows_linear(torch.randn(3, 64), rows.strips, 40, torch.randn(39), 64)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_kernels.rows_linear(torch.randn(3, 64, dtype=torch.float64), rows.strips, 40, None, 64)
+    with pytest.raises(ValueError, match="segment 0"):
+        cpu_kernels.rows_linear(torch.randn(3, 64), rows.strips, 40, None, 0)
+
+
+def test_the_segment_rule_is_what_decides_the_bits():
+    """Negative controls: each other segment length than the rule's gives other bits than oneDNN for a
+    K past the first restart (so the comparison above could fail), and ``_rows_agree`` says so."""
+    for n, k in ((576, 576), (576, 1536), (100, 3072)):
+        w = _weight(n, k, seed=7)
+        x = torch.randn(7, k)
+        want = _onednn(x, w, None)
+        strips = cpu_kernels.rows_pack(w)
+        for other in {k, 256, 512, 1024} - {cpu_linear.segment(k)}:
+            got = cpu_kernels.rows_linear(x, strips, n, None, other)
+            assert not torch.equal(got, want), f"K={k}: segment {other} gave oneDNN's bits as well"
+        assert cpu_linear._rows_agree(w, None)
+
+
+def test_a_shape_whose_bits_differ_keeps_onednn(monkeypatch, caplog):
+    """Where the rule's segments do not give oneDNN's bits (a machine whose oneDNN sums otherwise),
+    those weights keep oneDNN's packed copy, a log line says so, and the others still get the kernel."""
+    from nanovllm.layers.linear import ColumnParallelLinear
+
+    model = torch.nn.Sequential(ColumnParallelLinear(1536, 64), ColumnParallelLinear(64, 1536))
+    for layer in model:
+        layer.weight.data.normal_()
+    monkeypatch.setattr(cpu_linear, "segment", lambda k: k)  # one chain: oneDNN's order only for K <= 512
+    with caplog.at_level(logging.INFO, logger=cpu_linear.__name__):
+        assert cpu_linear.pack_linear_weights(model) == 2
+    assert not isinstance(model[0].packed_weight, cpu_linear.RowsWeight)
+    assert isinstance(model[0].packed_weight, torch.Tensor)
+    assert isinstance(model[1].packed_weight, cpu_linear.RowsWeight)
+    assert "(64, 1536, False)" in caplog.text
+
+
+def test_float32_weights_get_the_kernel_and_the_switch_turns_it_off(monkeypatch):
+    from nanovllm.layers.linear import ColumnParallelLinear
+
+    layer = ColumnParallelLinear(576, 96)
+    layer.weight.data.normal_()
+    x = torch.randn(5, 576)
+    cpu_linear.pack_linear_weights(layer)
+    assert isinstance(layer.packed_weight, cpu_linear.RowsWeight)
+    with_kernel = layer(x)
+    monkeypatch.setenv(cpu_linear.ROWS_SWITCH, "0")
+    cpu_linear.pack_linear_weights(layer)
+    assert isinstance(layer.packed_weight, torch.Tensor)
+    assert torch.equal(layer(x), with_kernel)
