@@ -16,7 +16,7 @@
  * the product is batch-invariant by construction, one row alone included.
  *
  * Speed (2-core development machine, SmolLM2-135M's 121 products of a decode step, weights streamed
- * from memory): 1.5-1.9x oneDNN at 1-4 rows, 1.1-1.3x at 8-64 rows, level at 471 and 1,024 rows.
+ * from memory): 1.4-1.9x oneDNN at 1-4 rows, 1.1-1.3x at 8-64 rows, level at 471 and 1,024 rows.
  * Where the compiler has no AVX-512 this file builds stubs and ``rows_linear_vectorized`` says 0.
  */
 #include <stdint.h>

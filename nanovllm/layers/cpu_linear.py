@@ -19,7 +19,7 @@ bfloat16, so those weights keep ``F.linear``.
 
 float32 weights go to our own kernel where it is built (``rows_linear.c``: AVX-512) and gives
 oneDNN's bits for the weight's shape (``_rows_agree``, asked once per shape at packing): it streams
-a decode step's weights faster than oneDNN (1.5-1.9x at 1-4 rows, 1.1-1.3x at 8-64, level for
+a decode step's weights faster than oneDNN (1.4-1.9x at 1-4 rows, 1.1-1.3x at 8-64, level for
 prefill chunks; development machine, SmolLM2-135M), needs no pairing for a lone row, and its packed
 copy (``RowsWeight``) replaces oneDNN's, so memory stays one packed copy per weight. A shape where the
 bits differ keeps oneDNN's packed copy (a log line says so).
