@@ -188,7 +188,8 @@ def pack_linear_weights(model: nn.Module, threads: int | None = None) -> int:
         if hasattr(module, "packed_weight") and module.weight.dtype in dtypes and module.weight.device.type == "cpu"
     ]
     rows_modules = _pack_rows([m for m in modules if m.weight.dtype == torch.float32]) if rows_enabled() else []
-    modules = [m for m in modules if m not in rows_modules]
+    taken = set(map(id, rows_modules))
+    modules = [m for m in modules if id(m) not in taken]
 
     def pack(module: nn.Module) -> torch.Tensor:
         weight: torch.Tensor = module.weight  # type: ignore[assignment]
