@@ -130,10 +130,15 @@ def _differing(by_batch: dict) -> list[int]:
     return [n for n, lp in by_batch.items() if lp != by_batch[1]]
 
 
-ENGINE_PATHS = ["onednn"] + ["rows"] * cpu_linear.rows_enabled()
+def _skip_without_the_rows_kernel(path: str) -> None:
+    if path == "rows" and not cpu_linear.rows_enabled():
+        pytest.skip(
+            "the rows kernel is off here: the CPU kernels are not built with AVX-512, not built at all, "
+            f"or NANOVLLM_CPU_KERNELS / {cpu_linear.ROWS_SWITCH} is 0"
+        )
 
 
-@pytest.mark.parametrize("path", ENGINE_PATHS)
+@pytest.mark.parametrize("path", ["onednn", "rows"])
 def test_engine_logprobs_are_bitwise_the_same_alone_and_in_a_batch(wide_mlp_model, monkeypatch, path):
     """Float32 on the CPU: the needle's greedy logprobs, alone and among 1, 2 and 6 others, equal
     bitwise (decode steps at batch 1 go through K = 1,536), on either product: oneDNN's packed one
@@ -142,6 +147,7 @@ def test_engine_logprobs_are_bitwise_the_same_alone_and_in_a_batch(wide_mlp_mode
     from nanovllm import LLM, cpu_kernels
     from tests.conftest import engine_args
 
+    _skip_without_the_rows_kernel(path)
     if path == "onednn":
         monkeypatch.setenv(cpu_linear.ROWS_SWITCH, "0")
     llm = LLM(wide_mlp_model, **engine_args("cpu", block_size=16, seed=0))
@@ -162,3 +168,36 @@ def test_engine_logprobs_are_bitwise_the_same_alone_and_in_a_batch(wide_mlp_mode
         assert _differing(_needle_logprobs(llm, (1, 2))) == [2], "the control shows nothing"
     finally:
         llm.close()
+
+
+def test_the_rows_kernel_and_onednn_give_the_same_engine_bits(wide_mlp_model, monkeypatch):
+    """The same requests through the engine with the rows kernel and with oneDNN's packed products
+    (``NANOVLLM_CPU_ROWS_LINEAR=0``): the same tokens and the same logprobs, bitwise (K = 128, one
+    chain, and K = 1,536, two segments; decode batches of 1 to 7 rows and a prefill). Control: the
+    kernel given one chain over K (oneDNN's order only up to K = 512) and the comparison fails."""
+    from nanovllm import LLM, SamplingParams, cpu_kernels
+    from tests.conftest import engine_args, prompts_for
+
+    _skip_without_the_rows_kernel("rows")
+    prompts = prompts_for(512, (3, 21, 40, 77, 9, 130, 15), seed=5)
+    params = SamplingParams(temperature=0, max_tokens=20, logprobs=2, ignore_eos=True)
+
+    def run(rows: bool, one_chain: bool = False):
+        monkeypatch.setenv(cpu_linear.ROWS_SWITCH, "1" if rows else "0")
+        llm = LLM(wide_mlp_model, **engine_args("cpu", block_size=16, seed=0))
+        try:
+            if one_chain:
+                rows_linear = cpu_kernels.rows_linear
+                monkeypatch.setattr(
+                    cpu_kernels,
+                    "rows_linear",
+                    lambda x, strips, n, bias, segment: rows_linear(x, strips, n, bias, x.shape[1]),
+                )
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.close()
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    onednn = run(rows=False)
+    assert run(rows=True) == onednn
+    assert run(rows=True, one_chain=True) != onednn, "the control shows nothing"  # last: its patch stays until teardown

@@ -19,7 +19,8 @@ from nanovllm.layers import cpu_linear
 
 pytestmark = pytest.mark.skipif(
     not (cpu_linear.available() and cpu_kernels.rows_linear_available()),
-    reason="the rows kernel needs oneDNN to compare with and an AVX-512 build of the CPU kernels",
+    reason="the rows kernel is off here (it needs the CPU kernels built, with AVX-512, and NANOVLLM_CPU_KERNELS "
+    "not 0) or oneDNN is missing to compare with",
 )
 
 # (N, K): SmolLM2-135M's four layer products and its LM head's K, Qwen3-0.6B's MLP, and shapes with a
@@ -91,6 +92,21 @@ def test_the_rows_kernel_is_close_to_a_float64_product():
     torch.testing.assert_close(_rows(x, w, b), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["broadcast", "one-row view", "column view"])
+def test_rows_in_any_layout_give_the_contiguous_rows_bits(layout):
+    """Rows whose stride is below K (a broadcast row: stride 0; a one-row view of a transposed
+    column), or whose K floats are not adjacent, are read as their contiguous copy would be."""
+    w = _weight(96, 576, seed=8)
+    row = torch.randn(1, 576)
+    x = {
+        "broadcast": row.expand(3, -1),
+        "one-row view": row.t().contiguous().t(),  # (1, 576) with strides (1, 1)
+        "column view": torch.randn(576, 4)[:, 1:2].t(),  # (1, 576) with K floats 4 apart
+    }[layout]
+    assert torch.equal(_rows(x, w, None), _rows(x.contiguous(), w, None))
+    assert torch.equal(_rows(x, w, None), _onednn(x.contiguous(), w, None))
+
+
 def test_no_rows_give_an_empty_product():
     w = _weight(40, 64, seed=5)
     assert _rows(torch.empty(0, 64), w, None).shape == (0, 40)
@@ -99,13 +115,13 @@ def test_no_rows_give_an_empty_product():
 def test_bad_shapes_are_refused_with_the_shapes_named():
     w = _weight(40, 64, seed=6)
     rows = cpu_linear.RowsWeight(w)
-    with pytest.raises(ValueError, match=r"x \(3, 65\) does not fit packed strips \(3, 64, 16\)"):
+    with pytest.raises(ValueError, match=r"packed strips \(3, 64, 16\) .* are not rows_pack.s \(3, 65, 16\)"):
         cpu_kernels.rows_linear(torch.randn(3, 65), rows.strips, 40, None, 64)
-    with pytest.raises(ValueError, match="bias of 39 values for N=40"):
+    with pytest.raises(ValueError, match=r"bias must be 40 contiguous floats \(N=40\), got 39"):
         cpu_kernels.rows_linear(torch.randn(3, 64), rows.strips, 40, torch.randn(39), 64)
     with pytest.raises(ValueError, match="float32"):
         cpu_kernels.rows_linear(torch.randn(3, 64, dtype=torch.float64), rows.strips, 40, None, 64)
-    with pytest.raises(ValueError, match="segment 0"):
+    with pytest.raises(ValueError, match="segment=0"):
         cpu_kernels.rows_linear(torch.randn(3, 64), rows.strips, 40, None, 0)
 
 

@@ -9,7 +9,7 @@ masking half of it. ``paged_attention.c`` walks each query row's slots through i
 instead, reading each key and value once per row and kv head, causal rows seeing only their own
 prefix.
 
-It is plain C (no PyTorch headers: it compiles in well under a second) built with the machine's C
+It is plain C (no PyTorch headers: the three files compile in 2-3 s) built with the machine's C
 compiler on first use into the on-disk cache (``$NANOVLLM_CACHE/kernels``, keyed by the source,
 the compiler and this CPU's flags: ``-march=native``), and called through ctypes, which releases
 the GIL. Its OpenMP is torch's own ``libgomp`` (the same soname, already loaded by torch), so its
@@ -107,7 +107,7 @@ def load() -> Kernels | None:
         dest = cache_root() / "kernels" / f"cpu_kernels-{build_key(cc)}"
         library = ctypes.CDLL(str(Path(build_once(dest, LIBRARY, lambda tmp: _build(cc, tmp))) / LIBRARY))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        logger.warning("the CPU attention kernel could not be built or loaded (%s): PyTorch runs it", e)
+        logger.warning("the CPU kernels could not be built or loaded (%s): PyTorch and oneDNN run their work", e)
         return None
     attention = library.paged_attention_f32
     attention.restype = ctypes.c_int
@@ -381,8 +381,10 @@ def rows_pack(weight: torch.Tensor) -> torch.Tensor:
     """A float32 weight [N, K] packed for ``rows_linear``: strips of 16 output columns,
     [ceil(N / 16), K, 16], zero columns past N."""
     kernels = _kernels(weight)
-    if kernels.rows_pack is None or weight.dim() != 2:
-        raise ValueError(f"rows_pack: needs a 2-D weight and the AVX-512 build, got {tuple(weight.shape)}")
+    if kernels.rows_pack is None:
+        raise RuntimeError("rows_pack: this build of the CPU kernels has no AVX-512 (rows_linear_available() is False)")
+    if weight.dim() != 2:
+        raise ValueError(f"rows_pack: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
     weight = weight.detach().contiguous()
     n, k = weight.shape
     out = torch.empty(-(-n // ROWS_STRIP), k, ROWS_STRIP, dtype=torch.float32)
@@ -396,14 +398,29 @@ def rows_linear(x: torch.Tensor, strips: torch.Tensor, n: int, bias: torch.Tenso
     order, then the bias (rows_linear.c)."""
     kernels = _kernels(x, strips, *([] if bias is None else [bias]))
     if kernels.rows_linear is None:
-        raise RuntimeError("rows_linear: this build has no AVX-512 kernel")
-    if x.dim() != 2 or x.stride(1) != 1:
-        x = x.reshape(-1, x.shape[-1]).contiguous()
+        raise RuntimeError(
+            "rows_linear: this build of the CPU kernels has no AVX-512 (rows_linear_available() is False)"
+        )
+    if x.dim() != 2:
+        x = x.reshape(-1, x.shape[-1])
     m, k = x.shape
-    if strips.dim() != 3 or strips.shape[1] != k or strips.shape[0] * ROWS_STRIP < n or not strips.is_contiguous():
-        raise ValueError(f"rows_linear: x {tuple(x.shape)} does not fit packed strips {tuple(strips.shape)} for N={n}")
+    # the kernel reads rows x.stride(0) floats apart, each row's K floats in order: other layouts are copied
+    # (a broadcast row has stride 0; a one-row view may have any row stride, so it is read as contiguous)
+    if m > 1 and (x.stride(1) != 1 or x.stride(0) < k):
+        x = x.contiguous()
+    elif m == 1 and x.stride(1) != 1:
+        x = x.contiguous()
+    row_stride = x.stride(0) if m > 1 else k
+    if tuple(strips.shape) != (-(-n // ROWS_STRIP), k, ROWS_STRIP) or not strips.is_contiguous():
+        raise ValueError(
+            f"rows_linear: packed strips {tuple(strips.shape)} (contiguous: {strips.is_contiguous()}) are not "
+            f"rows_pack's ({-(-n // ROWS_STRIP)}, {k}, {ROWS_STRIP}) for N={n} and x {tuple(x.shape)}"
+        )
     if bias is not None and (bias.numel() != n or not bias.is_contiguous()):
-        raise ValueError(f"rows_linear: bias of {bias.numel()} values for N={n}")
+        raise ValueError(
+            f"rows_linear: bias must be {n} contiguous floats (N={n}), got {bias.numel()} "
+            f"(contiguous: {bias.is_contiguous()})"
+        )
     out = torch.empty(m, n, dtype=torch.float32)
     if m == 0:
         return out
@@ -415,13 +432,16 @@ def rows_linear(x: torch.Tensor, strips: torch.Tensor, n: int, bias: torch.Tenso
         m,
         n,
         k,
-        x.stride(0),
+        row_stride,
         n,
         segment,
         torch.get_num_threads(),
     )
     if status != 0:
-        raise ValueError(f"rows_linear: bad arguments (x {tuple(x.shape)}, N={n}, segment {segment})")
+        raise ValueError(
+            f"rows_linear: the kernel refused x {tuple(x.shape)} (row stride {row_stride}), N={n}, segment={segment} "
+            f"(segment must be >= 1)"
+        )
     return out
 
 

@@ -1,4 +1,4 @@
-"""CPU matmuls through oneDNN with prepacked weights.
+"""CPU matmuls with prepacked weights: our rows kernel for float32 (oneDNN's bits), oneDNN otherwise.
 
 On a CPU, decode steps multiply a few rows by every weight matrix: MKL's sgemm
 on plain row-major weights reaches a fraction of memory bandwidth there, while
@@ -127,9 +127,12 @@ AGREE_COLUMNS = 4096  # output columns probed at most (an LM head's 49,152 would
 def _rows_agree(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether the rows kernel gives oneDNN's packed product bitwise for this weight's shape, on random
     rows (1, 2, 7, 37 and 300 of them, a lone row as oneDNN's pair): then either may multiply it and a
-    row's bits stay the same. Random rows, because the summation order does not depend on values; at
-    most the first 4,096 output columns, because it does not depend on N either (oneDNN's was measured
-    the same for N from 17 to 49,152 on the development machine)."""
+    row's bits stay the same. Random rows, because the summation order does not depend on values. At
+    most the first 4,096 output columns: oneDNN's order was measured the same for N from 17 to 151,936
+    on the development machine (not for N = 1, whose order differs: a shape of N <= 4,096 is checked
+    whole). Asked at the thread count of packing (oneDNN's order for 2+ rows was the same at 1 and 2
+    threads; the kernel's never depends on it), with the module's bias; a row-parallel layer under
+    tensor parallelism adds its bias after the reduction instead, where the chain is the same."""
     weight = weight.detach()[:AGREE_COLUMNS]
     bias = None if bias is None else bias.detach()[:AGREE_COLUMNS]
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
@@ -218,7 +221,10 @@ def _pack_rows(modules: list[nn.Module]) -> list[nn.Module]:
         if key not in verdict:
             verdict[key] = _rows_agree(weight, bias)
             if not verdict[key]:
-                logger.info("the rows kernel does not give oneDNN's bits for weights %s: oneDNN multiplies them", key)
+                logger.info(
+                    "the rows kernel does not give oneDNN's bits for weights of N=%d, K=%d, bias=%s: oneDNN multiplies them",
+                    *key,
+                )
         if verdict[key]:
             module.packed_weight = RowsWeight(weight.detach())  # type: ignore[assignment]
             done.append(module)

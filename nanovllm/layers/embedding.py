@@ -47,7 +47,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the full vocabulary on every rank (each rank computes its slice)."""
 
-    packed_weight: torch.Tensor | None = None  # oneDNN copy on CPU (cpu_linear.py)
+    packed_weight: torch.Tensor | cpu_linear.RowsWeight | None = None  # packed copy on CPU (cpu_linear.py)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = cpu_linear.linear(hidden, self.weight, None, self.packed_weight)

@@ -20,11 +20,14 @@ decode_gemm = LazyKernels("nanovllm.layers.decode_gemm", "NANOVLLM_DECODE_GEMM")
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor | cpu_linear.RowsWeight | None,
 ) -> torch.Tensor:
     """y = x @ weight.T + bias: the Triton decode-batch kernel where it is on and applies (CUDA, few
-    rows; on the CPU only in the kernel tests under Triton's interpreter), oneDNN's packed weights on
-    the CPU, ``F.linear`` elsewhere."""
+    rows; on the CPU only in the kernel tests under Triton's interpreter), the packed weights on the
+    CPU (our rows kernel for float32, oneDNN's otherwise: ``cpu_linear``), ``F.linear`` elsewhere."""
     if decode_gemm.enabled(x):
         if decode_gemm.preload_applies(x, weight, bias):
             return decode_gemm.preload_linear(x, weight)
@@ -51,7 +54,7 @@ class LinearBase(nn.Module):
         self.tp_dim = tp_dim
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        self.packed_weight: torch.Tensor | None = None  # oneDNN copy on CPU (cpu_linear.py)
+        self.packed_weight: torch.Tensor | cpu_linear.RowsWeight | None = None  # packed copy on CPU (cpu_linear.py)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]

@@ -85,7 +85,9 @@ class ModelRunner:
             load_weights(self.model, iter_safetensors(config.model_dir))
         self.model.eval()
         if self.device.type == "cpu":
-            pack_linear_weights(self.model)  # oneDNN-packed copies: ~2x faster decode matmuls
+            pack_linear_weights(
+                self.model
+            )  # packed copies (rows kernel / oneDNN): faster decode matmuls (cpu_linear.py)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = get_backend(config.attention_backend)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
@@ -276,7 +278,7 @@ class ModelRunner:
 
         The weights' storage is dropped here, tensor by tensor: the modules hold reference cycles (a
         parameter's ``weight_loader`` is a bound method of its layer), so dropping the model alone
-        would leave every weight (and, on the CPU, its oneDNN-packed copy) to the next full garbage
+        would leave every weight (and, on the CPU, its packed copy) to the next full garbage
         collection, and a collection at every close costs ~0.2 s of a CLI command's exit."""
         if self.model is not None:
             for module in self.model.modules():

@@ -127,8 +127,8 @@ def rows_linear_bias_dropped() -> ContextManager:
 
 def rows_order_unchecked() -> ContextManager:
     """The rows kernel sums each output as one chain over K (not oneDNN's segments) and nothing checks
-    it against oneDNN before use: the bits move from oneDNN's for K > 512, and a lone row's path and a
-    batch's may differ where a shape still takes oneDNN."""
+    it against oneDNN before use: every float32 weight takes the kernel, still batch-invariant, but its
+    bits leave oneDNN's (the fallback's, and the path's before the kernel) for K > 512."""
     cpu_linear = _modules("nanovllm.layers.cpu_linear")[0]
 
     def segment(k):
