@@ -153,7 +153,7 @@ def test_a_shape_whose_bits_differ_keeps_onednn(monkeypatch, caplog):
     assert not isinstance(model[0].packed_weight, cpu_linear.RowsWeight)
     assert isinstance(model[0].packed_weight, torch.Tensor)
     assert isinstance(model[1].packed_weight, cpu_linear.RowsWeight)
-    assert "(64, 1536, False)" in caplog.text
+    assert "N=64, K=1536, bias=False" in caplog.text
 
 
 def test_float32_weights_get_the_kernel_and_the_switch_turns_it_off(monkeypatch):
