@@ -91,6 +91,7 @@ class Kernels(NamedTuple):
     silu_and_mul: Any
     rows_linear: Any  # None where the build has no AVX-512 (rows_linear.c)
     rows_pack: Any
+    rows_reference: Any  # the same order in scalar code, for the tests (rows_linear.c)
 
 
 @cache
@@ -138,6 +139,9 @@ def load() -> Kernels | None:
     rows_pack = library.rows_pack_f32
     rows_pack.restype = None
     rows_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
+    reference = library.rows_linear_reference_f32
+    reference.restype = None
+    reference.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     vectorized = bool(library.rows_linear_vectorized())
     return Kernels(
         attention,
@@ -148,6 +152,7 @@ def load() -> Kernels | None:
         silu,
         rows_linear if vectorized else None,
         rows_pack if vectorized else None,
+        reference,
     )
 
 
@@ -442,6 +447,22 @@ def rows_linear(x: torch.Tensor, strips: torch.Tensor, n: int, bias: torch.Tenso
             f"rows_linear: the kernel refused x {tuple(x.shape)} (row stride {row_stride}), N={n}, segment={segment} "
             f"(segment must be >= 1)"
         )
+    return out
+
+
+def rows_linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, segment: int
+) -> torch.Tensor:
+    """``rows_linear``'s product in scalar C, in the same order, from the plain weight [N, K]: the tests'
+    oracle for the vector kernel (slow: tests only)."""
+    kernels = _kernels(x, weight, *([] if bias is None else [bias]))
+    x, weight = x.contiguous(), weight.detach().contiguous()
+    (m, k), n = x.shape, weight.shape[0]
+    if weight.shape[1] != k or segment < 1 or (bias is not None and bias.numel() != n):
+        raise ValueError(f"rows_linear_reference: x {tuple(x.shape)}, weight {tuple(weight.shape)}, segment={segment}")
+    out = torch.empty(m, n, dtype=torch.float32)
+    bias_ptr = None if bias is None else bias.contiguous().data_ptr()
+    kernels.rows_reference(x.data_ptr(), weight.data_ptr(), bias_ptr, out.data_ptr(), m, n, k, k, n, segment)
     return out
 
 

@@ -19,6 +19,7 @@
  * from memory): 1.4-1.9x oneDNN at 1-4 rows, 1.1-1.3x at 8-64 rows, level at 471 and 1,024 rows.
  * Where the compiler has no AVX-512 this file builds stubs and ``rows_linear_vectorized`` says 0.
  */
+#include <math.h>
 #include <stdint.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -35,6 +36,25 @@ int rows_linear_vectorized(void) {
 #else
     return 0;
 #endif
+}
+
+/* The same product and order, one output at a time in scalar code (fmaf: one rounding, like the
+ * vector FMA), reading W [n][k] as it is: the tests' oracle for the vector kernel on any machine
+ * (the vector kernel must equal it bitwise; whether it also equals this machine's oneDNN is a
+ * separate question). Not used by the engine. */
+void rows_linear_reference_f32(const float *x, const float *w, const float *bias, float *y, int m, int n, int k,
+                               int64_t ldx, int64_t ldy, int seg) {
+    for (int i = 0; i < m; i++)
+        for (int c = 0; c < n; c++) {
+            float total = 0.0f;
+            for (int k0 = 0; k0 < k; k0 += seg) {
+                int k1 = k - k0 > seg ? k0 + seg : k;
+                float chain = 0.0f;
+                for (int kk = k0; kk < k1; kk++) chain = fmaf(x[i * ldx + kk], w[(int64_t)c * k + kk], chain);
+                total = k0 == 0 ? chain : total + chain;
+            }
+            y[i * ldy + c] = bias ? total + bias[c] : total;
+        }
 }
 
 #if defined(__AVX512F__)
