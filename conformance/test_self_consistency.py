@@ -1,6 +1,8 @@
 """Self-consistency: the engine's mechanisms must not change its tokens (float32: bitwise).
 
-- batch invariance: a needle prompt alone vs inside batches of 1..10, 15, 16, 17, 31, 32, 33;
+- batch invariance: a needle prompt alone vs inside batches of 1..10, 15, 16, 17, 31, 32, 33; and,
+  for engines that claim it (``batch_invariant``), its logprobs bitwise, on a model whose products
+  sum K = 1,536 (past the reductions where a GEMM may sum a lone row otherwise);
 - chunked prefill at token budgets {7, 16, 17, 64, inf} vs the golden greedy tokens and each other;
 - prefix cache on/off: boundary prefix, partial block, fully cached prompt, cold then hot;
   the cached-token counter equals the expected multiple of the block size;
@@ -19,7 +21,7 @@ import pytest
 
 import golden
 from conformance.adapters import Sampling
-from conformance.adapters.base import GREEDY, PREEMPTION_STATS, PREFIX_CACHE_STATS, Capability
+from conformance.adapters.base import GREEDY, LOGPROBS, PREEMPTION_STATS, PREFIX_CACHE_STATS, Capability
 from conformance.compare import assert_tokens_equal, compare_greedy
 from conformance.harness import delta, generate, golden_step_logprobs, require, skip_lacking, tokens
 from conformance.zoo import ZOO
@@ -67,6 +69,37 @@ def test_batch_invariance(engines, figure):
             differ.append(n)
     figure("batch sizes differing", len(differ))
     assert not differ, f"needle differs from its solo run in batches of {differ}"
+
+
+WIDE_MODEL = "llama-wide-mlp"
+
+
+def test_batch_invariance_of_logprobs(engines, figure):
+    """An engine that claims batch invariance: the needle's greedy tokens and its chosen tokens'
+    logprobs, alone and among 1, 2, 6 and 15 others, are the same bitwise, on a model whose down
+    projection sums K = 1,536. Tokens alone miss what this sees: a lone row summed in another order
+    moved 57 of 64 of SmolLM2's logprobs and none of its tokens."""
+    from conformance.zoo import zoo_model
+
+    engine = engines.get(zoo_model(WIDE_MODEL))
+    require(engine, GREEDY, LOGPROBS, Capability.BATCH_INVARIANT)
+    vocab = ZOO[WIDE_MODEL].vocab_size
+    needle = _fillers(vocab, 1, seed=101)[0] + [7, 8, 9]
+    params = Sampling.greedy(16, logprobs=1)
+
+    def chosen(result) -> list[tuple[int, float]]:
+        return [(t, d[t].logprob) for t, d in zip(result.token_ids, result.logprobs)]
+
+    alone = chosen(generate(engine, [needle], params)[0])
+    differ = []
+    for n in (2, 3, 7, 16):
+        batch = _fillers(vocab, n - 1, seed=200 + n)
+        pos = n // 2
+        batch.insert(pos, needle)
+        if chosen(generate(engine, batch, params)[pos]) != alone:
+            differ.append(n)
+    figure("batch sizes whose logprobs differ", len(differ))
+    assert not differ, f"the needle's logprobs differ from its solo run in batches of {differ}"
 
 
 @pytest.mark.parametrize("budget", BUDGETS, ids=[str(b) for b in BUDGETS])

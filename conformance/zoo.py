@@ -130,6 +130,10 @@ ZOO: dict[str, ZooSpec] = {
         rope_scaling={"rope_type": "linear", "factor": 4.0},
         extra_eos_ids=(294, 403),
     ),
+    # a down projection summing K = 1,536 (past the 512- and 1,024-element reductions where a CPU GEMM
+    # may sum one row alone otherwise than a batch's rows: oneDNN did, found at 2026-12-05); no golden
+    # file: only the self-consistency rules use it
+    "llama-wide-mlp": ZooSpec("llama", 128, 2, 4, 2, 32, 1536, 512, False, seed=11),
 }
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 

@@ -100,14 +100,13 @@ def test_the_rule_catches_a_probe_that_trusts_one_bfloat16_row(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def wide_mlp_model(tmp_path_factory):
-    """A llama whose down projection has K = 1,536 (> 1,024), random seeded weights."""
+def wide_mlp_model():
+    """A llama whose down projection has K = 1,536 (> 1,024), random seeded weights (the zoo's
+    ``llama-wide-mlp``, which the conformance suite's batch-invariance rule uses too)."""
     pytest.importorskip("transformers", reason="the zoo builder writes the config with transformers")
-    from conformance.zoo import ZooSpec, build
+    from conformance.zoo import zoo_model
 
-    dest = tmp_path_factory.mktemp("wide-mlp")
-    build(ZooSpec("llama", 128, 2, 4, 2, 32, 1536, 512, False, seed=11), dest)
-    return str(dest)
+    return zoo_model("llama-wide-mlp")
 
 
 def _needle_logprobs(llm, batch_sizes) -> dict[int, list[float]]:

@@ -77,6 +77,8 @@ class Capability(str, enum.Enum):
     MAX_NUM_SEQS = "max_num_seqs"
     MAX_MODEL_LEN = "max_model_len"
     ASYNC_SCHEDULING = "async_scheduling"
+    # claims
+    BATCH_INVARIANT = "batch_invariant"  # a request's logprobs do not depend on its batch-mates (bitwise)
 
     def __str__(self) -> str:
         return self.value

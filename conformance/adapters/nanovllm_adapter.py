@@ -67,6 +67,8 @@ class NanovllmAdapter(EngineAdapter):
         }
         if torch.cuda.is_available():
             caps.add(C.CUDA_GRAPH)
+        else:  # the CPU path's claim (float32: each product's rows summed alone); not made for CUDA's cuBLAS
+            caps.add(C.BATCH_INVARIANT)
         self.capabilities = frozenset(caps)
         self.llm = None
         self.version = __import__("nanovllm").__version__

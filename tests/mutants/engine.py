@@ -125,6 +125,24 @@ def rows_linear_bias_dropped() -> ContextManager:
     return _patched((cpu_kernels, "rows_linear", rows_linear))
 
 
+def lone_row_summed_otherwise() -> ContextManager:
+    """A lone row's products summed in other K pieces than a batch's rows (512-element pieces where K >
+    1,024: oneDNN's order for one row, the bug found at 2026-12-05), and the packing-time check that
+    would send such weights back to oneDNN trusting the kernel: a batch-1 decode step's logprobs leave
+    the same request's in a batch, while its tokens mostly stay."""
+    cpu_kernels, cpu_linear = _modules("nanovllm.cpu_kernels", "nanovllm.layers.cpu_linear")
+    orig = cpu_kernels.rows_linear
+
+    def rows_linear(x, strips, n, bias, segment):
+        lone = x.shape[0] == 1 and x.shape[-1] > 1024
+        return orig(x, strips, n, bias, 512 if lone else segment)
+
+    def _rows_agree(weight, bias):
+        return True
+
+    return _patched((cpu_kernels, "rows_linear", rows_linear), (cpu_linear, "_rows_agree", _rows_agree))
+
+
 def rows_order_unchecked() -> ContextManager:
     """The rows kernel sums each output as one chain over K (not oneDNN's segments) and nothing checks
     it against oneDNN before use: every float32 weight takes the kernel, still batch-invariant, but its

@@ -325,6 +325,7 @@ _CLASS_MUTANTS = {
     # the CPU's float32 linear layers (rows kernel)
     "rows_linear_bias_dropped": [ROWS],
     "rows_order_unchecked": [ROWS],
+    "lone_row_summed_otherwise": [f"{SELF}::test_batch_invariance_of_logprobs"],
 }
 ENGINE_MUTANTS += [Mutant(name, getattr(engine_mutants, name), checks) for name, checks in _CLASS_MUTANTS.items()]
 
@@ -396,6 +397,7 @@ _NOT_ON_CUDA = {
     "gguf_cache_key_file_only": "the GGUF conversion cache is the host's",
     "rows_linear_bias_dropped": CPU_PATH,
     "rows_order_unchecked": CPU_PATH,
+    "lone_row_summed_otherwise": CPU_PATH,
 }
 
 
