@@ -81,8 +81,8 @@ def test_batch_invariance_of_logprobs(engines, figure):
     moved 57 of 64 of SmolLM2's logprobs and none of its tokens."""
     from conformance.zoo import zoo_model
 
+    require(engines, GREEDY, LOGPROBS, Capability.BATCH_INVARIANT)  # before building or loading anything
     engine = engines.get(zoo_model(WIDE_MODEL))
-    require(engine, GREEDY, LOGPROBS, Capability.BATCH_INVARIANT)
     vocab = ZOO[WIDE_MODEL].vocab_size
     needle = _fillers(vocab, 1, seed=101)[0] + [7, 8, 9]
     params = Sampling.greedy(16, logprobs=1)

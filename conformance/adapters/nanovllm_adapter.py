@@ -67,7 +67,8 @@ class NanovllmAdapter(EngineAdapter):
         }
         if torch.cuda.is_available():
             caps.add(C.CUDA_GRAPH)
-        else:  # the CPU path's claim (float32: each product's rows summed alone); not made for CUDA's cuBLAS
+        else:  # the CPU path's claim (float32: each row's products summed in one order whatever its batch);
+            # not made on a CUDA host, even for --device cpu there, as CUDA's cuBLAS products do not keep it
             caps.add(C.BATCH_INVARIANT)
         self.capabilities = frozenset(caps)
         self.llm = None
