@@ -1,15 +1,16 @@
-"""The rows linear kernel (``cpu_kernels/rows_linear.c``): float32 products with oneDNN's bits.
+"""The rows linear kernel (``cpu_kernels/rows_linear.c``): batch-invariant float32 products.
 
-It replaces oneDNN's packed product for float32 weights wherever it gives the same bits for the
-weight's shape (``cpu_linear._rows_agree``). Two questions, tested apart:
+It replaces oneDNN's packed product for float32 weights wherever it is built and its vector code
+keeps its order for the weight's shape (``cpu_linear._kernel_keeps_its_order``, at packing). Two
+questions, tested apart:
 
 - Does the vector kernel sum in its documented order? Against the scalar reference of that order
-  (``rows_linear_reference``), bitwise, on any machine.
+  (``rows_linear_reference``), bitwise, on any machine; and so does the packing check decide.
 - Is that order this machine's oneDNN's? On the development machine (AMD EPYC, AVX-512, torch
-  2.13.0+cpu) it is, for every shape measured (``DEV_RULE``). Where a machine's oneDNN sums a shape
-  otherwise (decided by comparing oneDNN with the scalar reference under DEV_RULE: neither the kernel
-  nor ``cpu_linear.segment`` takes part), the tests that need oneDNN's order skip, naming it, and
-  the engine keeps oneDNN for such weights (``test_a_shape_whose_bits_differ_keeps_onednn``).
+  2.13.0+cpu) it is, for every shape measured (``DEV_RULE``), so there the kernel and oneDNN give the
+  same bits. Where a machine's oneDNN sums a shape otherwise (decided by comparing oneDNN with the
+  scalar reference under DEV_RULE: neither the kernel nor ``cpu_linear.segment`` takes part), the
+  tests that compare with oneDNN skip, naming it; the engine still uses the kernel there.
 """
 
 from __future__ import annotations
@@ -41,9 +42,7 @@ def _weight(n: int, k: int, seed: int) -> torch.Tensor:
 def _onednn(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """oneDNN's packed product, a lone row as a pair (what ``cpu_linear.linear`` gives on that path)."""
     packed = torch.ops.mkldnn._reorder_linear_weight(w, cpu_linear.PACK_BATCH_HINT)
-    pair = x.shape[0] == 1
-    y = cpu_linear._product((x.expand(2, -1) if pair else x).contiguous(), packed, bias)
-    return y[:1] if pair else y
+    return cpu_linear.onednn_product(x, packed, bias, pair=x.shape[0] == 1)
 
 
 def _rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -73,7 +72,8 @@ def require_onednns_order(n: int, k: int, bias: bool = False) -> None:
     if not onednn_follows_the_rule(n, k, bias):
         pytest.skip(
             f"this machine's oneDNN sums N={n}, K={k} (bias={bias}) in another order than the development "
-            "machine's: the engine keeps oneDNN for such weights, so there are no oneDNN bits to match"
+            "machine's: the rows kernel's bits (its own order, checked against the scalar reference) are "
+            "not oneDNN's here, so there are no oneDNN bits to match"
         )
 
 
@@ -103,7 +103,58 @@ def test_the_rows_kernel_gives_onednns_bits(n, k, bias):
     x = torch.randn(max(ROW_COUNTS), k, generator=torch.Generator().manual_seed(k))
     differ = [m for m in ROW_COUNTS if not torch.equal(_rows(x[:m], w, b), _onednn(x[:m], w, b))]
     assert not differ, f"N={n} K={k}: the rows kernel differs from oneDNN at {differ} rows"
-    assert cpu_linear._rows_agree(w, b)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("bias", (False, True))
+def test_the_packing_check_passes_the_kernel_as_built(n, k, bias):
+    """Any machine: the packing check finds the vector code in its order for every shape (else the
+    engine would fall back to oneDNN and lose the kernel's speed and batch invariance)."""
+    w = _weight(n, k, seed=n + k)
+    assert cpu_linear._kernel_keeps_its_order(w, torch.randn(n) if bias else None)
+
+
+@pytest.mark.parametrize(
+    "bug",
+    ["lone row in 512-element pieces", "bias dropped", "last strip's columns zeroed", "7th row of a tile skipped"],
+)
+def test_the_packing_check_sees_a_kernel_that_leaves_its_order(monkeypatch, bug):
+    """Negative controls of ``_kernel_keeps_its_order``: each way the vector code could go wrong is
+    seen on a weight of N = 100 (a partial last strip) and K = 1,536 (two segments), with a bias."""
+    rows_linear = cpu_kernels.rows_linear
+
+    def broken(x, strips, n, bias, segment):
+        if bug == "lone row in 512-element pieces" and x.shape[0] == 1:
+            segment = 512
+        y = rows_linear(x, strips, n, None if bug == "bias dropped" else bias, segment)
+        if bug == "last strip's columns zeroed":
+            y[:, n - n % 16 :] = 0
+        if bug == "7th row of a tile skipped" and x.shape[0] >= 7:
+            y[6] = 0
+        return y
+
+    w, b = _weight(100, 1536, seed=9), torch.randn(100)
+    assert cpu_linear._kernel_keeps_its_order(w, b)
+    monkeypatch.setattr(cpu_kernels, "rows_linear", broken)
+    assert not cpu_linear._kernel_keeps_its_order(w, b), f"the packing check missed: {bug}"
+
+
+def test_the_packing_check_probes_a_wide_weights_last_partial_strip(monkeypatch):
+    """An LM head's N (49,152 + 3 here) is probed on its first 256 columns and the same remainder
+    modulo 64: a bug in the last partial strip (3 columns) is seen without multiplying all of N."""
+    rows_linear = cpu_kernels.rows_linear
+
+    def tail_zeroed(x, strips, n, bias, segment):
+        y = rows_linear(x, strips, n, bias, segment)
+        if n % 16:
+            y[:, n - n % 16 :] = 0
+        return y
+
+    w = _weight(49155, 64, seed=10)
+    assert cpu_linear._probe_columns(49155) == 256 + 49155 % 64
+    assert cpu_linear._kernel_keeps_its_order(w, None)
+    monkeypatch.setattr(cpu_kernels, "rows_linear", tail_zeroed)
+    assert not cpu_linear._kernel_keeps_its_order(w, None)
 
 
 @pytest.mark.parametrize("n,k", SHAPES[:4])
@@ -178,7 +229,7 @@ def test_bad_shapes_are_refused_with_the_shapes_named():
 
 def test_the_segment_rule_is_what_decides_the_bits():
     """Negative controls: each other segment length than the rule's gives other bits than oneDNN for a
-    K past the first restart (so the comparison above could fail), and ``_rows_agree`` says so."""
+    K past the first restart (so the comparison above could fail)."""
     for n, k in ((576, 576), (576, 1536), (100, 3072)):
         require_onednns_order(n, k)
         w = _weight(n, k, seed=7)
@@ -188,19 +239,23 @@ def test_the_segment_rule_is_what_decides_the_bits():
         for other in {k, 256, 512, 1024} - {DEV_RULE(k)}:
             got = cpu_kernels.rows_linear(x, strips, n, None, other)
             assert not torch.equal(got, want), f"K={k}: segment {other} gave oneDNN's bits as well"
-        assert cpu_linear._rows_agree(w, None)
 
 
-def test_a_shape_whose_bits_differ_keeps_onednn(monkeypatch, caplog):
-    """Where the rule's segments do not give oneDNN's bits (a machine whose oneDNN sums otherwise),
-    those weights keep oneDNN's packed copy, a log line says so, and the others still get the kernel."""
+def test_a_shape_where_the_kernel_leaves_its_order_keeps_onednn(monkeypatch, caplog):
+    """Where the vector code does not give its scalar reference's bits for a shape (a compiler or CPU
+    that breaks it), those weights keep oneDNN's packed copy, a warning names the shape, and the
+    others still get the kernel."""
     from nanovllm.layers.linear import ColumnParallelLinear
 
-    require_onednns_order(1536, 64)
     model = torch.nn.Sequential(ColumnParallelLinear(1536, 64), ColumnParallelLinear(64, 1536))
     for layer in model:
         layer.weight.data.normal_()
-    monkeypatch.setattr(cpu_linear, "segment", lambda k: k)  # one chain: oneDNN's order only for K <= 512
+    rows_linear = cpu_kernels.rows_linear
+
+    def one_chain(x, strips, n, bias, segment):  # not its order for K > 512
+        return rows_linear(x, strips, n, bias, x.shape[1])
+
+    monkeypatch.setattr(cpu_kernels, "rows_linear", one_chain)
     with caplog.at_level(logging.INFO, logger=cpu_linear.__name__):
         assert cpu_linear.pack_linear_weights(model) == 2
     assert not isinstance(model[0].packed_weight, cpu_linear.RowsWeight)
@@ -210,19 +265,22 @@ def test_a_shape_whose_bits_differ_keeps_onednn(monkeypatch, caplog):
 
 
 def test_float32_weights_get_the_kernel_and_the_switch_turns_it_off(monkeypatch):
+    """Any machine where the kernel is built: a float32 layer packs for it, gives its reference's bits,
+    and ``NANOVLLM_CPU_ROWS_LINEAR=0`` gives it oneDNN's packed copy instead (equal bits where this
+    machine's oneDNN follows the measured order: ``test_the_rows_kernel_gives_onednns_bits``)."""
     from nanovllm.layers.linear import ColumnParallelLinear
 
-    require_onednns_order(96, 576)
     layer = ColumnParallelLinear(576, 96)
     layer.weight.data.normal_()
     x = torch.randn(5, 576)
     cpu_linear.pack_linear_weights(layer)
     assert isinstance(layer.packed_weight, cpu_linear.RowsWeight)
     with_kernel = layer(x)
+    assert torch.equal(with_kernel, cpu_kernels.rows_linear_reference(x, layer.weight, None, cpu_linear.segment(576)))
     monkeypatch.setenv(cpu_linear.ROWS_SWITCH, "0")
     cpu_linear.pack_linear_weights(layer)
     assert isinstance(layer.packed_weight, torch.Tensor)
-    assert torch.equal(layer(x), with_kernel)
+    torch.testing.assert_close(layer(x), with_kernel, rtol=1e-5, atol=1e-5)
 
 
 def test_the_order_check_sees_another_order(monkeypatch):

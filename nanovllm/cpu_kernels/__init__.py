@@ -1,6 +1,6 @@
 """The CPU path's compiled kernels, for float32: paged attention reading the cache in place (decode
 rows and prefill rows alike), the cache writes (``store_kv``), the elementwise work (RoPE, RMSNorm,
-SiLU times up, greedy rows) and the linear layers (``rows_linear``, with oneDNN's bits).
+SiLU times up, greedy rows) and the linear layers (``rows_linear``, batch-invariant).
 
 PyTorch operators cannot read a block table in place, so the plain-PyTorch decode path copies
 every block a sequence uses (``index_select``) before two batched products over tiny matrices, and

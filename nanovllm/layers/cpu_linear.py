@@ -1,12 +1,13 @@
-"""CPU matmuls with prepacked weights: our rows kernel for float32 (oneDNN's bits), oneDNN otherwise.
+"""CPU matmuls with prepacked weights: our rows kernel for float32 (batch-invariant), oneDNN otherwise.
 
 On a CPU, decode steps multiply a few rows by every weight matrix: MKL's sgemm
 on plain row-major weights reaches a fraction of memory bandwidth there, while
 oneDNN's prepacked (blocked) weights run about 2x faster for 1-64 rows (measured
 on the 2-core development machine: 31 rows through SmolLM2's 30 layers, 158 ->
-81 ms). oneDNN's result for a row also does not depend on the other rows of the
-batch, which keeps batch-invariance exact, once a row alone is multiplied as a pair where oneDNN
-sums a single row in another order (``linear``: K > 1,024 on the development machine).
+81 ms). On the development machine oneDNN's result for a row also does not depend on the other
+rows of the batch, once a row alone is multiplied as a pair where oneDNN sums a single row in another
+order (``linear``: K > 1,024 there). That is this machine's oneDNN, not a promise: on another (a GPU
+host's CPU, torch 2.11) a row's bfloat16 and float32 bits changed with the batch size.
 
 The packed copy is made once, after the weights are loaded
 (``pack_linear_weights``); the plain weight stays the source of truth for
@@ -17,12 +18,17 @@ AVX-512 BF16 or AMX): there a bfloat16 matmul runs at about twice the float32 ra
 development machine, 4096x576 @ 576x1728: 186 -> 383 GFLOP/s). Elsewhere oneDNN would emulate
 bfloat16, so those weights keep ``F.linear``.
 
-float32 weights go to our own kernel where it is built (``rows_linear.c``: AVX-512) and gives
-oneDNN's bits for the weight's shape (``_rows_agree``, asked once per shape at packing): it streams
-a decode step's weights faster than oneDNN (1.4-1.9x at 1-4 rows, 1.1-1.3x at 8-64, level for
-prefill chunks; development machine, SmolLM2-135M), needs no pairing for a lone row, and its packed
-copy (``RowsWeight``) replaces oneDNN's, so memory stays one packed copy per weight. A shape where the
-bits differ keeps oneDNN's packed copy (a log line says so).
+float32 weights go to our own kernel where it is built (``rows_linear.c``: AVX-512): each output one
+fused multiply-add chain over K, restarted every ``segment(K)`` elements, the pieces added in order,
+then the bias, whatever the batch or thread count, so a row's bits never depend on the rows beside it
+(no lone-row pairing needed), on any machine. It streams a decode step's weights faster than oneDNN
+(1.4-1.9x at 1-4 rows, 1.1-1.3x at 8-64, level for prefill chunks; development machine, SmolLM2-135M),
+and its packed copy (``RowsWeight``) replaces oneDNN's, so memory stays one packed copy per weight.
+The segments are oneDNN's own on the development machine (AMD EPYC, AVX-512, torch 2.13.0+cpu), so
+there both products give the same bits; another machine's oneDNN may sum otherwise (one seen did, for
+every shape), and there the kernel's bits are its own. At packing, the vector code is checked once per
+shape against a scalar reference of its order (``_kernel_keeps_its_order``); a shape that fails keeps
+oneDNN's packed copy, and a log line says so.
 """
 
 from __future__ import annotations
@@ -59,9 +65,10 @@ class RowsWeight:
 
 
 def segment(k: int) -> int:
-    """Where oneDNN's float32 product (two or more rows) restarts a sum along K on the AVX-512
-    development machine: nowhere up to K = 512, every 512 up to 1,024, every 1,024 beyond (measured
-    for K 64-8,192; ``_rows_agree`` checks it for each shape before the kernel is used)."""
+    """Where the rows kernel restarts a sum along K: nowhere up to K = 512, every 512 up to 1,024,
+    every 1,024 beyond. That is oneDNN's float32 order (two or more rows) on the AVX-512 development
+    machine, measured for K 64-8,192 (tests/test_cpu_rows_linear.py compares the two where a machine's
+    oneDNN follows it), so there the kernel and oneDNN give the same bits."""
     return k if k <= 512 else 512 if k <= 1024 else 1024
 
 
@@ -115,35 +122,49 @@ def _single_row_differs(packed: torch.Tensor, bias: torch.Tensor | None, k: int,
     if dtype != torch.float32:
         return True
     probe = torch.randn(2, k, generator=torch.Generator().manual_seed(0))
-    return not torch.equal(_product(probe[:1], packed, bias)[0], _product(probe, packed, bias)[0])
+    return not torch.equal(onednn_product(probe[:1], packed, bias, False)[0], _product(probe, packed, bias)[0])
 
 
-# probe rows for ``_rows_agree``: a lone row (which oneDNN takes as a pair), decode batches around the
-# kernel's 6-row tiles, a prefill-sized piece
-_AGREE_ROWS = (1, 2, 7, 37, 300)
-AGREE_COLUMNS = 4096  # output columns probed at most (an LM head's 49,152 would cost ~0.3 s of start-up)
+# probe rows for ``_kernel_keeps_its_order``: a lone row, and rows around the kernel's 6-row tiles
+_CHECK_ROWS = (1, 2, 7, 13)
+CHECK_COLUMNS = 256  # output columns probed at most, plus a last tile's remainder (the reference is scalar C)
 
 
-def _rows_agree(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the rows kernel gives oneDNN's packed product bitwise for this weight's shape, on random
-    rows (1, 2, 7, 37 and 300 of them, a lone row as oneDNN's pair): then either may multiply it and a
-    row's bits stay the same. Random rows, because the summation order does not depend on values. At
-    most the first 4,096 output columns: oneDNN's order was measured the same for N from 17 to 151,936
-    on the development machine (not for N = 1, whose order differs: a shape of N <= 4,096 is checked
-    whole). Asked at the thread count of packing (oneDNN's order for 2+ rows was the same at 1 and 2
-    threads; the kernel's never depends on it), with the module's bias; a row-parallel layer under
-    tensor parallelism adds its bias after the reduction instead, where the chain is the same."""
-    weight = weight.detach()[:AGREE_COLUMNS]
-    bias = None if bias is None else bias.detach()[:AGREE_COLUMNS]
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+def _probe_columns(n: int) -> int:
+    """How many of a weight's first output columns the packing check multiplies: all of a small weight;
+    else 256 and the weight's remainder modulo a tile's 64 columns (the same partial last tile)."""
+    return n if n <= CHECK_COLUMNS + 64 else CHECK_COLUMNS + n % 64
+
+
+def _kernel_keeps_its_order(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the vector kernel gives, bitwise, the scalar reference of its summation order
+    (``cpu_kernels.rows_linear_reference``: one chain per ``segment``, the segments added in order, the
+    bias last) for this weight's shape, on random rows (1, 2, 7 and 13: a lone row, and rows around the
+    kernel's 6-row tiles) and the first output columns (``_probe_columns``). Then a row's bits depend
+    only on the row and the weight, on any machine, whatever its batch or thread count. Random rows,
+    because the summation order does not depend on values. Asked with the module's bias; a row-parallel
+    layer under tensor parallelism adds its bias after the reduction instead, where the chain is the
+    same. It guards against a compiler or CPU that makes the vector code leave its order (then the
+    weight keeps oneDNN's packed product)."""
+    n, k = weight.shape
+    cols = _probe_columns(n)
+    weight = weight.detach()[:cols].contiguous()
+    bias = None if bias is None else bias.detach()[:cols].contiguous()
     rows = RowsWeight(weight)
-    probe = torch.randn(max(_AGREE_ROWS), weight.shape[1], generator=torch.Generator().manual_seed(0))
-    for m in _AGREE_ROWS:
-        x = probe[:m]
-        want = _product(x.expand(2, -1).contiguous(), packed, bias)[:1] if m == 1 else _product(x, packed, bias)
-        if not torch.equal(cpu_kernels.rows_linear(x, rows.strips, rows.n, bias, rows.segment), want):
-            return False
-    return True
+    probe = torch.randn(max(_CHECK_ROWS), k, generator=torch.Generator().manual_seed(0))
+    want = cpu_kernels.rows_linear_reference(probe, weight, bias, rows.segment)
+    return all(
+        torch.equal(cpu_kernels.rows_linear(probe[:m], rows.strips, rows.n, bias, rows.segment), want[:m])
+        for m in _CHECK_ROWS
+    )
+
+
+def onednn_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, pair: bool) -> torch.Tensor:
+    """oneDNN's packed product; with ``pair`` a lone row goes in as a pair (itself twice) and the first
+    result comes back, where oneDNN would sum one row in another order than rows among others."""
+    if pair:
+        return _product(x.expand(2, -1).contiguous(), packed, bias)[:1]
+    return _product(x.contiguous(), packed, bias)
 
 
 def linear(
@@ -159,22 +180,20 @@ def linear(
         return F.linear(x, weight, bias)
     if isinstance(packed, RowsWeight):
         return cpu_kernels.rows_linear(x, packed.strips, packed.n, bias, packed.segment)
-    x = x.contiguous()
+    pair = False
     if x.shape[0] == 1:
         key = (weight.shape[0], weight.shape[1], x.dtype, bias is not None, torch.get_num_threads())
-        pair = _PAIR_SINGLE_ROWS.get(key)
-        if pair is None:
-            pair = _PAIR_SINGLE_ROWS[key] = _single_row_differs(packed, bias, weight.shape[1], x.dtype)
-        if pair:
-            return _product(x.expand(2, -1).contiguous(), packed, bias)[:1]
-    return _product(x, packed, bias)
+        if key not in _PAIR_SINGLE_ROWS:
+            _PAIR_SINGLE_ROWS[key] = _single_row_differs(packed, bias, weight.shape[1], x.dtype)
+        pair = _PAIR_SINGLE_ROWS[key]
+    return onednn_product(x, packed, bias, pair)
 
 
 def pack_linear_weights(model: nn.Module, threads: int | None = None) -> int:
     """Give every module with a ``packed_weight`` slot a packed copy of its weight: float32 weights
-    a ``RowsWeight`` where the rows kernel gives oneDNN's bits for their shape (``_rows_agree``, once
-    per shape), else oneDNN's packed copy (float32, or bfloat16 where the CPU runs it natively:
-    ``packable_dtypes``).
+    a ``RowsWeight`` where the rows kernel is built and keeps its order for their shape
+    (``_kernel_keeps_its_order``, once per shape), else oneDNN's packed copy (float32, or bfloat16 where
+    the CPU runs it natively: ``packable_dtypes``).
 
     oneDNN packs one matrix on one thread, so the matrices are packed ``threads`` at a time
     (default: the physical cores this process may use, even where torch was given fewer threads
@@ -210,8 +229,8 @@ def pack_linear_weights(model: nn.Module, threads: int | None = None) -> int:
 
 
 def _pack_rows(modules: list[nn.Module]) -> list[nn.Module]:
-    """Pack for the rows kernel each float32 module whose shape passes ``_rows_agree`` (asked with the
-    first module of each shape); returns the modules packed so."""
+    """Pack for the rows kernel each float32 module whose shape passes ``_kernel_keeps_its_order``
+    (asked with the first module of each shape and bias); returns the modules packed so."""
     verdict: dict[tuple, bool] = {}
     done = []
     for module in modules:
@@ -219,10 +238,11 @@ def _pack_rows(modules: list[nn.Module]) -> list[nn.Module]:
         bias = getattr(module, "bias", None)
         key = (*weight.shape, bias is not None)
         if key not in verdict:
-            verdict[key] = _rows_agree(weight, bias)
+            verdict[key] = _kernel_keeps_its_order(weight, bias)
             if not verdict[key]:
-                logger.info(
-                    "the rows kernel does not give oneDNN's bits for weights of N=%d, K=%d, bias=%s: oneDNN multiplies them",
+                logger.warning(
+                    "the rows kernel's vector code left its summation order for weights of N=%d, K=%d, bias=%s "
+                    "(compared with its scalar reference): oneDNN multiplies them",
                     *key,
                 )
         if verdict[key]:

@@ -113,9 +113,9 @@ def prefill_mask_top_left() -> ContextManager:
 
 # ------------------------------------------------------- CPU linear layers (rows kernel)
 def rows_linear_bias_dropped() -> ContextManager:
-    """The rows linear kernel leaves out the bias (Qwen2's q/k/v projections have one). The check that
-    decides which product multiplies a weight (``_rows_agree``) then sends biased weights back to
-    oneDNN, so only the kernel's own tests see it."""
+    """The rows linear kernel leaves out the bias (Qwen2's q/k/v projections have one). The packing check
+    (``_kernel_keeps_its_order``, against the scalar reference, which adds the bias) then sends biased
+    weights back to oneDNN, so only the kernel's own tests see it."""
     cpu_kernels = _modules("nanovllm.cpu_kernels")[0]
     orig = cpu_kernels.rows_linear
 
@@ -127,9 +127,10 @@ def rows_linear_bias_dropped() -> ContextManager:
 
 def lone_row_summed_otherwise() -> ContextManager:
     """A lone row's products summed in other K pieces than a batch's rows (512-element pieces where K >
-    1,024: oneDNN's order for one row, the bug found at 2026-12-05), and the packing-time check that
-    would send such weights back to oneDNN trusting the kernel: a batch-1 decode step's logprobs leave
-    the same request's in a batch, while its tokens mostly stay."""
+    1,024: oneDNN's order for one row, the bug found at 2026-12-05), and the packing check that would
+    send such weights back to oneDNN (the scalar reference sums a lone row like any other) trusting
+    the kernel: a batch-1 decode step's logprobs leave the same request's in a batch, while its tokens
+    mostly stay."""
     cpu_kernels, cpu_linear = _modules("nanovllm.cpu_kernels", "nanovllm.layers.cpu_linear")
     orig = cpu_kernels.rows_linear
 
@@ -137,25 +138,25 @@ def lone_row_summed_otherwise() -> ContextManager:
         lone = x.shape[0] == 1 and x.shape[-1] > 1024
         return orig(x, strips, n, bias, 512 if lone else segment)
 
-    def _rows_agree(weight, bias):
+    def _kernel_keeps_its_order(weight, bias):
         return True
 
-    return _patched((cpu_kernels, "rows_linear", rows_linear), (cpu_linear, "_rows_agree", _rows_agree))
+    return _patched(
+        (cpu_kernels, "rows_linear", rows_linear), (cpu_linear, "_kernel_keeps_its_order", _kernel_keeps_its_order)
+    )
 
 
 def rows_order_unchecked() -> ContextManager:
-    """The rows kernel sums each output as one chain over K (not oneDNN's segments) and nothing checks
-    it against oneDNN before use: every float32 weight takes the kernel, still batch-invariant, but its
-    bits leave oneDNN's (the fallback's, and the path's before the kernel) for K > 512."""
+    """The rows kernel sums each output as one chain over K, not in the segments measured for oneDNN on
+    the development machine: the packing check passes (the scalar reference follows ``segment`` too),
+    every float32 weight takes the kernel, still batch-invariant, but its bits leave oneDNN's (the
+    fallback's, and the path's before the kernel) for K > 512 where oneDNN sums in that order."""
     cpu_linear = _modules("nanovllm.layers.cpu_linear")[0]
 
     def segment(k):
         return k
 
-    def _rows_agree(weight, bias):
-        return True
-
-    return _patched((cpu_linear, "segment", segment), (cpu_linear, "_rows_agree", _rows_agree))
+    return _patched((cpu_linear, "segment", segment))
 
 
 # ------------------------------------------------------------------- sampler
