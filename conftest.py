@@ -47,6 +47,27 @@ def gpu_share() -> tuple[int, float] | None:
     return index, round(min(1.0, 0.3 * per_engine), 3)
 
 
+GIB_PER_WORKER = float(os.environ.get("NANOVLLM_TEST_GIB_PER_WORKER", "8.5"))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """``pytest -n auto`` on a GPU host: the usable cores, but at most one worker per 8.5 GiB of GPU
+    memory (NANOVLLM_TEST_GIB_PER_WORKER). Every worker keeps engines loaded and each engine holds a
+    CUDA context, weights, graphs and a measured activation reserve beside its KV-cache share: 16
+    workers passed on a 141 GB H200 (8.8 GiB each), while on an 80 GB H100 14 CUDA checks found too
+    little memory free (5 GiB each). Without a GPU: pytest-xdist's own count (None)."""
+    n = _cuda_devices()
+    if n == 0:
+        return None
+    import torch
+
+    from conformance.plugin import usable_cores
+
+    gib = sum(torch.cuda.get_device_properties(i).total_memory for i in range(n)) / 2**30
+    return max(1, min(usable_cores(), int(gib // GIB_PER_WORKER)))
+
+
 ENGINES_PER_WORKER = 16  # tests/conftest.py keeps 8 engines loaded, the conformance pool 8 more
 _share = gpu_share()
 if _share is not None:

@@ -89,7 +89,7 @@ t3=$(date +%s)
 {
 echo "=== GPU CI, $(head -1 "$LOG/env.txt"), commit $(sed -n 2p "$LOG/env.txt") ==="
 sed -n '3,$p' "$LOG/env.txt" | grep -E "^(GPU|python|installed|MISSING|warmed)" | head -6
-echo "--- warm-up $((tw - t0)) s; pytest -n auto (rc=$rc_pytest, $((t1 - tw)) s) ---"
+echo "--- warm-up $((tw - t0)) s; pytest -n auto (rc=$rc_pytest, $((t1 - tw)) s, $(grep -m1 -oE "[0-9]+ workers" "$LOG/pytest.log")) ---"
 grep -E "^(FAILED|ERROR)| (FAILED|ERROR) " "$LOG/pytest.log" | sort -u | head -30
 echo "tests finished: $(grep -cE " (PASSED|FAILED|ERROR|SKIPPED) " "$LOG/pytest.log")"
 echo "skips by reason:"   # pytest -rs groups equal skips as "SKIPPED [N] file:line: reason"

@@ -24,6 +24,14 @@ _KNOBS = {
 }
 
 
+def rows_linear_on() -> bool:
+    """Whether this process's CPU engine multiplies float32 weights with the rows kernel (built with
+    AVX-512, not switched off): the source of its batch invariance."""
+    from nanovllm.layers import cpu_linear
+
+    return cpu_linear.rows_enabled()
+
+
 def _logprob_dicts(entries) -> list | None:
     if entries is None:
         return None
@@ -67,8 +75,10 @@ class NanovllmAdapter(EngineAdapter):
         }
         if torch.cuda.is_available():
             caps.add(C.CUDA_GRAPH)
-        else:  # the CPU path's claim (float32: each row's products summed in one order whatever its batch);
-            # not made on a CUDA host, even for --device cpu there, as CUDA's cuBLAS products do not keep it
+        elif rows_linear_on():  # the CPU path's claim (float32: the rows kernel sums each row's products in
+            # one order whatever its batch); not made where oneDNN multiplies float32 (no AVX-512, or the
+            # kernel switched off), whose order may follow the batch size on some machines, nor on a CUDA
+            # host, even for --device cpu there, as CUDA's cuBLAS products do not keep it
             caps.add(C.BATCH_INVARIANT)
         self.capabilities = frozenset(caps)
         self.llm = None
