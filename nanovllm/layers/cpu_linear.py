@@ -22,10 +22,10 @@ float32 weights go to our own kernel where it is built (``rows_linear.c``: AVX-5
 fused multiply-add chain over K, restarted every ``segment(K)`` elements, the pieces added in order,
 then the bias, whatever the batch or thread count, so a row's bits never depend on the rows beside it
 (no lone-row pairing needed), on any machine. It streams a decode step's weights faster than oneDNN
-(1.4-1.9x at 1-4 rows, 1.1-1.3x at 8-64, level for prefill chunks; development machine, SmolLM2-135M),
+(1.4-1.9x at 1-4 rows, 1.1-1.3x at 8-64, level for prefill chunks; AMD development machine, SmolLM2-135M),
 and its packed copy (``RowsWeight``) replaces oneDNN's, so memory stays one packed copy per weight.
-The segments are oneDNN's own on the development machine (AMD EPYC, AVX-512, torch 2.13.0+cpu), so
-there both products give the same bits; another machine's oneDNN may sum otherwise (one seen did, for
+The segments are oneDNN's own on both development machines (AMD EPYC and Intel Xeon, AVX-512, torch
+2.13.0+cpu), so there both products give the same bits; another machine's oneDNN may sum otherwise (one seen did, for
 every shape), and there the kernel's bits are its own. At packing, the vector code is checked once per
 shape against a scalar reference of its order (``_kernel_keeps_its_order``); a shape that fails keeps
 oneDNN's packed copy, and a log line says so.
