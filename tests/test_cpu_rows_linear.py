@@ -294,3 +294,38 @@ def test_the_order_check_sees_another_order(monkeypatch):
     require_onednns_order(576, 1536)
     monkeypatch.setattr(sys.modules[__name__], "DEV_RULE", lambda k: k)
     assert not onednn_follows_the_rule(576, 1536)
+
+
+def test_the_packing_verdict_is_asked_per_bias(monkeypatch):
+    """Two layers of one shape, the first without a bias and the second with one, and a kernel that
+    drops the bias: the biased layer must be asked on its own and keep oneDNN, while the other keeps
+    the kernel. A verdict keyed by the shape alone would hand the biased layer the broken kernel.
+    Control: that one-line bug (the key without the bias) is shown to give the wrong packing."""
+    from nanovllm.layers.linear import ColumnParallelLinear
+
+    def model():
+        m = torch.nn.Sequential(ColumnParallelLinear(64, 48), ColumnParallelLinear(64, 48, bias=True))
+        for layer in m:
+            layer.weight.data.normal_()
+        m[1].bias.data.normal_()
+        return m
+
+    rows_linear = cpu_kernels.rows_linear
+    monkeypatch.setattr(
+        cpu_kernels, "rows_linear", lambda x, strips, n, bias, seg: rows_linear(x, strips, n, None, seg)
+    )
+    m = model()
+    cpu_linear.pack_linear_weights(m)
+    assert isinstance(m[0].packed_weight, cpu_linear.RowsWeight)
+    assert not isinstance(m[1].packed_weight, cpu_linear.RowsWeight), "the biased layer took the bias-dropping kernel"
+
+    check = cpu_linear._kernel_keeps_its_order
+    asked: dict = {}
+
+    def by_shape_only(weight, bias):  # the bug: one verdict per shape, whatever the bias
+        return asked.setdefault(tuple(weight.shape), check(weight, bias))
+
+    monkeypatch.setattr(cpu_linear, "_kernel_keeps_its_order", by_shape_only)
+    m = model()
+    cpu_linear.pack_linear_weights(m)
+    assert isinstance(m[1].packed_weight, cpu_linear.RowsWeight), "the control shows nothing"

@@ -30,8 +30,8 @@
 #define MAX_TILE_ROWS 6
 #define MAX_TILE_STRIPS 4
 /* k steps a first row tile prefetches ahead (see TILE); a decode step's 121 products of SmolLM2-135M,
- * weights streamed from memory (Intel Xeon, 2 cores): 8-13 % faster at 8-32 rows than without, level
- * at 1 row; 8, 16, 24 and 32 measured alike, and prefetching the next strip group instead gained less */
+ * weights streamed from memory (Intel Xeon, 2 cores): 7-9 % faster at 8-32 rows than without, 2 % at
+ * 1 row; 8, 16, 24 and 32 measured alike, and prefetching the next strip group instead gained less */
 #ifndef AHEAD
 #define AHEAD 32
 #endif
