@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(
 # (N, K): SmolLM2-135M's four layer products and its LM head's K, Qwen3-0.6B's MLP, and shapes with a
 # last strip of 1-15 columns and segments that do not divide K
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536), (1024, 3072), (17, 1100), (100, 700), (33, 64))
-ROW_COUNTS = (1, 2, 5, 6, 7, 13, 32, 37, 300)
+ROW_COUNTS = (1, 2, 5, 6, 7, 13, 32, 37, 48, 49, 300)
 
 
 def _weight(n: int, k: int, seed: int) -> torch.Tensor:
@@ -116,7 +116,14 @@ def test_the_packing_check_passes_the_kernel_as_built(n, k, bias):
 
 @pytest.mark.parametrize(
     "bug",
-    ["lone row in 512-element pieces", "bias dropped", "last strip's columns zeroed", "7th row of a tile skipped"],
+    [
+        "lone row in 512-element pieces",
+        "bias dropped",
+        "last strip's columns zeroed",
+        "7th row of a tile skipped",
+        "chunked rows restart their sums at every K chunk",
+        "rows past the chunked path summed as one chain",
+    ],
 )
 def test_the_packing_check_sees_a_kernel_that_leaves_its_order(monkeypatch, bug):
     """Negative controls of ``_kernel_keeps_its_order``: each way the vector code could go wrong is
@@ -124,8 +131,13 @@ def test_the_packing_check_sees_a_kernel_that_leaves_its_order(monkeypatch, bug)
     rows_linear = cpu_kernels.rows_linear
 
     def broken(x, strips, n, bias, segment):
-        if bug == "lone row in 512-element pieces" and x.shape[0] == 1:
+        m, chunked_max = x.shape[0], cpu_kernels.rows_chunk_max_rows()
+        if bug == "lone row in 512-element pieces" and m == 1:
             segment = 512
+        if bug == "chunked rows restart their sums at every K chunk" and 6 < m <= chunked_max:
+            segment = min(segment, 24)
+        if bug == "rows past the chunked path summed as one chain" and m > chunked_max:
+            segment = x.shape[1]
         y = rows_linear(x, strips, n, None if bug == "bias dropped" else bias, segment)
         if bug == "last strip's columns zeroed":
             y[:, n - n % 16 :] = 0

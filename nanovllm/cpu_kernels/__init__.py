@@ -92,6 +92,7 @@ class Kernels(NamedTuple):
     rows_linear: Any  # None where the build has no AVX-512 (rows_linear.c)
     rows_pack: Any
     rows_reference: Any  # the same order in scalar code, for the tests (rows_linear.c)
+    rows_chunk_max_rows: int  # the most rows rows_linear takes K in chunks for (more: whole segments per tile)
 
 
 @cache
@@ -153,6 +154,7 @@ def load() -> Kernels | None:
         rows_linear if vectorized else None,
         rows_pack if vectorized else None,
         reference,
+        library.rows_linear_chunk_max_rows(),
     )
 
 
@@ -380,6 +382,13 @@ def rows_linear_available() -> bool:
     """Whether the rows linear kernel is built (float32, AVX-512) and not switched off."""
     kernels = load()
     return kernels is not None and kernels.rows_linear is not None
+
+
+def rows_chunk_max_rows() -> int:
+    """The most rows ``rows_linear`` multiplies K chunk by K chunk (decode steps: 7 rows and more, all
+    row tiles through a chunk of weights before the next); more rows take whole segments per row tile.
+    The two paths sum in the same order; the packing check probes both."""
+    return _kernels().rows_chunk_max_rows
 
 
 def rows_pack(weight: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,10 @@
  * Layout: W [N][K] is packed once into strips of 16 output columns, [ceil(N/16)][K][16] (zero columns
  * pad the last strip), so one k of a strip is one 64-byte vector. A tile of up to 6 rows x 4 strips
  * keeps its 24 sums in registers; for each k it loads the 4 strip vectors and multiplies them by each
- * row's x[k], broadcast.
+ * row's x[k], broadcast. A decode step's 7-48 rows go through K in chunks of 24, every row tile through
+ * a chunk before the next (partial sums spilled to a scratch buffer and reloaded, which is exact), so
+ * the first tile's loads of the next chunk overlap the later tiles' arithmetic; more rows take whole
+ * segments per tile.
  *
  * Order of the sums: each output is one fused multiply-add chain over k, restarted from zero at every
  * ``seg`` elements of K, the segments' sums then added left to right, the bias added last. A row's
@@ -35,6 +38,19 @@
 #ifndef AHEAD
 #define AHEAD 32
 #endif
+/* 7 to CHUNK_MAX_ROWS rows (decode steps) go through K in chunks of KC (chunked_rows); a decode
+ * step's 121 products of SmolLM2-135M, weights streamed from memory (Intel Xeon, 2 cores): 9-15 %
+ * faster than whole segments per row tile at 7-24 rows, 4-7 % at 32-40, 3 % at 48; at 64 rows and more
+ * the partial sums' loads and stores cost more than the overlap gains (+5 % at 64, +15 % at 512) */
+#ifndef KC
+#define KC 24
+#endif
+#ifndef CHUNK_MAX_ROWS
+#define CHUNK_MAX_ROWS 48
+#endif
+
+/* the most rows the chunked path takes (the packing check probes one row more, the other path) */
+int rows_linear_chunk_max_rows(void) { return CHUNK_MAX_ROWS; }
 
 int rows_linear_vectorized(void) {
 #if defined(__AVX512F__)
@@ -82,24 +98,27 @@ void rows_pack_f32(const float *w, float *out, int n, int k, int num_threads) {
     }
 }
 
-/* Rows [0, MR) x strips [0, NR): one K segment [k0, k1) as a chain from zero, then stored into y
- * (the first segment) or added to what y holds; the last strip's columns past n masked off. With
- * ``ahead``, each strip's weights are prefetched AHEAD k further on: the first row tile of a strip
- * group reads them from memory (the later tiles find them in cache), and the prefetches keep its
- * loads in flight while it multiplies. */
+/* Rows [0, MR) x strips [0, NR): the k range [kc0, kc1) of one K segment. ``start``: the chain
+ * starts from zero, else it goes on from the partial sums in ``acc`` (``lda`` floats a row apart).
+ * ``finish``: the segment ends here, and its sums are stored into y (the first segment, ``first``) or
+ * added to what y holds; else they go back to ``acc``. Spilling a chain to memory and reloading it
+ * is exact, so splitting a segment into chunks leaves every output's order as it is. The last
+ * strip's columns past n are masked off in y. With ``ahead`` > 0, each strip's weights are
+ * prefetched ``ahead`` k further on, into L1, so its loads stay in flight while the tile multiplies. */
 #define TILE(MR, NR)                                                                                        \
     static void tile_##MR##_##NR(const float *restrict x, int64_t ldx, const float *restrict w, int k,      \
-                                 int k0, int k1, float *restrict y, int64_t ldy, int first, __mmask16 tail,  \
-                                 int ahead) {                                                               \
+                                 int kc0, int kc1, float *restrict acc_buf, int64_t lda, float *restrict y, \
+                                 int64_t ldy, int start, int finish, int first, __mmask16 tail, int ahead) { \
         __m512 acc[MR][NR];                                                                                 \
         _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                                                \
-            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();           \
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) acc[i][j] =                                \
+                start ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_buf + i * lda + j * STRIP);               \
         const int64_t strip = (int64_t)k * STRIP;                                                           \
-        const float *wk = w + (int64_t)k0 * STRIP;                                                          \
-        for (int kk = k0; kk < k1; kk++, wk += STRIP) {                                                     \
+        const float *wk = w + (int64_t)kc0 * STRIP;                                                         \
+        for (int kk = kc0; kk < kc1; kk++, wk += STRIP) {                                                   \
             if (ahead)                                                                                      \
                 _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++)                                        \
-                    _mm_prefetch((const char *)(wk + AHEAD * STRIP + j * strip), _MM_HINT_T0);              \
+                    _mm_prefetch((const char *)(wk + (int64_t)ahead * STRIP + j * strip), _MM_HINT_T0);     \
             __m512 wv[NR];                                                                                  \
             _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) wv[j] = _mm512_loadu_ps(wk + j * strip);   \
             _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                          \
@@ -110,6 +129,10 @@ void rows_pack_f32(const float *w, float *out, int n, int k, int num_threads) {
         }                                                                                                   \
         _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                                                \
             _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {                                          \
+                if (!finish) {                                                                              \
+                    _mm512_storeu_ps(acc_buf + i * lda + j * STRIP, acc[i][j]);                             \
+                    continue;                                                                               \
+                }                                                                                           \
                 float *dst = y + i * ldy + j * STRIP;                                                       \
                 __mmask16 mask = j == NR - 1 ? tail : (__mmask16)0xFFFF;                                    \
                 __m512 v = first ? acc[i][j] : _mm512_add_ps(_mm512_maskz_loadu_ps(mask, dst), acc[i][j]);  \
@@ -120,10 +143,32 @@ void rows_pack_f32(const float *w, float *out, int n, int k, int num_threads) {
 #define TILES_OF(MR) TILE(MR, 1) TILE(MR, 2) TILE(MR, 3) TILE(MR, 4)
 TILES_OF(1) TILES_OF(2) TILES_OF(3) TILES_OF(4) TILES_OF(5) TILES_OF(6)
 
-typedef void (*tile_fn)(const float *, int64_t, const float *, int, int, int, float *, int64_t, int, __mmask16, int);
+typedef void (*tile_fn)(const float *, int64_t, const float *, int, int, int, float *, int64_t, float *, int64_t,
+                        int, int, int, __mmask16, int);
 #define ROW_OF(MR) {tile_##MR##_1, tile_##MR##_2, tile_##MR##_3, tile_##MR##_4}
 static const tile_fn TILES[MAX_TILE_ROWS][MAX_TILE_STRIPS] = {ROW_OF(1), ROW_OF(2), ROW_OF(3),
                                                               ROW_OF(4), ROW_OF(5), ROW_OF(6)};
+
+/* One strip group (ns strips at ws, output columns from ys), all m rows (more than one tile, at most
+ * CHUNK_MAX_ROWS): K in chunks of KC, every row tile through a chunk before the next chunk, the partial
+ * sums kept in ``scratch``. The first row tile prefetches the next chunk while it multiplies this one,
+ * so the weights stream from memory while the later tiles multiply from L1, where whole segments per
+ * tile would leave the later tiles waiting for the first. */
+static void chunked_rows(const float *x, int64_t ldx, const float *ws, int k, int m, float *ys, int64_t ldy,
+                         int seg, __mmask16 tail, int ns, float *scratch) {
+    const int lda = MAX_TILE_STRIPS * STRIP;
+    for (int k0 = 0; k0 < k; k0 += seg) {
+        int k1 = k - k0 > seg ? k0 + seg : k;
+        for (int kc0 = k0; kc0 < k1; kc0 += KC) {
+            int kc1 = k1 - kc0 > KC ? kc0 + KC : k1;
+            for (int m0 = 0; m0 < m; m0 += MAX_TILE_ROWS) {
+                int mr = m - m0 < MAX_TILE_ROWS ? m - m0 : MAX_TILE_ROWS;
+                TILES[mr - 1][ns - 1](x + m0 * ldx, ldx, ws, k, kc0, kc1, scratch + m0 * lda, lda, ys + m0 * ldy,
+                                      ldy, kc0 == k0, kc1 == k1, k0 == 0, tail, m0 == 0 ? KC : 0);
+            }
+        }
+    }
+}
 
 /* y [m][n] (rows ldy floats apart) = x [m][k] (rows ldx apart) @ W^T + bias (NULL: none), W packed by
  * rows_pack_f32. Each thread takes a contiguous run of strips; returns 0, or -1 for a bad argument
@@ -137,23 +182,29 @@ int rows_linear_f32(const float *x, const float *w, const float *bias, float *y,
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
         int s0 = (int)((int64_t)strips * t / nt), s1 = (int)((int64_t)strips * (t + 1) / nt);
+        float scratch[CHUNK_MAX_ROWS * MAX_TILE_STRIPS * STRIP] __attribute__((aligned(64)));
+        int chunked = m > MAX_TILE_ROWS && m <= CHUNK_MAX_ROWS;
         for (int s = s0; s < s1; s += MAX_TILE_STRIPS) {
             int ns = s1 - s < MAX_TILE_STRIPS ? s1 - s : MAX_TILE_STRIPS;
             int tail_cols = n - (s + ns - 1) * STRIP;
             __mmask16 tail = tail_cols >= STRIP ? (__mmask16)0xFFFF : (__mmask16)((1u << tail_cols) - 1);
             const float *ws = w + (int64_t)s * k * STRIP;
-            for (int m0 = 0; m0 < m; m0 += MAX_TILE_ROWS) {
-                int mr = m - m0 < MAX_TILE_ROWS ? m - m0 : MAX_TILE_ROWS;
-                float *ys = y + m0 * ldy + s * STRIP;
-                for (int k0 = 0; k0 < k; k0 += seg) {
-                    int k1 = k - k0 > seg ? k0 + seg : k;
-                    TILES[mr - 1][ns - 1](x + m0 * ldx, ldx, ws, k, k0, k1, ys, ldy, k0 == 0, tail, m0 == 0);
+            float *ys = y + s * STRIP;
+            if (chunked)
+                chunked_rows(x, ldx, ws, k, m, ys, ldy, seg, tail, ns, scratch);
+            else
+                for (int m0 = 0; m0 < m; m0 += MAX_TILE_ROWS) {
+                    int mr = m - m0 < MAX_TILE_ROWS ? m - m0 : MAX_TILE_ROWS;
+                    for (int k0 = 0; k0 < k; k0 += seg) {
+                        int k1 = k - k0 > seg ? k0 + seg : k;
+                        TILES[mr - 1][ns - 1](x + m0 * ldx, ldx, ws, k, k0, k1, NULL, 0, ys + m0 * ldy, ldy, 1, 1,
+                                              k0 == 0, tail, m0 == 0 ? AHEAD : 0);
+                    }
                 }
-                if (bias) {
-                    int c1 = (s + ns) * STRIP < n ? (s + ns) * STRIP : n;
-                    for (int i = 0; i < mr; i++)
-                        for (int c = s * STRIP; c < c1; c++) y[(m0 + i) * ldy + c] += bias[c];
-                }
+            if (bias) {
+                int c1 = (s + ns) * STRIP < n ? (s + ns) * STRIP : n;
+                for (int i = 0; i < m; i++)
+                    for (int c = s * STRIP; c < c1; c++) y[i * ldy + c] += bias[c];
             }
         }
     }

@@ -125,8 +125,13 @@ def _single_row_differs(packed: torch.Tensor, bias: torch.Tensor | None, k: int,
     return not torch.equal(_product(probe[:1], packed, bias)[0], _product(probe, packed, bias)[0])
 
 
-# probe rows for ``_kernel_keeps_its_order``: a lone row, and rows around the kernel's 6-row tiles
-_CHECK_ROWS = (1, 2, 7, 13)
+def _check_rows() -> tuple[int, ...]:
+    """Probe rows for ``_kernel_keeps_its_order``: a lone row and 2 (one row tile, whole segments); 7 and
+    13 (K in chunks, a partial last row tile); one more than the chunked path takes (whole segments per
+    row tile)."""
+    return (1, 2, 7, 13, cpu_kernels.rows_chunk_max_rows() + 1)
+
+
 CHECK_COLUMNS = 256  # output columns probed at most, plus a last tile's remainder (the reference is scalar C)
 
 
@@ -139,8 +144,8 @@ def _probe_columns(n: int) -> int:
 def _kernel_keeps_its_order(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether the vector kernel gives, bitwise, the scalar reference of its summation order
     (``cpu_kernels.rows_linear_reference``: one chain per ``segment``, the segments added in order, the
-    bias last) for this weight's shape, on random rows (1, 2, 7 and 13: a lone row, and rows around the
-    kernel's 6-row tiles) and the first output columns (``_probe_columns``). Then a row's bits depend
+    bias last) for this weight's shape, on random rows (``_check_rows``: each of the kernel's paths) and
+    the first output columns (``_probe_columns``). Then a row's bits depend
     only on the row and the weight, on any machine, whatever its batch or thread count. Random rows,
     because the summation order does not depend on values. Asked with the module's bias; a row-parallel
     layer under tensor parallelism adds its bias after the reduction instead, where the chain is the
@@ -151,11 +156,12 @@ def _kernel_keeps_its_order(weight: torch.Tensor, bias: torch.Tensor | None) -> 
     weight = weight.detach()[:cols].contiguous()
     bias = None if bias is None else bias.detach()[:cols].contiguous()
     rows = RowsWeight(weight)
-    probe = torch.randn(max(_CHECK_ROWS), k, generator=torch.Generator().manual_seed(0))
+    check_rows = _check_rows()
+    probe = torch.randn(max(check_rows), k, generator=torch.Generator().manual_seed(0))
     want = cpu_kernels.rows_linear_reference(probe, weight, bias, rows.segment)
     return all(
         torch.equal(cpu_kernels.rows_linear(probe[:m], rows.strips, rows.n, bias, rows.segment), want[:m])
-        for m in _CHECK_ROWS
+        for m in check_rows
     )
 
 
