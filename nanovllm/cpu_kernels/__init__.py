@@ -9,7 +9,7 @@ masking half of it. ``paged_attention.c`` walks each query row's slots through i
 instead, reading each key and value once per row and kv head, causal rows seeing only their own
 prefix.
 
-It is plain C (no PyTorch headers: the three files compile in 2-3 s) built with the machine's C
+It is plain C (no PyTorch headers: the four files compile in 2-3 s) built with the machine's C
 compiler on first use into the on-disk cache (``$NANOVLLM_CACHE/kernels``, keyed by the source,
 the compiler and this CPU's flags: ``-march=native``), and called through ctypes, which releases
 the GIL. Its OpenMP is torch's own ``libgomp`` (the same soname, already loaded by torch), so its
@@ -37,7 +37,7 @@ from nanovllm.loader.cache import build_once, cache_root
 
 logger = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = [HERE / "paged_attention.c", HERE / "elementwise.c", HERE / "rows_linear.c"]
+SOURCES = [HERE / "paged_attention.c", HERE / "elementwise.c", HERE / "rows_linear.c", HERE / "decode_layers.c"]
 HEADERS = [HERE / "vec_exp.h"]
 LIBRARY = "cpu_kernels.so"
 SWITCH = "NANOVLLM_CPU_KERNELS"
@@ -93,6 +93,7 @@ class Kernels(NamedTuple):
     rows_pack: Any
     rows_reference: Any  # the same order in scalar code, for the tests (rows_linear.c)
     rows_chunk_max_rows: int  # the most rows rows_linear takes K in chunks for (more: whole segments per tile)
+    decode_layers: Any  # a decode step's decoder layers in one call (decode_layers.c, decode_layers.py)
 
 
 @cache
@@ -155,7 +156,14 @@ def load() -> Kernels | None:
         rows_pack if vectorized else None,
         reference,
         library.rows_linear_chunk_max_rows(),
+        _decode_layers(library),
     )
+
+
+def _decode_layers(library: ctypes.CDLL):
+    from nanovllm.cpu_kernels.decode_layers import bind
+
+    return bind(library)
 
 
 def _sleef_exp() -> tuple[int | None, int | None]:

@@ -23,6 +23,7 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from nanovllm.layers.triton_switch import LazyKernels
+from nanovllm.models import cpu_decode
 
 # Qwen3's q/k norm + RoPE in one GPU kernel (fused_ops.qk_norm_rope); its own A/B switch on top of
 # NANOVLLM_FUSED_OPS: NANOVLLM_FUSED_QK_ROPE=0 keeps the norm and RoPE kernels
@@ -156,9 +157,13 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, meta):
         hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
+        fused = cpu_decode.for_model(self, hidden, meta)  # a CPU decode step's layers in one C call
+        if fused is not None:
+            hidden, residual = fused.run(hidden, positions, meta)
+        else:
+            residual = None
+            for layer in self.layers:
+                hidden, residual = layer(positions, hidden, residual, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -205,3 +210,6 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     @classmethod
     def biases(cls, config) -> Biases:
         return Biases(qkv=True)  # transformers' Qwen2 has neither attention_bias nor mlp_bias
+
+
+cpu_decode.remember_layer_methods()  # what a fused CPU decode step stands in for (cpu_decode.py)

@@ -72,6 +72,21 @@ def decode_drops_last_key() -> ContextManager:
     )
 
 
+def fused_decode_attention_unscaled() -> ContextManager:
+    """The CPU's fused decode layers (one C call per step) give the attention a scale of 1 instead of
+    head_dim ** -0.5: decode steps attend too sharply; the Python layers and prefill are right."""
+    (cpu_decode,) = _modules("nanovllm.models.cpu_decode")
+    orig = cpu_decode.build
+
+    def build(model):
+        fused = orig(model)
+        if fused is not None:
+            fused.model.scale = 1.0
+        return fused
+
+    return _patched((cpu_decode, "build", build))
+
+
 def prefill_mask_top_left() -> ContextManager:
     """The causal mask of a prefill chunk is aligned top-left: after cached or earlier-chunk tokens a
     query sees only as many keys as its index in the chunk (right only when nothing is cached).

@@ -44,6 +44,7 @@ from tests.mutants.engine import (
     eos_ignored,
     fp8_load_ignores_scale,
     frequency_penalty_counts_prompt,
+    fused_decode_attention_unscaled,
     fused_qk_norm_k_takes_q_weight,
     fused_sampler_skips_processing,
     fused_sampler_temperature_ignored,
@@ -118,6 +119,12 @@ ENGINE_MUTANTS: list[Mutant] = [
             f"{REF}::test_greedy_matches_reference[qwen2-gqa2-hd64]",
             f"{REF}::test_prefill_decode_consistency[qwen3-gqa4-hd128]",
         ],
+        not_on_cuda=CPU_PATH,
+    ),
+    Mutant(
+        "fused_decode_attention_unscaled",
+        fused_decode_attention_unscaled,  # the CPU's decode layers in one C call (models/cpu_decode.py)
+        [f"{REF}::test_greedy_matches_reference[qwen2-gqa2-hd64]"],
         not_on_cuda=CPU_PATH,
     ),
     Mutant(

@@ -1,0 +1,268 @@
+"""A CPU decode step's decoder layers in one C call (``cpu_kernels/decode_layers.c``).
+
+On the CPU each decoder layer is ten kernel calls (RMSNorm, q/k/v, RoPE, the cache write, attention,
+o, RMSNorm, gate/up, SiLU, down), and between two of them runs Python: the module calls, the
+wrappers' checks, new output tensors. On the 2-core development machine that Python cost ~40 us a
+kernel in decode steps, three times what it costs with the caches warm: each kernel streams
+weights or K/V through the caches, and the interpreter fetches its own code and data again after it.
+That was ~1.5 s of the ~11 s CPU benchmark workload. Here the layers' kernels run back to back in C,
+each given what its Python wrapper gives it, so the step's logits are the same bitwise (the tests
+compare the two paths); Python runs once per step.
+
+It applies where every kernel of the Python path is the compiled one: float32 weights packed for the
+rows kernel, the C RMSNorm and SiLU (their lane counts found), the CPU attention backend with a
+float32 cache, one rank (no tensor parallelism), no q/k norm (Qwen3 keeps the layers), decode-only
+steps of at most ``2 * cpu_linear.MLP_ROW_TILE`` rows. ``NANOVLLM_CPU_FUSED_DECODE=0`` keeps the
+Python layers (A/B runs, tests).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+
+from nanovllm import cpu_kernels
+from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.cpu_kernels import decode_layers as c
+from nanovllm.layers import cpu_linear, triton_switch
+from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.parallel import tp_size
+
+logger = logging.getLogger(__name__)
+SWITCH = "NANOVLLM_CPU_FUSED_DECODE"
+
+# What the Python layers call, as imported. Where any of them has been replaced (a profiler's or a test's
+# wrapper, an injected bug of the mutant table), the step runs the Python layers, so that the replacement
+# sees every call, as torch's own fast paths step aside for hooks.
+_KERNEL_NAMES = ("rows_linear", "paged_attention", "store_kv", "rotary_neox_", "rms_norm", "silu_and_mul")
+_ORIGINAL_KERNELS = tuple(getattr(cpu_kernels, name) for name in _KERNEL_NAMES)
+
+
+def _layer_methods() -> tuple:
+    from nanovllm.attention.backends import TorchBackend
+    from nanovllm.layers.attention import Attention
+    from nanovllm.layers.layernorm import RMSNorm
+    from nanovllm.layers.linear import LinearBase, RowParallelLinear
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+    from nanovllm.models import llama
+
+    return (
+        llama.LlamaDecoderLayer.forward,
+        llama.LlamaAttention.forward,
+        llama.LlamaMLP.forward,
+        RMSNorm.forward,
+        SiluAndMul.forward,
+        RotaryEmbedding.forward,
+        Attention.forward,
+        TorchBackend.store_kv,
+        TorchBackend.forward,
+        LinearBase.forward,
+        RowParallelLinear.forward,
+        cpu_linear.linear,
+    )
+
+
+_ORIGINAL_METHODS: tuple = ()
+
+
+def remember_layer_methods() -> None:
+    """Called once, at the end of llama.py's import (the layer classes exist only then)."""
+    global _ORIGINAL_METHODS
+    _ORIGINAL_METHODS = _layer_methods()
+
+
+def python_path_replaced() -> bool:
+    """Whether a kernel wrapper or a layer method the Python layers use is not the one imported, or a
+    global module hook is set: then those layers run the step."""
+    if any(getattr(cpu_kernels, n) is not f for n, f in zip(_KERNEL_NAMES, _ORIGINAL_KERNELS)):
+        return True
+    if any(a is not b for a, b in zip(_layer_methods(), _ORIGINAL_METHODS)):
+        return True
+    hooks = torch.nn.modules.module
+    return bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
+
+
+def _float32_cpu(t: torch.Tensor | None) -> bool:
+    return t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous())
+
+
+def _linear(module) -> c.DecodeLinear | None:
+    packed = module.packed_weight
+    if not isinstance(packed, cpu_linear.RowsWeight) or not _float32_cpu(module.bias):
+        return None
+    bias = None if module.bias is None else module.bias.data_ptr()
+    return c.DecodeLinear(packed.strips.data_ptr(), bias, packed.n, packed.k, packed.segment)
+
+
+class FusedDecode:
+    """The C structures of one model's layers (weights, caches, tables), built once; ``run`` per step."""
+
+    def __init__(
+        self, model, kernels: cpu_kernels.Kernels, layers: list[c.DecodeLayer], norm_lanes: int, silu_lanes: int
+    ):
+        first = model.layers[0]
+        attn, mlp = first.self_attn, first.mlp
+        rope = attn.rotary_emb
+        self.kernels = kernels
+        self.layers = (c.DecodeLayer * len(layers))(*layers)
+        self.intermediate = mlp.down_proj.packed_weight.k
+        self.hidden = attn.qkv_proj.packed_weight.k
+        k_cache = attn.attn.k_cache
+        self.model = c.DecodeModel(
+            len(layers),
+            self.hidden,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            self.intermediate,
+            k_cache.shape[0],
+            k_cache.shape[2],
+            rope.cos.data_ptr(),
+            rope.sin.data_ptr(),
+            rope.cos.stride(0),
+            rope.cos.shape[0],
+            attn.attn.scale,
+            norm_lanes,
+            silu_lanes,
+        )
+        self.widths = dict(
+            normed=self.hidden,
+            qkv=(attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim,
+            attn=attn.num_heads * attn.head_dim,
+            proj=self.hidden,
+            gate_up=2 * self.intermediate,
+            act=self.intermediate,
+            residual0=self.hidden,
+            residual1=self.hidden,
+        )
+
+    @staticmethod
+    def applies(hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
+        return (
+            meta.is_decode_only
+            and hidden.dim() == 2
+            and hidden.dtype == torch.float32
+            and hidden.device.type == "cpu"
+            and hidden.shape[0] == meta.num_seqs
+            and cpu_linear.mlp_row_tile(hidden) is None
+        )
+
+    def run(
+        self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the embedded tokens [rows, hidden] -> (the last layer's output, its residual), as the
+        layers' forward gives them."""
+        rows = hidden.shape[0]
+        hidden = hidden.contiguous()
+        views = {name: torch.empty(rows, width, dtype=torch.float32) for name, width in self.widths.items()}
+        positions = positions.to(torch.int64).contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        tables = meta.block_tables.to(torch.int32).contiguous()
+        lens = meta.seq_lens.to(torch.int32).contiguous()
+        step = c.DecodeStep(
+            rows,
+            tables.shape[1],
+            torch.get_num_threads(),
+            cpu_kernels._torch_pieces(rows * self.intermediate),
+            positions.data_ptr(),
+            slots.data_ptr(),
+            tables.data_ptr(),
+            lens.data_ptr(),
+            hidden.data_ptr(),
+            *(views[name].data_ptr() for name in ("normed", "qkv", "attn", "proj", "gate_up", "act")),
+            (ctypes.c_void_p * 2)(views["residual0"].data_ptr(), views["residual1"].data_ptr()),
+        )
+        final, failed = ctypes.c_int(-1), (ctypes.c_int * 2)(-1, -1)
+        status = self.kernels.decode_layers(
+            ctypes.byref(self.model), self.layers, ctypes.byref(step), ctypes.byref(final), failed
+        )
+        if status != 0:
+            self._raise(status, failed[0], c.KERNELS.get(failed[1], "?"), positions, slots, lens, tables)
+        return views["proj"], views[f"residual{final.value}"]
+
+    def _raise(self, status, layer, kernel, positions, slots, lens, tables):
+        where = f"decode layers: layer {layer}'s {kernel}"
+        if kernel == "rotary_neox" and status == -2:
+            raise IndexError(f"{where}: a position ({int(positions.max())}) lies outside the "
+                             f"{self.model.table_rows}-row tables")  # fmt: skip
+        if kernel == "store_kv":
+            raise IndexError(f"{where}: slot_mapping has slot {int(slots.max())} outside the KV cache's "
+                             f"{self.model.num_blocks * self.model.block_size} slots")  # fmt: skip
+        if kernel == "paged_attention" and status == -2:
+            raise IndexError(
+                f"{where}: a seq_len ({lens.tolist()}) exceeds its block table ({tables.shape[1]} blocks of "
+                f"{self.model.block_size}), or a block id used lies outside the cache's {self.model.num_blocks} blocks"
+            )
+        raise RuntimeError(f"{where} failed with status {status}")
+
+
+def build(model) -> FusedDecode | None:
+    """The structures for ``model`` (a LlamaModel) where every layer runs the compiled kernels, else None."""
+    if tp_size() != 1 or triton_switch.INTERPRET:  # under the interpreter CPU tensors take Triton kernels
+        return None
+    kernels = cpu_kernels.load()
+    if kernels is None or kernels.rows_linear is None:
+        return None
+    norm_lanes, silu_lanes = cpu_kernels.rms_norm_lanes(), cpu_kernels.silu_lanes()
+    if norm_lanes is None or silu_lanes is None:
+        return None
+    first = model.layers[0].self_attn
+    rope, scale = first.rotary_emb, first.attn.scale
+    if not (_float32_cpu(rope.cos) and _float32_cpu(rope.sin) and rope.cos.shape == rope.sin.shape):
+        return None
+    layers = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        a = attn.attn
+        if attn.qk_norm or attn.rotary_emb is not rope or a.scale != scale or not isinstance(mlp.act_fn, SiluAndMul):
+            return None
+        if getattr(a.backend, "name", None) != "torch" or a.k_cache.dim() != 4:
+            return None
+        if not (_float32_cpu(a.k_cache) and _float32_cpu(a.v_cache) and a.k_cache.shape == first.attn.k_cache.shape):
+            return None
+        if a.v_cache.shape != a.k_cache.shape or (a.k_scale, a.v_scale) != (1.0, 1.0):
+            return None
+        if any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in layer.modules()):
+            return None  # a hook or a replaced forward on one of the layer's modules: it must see its calls
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if not all(_float32_cpu(n.weight) for n in norms):
+            return None
+        linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(x is None for x in linears):
+            return None
+        layers.append(
+            c.DecodeLayer(
+                *linears,
+                norms[0].weight.data_ptr(),
+                norms[1].weight.data_ptr(),
+                norms[0].eps,
+                norms[1].eps,
+                a.k_cache.data_ptr(),
+                a.v_cache.data_ptr(),
+            )
+        )
+    return FusedDecode(model, kernels, layers, norm_lanes, silu_lanes)
+
+
+def for_model(model, hidden: torch.Tensor, meta: AttentionMetadata) -> FusedDecode | None:
+    """The fused layers for this step, or None where the Python layers run it. The decision about the
+    model is made once per set of caches (the runner attaches them after sizing)."""
+    if not FusedDecode.applies(hidden, meta) or os.environ.get(SWITCH, "1") == "0" or python_path_replaced():
+        return None
+    caches, fused = model.__dict__.get("_fused_decode", (None, None))
+    if caches is None or not _same_caches(model, caches):
+        fused = build(model)
+        caches = [(layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache) for layer in model.layers]
+        model.__dict__["_fused_decode"] = (caches, fused)
+        logger.debug("CPU decode steps: %s", "one C call for the layers" if fused else "the Python layers")
+    return fused
+
+
+def _same_caches(model, caches) -> bool:
+    return all(
+        layer.self_attn.attn.k_cache is k and layer.self_attn.attn.v_cache is v
+        for layer, (k, v) in zip(model.layers, caches)
+    )

@@ -1,0 +1,147 @@
+"""A CPU decode step's layers in one C call (``nanovllm/models/cpu_decode.py``): the Python layers'
+bits, where it applies, and the Python layers wherever something must see their calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanovllm import cpu_kernels
+from nanovllm.layers import cpu_linear
+from nanovllm.models import cpu_decode
+
+pytestmark = pytest.mark.skipif(
+    not cpu_linear.rows_enabled() or cpu_kernels.rms_norm_lanes() is None or cpu_kernels.silu_lanes() is None,
+    reason="the fused decode layers need every CPU kernel of the Python layers: the rows kernel (AVX-512, "
+    "NANOVLLM_CPU_KERNELS and NANOVLLM_CPU_ROWS_LINEAR not 0) and the C RMSNorm and SiLU (torch's lane counts found)",
+)
+
+
+def _engine(name: str):
+    pytest.importorskip("transformers", reason="the zoo builder writes the config with transformers")
+    from conformance.zoo import ZOO, zoo_model
+    from nanovllm import LLM
+    from tests.conftest import engine_args, prompts_for
+
+    llm = LLM(zoo_model(name), **engine_args("cpu", block_size=16, seed=0))
+    return llm, prompts_for(ZOO[name].vocab_size, (3, 17, 40, 9, 64), seed=1)
+
+
+def _outputs(llm, prompts) -> list:
+    from nanovllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
+    out = llm.generate(prompts, params, use_tqdm=False)
+    return [
+        (o.outputs[0].token_ids, [sorted((t, p.logprob) for t, p in d.items()) for d in o.outputs[0].logprobs])
+        for o in out
+    ]
+
+
+def _counting_runs(monkeypatch) -> list[int]:
+    rows = []
+    run = cpu_decode.FusedDecode.run
+
+    def counted(self, hidden, positions, meta):
+        rows.append(hidden.shape[0])
+        return run(self, hidden, positions, meta)
+
+    monkeypatch.setattr(cpu_decode.FusedDecode, "run", counted)
+    return rows
+
+
+@pytest.mark.parametrize("name", ["llama-mha-hd64", "qwen2-gqa2-hd64", "llama-rope3-bias", "llama-1kv-hd128"])
+def test_fused_decode_steps_give_the_python_layers_bits(monkeypatch, name):
+    """Greedy tokens and top-3 logprobs of five requests (decode batches of 5), the fused layers against
+    the Python layers (``NANOVLLM_CPU_FUSED_DECODE=0``), bitwise: a Llama, a Qwen2 (q/k/v biases),
+    a Llama with llama3 RoPE scaling and biases, one KV head of 128. Control: the fused attention's
+    scale a float32 step or two off, and the comparison fails."""
+    llm, prompts = _engine(name)
+    try:
+        ran = _counting_runs(monkeypatch)
+        fused = _outputs(llm, prompts)
+        assert ran and max(ran) == len(prompts), "the fused layers did not run: the comparison would be vacuous"
+        monkeypatch.setenv(cpu_decode.SWITCH, "0")
+        ran.clear()
+        python = _outputs(llm, prompts)
+        assert not ran
+        assert fused == python
+        monkeypatch.delenv(cpu_decode.SWITCH)
+        model = llm.llm_engine.executor.runner.model.model
+        structures = model.__dict__["_fused_decode"][1]
+        structures.model.scale *= 1 + 2**-22  # two float32 steps at 0.125 (d = 64); one at 0.088 (d = 128)
+        assert _outputs(llm, prompts) != python, "the control shows nothing"
+    finally:
+        llm.close()
+
+
+def test_qwen3_keeps_the_python_layers(monkeypatch):
+    """Qwen3's q/k norm has no place in the fused layers: its decode steps run in Python."""
+    llm, prompts = _engine("qwen3-gqa4-hd128")
+    try:
+        ran = _counting_runs(monkeypatch)
+        _outputs(llm, prompts[:2])
+        assert not ran
+        assert llm.llm_engine.executor.runner.model.model.__dict__["_fused_decode"][1] is None
+    finally:
+        llm.close()
+
+
+def test_a_replaced_kernel_wrapper_sees_the_decode_steps(monkeypatch):
+    """A wrapper put around a kernel the Python layers call (a profiler's, a test's, an injected bug)
+    sees the decode steps too: they run in Python while it is in place. Control: without it, the
+    fused layers run them."""
+    llm, prompts = _engine("llama-mha-hd64")
+    try:
+        ran = _counting_runs(monkeypatch)
+        seen = []
+        rms_norm = cpu_kernels.rms_norm
+        monkeypatch.setattr(cpu_kernels, "rms_norm", lambda x, *a: seen.append(x.shape[0]) or rms_norm(x, *a))
+        _outputs(llm, prompts[:3])
+        assert 3 in seen and not ran
+        monkeypatch.setattr(cpu_kernels, "rms_norm", rms_norm)
+        _outputs(llm, prompts[:3])
+        assert 3 in ran
+    finally:
+        llm.close()
+
+
+def test_a_bad_slot_or_position_stops_layer_0_with_the_cache_untouched():
+    """A slot outside the cache and a position outside the RoPE tables are refused by layer 0's own
+    kernel before it writes, with the layer and the kernel named; the engine then runs as before."""
+    from nanovllm.attention.metadata import AttentionMetadata
+
+    llm, prompts = _engine("llama-mha-hd64")
+    try:
+        before = _outputs(llm, prompts[:2])
+        model = llm.llm_engine.executor.runner.model.model
+        structures = model.__dict__["_fused_decode"][1]
+        caches = [
+            t.clone() for layer in model.layers for t in (layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache)
+        ]
+        num_slots = structures.model.num_blocks * structures.model.block_size
+
+        def meta(slot: int) -> AttentionMetadata:
+            return AttentionMetadata(
+                slot_mapping=torch.tensor([slot]),
+                query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                seq_lens=torch.tensor([1], dtype=torch.int32),
+                block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                max_query_len=1,
+                max_seq_len=1,
+                block_size=structures.model.block_size,
+                query_start_loc_cpu=[0, 1],
+                seq_lens_cpu=[1],
+            )
+
+        hidden = torch.randn(1, structures.hidden)
+        with pytest.raises(IndexError, match=f"layer 0's store_kv: slot_mapping has slot {num_slots} outside"):
+            structures.run(hidden, torch.tensor([0]), meta(num_slots))
+        rows = structures.model.table_rows
+        with pytest.raises(IndexError, match=rf"layer 0's rotary_neox: a position \({rows}\) lies outside"):
+            structures.run(hidden, torch.tensor([rows]), meta(0))
+        after = [t for layer in model.layers for t in (layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache)]
+        assert all(torch.equal(a, b) for a, b in zip(caches, after))
+        assert _outputs(llm, prompts[:2]) == before
+    finally:
+        llm.close()
