@@ -3,6 +3,8 @@ bits, where it applies, and the Python layers wherever something must see their 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -99,6 +101,12 @@ def test_a_replaced_kernel_wrapper_sees_the_decode_steps(monkeypatch):
         monkeypatch.setattr(cpu_kernels, "rms_norm", lambda x, *a: seen.append(x.shape[0]) or rms_norm(x, *a))
         _outputs(llm, prompts[:3])
         assert 3 in seen and not ran
+        seen.clear()
+        monkeypatch.setattr(
+            cpu_kernels, "rms_norm", functools.wraps(rms_norm)(lambda x, *a: seen.append(x.shape[0]) or rms_norm(x, *a))
+        )
+        _outputs(llm, prompts[:3])
+        assert 3 in seen and not ran, "a wrapper that copies the function's name went unseen"
         monkeypatch.setattr(cpu_kernels, "rms_norm", rms_norm)
         _outputs(llm, prompts[:3])
         assert 3 in ran

@@ -34,52 +34,31 @@ from nanovllm.layers.parallel import tp_size
 logger = logging.getLogger(__name__)
 SWITCH = "NANOVLLM_CPU_FUSED_DECODE"
 
-# What the Python layers call, as imported. Where any of them has been replaced (a profiler's or a test's
-# wrapper, an injected bug of the mutant table), the step runs the Python layers, so that the replacement
-# sees every call, as torch's own fast paths step aside for hooks.
+# Where any function the Python layers call has been replaced (a profiler's or a test's wrapper, an
+# injected bug of the mutant table), the step runs the Python layers, so that the replacement sees every
+# call, as torch's own fast paths step aside for hooks. "Replaced" is told by the function itself, not
+# by what was there at import, so the order of imports and patches does not matter.
 _KERNEL_NAMES = ("rows_linear", "paged_attention", "store_kv", "rotary_neox_", "rms_norm", "silu_and_mul")
-_ORIGINAL_KERNELS = tuple(getattr(cpu_kernels, name) for name in _KERNEL_NAMES)
 
 
-def _layer_methods() -> tuple:
+def _own(f) -> bool:
+    """A function defined in nanovllm's own modules, not a wrapper (``functools.wraps`` or a closure)."""
+    f = getattr(f, "__func__", f)
+    module, name = getattr(f, "__module__", None) or "", getattr(f, "__qualname__", "<")
+    return module.startswith("nanovllm.") and "<" not in name and not hasattr(f, "__wrapped__")
+
+
+def python_path_replaced(module_classes) -> bool:
+    """Whether a kernel wrapper, a layer class's forward (``module_classes``: the layers' module
+    classes), the CPU attention backend or the linear dispatch is not nanovllm's own, or a global
+    module hook is set: then the Python layers run the step."""
     from nanovllm.attention.backends import TorchBackend
-    from nanovllm.layers.attention import Attention
-    from nanovllm.layers.layernorm import RMSNorm
-    from nanovllm.layers.linear import LinearBase, RowParallelLinear
-    from nanovllm.layers.rotary_embedding import RotaryEmbedding
-    from nanovllm.models import llama
+    from nanovllm.layers import linear
 
-    return (
-        llama.LlamaDecoderLayer.forward,
-        llama.LlamaAttention.forward,
-        llama.LlamaMLP.forward,
-        RMSNorm.forward,
-        SiluAndMul.forward,
-        RotaryEmbedding.forward,
-        Attention.forward,
-        TorchBackend.store_kv,
-        TorchBackend.forward,
-        LinearBase.forward,
-        RowParallelLinear.forward,
-        cpu_linear.linear,
-    )
-
-
-_ORIGINAL_METHODS: tuple = ()
-
-
-def remember_layer_methods() -> None:
-    """Called once, at the end of llama.py's import (the layer classes exist only then)."""
-    global _ORIGINAL_METHODS
-    _ORIGINAL_METHODS = _layer_methods()
-
-
-def python_path_replaced() -> bool:
-    """Whether a kernel wrapper or a layer method the Python layers use is not the one imported, or a
-    global module hook is set: then those layers run the step."""
-    if any(getattr(cpu_kernels, n) is not f for n, f in zip(_KERNEL_NAMES, _ORIGINAL_KERNELS)):
-        return True
-    if any(a is not b for a, b in zip(_layer_methods(), _ORIGINAL_METHODS)):
+    functions = [getattr(cpu_kernels, name) for name in _KERNEL_NAMES]
+    functions += [cls.forward for cls in module_classes]
+    functions += [TorchBackend.store_kv, TorchBackend.forward, linear.linear, cpu_linear.linear]
+    if not all(_own(f) for f in functions):
         return True
     hooks = torch.nn.modules.module
     return bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
@@ -103,6 +82,7 @@ class FusedDecode:
     def __init__(
         self, model, kernels: cpu_kernels.Kernels, layers: list[c.DecodeLayer], norm_lanes: int, silu_lanes: int
     ):
+        self.module_classes = {type(m) for layer in model.layers for m in layer.modules()}
         first = model.layers[0]
         attn, mlp = first.self_attn, first.mlp
         rope = attn.rotary_emb
@@ -250,7 +230,7 @@ def build(model) -> FusedDecode | None:
 def for_model(model, hidden: torch.Tensor, meta: AttentionMetadata) -> FusedDecode | None:
     """The fused layers for this step, or None where the Python layers run it. The decision about the
     model is made once per set of caches (the runner attaches them after sizing)."""
-    if not FusedDecode.applies(hidden, meta) or os.environ.get(SWITCH, "1") == "0" or python_path_replaced():
+    if not FusedDecode.applies(hidden, meta) or os.environ.get(SWITCH, "1") == "0":
         return None
     caches, fused = model.__dict__.get("_fused_decode", (None, None))
     if caches is None or not _same_caches(model, caches):
@@ -258,6 +238,8 @@ def for_model(model, hidden: torch.Tensor, meta: AttentionMetadata) -> FusedDeco
         caches = [(layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache) for layer in model.layers]
         model.__dict__["_fused_decode"] = (caches, fused)
         logger.debug("CPU decode steps: %s", "one C call for the layers" if fused else "the Python layers")
+    if fused is None or python_path_replaced(fused.module_classes):
+        return None
     return fused
 
 

@@ -210,6 +210,3 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     @classmethod
     def biases(cls, config) -> Biases:
         return Biases(qkv=True)  # transformers' Qwen2 has neither attention_bias nor mlp_bias
-
-
-cpu_decode.remember_layer_methods()  # what a fused CPU decode step stands in for (cpu_decode.py)
