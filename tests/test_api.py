@@ -260,6 +260,9 @@ def test_close_frees_the_weights_without_waiting_for_the_garbage_collector(monke
     ]
     assert params and bool(packed) == cpu_linear.available(), "oneDNN packs every linear layer where it is available"
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    # the KV caches too, after a decode step (the CPU's fused decode layers remember which caches
+    # they were built for: weakly, or closing would leave the caches to the garbage collector)
+    caches = [weakref.ref(t) for layer in runner.attn_layers for t in (layer.k_cache, layer.v_cache)]
     del runner
     collections = []
     monkeypatch.setattr(gc, "collect", lambda *a: collections.append(a) or 0)
@@ -270,6 +273,7 @@ def test_close_frees_the_weights_without_waiting_for_the_garbage_collector(monke
         kept = [p() for p in params if p() is not None and p().numel() > 0]
         assert not kept, f"{len(kept)} of {len(params)} weights kept their storage after close()"
         assert all(ref() is None for ref in packed), "a packed weight outlived close()"
+        assert all(ref() is None for ref in caches), "a KV cache outlived close()"
         assert collections == [], "close() ran a garbage collection on the CPU"
     finally:
         if enabled:

@@ -13,20 +13,24 @@ from nanovllm.layers import cpu_linear
 from nanovllm.models import cpu_decode
 
 pytestmark = pytest.mark.skipif(
-    not cpu_linear.rows_enabled() or cpu_kernels.rms_norm_lanes() is None or cpu_kernels.silu_lanes() is None,
-    reason="the fused decode layers need every CPU kernel of the Python layers: the rows kernel (AVX-512, "
-    "NANOVLLM_CPU_KERNELS and NANOVLLM_CPU_ROWS_LINEAR not 0) and the C RMSNorm and SiLU (torch's lane counts found)",
+    not (cpu_linear.available() and cpu_linear.rows_enabled())
+    or cpu_kernels.rms_norm_lanes() is None
+    or cpu_kernels.silu_lanes() is None,
+    reason="the fused decode layers need every CPU kernel of the Python layers: oneDNN (weights are packed where "
+    "it is), the rows kernel (AVX-512, NANOVLLM_CPU_KERNELS and NANOVLLM_CPU_ROWS_LINEAR not 0) and the C "
+    "RMSNorm and SiLU (torch's lane counts found)",
 )
 
 
-def _engine(name: str):
+def _engine(name: str, prompts: int = 5):
     pytest.importorskip("transformers", reason="the zoo builder writes the config with transformers")
     from conformance.zoo import ZOO, zoo_model
     from nanovllm import LLM
     from tests.conftest import engine_args, prompts_for
 
     llm = LLM(zoo_model(name), **engine_args("cpu", block_size=16, seed=0))
-    return llm, prompts_for(ZOO[name].vocab_size, (3, 17, 40, 9, 64), seed=1)
+    lengths = [(3, 17, 40, 9, 64)[i % 5] + i for i in range(prompts)]
+    return llm, prompts_for(ZOO[name].vocab_size, lengths, seed=1)
 
 
 def _outputs(llm, prompts) -> list:
@@ -52,13 +56,23 @@ def _counting_runs(monkeypatch) -> list[int]:
     return rows
 
 
-@pytest.mark.parametrize("name", ["llama-mha-hd64", "qwen2-gqa2-hd64", "llama-rope3-bias", "llama-1kv-hd128"])
-def test_fused_decode_steps_give_the_python_layers_bits(monkeypatch, name):
-    """Greedy tokens and top-3 logprobs of five requests (decode batches of 5), the fused layers against
-    the Python layers (``NANOVLLM_CPU_FUSED_DECODE=0``), bitwise: a Llama, a Qwen2 (q/k/v biases),
-    a Llama with llama3 RoPE scaling and biases, one KV head of 128. Control: the fused attention's
-    scale a float32 step or two off, and the comparison fails."""
-    llm, prompts = _engine(name)
+@pytest.mark.parametrize(
+    "name,requests",
+    [
+        ("llama-mha-hd64", 5),
+        ("qwen2-gqa2-hd64", 5),
+        ("llama-rope3-bias", 5),
+        ("llama-1kv-hd128", 5),
+        ("llama-wide-mlp", 24),
+    ],
+)
+def test_fused_decode_steps_give_the_python_layers_bits(monkeypatch, name, requests):
+    """Greedy tokens and top-3 logprobs, the fused layers against the Python layers
+    (``NANOVLLM_CPU_FUSED_DECODE=0``), bitwise: a Llama, a Qwen2 (q/k/v biases), a Llama with llama3
+    RoPE scaling and biases, one KV head of 128 (decode batches of 5: one row tile of the rows kernel),
+    and 24 requests on an MLP of 1,536 (the rows kernel's K chunks, SiLU in two pieces on two threads).
+    Control: the fused attention's scale a few float32 steps off, and the comparison fails."""
+    llm, prompts = _engine(name, requests)
     try:
         ran = _counting_runs(monkeypatch)
         fused = _outputs(llm, prompts)
@@ -70,8 +84,8 @@ def test_fused_decode_steps_give_the_python_layers_bits(monkeypatch, name):
         assert fused == python
         monkeypatch.delenv(cpu_decode.SWITCH)
         model = llm.llm_engine.executor.runner.model.model
-        structures = model.__dict__["_fused_decode"][1]
-        structures.model.scale *= 1 + 2**-22  # two float32 steps at 0.125 (d = 64); one at 0.088 (d = 128)
+        structures = model.__dict__["_fused_decode"].fused
+        structures.model.scale *= 1 + 2**-22  # a few float32 steps (two at 0.125, d = 64)
         assert _outputs(llm, prompts) != python, "the control shows nothing"
     finally:
         llm.close()
@@ -84,7 +98,7 @@ def test_qwen3_keeps_the_python_layers(monkeypatch):
         ran = _counting_runs(monkeypatch)
         _outputs(llm, prompts[:2])
         assert not ran
-        assert llm.llm_engine.executor.runner.model.model.__dict__["_fused_decode"][1] is None
+        assert llm.llm_engine.executor.runner.model.model.__dict__["_fused_decode"].fused is None
     finally:
         llm.close()
 
@@ -123,7 +137,7 @@ def test_a_bad_slot_or_position_stops_layer_0_with_the_cache_untouched():
     try:
         before = _outputs(llm, prompts[:2])
         model = llm.llm_engine.executor.runner.model.model
-        structures = model.__dict__["_fused_decode"][1]
+        structures = model.__dict__["_fused_decode"].fused
         caches = [
             t.clone() for layer in model.layers for t in (layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache)
         ]
@@ -151,5 +165,28 @@ def test_a_bad_slot_or_position_stops_layer_0_with_the_cache_untouched():
         after = [t for layer in model.layers for t in (layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache)]
         assert all(torch.equal(a, b) for a, b in zip(caches, after))
         assert _outputs(llm, prompts[:2]) == before
+    finally:
+        llm.close()
+
+
+def test_a_hook_set_after_the_first_decode_step_sees_the_next_ones(monkeypatch):
+    """A forward hook registered on a layer's module once the fused layers are built (after a first
+    generate) sees the later decode steps: whether to step aside is asked every step."""
+    llm, prompts = _engine("llama-mha-hd64")
+    try:
+        ran = _counting_runs(monkeypatch)
+        _outputs(llm, prompts[:3])
+        assert 3 in ran
+        ran.clear()
+        mlp = llm.llm_engine.executor.runner.model.model.layers[1].mlp
+        seen = []
+        handle = mlp.register_forward_hook(lambda module, args, out: seen.append(out.shape[0]))
+        try:
+            _outputs(llm, prompts[:3])
+        finally:
+            handle.remove()
+        assert 3 in seen and not ran
+        _outputs(llm, prompts[:3])
+        assert 3 in ran, "the fused layers did not come back once the hook was removed"
     finally:
         llm.close()

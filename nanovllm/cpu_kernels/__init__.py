@@ -38,7 +38,7 @@ from nanovllm.loader.cache import build_once, cache_root
 logger = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = [HERE / "paged_attention.c", HERE / "elementwise.c", HERE / "rows_linear.c", HERE / "decode_layers.c"]
-HEADERS = [HERE / "vec_exp.h"]
+HEADERS = [HERE / "vec_exp.h", HERE / "cpu_kernels.h"]
 LIBRARY = "cpu_kernels.so"
 SWITCH = "NANOVLLM_CPU_KERNELS"
 

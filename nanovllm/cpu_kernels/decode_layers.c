@@ -9,22 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-int rms_norm_f32(const float *x, const float *residual, float *out, float *res_out, const float *weight, int rows,
-                 int n, int64_t x_stride, int64_t r_stride, float eps, int lanes, int num_threads);
-int rows_linear_f32(const float *x, const float *w, const float *bias, float *y, int m, int n, int k,
-                    int64_t ldx, int64_t ldy, int seg, int num_threads);
-int rotary_neox_f32(float *q, float *k, const int64_t *pos, const float *cos_table, const float *sin_table,
-                    int tokens, int heads, int kv_heads, int half_dim, int64_t q_stride, int64_t k_stride,
-                    int64_t table_stride, int64_t table_rows, int num_threads);
-int store_kv_f32(const float *key, const float *value, float *k_cache, float *v_cache, const int64_t *slot_mapping,
-                 int num_tokens, int num_kv_heads, int head_dim, int block_size, int64_t key_stride,
-                 int64_t value_stride, int num_threads, int64_t num_slots);
-int paged_attention_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
-                        const int32_t *seq_lens, const int32_t *row_seq, const int32_t *row_len, float *out,
-                        int num_seqs, int num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                        int table_width, float scale, int num_threads, int num_blocks, int64_t q_row_stride);
-int silu_and_mul_f32(const float *gate, const float *up, float *out, int rows, int n, int64_t gate_stride,
-                     int64_t up_stride, int lanes, int pieces, int num_threads);
+#include "cpu_kernels.h"
 
 /* A weight packed by rows_pack_f32: y [m][n] = x [m][k] @ W^T (+ bias), sums restarted every seg. */
 typedef struct {
@@ -64,7 +49,8 @@ typedef struct {
     float *residual[2];  /* hidden: written in turn, so a sum never overwrites its own input */
 } DecodeStep;
 
-enum { FAILED_NORM = 1, FAILED_LINEAR, FAILED_ROPE, FAILED_STORE, FAILED_ATTENTION, FAILED_SILU };
+/* which kernel stopped a step (decode_layers.py names them) */
+enum { FAILED_NORM = 1, FAILED_QKV, FAILED_ROPE, FAILED_STORE, FAILED_ATTENTION, FAILED_O, FAILED_GATE_UP, FAILED_SILU, FAILED_DOWN };
 
 static int linear(const DecodeLinear *w, const float *x, float *y, int m, int threads) {
     /* rows_linear's wrapper passes x's row stride, or K for a single row */
@@ -73,8 +59,9 @@ static int linear(const DecodeLinear *w, const float *x, float *y, int m, int th
 
 /* Runs every layer; returns 0 with *final_residual the index of the residual buffer that holds the
  * last layer's residual (its hidden state is in ``proj``), or the failing kernel's status with
- * failed[0] = the layer and failed[1] = the kernel (FAILED_*). A kernel checks its arguments before it
- * writes, so a bad position, slot or sequence length stops layer 0 with nothing written. */
+ * failed[0] = the layer and failed[1] = the kernel (FAILED_*). Each kernel checks its arguments before it
+ * writes: a bad position or slot stops layer 0 with nothing written; a bad sequence length stops layer
+ * 0's attention after its cache write (as in the Python layers). */
 int decode_layers_f32(const DecodeModel *m, const DecodeLayer *layers, const DecodeStep *s, int *final_residual,
                       int *failed) {
     const int rows = s->rows, threads = s->threads, d = m->head_dim;
@@ -101,7 +88,7 @@ int decode_layers_f32(const DecodeModel *m, const DecodeLayer *layers, const Dec
                                           m->hidden, m->hidden, L->input_eps, m->norm_lanes, threads));
             residual = sum, next ^= 1;
         }
-        RUN(FAILED_LINEAR, linear(&L->qkv, s->normed, s->qkv, rows, threads));
+        RUN(FAILED_QKV, linear(&L->qkv, s->normed, s->qkv, rows, threads));
         float *q = s->qkv, *k = s->qkv + q_size, *v = s->qkv + q_size + kv_size;
         RUN(FAILED_ROPE, rotary_neox_f32(q, k, s->positions, m->cos_table, m->sin_table, rows, m->heads, m->kv_heads,
                                          d / 2, qkv_width, qkv_width, m->table_stride, m->table_rows, threads));
@@ -111,16 +98,16 @@ int decode_layers_f32(const DecodeModel *m, const DecodeLayer *layers, const Dec
             paged_attention_f32(q, L->k_cache, L->v_cache, s->block_tables, s->seq_lens, NULL, s->seq_lens, s->attn,
                                 rows, rows, m->heads, m->kv_heads, d, m->block_size, s->table_width, m->scale,
                                 threads, m->num_blocks, qkv_width));
-        RUN(FAILED_LINEAR, linear(&L->o, s->attn, s->proj, rows, threads));
+        RUN(FAILED_O, linear(&L->o, s->attn, s->proj, rows, threads));
         float *sum = s->residual[next];
         RUN(FAILED_NORM, rms_norm_f32(s->proj, residual, s->normed, sum, L->post_norm, rows, m->hidden, m->hidden,
                                       m->hidden, L->post_eps, m->norm_lanes, threads));
         residual = sum, next ^= 1;
-        RUN(FAILED_LINEAR, linear(&L->gate_up, s->normed, s->gate_up, rows, threads));
+        RUN(FAILED_GATE_UP, linear(&L->gate_up, s->normed, s->gate_up, rows, threads));
         RUN(FAILED_SILU, silu_and_mul_f32(s->gate_up, s->gate_up + m->intermediate, s->act, rows, m->intermediate,
                                           2 * m->intermediate, 2 * m->intermediate, m->silu_lanes, s->silu_pieces,
                                           s->silu_pieces));
-        RUN(FAILED_LINEAR, linear(&L->down, s->act, s->proj, rows, threads));
+        RUN(FAILED_DOWN, linear(&L->down, s->act, s->proj, rows, threads));
     }
 #undef RUN
     *final_residual = residual == s->residual[0] ? 0 : residual == s->residual[1] ? 1 : -1;

@@ -74,8 +74,19 @@ class DecodeStep(ctypes.Structure):
     ]
 
 
-# decode_layers.c's FAILED_* codes: which kernel stopped the step
-KERNELS = {1: "rms_norm", 2: "rows_linear", 3: "rotary_neox", 4: "store_kv", 5: "paged_attention", 6: "silu_and_mul"}
+# decode_layers.c's FAILED_* codes: which kernel stopped the step (the four products by their weight)
+KERNELS = {
+    1: "rms_norm",
+    2: "q/k/v projection",
+    3: "rotary_neox",
+    4: "store_kv",
+    5: "paged_attention",
+    6: "o projection",
+    7: "gate/up projection",
+    8: "silu_and_mul",
+    9: "down projection",
+}
+PROJECTIONS = {2: "qkv", 6: "o", 7: "gate_up", 9: "down"}  # the DecodeLayer field of each product
 
 
 def bind(library: ctypes.CDLL):

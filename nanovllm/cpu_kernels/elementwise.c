@@ -16,6 +16,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include "cpu_kernels.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif

@@ -16,6 +16,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "cpu_kernels.h"
 
 static inline float dot(const float *restrict a, const float *restrict b, int n) {
     float acc = 0.0f;

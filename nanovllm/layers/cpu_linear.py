@@ -126,10 +126,11 @@ def _single_row_differs(packed: torch.Tensor, bias: torch.Tensor | None, k: int,
 
 
 def _check_rows() -> tuple[int, ...]:
-    """Probe rows for ``_kernel_keeps_its_order``: a lone row and 2 (one row tile, whole segments); 7 and
-    13 (K in chunks, a partial last row tile); one more than the chunked path takes (whole segments per
-    row tile)."""
-    return (1, 2, 7, 13, cpu_kernels.rows_chunk_max_rows() + 1)
+    """Probe rows for ``_kernel_keeps_its_order``: a lone row and 2 (one row tile, whole segments); 7, 13
+    and the most the chunked path takes (K in chunks; a partial last row tile; all of its scratch); one
+    more (whole segments per row tile)."""
+    most = cpu_kernels.rows_chunk_max_rows()
+    return (1, 2, 7, 13, most, most + 1)
 
 
 CHECK_COLUMNS = 256  # output columns probed at most, plus a last tile's remainder (the reference is scalar C)

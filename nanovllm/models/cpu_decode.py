@@ -21,10 +21,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
+import weakref
 
 import torch
 
 from nanovllm import cpu_kernels
+from nanovllm.attention.backends import TorchBackend
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.cpu_kernels import decode_layers as c
 from nanovllm.layers import cpu_linear, triton_switch
@@ -38,27 +41,46 @@ SWITCH = "NANOVLLM_CPU_FUSED_DECODE"
 # injected bug of the mutant table), the step runs the Python layers, so that the replacement sees every
 # call, as torch's own fast paths step aside for hooks. "Replaced" is told by the function itself, not
 # by what was there at import, so the order of imports and patches does not matter.
-_KERNEL_NAMES = ("rows_linear", "paged_attention", "store_kv", "rotary_neox_", "rms_norm", "silu_and_mul")
+_KERNEL_NAMES = (
+    "rows_linear",
+    "paged_attention",
+    "store_kv",
+    "rotary_neox_",
+    "rms_norm",
+    "silu_and_mul",
+    "applies",
+    "elementwise_applies",
+    "rms_norm_applies",
+    "silu_applies",
+    "_rms_norm_call",
+    "_silu_call",
+)
 
 
 def _own(f) -> bool:
-    """A function defined in nanovllm's own modules, not a wrapper (``functools.wraps`` or a closure)."""
+    """A function defined in nanovllm's own source files: not a wrapper (``functools.wraps`` or a
+    closure), nor a copy compiled elsewhere into a nanovllm module's globals."""
     f = getattr(f, "__func__", f)
     module, name = getattr(f, "__module__", None) or "", getattr(f, "__qualname__", "<")
-    return module.startswith("nanovllm.") and "<" not in name and not hasattr(f, "__wrapped__")
+    if not module.startswith("nanovllm.") or "<" in name or hasattr(f, "__wrapped__"):
+        return False
+    code, source = getattr(f, "__code__", None), getattr(sys.modules.get(module), "__file__", None)
+    return code is not None and code.co_filename == source
 
 
-def python_path_replaced(module_classes) -> bool:
-    """Whether a kernel wrapper, a layer class's forward (``module_classes``: the layers' module
-    classes), the CPU attention backend or the linear dispatch is not nanovllm's own, or a global
-    module hook is set: then the Python layers run the step."""
-    from nanovllm.attention.backends import TorchBackend
+def python_path_replaced(modules) -> bool:
+    """Whether a kernel wrapper, a forward of the layers' modules (``modules``: every module of every
+    layer; their class's and any set on the module itself), the CPU attention backend or the linear
+    dispatch is not nanovllm's own, or a forward hook is set (on a module or globally): then the
+    Python layers run the step."""
     from nanovllm.layers import linear
 
     functions = [getattr(cpu_kernels, name) for name in _KERNEL_NAMES]
-    functions += [cls.forward for cls in module_classes]
+    functions += [cls.forward for cls in {type(m) for m in modules}]
     functions += [TorchBackend.store_kv, TorchBackend.forward, linear.linear, cpu_linear.linear]
     if not all(_own(f) for f in functions):
+        return True
+    if any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in modules):
         return True
     hooks = torch.nn.modules.module
     return bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
@@ -82,7 +104,7 @@ class FusedDecode:
     def __init__(
         self, model, kernels: cpu_kernels.Kernels, layers: list[c.DecodeLayer], norm_lanes: int, silu_lanes: int
     ):
-        self.module_classes = {type(m) for layer in model.layers for m in layer.modules()}
+        self.modules = [m for layer in model.layers for m in layer.modules()]
         first = model.layers[0]
         attn, mlp = first.self_attn, first.mlp
         rope = attn.rotary_emb
@@ -160,23 +182,32 @@ class FusedDecode:
             ctypes.byref(self.model), self.layers, ctypes.byref(step), ctypes.byref(final), failed
         )
         if status != 0:
-            self._raise(status, failed[0], c.KERNELS.get(failed[1], "?"), positions, slots, lens, tables)
+            self._raise(status, failed[0], failed[1], positions, slots, lens, tables)
         return views["proj"], views[f"residual{final.value}"]
 
-    def _raise(self, status, layer, kernel, positions, slots, lens, tables):
+    def _raise(self, status, layer, code, positions, slots, lens, tables):
+        """The error the Python layers' wrapper of the failed kernel raises, naming the layer too."""
+        kernel, m = c.KERNELS.get(code, f"kernel {code}"), self.model
         where = f"decode layers: layer {layer}'s {kernel}"
-        if kernel == "rotary_neox" and status == -2:
-            raise IndexError(f"{where}: a position ({int(positions.max())}) lies outside the "
-                             f"{self.model.table_rows}-row tables")  # fmt: skip
+        if code in c.PROJECTIONS:
+            w = getattr(self.layers[layer], c.PROJECTIONS[code])
+            raise ValueError(f"{where}: the rows kernel refused N={w.n}, K={w.k}, segment={w.seg} (status {status})")
+        if kernel == "rotary_neox":
+            raise IndexError(f"{where}: a position ({int(positions.max())}) lies outside the {m.table_rows}-row tables")
         if kernel == "store_kv":
-            raise IndexError(f"{where}: slot_mapping has slot {int(slots.max())} outside the KV cache's "
-                             f"{self.model.num_blocks * self.model.block_size} slots")  # fmt: skip
+            raise IndexError(
+                f"{where}: slot_mapping has slot {int(slots.max())} outside the KV cache's "
+                f"{m.num_blocks * m.block_size} slots"
+            )
         if kernel == "paged_attention" and status == -2:
             raise IndexError(
                 f"{where}: a seq_len ({lens.tolist()}) exceeds its block table ({tables.shape[1]} blocks of "
-                f"{self.model.block_size}), or a block id used lies outside the cache's {self.model.num_blocks} blocks"
+                f"{m.block_size}), or a block id used lies outside the cache's {m.num_blocks} blocks"
             )
-        raise RuntimeError(f"{where} failed with status {status}")
+        if kernel == "paged_attention":
+            raise MemoryError(f"{where}: the kernel could not allocate its scratch memory")
+        lanes = m.norm_lanes if kernel == "rms_norm" else m.silu_lanes
+        raise ValueError(f"{where}: refused {lanes} lanes (status {status})")
 
 
 def build(model) -> FusedDecode | None:
@@ -199,8 +230,8 @@ def build(model) -> FusedDecode | None:
         a = attn.attn
         if attn.qk_norm or attn.rotary_emb is not rope or a.scale != scale or not isinstance(mlp.act_fn, SiluAndMul):
             return None
-        if getattr(a.backend, "name", None) != "torch" or a.k_cache.dim() != 4:
-            return None
+        if type(a.backend) is not TorchBackend or vars(a.backend) or a.k_cache.dim() != 4:
+            return None  # the CPU backend as it is (no attribute of its own set on the instance)
         if not (_float32_cpu(a.k_cache) and _float32_cpu(a.v_cache) and a.k_cache.shape == first.attn.k_cache.shape):
             return None
         if a.v_cache.shape != a.k_cache.shape or (a.k_scale, a.v_scale) != (1.0, 1.0):
@@ -228,23 +259,39 @@ def build(model) -> FusedDecode | None:
 
 
 def for_model(model, hidden: torch.Tensor, meta: AttentionMetadata) -> FusedDecode | None:
-    """The fused layers for this step, or None where the Python layers run it. The decision about the
-    model is made once per set of caches (the runner attaches them after sizing)."""
+    """The fused layers for this step, or None where the Python layers run it. The structures are
+    built once per set of caches (the runner attaches them after sizing and frees them at close) and
+    per build of the kernels; whether something replaced a function of the Python layers is asked
+    every step."""
     if not FusedDecode.applies(hidden, meta) or os.environ.get(SWITCH, "1") == "0":
         return None
-    caches, fused = model.__dict__.get("_fused_decode", (None, None))
-    if caches is None or not _same_caches(model, caches):
-        fused = build(model)
-        caches = [(layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache) for layer in model.layers]
-        model.__dict__["_fused_decode"] = (caches, fused)
-        logger.debug("CPU decode steps: %s", "one C call for the layers" if fused else "the Python layers")
-    if fused is None or python_path_replaced(fused.module_classes):
+    built = model.__dict__.get("_fused_decode")
+    if built is None or not built.current(model):
+        built = _Built(model, build(model))
+        model.__dict__["_fused_decode"] = built
+        logger.debug("CPU decode steps: %s", "one C call for the layers" if built.fused else "the Python layers")
+    fused = built.fused
+    if fused is None or python_path_replaced(fused.modules):
         return None
     return fused
 
 
-def _same_caches(model, caches) -> bool:
-    return all(
-        layer.self_attn.attn.k_cache is k and layer.self_attn.attn.v_cache is v
-        for layer, (k, v) in zip(model.layers, caches)
-    )
+class _Built:
+    """build()'s answer for a model, and what it was asked about: the caches, held weakly so that
+    closing the engine frees them (the runner replaces them at close and after sizing), and the
+    loaded kernels. The structures also point at the packed weights, norms and RoPE tables: the
+    engine makes those once, at load, and never replaces them while the model lives."""
+
+    def __init__(self, model, fused: FusedDecode | None):
+        self.fused = fused
+        self.kernels = cpu_kernels.load()
+        self.caches = [
+            (weakref.ref(layer.self_attn.attn.k_cache), weakref.ref(layer.self_attn.attn.v_cache))
+            for layer in model.layers
+        ]
+
+    def current(self, model) -> bool:
+        return cpu_kernels.load() is self.kernels and all(
+            layer.self_attn.attn.k_cache is k() and layer.self_attn.attn.v_cache is v()
+            for layer, (k, v) in zip(model.layers, self.caches)
+        )
