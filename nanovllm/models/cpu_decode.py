@@ -19,6 +19,7 @@ Python layers (A/B runs, tests).
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import sys
@@ -57,6 +58,7 @@ _KERNEL_NAMES = (
 )
 
 
+@functools.cache  # functions are hashable and few: asked every decode step
 def _own(f) -> bool:
     """A function defined in nanovllm's own source files: not a wrapper (``functools.wraps`` or a
     closure), nor a copy compiled elsewhere into a nanovllm module's globals."""
@@ -68,20 +70,22 @@ def _own(f) -> bool:
     return code is not None and code.co_filename == source
 
 
-def python_path_replaced(modules) -> bool:
+def python_path_replaced(modules, classes) -> bool:
     """Whether a kernel wrapper, a forward of the layers' modules (``modules``: every module of every
-    layer; their class's and any set on the module itself), the CPU attention backend or the linear
+    layer, ``classes``: their classes; the class's forward and any set on the module itself), the CPU attention backend or the linear
     dispatch is not nanovllm's own, or a forward hook is set (on a module or globally): then the
     Python layers run the step."""
     from nanovllm.layers import linear
 
     functions = [getattr(cpu_kernels, name) for name in _KERNEL_NAMES]
-    functions += [cls.forward for cls in {type(m) for m in modules}]
+    functions += [cls.forward for cls in classes]
     functions += [TorchBackend.store_kv, TorchBackend.forward, linear.linear, cpu_linear.linear]
     if not all(_own(f) for f in functions):
         return True
-    if any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in modules):
-        return True
+    for m in modules:
+        d = m.__dict__
+        if d["_forward_hooks"] or d["_forward_pre_hooks"] or "forward" in d:
+            return True
     hooks = torch.nn.modules.module
     return bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
 
@@ -105,6 +109,7 @@ class FusedDecode:
         self, model, kernels: cpu_kernels.Kernels, layers: list[c.DecodeLayer], norm_lanes: int, silu_lanes: int
     ):
         self.modules = [m for layer in model.layers for m in layer.modules()]
+        self.classes = {type(m) for m in self.modules}
         first = model.layers[0]
         attn, mlp = first.self_attn, first.mlp
         rope = attn.rotary_emb
@@ -271,7 +276,7 @@ def for_model(model, hidden: torch.Tensor, meta: AttentionMetadata) -> FusedDeco
         model.__dict__["_fused_decode"] = built
         logger.debug("CPU decode steps: %s", "one C call for the layers" if built.fused else "the Python layers")
     fused = built.fused
-    if fused is None or python_path_replaced(fused.modules):
+    if fused is None or python_path_replaced(fused.modules, fused.classes):
         return None
     return fused
 
@@ -285,13 +290,12 @@ class _Built:
     def __init__(self, model, fused: FusedDecode | None):
         self.fused = fused
         self.kernels = cpu_kernels.load()
-        self.caches = [
-            (weakref.ref(layer.self_attn.attn.k_cache), weakref.ref(layer.self_attn.attn.v_cache))
-            for layer in model.layers
-        ]
+        self.attns = [layer.self_attn.attn for layer in model.layers]
+        self.caches = [(weakref.ref(a.k_cache), weakref.ref(a.v_cache)) for a in self.attns]
 
     def current(self, model) -> bool:
-        return cpu_kernels.load() is self.kernels and all(
-            layer.self_attn.attn.k_cache is k() and layer.self_attn.attn.v_cache is v()
-            for layer, (k, v) in zip(model.layers, self.caches)
+        return (
+            cpu_kernels.load() is self.kernels
+            and len(model.layers) == len(self.attns)
+            and all(a.k_cache is k() and a.v_cache is v() for a, (k, v) in zip(self.attns, self.caches))
         )
