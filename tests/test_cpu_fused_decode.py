@@ -190,3 +190,18 @@ def test_a_hook_set_after_the_first_decode_step_sees_the_next_ones(monkeypatch):
         assert 3 in ran, "the fused layers did not come back once the hook was removed"
     finally:
         llm.close()
+
+
+def test_a_layer_whose_sizes_differ_from_the_first_keeps_the_python_layers(monkeypatch):
+    """The C side takes every layer's sizes from the first layer's: a layer whose product has another
+    shape (here the down projection's K, as the packed weight says) makes ``build`` answer None, so the
+    kernels never read past a weight. Control: the same model as it is builds."""
+    llm, _ = _engine("llama-mha-hd64")
+    try:
+        model = llm.llm_engine.executor.runner.model.model
+        assert cpu_decode.build(model) is not None
+        down = model.layers[1].mlp.down_proj.packed_weight
+        monkeypatch.setattr(down, "k", down.k + 16)
+        assert cpu_decode.build(model) is None
+    finally:
+        llm.close()

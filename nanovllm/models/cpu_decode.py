@@ -72,9 +72,9 @@ def _own(f) -> bool:
 
 def python_path_replaced(modules, classes) -> bool:
     """Whether a kernel wrapper, a forward of the layers' modules (``modules``: every module of every
-    layer, ``classes``: their classes; the class's forward and any set on the module itself), the CPU attention backend or the linear
-    dispatch is not nanovllm's own, or a forward hook is set (on a module or globally): then the
-    Python layers run the step."""
+    layer, ``classes``: their classes; the class's forward and any set on the module itself), the CPU
+    attention backend or the linear dispatch is not nanovllm's own, or a forward hook is set (on a
+    module or globally): then the Python layers run the step."""
     from nanovllm.layers import linear
 
     functions = [getattr(cpu_kernels, name) for name in _KERNEL_NAMES]
@@ -163,6 +163,8 @@ class FusedDecode:
         """hidden: the embedded tokens [rows, hidden] -> (the last layer's output, its residual), as the
         layers' forward gives them."""
         rows = hidden.shape[0]
+        if hidden.shape[1] != self.hidden:
+            raise ValueError(f"decode layers: hidden states of width {hidden.shape[1]}, the layers take {self.hidden}")
         hidden = hidden.contiguous()
         views = {name: torch.empty(rows, width, dtype=torch.float32) for name, width in self.widths.items()}
         positions = positions.to(torch.int64).contiguous()
@@ -215,6 +217,29 @@ class FusedDecode:
         raise ValueError(f"{where}: refused {lanes} lanes (status {status})")
 
 
+def _shapes_fit(first, attn, k_cache, linears, rope, sizes: tuple[int, int]) -> bool:
+    """Whether a layer has the first layer's heads, sizes and cache, its products the shapes the C side
+    assumes ([q | k | v] from hidden, o back to it, [gate | up] and down through one intermediate size),
+    and the RoPE tables half a head per row at least: what the Python wrappers check on each call."""
+    d, heads, kv_heads = first.head_dim, first.num_heads, first.num_kv_heads
+    if (attn.head_dim, attn.num_heads, attn.num_kv_heads) != (d, heads, kv_heads) or heads % kv_heads or d % 2:
+        return False
+    if k_cache.shape[1] != kv_heads or k_cache.shape[3] != d or rope.cos.shape[-1] < d // 2:
+        return False
+    qkv, o, gate_up, down = linears
+    hidden, inter = sizes  # the first layer's
+    return (qkv.n, qkv.k, o.n, o.k, gate_up.n, gate_up.k, down.n, down.k) == (
+        (heads + 2 * kv_heads) * d,
+        hidden,
+        hidden,
+        heads * d,
+        2 * inter,
+        hidden,
+        hidden,
+        inter,
+    )
+
+
 def build(model) -> FusedDecode | None:
     """The structures for ``model`` (a LlamaModel) where every layer runs the compiled kernels, else None."""
     if tp_size() != 1 or triton_switch.INTERPRET:  # under the interpreter CPU tensors take Triton kernels
@@ -229,7 +254,7 @@ def build(model) -> FusedDecode | None:
     rope, scale = first.rotary_emb, first.attn.scale
     if not (_float32_cpu(rope.cos) and _float32_cpu(rope.sin) and rope.cos.shape == rope.sin.shape):
         return None
-    layers = []
+    layers, sizes = [], None
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         a = attn.attn
@@ -241,14 +266,15 @@ def build(model) -> FusedDecode | None:
             return None
         if a.v_cache.shape != a.k_cache.shape or (a.k_scale, a.v_scale) != (1.0, 1.0):
             return None
-        if any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in layer.modules()):
-            return None  # a hook or a replaced forward on one of the layer's modules: it must see its calls
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if not all(_float32_cpu(n.weight) for n in norms):
             return None
         linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if any(x is None for x in linears):
             return None
+        sizes = sizes or (linears[0].k, linears[3].k)  # hidden and intermediate, from the first layer
+        if not _shapes_fit(first, attn, a.k_cache, linears, rope, sizes):
+            return None  # the C side takes every layer's sizes from the first layer's
         layers.append(
             c.DecodeLayer(
                 *linears,
