@@ -269,8 +269,9 @@ def build(model) -> FusedDecode | None:
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if not all(_float32_cpu(n.weight) for n in norms):
             return None
-        linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if any(x is None for x in linears):
+        found = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        linears = [x for x in found if x is not None]
+        if len(linears) != len(found):
             return None
         sizes = sizes or (linears[0].k, linears[3].k)  # hidden and intermediate, from the first layer
         if not _shapes_fit(first, attn, a.k_cache, linears, rope, sizes):
