@@ -205,3 +205,35 @@ def test_a_layer_whose_sizes_differ_from_the_first_keeps_the_python_layers(monke
         assert cpu_decode.build(model) is None
     finally:
         llm.close()
+
+
+def test_new_caches_get_new_structures(monkeypatch):
+    """The runner attaches new caches after sizing (and empties them at close): the next decode step
+    builds the structures again, pointing at the new caches, with the same results. Control: with the
+    rebuild rule answering "current" always, the structures keep pointing at the old caches (kept
+    alive here, so that the control writes only into memory it owns)."""
+    llm, prompts = _engine("llama-mha-hd64")
+    try:
+        before = _outputs(llm, prompts[:3])
+        model = llm.llm_engine.executor.runner.model.model
+        attns = [layer.self_attn.attn for layer in model.layers]
+
+        def new_caches() -> list:
+            old = [(a.k_cache, a.v_cache) for a in attns]
+            for a in attns:
+                a.k_cache, a.v_cache = a.k_cache.clone(), a.v_cache.clone()
+            return old
+
+        new_caches()
+        assert _outputs(llm, prompts[:3]) == before
+        layer0 = model.__dict__["_fused_decode"].fused.layers[0]
+        assert (layer0.k_cache, layer0.v_cache) == (attns[0].k_cache.data_ptr(), attns[0].v_cache.data_ptr())
+
+        monkeypatch.setattr(cpu_decode._Built, "current", lambda self, model: True)
+        kept = new_caches()
+        _outputs(llm, prompts[:3])
+        layer0 = model.__dict__["_fused_decode"].fused.layers[0]
+        assert layer0.k_cache != attns[0].k_cache.data_ptr(), "the control shows nothing"
+        assert layer0.k_cache == kept[0][0].data_ptr()
+    finally:
+        llm.close()

@@ -229,7 +229,29 @@ def store_kv(
         num_slots,
     )
     if status != 0:  # checked before any write: the cache is as it was
-        raise IndexError(f"store_kv: slot_mapping has slot {int(slots.max())} outside the KV cache's {num_slots} slots")
+        raise slot_error("store_kv", slots, num_slots)
+
+
+# The kernels' refusals as exceptions, one wording for their wrappers here and for the fused decode
+# layers (models/cpu_decode.py), which name the layer in ``where``.
+def slot_error(where: str, slots: torch.Tensor, num_slots: int) -> IndexError:
+    return IndexError(f"{where}: slot_mapping has slot {int(slots.max())} outside the KV cache's {num_slots} slots")
+
+
+def position_error(where: str, positions: torch.Tensor, table_rows: int) -> IndexError:
+    return IndexError(f"{where}: a position ({int(positions.max())}) lies outside the {table_rows}-row tables")
+
+
+def attention_error(
+    where: str, status: int, lens: torch.Tensor, tables: torch.Tensor, block_size: int, num_blocks: int
+) -> Exception:
+    if status == -2:  # checked before any read
+        return IndexError(
+            f"{where}: a seq_len ({lens.tolist()}) exceeds its block table ({tables.shape[1]} blocks of "
+            f"{block_size}), a row reaches past its sequence, or a block id used lies outside the cache's "
+            f"{num_blocks} blocks"
+        )
+    return MemoryError(f"{where}: the kernel could not allocate its scratch memory")
 
 
 def paged_decode(
@@ -308,14 +330,8 @@ def paged_attention(
         k_cache.shape[0],
         q.stride(0),
     )
-    if status == -2:  # checked before any read
-        raise IndexError(
-            f"paged_attention: a seq_len ({lens.tolist()}) exceeds its block table ({tables.shape[1]} blocks of "
-            f"{block_size}), a row reaches past its sequence, or a block id used lies outside the cache's "
-            f"{k_cache.shape[0]} blocks"
-        )
     if status != 0:
-        raise MemoryError("paged_attention: the kernel could not allocate its scratch memory")
+        raise attention_error("paged_attention", status, lens, tables, block_size, k_cache.shape[0])
     return out
 
 
@@ -356,7 +372,7 @@ def rotary_neox_(
         torch.get_num_threads(),
     )
     if status != 0:  # checked before any write
-        raise IndexError(f"rotary_neox_: a position ({int(pos.max())}) lies outside the {cos.shape[0]}-row tables")
+        raise position_error("rotary_neox_", pos, cos.shape[0])
 
 
 def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -51,7 +51,7 @@
 #define CHUNK_MAX_ROWS 48
 #endif
 
-/* the most rows the chunked path takes (the packing check probes one row more, the other path) */
+/* the most rows the chunked path takes (the packing check probes it, and one row more: the other path) */
 int rows_linear_chunk_max_rows(void) { return CHUNK_MAX_ROWS; }
 
 int rows_linear_vectorized(void) {

@@ -91,7 +91,8 @@ def python_path_replaced(modules, classes) -> bool:
 
 
 def _float32_cpu(t: torch.Tensor | None) -> bool:
-    return t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous())
+    """None (no bias), or a contiguous float32 CPU tensor the C side can read by its address."""
+    return t is None or (cpu_kernels._float32_cpu(t) and t.is_contiguous())
 
 
 def _linear(module) -> c.DecodeLinear | None:
@@ -106,17 +107,21 @@ class FusedDecode:
     """The C structures of one model's layers (weights, caches, tables), built once; ``run`` per step."""
 
     def __init__(
-        self, model, kernels: cpu_kernels.Kernels, layers: list[c.DecodeLayer], norm_lanes: int, silu_lanes: int
+        self,
+        model,
+        kernels: cpu_kernels.Kernels,
+        layers: list[c.DecodeLayer],
+        sizes: tuple[int, int],
+        lanes: tuple[int, int],
     ):
         self.modules = [m for layer in model.layers for m in layer.modules()]
         self.classes = {type(m) for m in self.modules}
         first = model.layers[0]
-        attn, mlp = first.self_attn, first.mlp
+        attn = first.self_attn
         rope = attn.rotary_emb
         self.kernels = kernels
         self.layers = (c.DecodeLayer * len(layers))(*layers)
-        self.intermediate = mlp.down_proj.packed_weight.k
-        self.hidden = attn.qkv_proj.packed_weight.k
+        self.hidden, self.intermediate = sizes
         k_cache = attn.attn.k_cache
         self.model = c.DecodeModel(
             len(layers),
@@ -132,8 +137,7 @@ class FusedDecode:
             rope.cos.stride(0),
             rope.cos.shape[0],
             attn.attn.scale,
-            norm_lanes,
-            silu_lanes,
+            *lanes,
         )
         self.widths = dict(
             normed=self.hidden,
@@ -200,19 +204,11 @@ class FusedDecode:
             w = getattr(self.layers[layer], c.PROJECTIONS[code])
             raise ValueError(f"{where}: the rows kernel refused N={w.n}, K={w.k}, segment={w.seg} (status {status})")
         if kernel == "rotary_neox":
-            raise IndexError(f"{where}: a position ({int(positions.max())}) lies outside the {m.table_rows}-row tables")
+            raise cpu_kernels.position_error(where, positions, m.table_rows)
         if kernel == "store_kv":
-            raise IndexError(
-                f"{where}: slot_mapping has slot {int(slots.max())} outside the KV cache's "
-                f"{m.num_blocks * m.block_size} slots"
-            )
-        if kernel == "paged_attention" and status == -2:
-            raise IndexError(
-                f"{where}: a seq_len ({lens.tolist()}) exceeds its block table ({tables.shape[1]} blocks of "
-                f"{m.block_size}), or a block id used lies outside the cache's {m.num_blocks} blocks"
-            )
+            raise cpu_kernels.slot_error(where, slots, m.num_blocks * m.block_size)
         if kernel == "paged_attention":
-            raise MemoryError(f"{where}: the kernel could not allocate its scratch memory")
+            raise cpu_kernels.attention_error(where, status, lens, tables, m.block_size, m.num_blocks)
         lanes = m.norm_lanes if kernel == "rms_norm" else m.silu_lanes
         raise ValueError(f"{where}: refused {lanes} lanes (status {status})")
 
@@ -287,7 +283,8 @@ def build(model) -> FusedDecode | None:
                 a.v_cache.data_ptr(),
             )
         )
-    return FusedDecode(model, kernels, layers, norm_lanes, silu_lanes)
+    assert sizes is not None  # every model has a layer
+    return FusedDecode(model, kernels, layers, sizes, (norm_lanes, silu_lanes))
 
 
 def for_model(model, hidden: torch.Tensor, meta: AttentionMetadata) -> FusedDecode | None:
