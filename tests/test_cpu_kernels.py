@@ -416,3 +416,24 @@ def test_rms_norm_and_silu_kernels_return_float32_whatever_torchs_default_dtype(
     assert normed[0].dtype == normed[1].dtype == silu.dtype == torch.float32
     assert torch.equal(normed[0], F.rms_norm(x[:, :32] + x[:, 32:], (32,), w, 1e-6))
     assert torch.equal(silu, F.silu(x[:, :32]) * x[:, 32:])
+
+
+def _left_out_of_the_wheel(files, globs) -> list[str]:
+    import fnmatch
+
+    return [f.name for f in files if not any(fnmatch.fnmatch(f.name, g) for g in globs)]
+
+
+def test_the_wheel_carries_every_file_the_kernel_build_reads():
+    """pyproject's package data for nanovllm.cpu_kernels matches every source and header the build
+    compiles (``cpu_kernels.SOURCES`` and ``HEADERS``): a file left out makes an installed nanovllm
+    fail its build and run the slow PyTorch path (vec_exp.h was, until 2026-12-05). The wheel itself
+    is built and its kernels compiled by .ci/installed-suite. Control: the old globs, "*.c" only."""
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["nanovllm.cpu_kernels"]
+    files = cpu_kernels.SOURCES + cpu_kernels.HEADERS
+    assert not _left_out_of_the_wheel(files, globs)
+    assert _left_out_of_the_wheel(files, ["*.c"]) == ["vec_exp.h", "cpu_kernels.h"]
