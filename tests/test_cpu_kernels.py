@@ -429,8 +429,9 @@ def test_the_wheel_carries_every_file_the_kernel_build_reads():
     compiles (``cpu_kernels.SOURCES`` and ``HEADERS``): a file left out makes an installed nanovllm
     fail its build and run the slow PyTorch path (vec_exp.h was, until 2026-12-05). The wheel itself
     is built and its kernels compiled by .ci/installed-suite. Control: the old globs, "*.c" only."""
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     pyproject = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
     globs = pyproject["tool"]["setuptools"]["package-data"]["nanovllm.cpu_kernels"]
