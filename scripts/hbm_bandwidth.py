@@ -3,7 +3,10 @@ measured (KERNEL_NOTES session 10). A Triton kernel reads a buffer once (each pr
 contiguous run of 16-byte vectors and writes one float, so the writes are negligible); torch's
 ``copy_`` (read + write) for comparison. do_bench's median, several sizes past the 50 MB L2.
 
-    PYTHONPATH=. python3 scripts/hbm_bandwidth.py [--gib 0.5 2 8]
+    PYTHONPATH=. python3 scripts/hbm_bandwidth.py [--gib 0.5 2 8] [--matmul]
+
+``--matmul`` also times bf16 matmuls on random data: with the copy rate, the two rates
+``nanovllm/bench/roofline.py`` keeps per GPU (``DeviceLimits``).
 """
 
 from __future__ import annotations
@@ -39,10 +42,20 @@ def copy_tbps(x: torch.Tensor) -> float:
     return 2 * x.numel() * x.element_size() / do_bench(lambda: y.copy_(x)) / 1e9
 
 
+def matmul_tflops(n: int) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return 2 * n**3 / do_bench(lambda: a @ b, warmup=100, rep=500) / 1e9
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--gib", type=float, nargs="+", default=[0.5, 2, 8])
+    p.add_argument("--matmul", action="store_true", help="also bf16 matmuls of 4096-16384 square")
     args = p.parse_args()
+    if args.matmul:
+        for n in (4096, 8192, 16384):
+            print(f"bf16 matmul {n} x {n} x {n}: {matmul_tflops(n):.0f} TFLOP/s", flush=True)
     print(f"# {torch.cuda.get_device_name()}; read: one pass, TB/s (10^12 B/s); copy: read + write bytes")
     for gib in args.gib:
         x = torch.ones(int(gib * 2**30) // 2, device="cuda", dtype=torch.bfloat16)

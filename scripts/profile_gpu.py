@@ -1,7 +1,7 @@
 """Where a decode step's time goes on the GPU: torch.profiler over steady-state decode steps
 of the standard GPU workload (Qwen3-0.6B shape, random weights).
 
-    PYTHONPATH=. python3 scripts/profile_gpu.py [--steps 30] [--skip 200]
+    PYTHONPATH=. python3 scripts/profile_gpu.py [--steps 30] [--skip 200] [--kv-cache-dtype fp8]
 
 Prints the kernels by total device time, the device-busy time per step and the
 wall time per step (their difference is host time the GPU waited for).
@@ -25,9 +25,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--skip", type=int, default=200, help="steps to run before profiling (past the prefill)")
     p.add_argument("--shape", default="qwen3-0.6b")
+    p.add_argument("--kv-cache-dtype", default="auto")
     args = p.parse_args()
     w = gpu_workload()
-    llm = LLM(shape_config_dir(args.shape), load_format="dummy", max_model_len=4096)
+    llm = LLM(shape_config_dir(args.shape), load_format="dummy", max_model_len=4096, kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.llm_engine
     for i, (prompt, n) in enumerate(zip(w.prompts, w.max_tokens)):
         engine.add_request(

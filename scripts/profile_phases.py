@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -43,6 +43,7 @@ class StepRecord:
     wall: float = 0.0  # seconds since the previous step completed (the first: since the run began)
     host: float = 0.0  # host seconds of the step's own work (step_profiler phases, "wait" excluded)
     wait: float = 0.0  # host seconds spent waiting for the step's result
+    phases: dict[str, float] = field(default_factory=dict)  # step_profiler's phases, seconds
 
 
 @dataclass
@@ -149,6 +150,7 @@ def profile_run(
         rec.wall, prev = t - prev, t
         rec.wait = phases.get("wait", 0.0)
         rec.host = sum(phases.values()) - rec.wait
+        rec.phases = phases
     return launched, elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
@@ -180,7 +182,9 @@ def main() -> None:
     for i, s in enumerate(steps[: args.detail]):
         print(
             f"step {i:3d}: prompt {s.prompt_tokens:5d} batch {s.batch:3d} samples {s.samples:3d} "
-            f"wall {s.wall * 1e3:6.1f} ms host {s.host * 1e3:6.1f} ms wait {s.wait * 1e3:6.1f} ms"
+            f"wall {s.wall * 1e3:6.1f} ms host {s.host * 1e3:6.1f} ms wait {s.wait * 1e3:6.1f} ms ("
+            + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in s.phases.items() if k != "wait")
+            + ")"
         )
     counted = sum(r.output_tokens for r in rows)
     if counted != n_out:  # e.g. a preempted sequence recomputed: the phases still stand, say so

@@ -206,8 +206,9 @@ def is_fp8(cache: torch.Tensor) -> bool:
     return cache.dtype == torch.float8_e4m3fn
 
 
-def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, v_t: bool = False) -> None:
+    """``v_t``: V may be stored transposed per (block, head) (``v_transposed``); K never is."""
+    if k_cache.shape != v_cache.shape or k_cache.stride(-1) != 1 or (k_cache.stride() != v_cache.stride() and not v_t):
         raise ValueError(
             f"k_cache and v_cache need equal strides with a contiguous last dim, got "
             f"{k_cache.stride()} and {v_cache.stride()}"
@@ -235,8 +236,13 @@ def _decode_tile(
     qk_scale, stride_cb, stride_cs, stride_ch,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr, V_ASM: tl.constexpr, TILE_BLOCK: tl.constexpr, TMA: tl.constexpr, MASK_V: tl.constexpr,
+    V_T: tl.constexpr = False,
 ):  # fmt: skip
-    """One key tile [n0, n0 + BLOCK_N) of the decode kernel: the online-softmax update."""
+    """One key tile [n0, n0 + BLOCK_N) of the decode kernel: the online-softmax update.
+
+    ``V_T``: the V cache holds each (block, head) transposed, ``[head_dim, block_size]`` (keys
+    contiguous), so the V tile is read as ``[BLOCK_D, BLOCK_N]``: for the ``p @ v`` product its
+    reduction dim (the keys) is contiguous, as K's is for ``q @ k^T``."""
     pos = n0 + offs_n
     n_mask = pos < end
     kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
@@ -260,18 +266,27 @@ def _decode_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if TMA:
+    if V_T:
+        # rows of BLOCK_SIZE keys: the block's, then the head's, then the dim's
+        vrow = tl.load(table + n0 // BLOCK_SIZE) * (stride_cb // BLOCK_SIZE) + kvh * (stride_ch // BLOCK_SIZE)
+        vt = v_desc.load([vrow, n0 % BLOCK_SIZE])
+        if KV_FP8:
+            vt = _fp8_to_f16_asm(vt) if V_ASM else vt.to(q.dtype)
+        if MASK_V:
+            vt = tl.where(n_mask[None, :], vt, 0.0)
+        v = tl.trans(vt)
+    elif TMA:
         v = v_desc.load([row, 0])
     elif TILE_BLOCK:
         v = tl.load(v_cache_ptr + base + tile_off, mask=kv_mask, other=0.0)
     else:
         v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    if KV_FP8:
+    if KV_FP8 and not V_T:
         if V_ASM:
             v = _fp8_to_f16_asm(v)
         else:
             v = v.to(q.dtype)
-    if MASK_V:
+    if MASK_V and not V_T:
         v = tl.where(n_mask[:, None], v, 0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
@@ -317,6 +332,7 @@ def _decode_kernel(
     TILE_BLOCK: tl.constexpr = False,
     TMA: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    V_T: tl.constexpr = False,
 ):
     """Program (seq, kv head, split): the group's query heads against keys of one split.
 
@@ -360,14 +376,14 @@ def _decode_kernel(
         m_i, l_i, acc = _decode_tile(
             q, m_i, l_i, acc, n0, end, table, kvh, k_cache_ptr, v_cache_ptr, k_desc, v_desc, tile_off, offs_n,
             offs_d, qk_scale, stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PRECISION,
-            KV_FP8, V_ASM, TILE_BLOCK, TMA, False,
+            KV_FP8, V_ASM, TILE_BLOCK, TMA, False, V_T,
         )  # fmt: skip
     if TMA:
         if full_end < end:  # the partial last tile, outside the pipelined loop
             m_i, l_i, acc = _decode_tile(
                 q, m_i, l_i, acc, full_end, end, table, kvh, k_cache_ptr, v_cache_ptr, k_desc, v_desc, tile_off,
                 offs_n, offs_d, qk_scale, stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_N, BLOCK_SIZE,
-                DOT_PRECISION, KV_FP8, V_ASM, TILE_BLOCK, TMA, True,
+                DOT_PRECISION, KV_FP8, V_ASM, TILE_BLOCK, TMA, True, V_T,
             )  # fmt: skip
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty range leaves acc = 0 -> zeros
@@ -482,6 +498,42 @@ def cache_rows(cache: torch.Tensor) -> torch.Tensor | None:
     return cache.as_strided((rows, d), (d, 1))
 
 
+def v_transposed(cache: torch.Tensor) -> bool:
+    """Whether a V cache ``[blocks, slots, kv heads, d]`` stores each (block, head) transposed,
+    ``[d, slots]`` (keys contiguous: ``transposed_v_cache``)."""
+    num_blocks, block_size, num_kv_heads, d = cache.shape
+    return cache.stride() == (num_kv_heads * d * block_size, 1, d * block_size, block_size) and block_size > 1
+
+
+def transposed_v_cache(v_cache: torch.Tensor) -> torch.Tensor:
+    """A copy of ``v_cache`` with the same shape and values whose storage holds each (block, head)
+    as ``[d, slots]``: the V tile of ``p @ v`` then has its reduction dim (the keys) contiguous."""
+    num_blocks, block_size, num_kv_heads, d = v_cache.shape
+    out = torch.empty_strided(
+        v_cache.shape,
+        (num_kv_heads * d * block_size, 1, d * block_size, block_size),
+        dtype=v_cache.dtype,
+        device=v_cache.device,
+    )
+    out.view(torch.uint8).copy_(v_cache.view(torch.uint8)) if v_cache.element_size() == 1 else out.copy_(v_cache)
+    return out
+
+
+def cache_rows_t(cache: torch.Tensor) -> torch.Tensor | None:
+    """A transposed V cache (``v_transposed``) seen as rows of ``block_size`` keys, ``[blocks *
+    kv heads * d, block_size]`` (row ``(block * kv_heads + head) * d + dim``), when a TMA box can
+    address it; else None."""
+    if not v_transposed(cache):
+        return None
+    num_blocks, block_size, num_kv_heads, d = cache.shape
+    rows = num_blocks * num_kv_heads * d
+    if d > 128 or d != triton.next_power_of_2(d) or block_size > TMA_MAX_BOX:
+        return None
+    if rows >= 2**31 or cache.data_ptr() % 16 or block_size * cache.element_size() % 16:
+        return None
+    return cache.as_strided((rows, block_size), (block_size, 1))
+
+
 def _tma_capable(cache: torch.Tensor) -> bool:
     if TensorDescriptor is None:
         return False
@@ -497,11 +549,13 @@ def tma_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) 
     descriptors are emulated."""
     if block_n > TMA_MAX_BOX or not _tma_capable(k_cache):
         return None
-    k_rows, v_rows = cache_rows(k_cache), cache_rows(v_cache)
+    k_rows = cache_rows(k_cache)
+    vt = v_transposed(v_cache)
+    v_rows = cache_rows_t(v_cache) if vt else cache_rows(v_cache)
     if k_rows is None or v_rows is None:
         return None
     box = [block_n, k_cache.shape[-1]]
-    return TensorDescriptor.from_tensor(k_rows, box), TensorDescriptor.from_tensor(v_rows, box)
+    return TensorDescriptor.from_tensor(k_rows, box), TensorDescriptor.from_tensor(v_rows, box[::-1] if vt else box)
 
 
 def wants_tma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -511,7 +565,8 @@ def wants_tma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
     asked = DECODE_TMA in ("all", "1") or (DECODE_TMA == "fp8" and is_fp8(k_cache))
     if not asked or q.dtype not in (torch.bfloat16, torch.float16) or k_cache.shape[1] % TMA_BLOCK_N:
         return False
-    return _tma_capable(k_cache) and cache_rows(k_cache) is not None and cache_rows(v_cache) is not None
+    v_rows = cache_rows_t(v_cache) if v_transposed(v_cache) else cache_rows(v_cache)
+    return _tma_capable(k_cache) and cache_rows(k_cache) is not None and v_rows is not None
 
 
 def num_decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int, waves: int | None = None) -> int:
@@ -551,7 +606,8 @@ def paged_decode(
     """
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    check_cache(k_cache, v_cache)
+    v_t = v_transposed(v_cache)
+    check_cache(k_cache, v_cache, v_t)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     if not 1 <= num_splits <= MAX_SPLITS:
@@ -581,6 +637,8 @@ def paged_decode(
     }
     descriptors = tma_descriptors(k_cache, v_cache, cfg.block_n) if flags["TMA"] and flags["TILE_BLOCK"] else None
     flags["TMA"] = descriptors is not None
+    if v_t and not flags["TMA"]:
+        raise ValueError("a transposed V cache is read through TMA boxes only (a Hopper GPU, blocks of whole boxes)")
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -614,6 +672,7 @@ def paged_decode(
         KV_FP8=is_fp8(k_cache),
         WIDEN=_widen(q.dtype),
         **flags,
+        V_T=v_t,
         **pdl.launch_args(q),
     )
     if num_splits > 1:

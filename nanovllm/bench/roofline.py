@@ -1,5 +1,8 @@
 """The physical limit of a workload on a GPU: prefill FLOPs at the matmul rate plus decode
-bytes (weights once per step, every sequence's K/V once per step) at memory bandwidth."""
+bytes (weights once per step, every sequence's K/V once per step) at memory bandwidth.
+
+The two rates are the device's own, measured (``scripts/hbm_bandwidth.py --matmul``): a limit
+computed with another GPU's rates would misstate the fraction a run reaches."""
 
 from __future__ import annotations
 
@@ -7,9 +10,35 @@ from dataclasses import dataclass
 
 from nanovllm.bench.workloads import Workload
 
-# measured on the H200 machine: bf16 matmul on random data, device copy r+w
-H200_BF16_FLOPS = 790e12
-H200_HBM_BYTES_PER_S = 4.3e12
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    """A GPU's measured rates: a bf16 matmul on random data, and ``copy_`` (read + write bytes)."""
+
+    name: str  # ``torch.cuda.get_device_name()``, exactly: an H100 PCIe or NVL streams otherwise
+    bf16_flops: float
+    hbm_bytes_per_s: float
+    measured: str  # when and how
+
+
+H200 = DeviceLimits("NVIDIA H200", 790e12, 4.3e12, "2026-11-30: bf16 matmul; copy_ read + write")
+H100 = DeviceLimits(
+    "NVIDIA H100 80GB HBM3",
+    680e12,
+    3.01e12,
+    "2026-12-05: bf16 matmul 8,192 and 16,384 square 678 / 684 TFLOP/s (4,096: 780); copy_ read + write "
+    "of 2 and 8 GiB 3.01 TB/s (scripts/hbm_bandwidth.py --matmul)",
+)
+KNOWN_DEVICES = (H200, H100)
+
+
+def device_limits(device_name: str) -> DeviceLimits | None:
+    """The measured limits of the GPU ``torch.cuda.get_device_name()`` calls ``device_name``;
+    None for a GPU not measured."""
+    for d in KNOWN_DEVICES:
+        if d.name == device_name.strip():
+            return d
+    return None
 
 
 @dataclass
@@ -19,21 +48,22 @@ class Roofline:
     decode_kv_bytes: float
     seconds: float
     output_tokens_per_s: float
+    device: DeviceLimits
 
     def describe(self) -> str:
+        d = self.device
         return (
-            f"prefill {self.prefill_flops / 1e12:.0f} TFLOP, decode weights {self.decode_weight_bytes / 1e12:.2f} TB "
-            f"+ K/V {self.decode_kv_bytes / 1e12:.1f} TB -> {self.seconds:.2f} s, "
-            f"{self.output_tokens_per_s:,.0f} output tok/s"
+            f"{d.name.removeprefix('NVIDIA ')}: prefill {self.prefill_flops / 1e12:.0f} TFLOP at {d.bf16_flops / 1e12:.0f} TFLOP/s, "
+            f"decode weights {self.decode_weight_bytes / 1e12:.2f} TB + K/V {self.decode_kv_bytes / 1e12:.1f} TB "
+            f"at {d.hbm_bytes_per_s / 1e12:.2f} TB/s -> {self.seconds:.2f} s, {self.output_tokens_per_s:,.0f} output tok/s"
         )
 
 
 def roofline(
     w: Workload,
     shape: dict,
+    device: DeviceLimits,
     dtype_bytes: int = 2,
-    flops: float = H200_BF16_FLOPS,
-    bandwidth: float = H200_HBM_BYTES_PER_S,
     tp: int = 1,
     kv_bytes_per_elem: int | None = None,
 ) -> Roofline:
@@ -49,5 +79,5 @@ def roofline(
     weight_bytes = (body + head) * dtype_bytes * steps
     kv_per_token = 2 * L * kv * (dtype_bytes if kv_bytes_per_elem is None else kv_bytes_per_elem)
     kv_bytes = sum(kv_per_token * sum(len(p) + t for t in range(1, n)) for p, n in zip(w.prompts, w.max_tokens))
-    seconds = prefill / (flops * tp) + (weight_bytes + kv_bytes) / (bandwidth * tp)
-    return Roofline(prefill, weight_bytes, kv_bytes, seconds, w.num_output_tokens / seconds)
+    seconds = prefill / (device.bf16_flops * tp) + (weight_bytes + kv_bytes) / (device.hbm_bytes_per_s * tp)
+    return Roofline(prefill, weight_bytes, kv_bytes, seconds, w.num_output_tokens / seconds, device)

@@ -17,14 +17,14 @@ import platform
 import statistics
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from nanovllm.bench import peers
 from nanovllm.bench.args import PEERS, SELF_PEER, add_bench_args  # noqa: F401  (re-exported)
 from nanovllm.bench.datasets import build_workload, resolve_name
-from nanovllm.bench.roofline import Roofline, roofline
+from nanovllm.bench.roofline import KNOWN_DEVICES, Roofline, device_limits, roofline
 from nanovllm.bench.workloads import SHAPES, Workload, shape_config_dir
 
 logger = logging.getLogger(__name__)
@@ -147,13 +147,21 @@ def run_ours(target: Target, args: argparse.Namespace) -> list[peers.Measurement
     return run_repeated(target, target.engine_args, args, "nanovllm", "nanovllm", first_run=True)
 
 
+def target_device_name(target: Target) -> str:
+    return torch.cuda.get_device_name() if target.device == "cuda" else platform.processor() or "cpu"
+
+
 def target_roofline(target: Target, engine_args: dict) -> Roofline | None:
-    """The workload's limit for these engine arguments (an FP8 KV cache reads one byte per element)."""
+    """The workload's limit on this GPU for these engine arguments (an FP8 KV cache reads one
+    byte per element); None without a GPU shape or for a GPU whose rates were not measured."""
     if not target.shape:
+        return None
+    device = device_limits(target_device_name(target))
+    if device is None:
         return None
     fp8 = str(engine_args.get("kv_cache_dtype", "auto")).startswith("fp8")
     tp = engine_args.get("tensor_parallel_size", 1)
-    return roofline(target.workload, target.shape, tp=tp, kv_bytes_per_elem=1 if fp8 else None)
+    return roofline(target.workload, target.shape, device, tp=tp, kv_bytes_per_elem=1 if fp8 else None)
 
 
 def run_peer(peer: str, target: Target, args: argparse.Namespace) -> PeerResult:
@@ -248,7 +256,8 @@ def report(
     json_out: str | None,
 ) -> None:
     results = ours + [m for o in outcomes for m in o.measurements]
-    print_table(results, ours[0], limit, [o for o in outcomes if not o.measurements])
+    unmeasured = target_device_name(target) if target.shape and limit is None else None
+    print_table(results, ours[0], limit, [o for o in outcomes if not o.measurements], unmeasured)
     if json_out:
         write_json(json_out, target, results, outcomes, limit)
 
@@ -258,7 +267,9 @@ def print_table(
     ours: peers.Measurement,
     limit: Roofline | None,
     missing: Sequence[PeerResult] = (),
+    device_name: str | None = None,
 ) -> None:
+    """``device_name``: a GPU whose limit is not known (said in place of the roofline)."""
     print("\n| engine | output tok/s | seconds | nanovllm / engine |")
     print("| --- | ---: | ---: | ---: |")
     for m in results:
@@ -270,6 +281,12 @@ def print_table(
     if limit is not None:
         print(f"\nroofline: {limit.describe()}")
         print(f"nanovllm reaches {ours.tokens_per_s / limit.output_tokens_per_s:.1%} of the physical limit")
+    elif device_name is not None:
+        known = ", ".join(d.name for d in KNOWN_DEVICES)
+        print(
+            f"\nroofline: not known for {device_name!r} (measured: {known}); measure its rates with "
+            "scripts/hbm_bandwidth.py --matmul and add them to nanovllm/bench/roofline.py"
+        )
 
 
 def write_json(
@@ -278,7 +295,7 @@ def write_json(
     meta = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "host": platform.node(),
-        "device": torch.cuda.get_device_name() if target.device == "cuda" else platform.processor() or "cpu",
+        "device": target_device_name(target),
         "workload": target.workload.name,
         "engine_args": target.engine_args,
         "argv": sys.argv,
@@ -297,7 +314,12 @@ def write_json(
     rows += [{"engine": o.peer, "failed": o.failed, "skipped": o.skipped} for o in outcomes if not o.measurements]
     with open(path, "w") as f:
         json.dump(
-            {"meta": meta, "results": rows, "roofline_tokens_per_s": limit.output_tokens_per_s if limit else None},
+            {
+                "meta": meta,
+                "results": rows,
+                "roofline_tokens_per_s": limit.output_tokens_per_s if limit else None,
+                "roofline_device": asdict(limit.device) if limit else None,
+            },
             f,
             indent=1,
         )

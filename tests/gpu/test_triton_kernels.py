@@ -245,8 +245,9 @@ def _head_major(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
 
 
-def _decode_tma(case: PagedCase, splits: int, block_n: int) -> torch.Tensor:
-    k, v = _head_major(case.k_cache), _head_major(case.v_cache)
+def _decode_tma(case: PagedCase, splits: int, block_n: int, v: torch.Tensor | None = None) -> torch.Tensor:
+    """``v``: another storage of the case's V cache (default: head-major)."""
+    k, v = _head_major(case.k_cache), _head_major(case.v_cache) if v is None else v
     assert triton_ops.tma_descriptors(k, v, block_n) is not None, "the case must take the TMA path"
     out = torch.full_like(case.q, float("nan"))
     cfg = triton_ops.KernelConfig(16, block_n, 4, 3)
@@ -270,6 +271,34 @@ def test_decode_tma_tiles(block_size, group, head_dim, block_n, splits, monkeypa
     assert any(n % block_n for n in lens)
     case = PagedCase([(n - 1, 1) for n in lens], block_size, group, head_dim, seed=rng.randint(0, 1 << 30))
     assert_close(_decode_tma(case, splits, block_n), case.reference(), f"decode TMA bs={block_size} splits={splits}")
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_tma_tiles_with_v_transposed(splits, monkeypatch):
+    """A V cache stored transposed per (block, head) (``transposed_v_cache``: the same values, keys
+    contiguous) gives the output of the head-major one, with NaN in unowned slots (so the partial
+    last tile must mask V). Control: the transposed storage read as if it were head-major misses."""
+    monkeypatch.setitem(triton_ops.DECODE_FLAG_OVERRIDES, "TMA", True)
+    block_size, group, head_dim, block_n = TMA_SHAPES[0]
+    rng = random.Random(11 + splits)
+    lens = _lengths(block_size, rng, 5 if INTERPRET else 9, MAX_CTX)
+    assert any(n % block_n for n in lens)
+    case = PagedCase([(n - 1, 1) for n in lens], block_size, group, head_dim, seed=rng.randint(0, 1 << 30))
+    vt = triton_ops.transposed_v_cache(_head_major(case.v_cache))
+    assert triton_ops.v_transposed(vt) and torch.equal(vt.isnan(), case.v_cache.isnan())
+    assert_close(_decode_tma(case, splits, block_n, vt), case.reference(), f"decode TMA, V transposed, splits={splits}")
+    misread = vt.as_strided(vt.shape, _head_major(case.v_cache).stride())
+    with pytest.raises(AssertionError):
+        assert_close(_decode_tma(case, splits, block_n, misread), case.reference(), "control: read as head-major")
+
+
+def test_a_transposed_v_cache_needs_tma(monkeypatch):
+    """Only the TMA path reads a transposed V cache: elsewhere it is refused, naming why."""
+    monkeypatch.setitem(triton_ops.DECODE_FLAG_OVERRIDES, "TMA", False)
+    case = PagedCase([(40, 1)], TMA_SHAPES[0][0], 2, 64, seed=3)
+    vt = triton_ops.transposed_v_cache(_head_major(case.v_cache))
+    with pytest.raises(ValueError, match="transposed V cache is read through TMA boxes only"):
+        triton_ops.paged_decode(case.q, _head_major(case.k_cache), vt, case.meta.block_tables, case.meta.seq_lens, 1.0)
 
 
 @pytest.mark.skipif(
