@@ -45,6 +45,34 @@ def case(batch: int, lo: int, hi: int, seed: int = 0):
     return q, k, v, tables.cuda(), lens.to(torch.int32).cuda()
 
 
+def measure(batch: int, lo: int, hi: int, rounds: int, sms: int) -> str:
+    q, k, v, tables, lens = case(batch, lo, hi)
+    vt = triton_ops.transposed_v_cache(v)
+    assert triton_ops.v_transposed(vt) and torch.equal(vt.view(torch.uint8), v.view(torch.uint8))
+    splits = triton_ops.num_decode_splits(batch, KV_HEADS, sms)
+    rows = batch * HEADS * splits
+    ws = (torch.empty(rows * D, device="cuda"), torch.empty(rows, device="cuda"))
+    outs = {}
+
+    def run(vc: torch.Tensor, key: str) -> None:
+        outs[key] = triton_ops.paged_decode(q, k, vc, tables, lens, D**-0.5, splits, ws)
+
+    times: dict[str, list[float]] = {"shipped": [], "v_t": []}
+    for _ in range(rounds):
+        times["shipped"].append(do_bench(lambda: run(v, "shipped"), warmup=25, rep=200))
+        times["v_t"].append(do_bench(lambda: run(vt, "v_t"), warmup=25, rep=200))
+    diff = (outs["shipped"].float() - outs["v_t"].float()).abs().max().item()
+    nbytes = 2 * int(lens.sum()) * KV_HEADS * D  # K and V, one byte each
+    best = {key: min(t) * 1e3 for key, t in times.items()}
+    return (
+        f"batch {batch:3d} ctx {lo}-{hi} splits {splits}: shipped {best['shipped']:7.1f} us "
+        f"({nbytes / best['shipped'] / 1e6:.2f} TB/s), V transposed {best['v_t']:7.1f} us "
+        f"({nbytes / best['v_t'] / 1e6:.2f} TB/s): {best['v_t'] / best['shipped'] - 1:+.1%}; "
+        f"rounds {[round(x * 1e3, 1) for x in times['shipped']]} / {[round(x * 1e3, 1) for x in times['v_t']]}; "
+        f"max |diff| {diff:.2e}"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=3)
@@ -52,32 +80,7 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"# {torch.cuda.get_device_name()}; FP8 cache, TMA boxes; us per call (do_bench median)")
     for batch, lo, hi in SHAPES:
-        q, k, v, tables, lens = case(batch, lo, hi)
-        vt = triton_ops.transposed_v_cache(v)
-        assert triton_ops.v_transposed(vt) and torch.equal(vt.view(torch.uint8), v.view(torch.uint8))
-        splits = triton_ops.num_decode_splits(batch, KV_HEADS, sms)
-        rows = batch * HEADS * splits
-        ws = (torch.empty(rows * D, device="cuda"), torch.empty(rows, device="cuda"))
-        outs = {}
-
-        def run(vc, key):
-            outs[key] = triton_ops.paged_decode(q, k, vc, tables, lens, D**-0.5, splits, ws)
-
-        times: dict[str, list[float]] = {"shipped": [], "v_t": []}
-        for _ in range(args.rounds):
-            times["shipped"].append(do_bench(lambda: run(v, "shipped"), warmup=25, rep=200))
-            times["v_t"].append(do_bench(lambda: run(vt, "v_t"), warmup=25, rep=200))
-        diff = (outs["shipped"].float() - outs["v_t"].float()).abs().max().item()
-        nbytes = 2 * int(lens.sum()) * KV_HEADS * D  # K and V, one byte each
-        best = {key: min(t) * 1e3 for key, t in times.items()}
-        print(
-            f"batch {batch:3d} ctx {lo}-{hi} splits {splits}: shipped {best['shipped']:7.1f} us "
-            f"({nbytes / best['shipped'] / 1e6:.2f} TB/s), V transposed {best['v_t']:7.1f} us "
-            f"({nbytes / best['v_t'] / 1e6:.2f} TB/s): {best['v_t'] / best['shipped'] - 1:+.1%}; "
-            f"rounds {[round(x * 1e3, 1) for x in times['shipped']]} / {[round(x * 1e3, 1) for x in times['v_t']]}; "
-            f"max |diff| {diff:.2e}",
-            flush=True,
-        )
+        print(measure(batch, lo, hi, args.rounds, sms), flush=True)
 
 
 if __name__ == "__main__":
