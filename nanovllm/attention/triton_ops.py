@@ -140,7 +140,10 @@ def _store_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr,
     PDL: tl.constexpr = False,
+    V_T: tl.constexpr = False,
 ):
+    """``V_T``: the V cache is stored transposed per (block, head) (``v_transposed``): a token's
+    values go to its slot's column, ``BLOCK_SIZE`` elements apart."""
     pdl.wait_then_release(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -158,7 +161,15 @@ def _store_kv_kernel(
         k = fp8_saturate(k, k_scale).to(k_cache_ptr.dtype.element_ty)
         v = fp8_saturate(v, v_scale).to(v_cache_ptr.dtype.element_ty)
     tl.store(k_cache_ptr + dst, k, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    if V_T:
+        v_dst = (
+            slot_offset(tl.maximum(slot, 0), BLOCK_SIZE, stride_cb, 1)
+            + offs_h[:, None] * stride_ch
+            + offs_d[None, :] * BLOCK_SIZE
+        )
+        tl.store(v_cache_ptr + v_dst, v, mask=mask)
+    else:
+        tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
 def store_kv(
@@ -175,7 +186,8 @@ def store_kv(
     if num_tokens == 0:
         return
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    check_cache(k_cache, v_cache)
+    v_t = v_transposed(v_cache)
+    check_cache(k_cache, v_cache, v_t)
     _store_kv_kernel[(num_tokens,)](
         key,
         value,
@@ -197,6 +209,7 @@ def store_kv(
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
         KV_FP8=is_fp8(k_cache),
+        V_T=v_t,
         num_warps=4,
         **pdl.launch_args(key),
     )
@@ -207,8 +220,20 @@ def is_fp8(cache: torch.Tensor) -> bool:
 
 
 def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, v_t: bool = False) -> None:
-    """``v_t``: V may be stored transposed per (block, head) (``v_transposed``); K never is."""
-    if k_cache.shape != v_cache.shape or k_cache.stride(-1) != 1 or (k_cache.stride() != v_cache.stride() and not v_t):
+    """The kernels' rule: one shape and dtype, K's last dim contiguous, V stored as K is; or, with
+    ``v_t``, V transposed per (block, head) (``v_transposed``) beside a head-major K (the kernels
+    then take V's slot stride as 1 and its dim stride as the block size)."""
+    if k_cache.shape != v_cache.shape or k_cache.stride(-1) != 1:
+        raise ValueError(f"k_cache and v_cache need one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if v_t:
+        num_blocks, block_size, num_kv_heads, d = k_cache.shape
+        head_major = (num_kv_heads * block_size * d, d, block_size * d, 1)
+        if k_cache.stride() != head_major or not v_transposed(v_cache):
+            raise ValueError(
+                f"a transposed V cache needs a head-major K cache {head_major}, got {k_cache.stride()} "
+                f"and V {v_cache.stride()}"
+            )
+    elif k_cache.stride() != v_cache.stride():
         raise ValueError(
             f"k_cache and v_cache need equal strides with a contiguous last dim, got "
             f"{k_cache.stride()} and {v_cache.stride()}"
@@ -505,17 +530,40 @@ def v_transposed(cache: torch.Tensor) -> bool:
     return cache.stride() == (num_kv_heads * d * block_size, 1, d * block_size, block_size) and block_size > 1
 
 
+def v_transposable(cache: torch.Tensor, model_dtype: torch.dtype) -> bool:
+    """Whether V beside the (head-major) cache ``cache`` may be stored transposed: an FP8 cache
+    whose decode tiles are TMA boxes (``DECODE_TMA``, a 16-bit model, blocks of whole boxes, a
+    Hopper GPU), the only decode path that reads a transposed V."""
+    num_blocks, block_size, num_kv_heads, d = cache.shape
+    asked = DECODE_TMA in ("all", "1", "fp8")
+    if not (asked and is_fp8(cache) and model_dtype in (torch.bfloat16, torch.float16)):
+        return False
+    if block_size % TMA_BLOCK_N or block_size > TMA_MAX_BOX or d > 128 or d != triton.next_power_of_2(d):
+        return False
+    return _tma_capable(cache) and cache_rows(cache) is not None
+
+
+def new_transposed_v_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device
+) -> torch.Tensor:
+    """An empty V cache ``[blocks, slots, kv heads, d]`` stored transposed per (block, head)."""
+    return torch.empty_strided(
+        (num_blocks, block_size, num_kv_heads, head_dim),
+        (num_kv_heads * head_dim * block_size, 1, head_dim * block_size, block_size),
+        dtype=dtype,
+        device=device,
+    )
+
+
 def transposed_v_cache(v_cache: torch.Tensor) -> torch.Tensor:
     """A copy of ``v_cache`` with the same shape and values whose storage holds each (block, head)
     as ``[d, slots]``: the V tile of ``p @ v`` then has its reduction dim (the keys) contiguous."""
     num_blocks, block_size, num_kv_heads, d = v_cache.shape
-    out = torch.empty_strided(
-        v_cache.shape,
-        (num_kv_heads * d * block_size, 1, d * block_size, block_size),
-        dtype=v_cache.dtype,
-        device=v_cache.device,
-    )
-    out.view(torch.uint8).copy_(v_cache.view(torch.uint8)) if v_cache.element_size() == 1 else out.copy_(v_cache)
+    out = new_transposed_v_cache(num_blocks, block_size, num_kv_heads, d, v_cache.dtype, v_cache.device)
+    if v_cache.element_size() == 1:  # float8: copied as bytes
+        out.view(torch.uint8).copy_(v_cache.view(torch.uint8))
+    else:
+        out.copy_(v_cache)
     return out
 
 
@@ -719,21 +767,31 @@ def _prefill_tile(
     TILE_BLOCK: tl.constexpr,
     EVEN_D: tl.constexpr,
     MASKED: tl.constexpr,
+    V_T: tl.constexpr = False,
 ):
     """One tile of keys from ``n0``: scores, online softmax, P @ V. MASKED: the causal and
-    end-of-keys masks (the diagonal tiles); without it every key is visible to every row."""
+    end-of-keys masks (the diagonal tiles); without it every key is visible to every row.
+    ``V_T``: V stored transposed per (block, head): slot stride 1, dim stride ``BLOCK_SIZE``."""
     pos = n0 + offs_n
     n_mask = pos < kv_end
     kv_mask = n_mask[:, None] & d_mask[None, :]
     if TILE_BLOCK:  # the tile lies in one cache block: one table entry, one scalar base
         base = tl.load(table + n0 // BLOCK_SIZE).to(tl.int64) * stride_cb + (n0 % BLOCK_SIZE) * stride_cs
         k_ptrs = k_cache_ptr + base + tile_off
-        v_ptrs = v_cache_ptr + base + tile_off
+        if V_T:
+            v_base = tl.load(table + n0 // BLOCK_SIZE).to(tl.int64) * stride_cb + n0 % BLOCK_SIZE
+            v_ptrs = v_cache_ptr + v_base + kvh * stride_ch + offs_n[:, None] + offs_d[None, :] * BLOCK_SIZE
+        else:
+            v_ptrs = v_cache_ptr + base + tile_off
     else:
         block = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         k_ptrs = k_cache_ptr + off[:, None] + offs_d[None, :]
-        v_ptrs = v_cache_ptr + off[:, None] + offs_d[None, :]
+        if V_T:
+            v_off = block * stride_cb + pos % BLOCK_SIZE + kvh * stride_ch
+            v_ptrs = v_cache_ptr + v_off[:, None] + offs_d[None, :] * BLOCK_SIZE
+        else:
+            v_ptrs = v_cache_ptr + off[:, None] + offs_d[None, :]
     if MASKED:
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
     elif EVEN_D:
@@ -798,6 +856,7 @@ def _prefill_kernel(
     SPLIT_MASK: tl.constexpr,
     TILE_BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
+    V_T: tl.constexpr = False,
 ):
     """Program (query tile, kv head): BLOCK_Q tokens x the group's heads of one sequence.
 
@@ -877,6 +936,7 @@ def _prefill_kernel(
             TILE_BLOCK,
             BLOCK_D == HEAD_DIM,
             False,
+            V_T,
         )
     for n0 in range(n_split, kv_end, BLOCK_N):
         m_i, l_i, acc = _prefill_tile(
@@ -905,6 +965,7 @@ def _prefill_kernel(
             TILE_BLOCK,
             BLOCK_D == HEAD_DIM,
             True,
+            V_T,
         )
     out = acc * (v_scale / l_i)[:, None]
     tl.store(
@@ -938,7 +999,8 @@ def paged_prefill(
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    check_cache(k_cache, v_cache)
+    v_t = v_transposed(v_cache)
+    check_cache(k_cache, v_cache, v_t)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     group = num_heads // num_kv_heads
@@ -982,6 +1044,7 @@ def paged_prefill(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **{**prefill_tile_flags(block_size, cfg.block_n), **PREFILL_FLAG_OVERRIDES},
+        V_T=v_t,
         **pdl.launch_args(q),
     )
     return out
