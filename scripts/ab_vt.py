@@ -1,5 +1,6 @@
 """The FP8 decode kernel with V stored transposed per (block, head) against the shipped layout:
-the same K/V values, the same batches, timed side by side (do_bench medians, alternated).
+the same K/V values, the same batches, timed side by side (rounds alternated; the best of the
+rounds' do_bench medians).
 
     PYTHONPATH=. python3 scripts/ab_vt.py [--rounds 3]
 
@@ -78,7 +79,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"# {torch.cuda.get_device_name()}; FP8 cache, TMA boxes; us per call (do_bench median)")
+    print(f"# {torch.cuda.get_device_name()}; FP8 cache, TMA boxes; us per call (the best round's do_bench median)")
     for batch, lo, hi in SHAPES:
         print(measure(batch, lo, hi, args.rounds, sms), flush=True)
 

@@ -1,5 +1,5 @@
-"""What this GPU's memory streams in practice: the bandwidth the roofline's 4.3 TB/s assumes,
-measured (KERNEL_NOTES session 10). A Triton kernel reads a buffer once (each program sums a
+"""What this GPU's memory streams in practice: the bandwidth ``nanovllm/bench/roofline.py`` keeps
+per GPU, measured (KERNEL_NOTES sessions 10 and 20). A Triton kernel reads a buffer once (each program sums a
 contiguous run of 16-byte vectors and writes one float, so the writes are negligible); torch's
 ``copy_`` (read + write) for comparison. do_bench's median, several sizes past the 50 MB L2.
 

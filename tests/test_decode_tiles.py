@@ -243,12 +243,23 @@ def test_which_v_caches_the_engine_stores_transposed(kv, model_dtype, block_size
     assert not triton_ops.v_transposed(v_cache())
 
 
-def test_the_kernels_refuse_a_transposed_v_beside_a_slot_major_k():
+def test_the_kernels_refuse_a_bad_cache_pair_naming_what_is_wrong():
     """A transposed V takes its head and block strides from K: beside a K that is not head-major
-    the pair is refused, naming both strides."""
+    the pair is refused, naming K's strides; a V said to be transposed that is not, other shapes, a
+    K whose last dim is not contiguous are each refused with their own message. Control: the pair
+    as the engine makes it is taken."""
     v = triton_ops.new_transposed_v_cache(4, 256, 2, 128, torch.bfloat16, "cpu")
+    k = _head_major(4, 256, 2, 128).to(torch.bfloat16)
+    assert k.stride() == triton_ops.head_major_strides(k)
+    triton_ops.check_cache(k, v, True)
     slot_major = torch.zeros(4, 256, 2, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="transposed V cache needs a head-major K cache"):
         triton_ops.check_cache(slot_major, v, True)
     with pytest.raises(ValueError, match="equal strides"):
         triton_ops.check_cache(slot_major, v)
+    with pytest.raises(ValueError, match="v_cache is not stored transposed"):
+        triton_ops.check_cache(k, k.clone(), True)
+    with pytest.raises(ValueError, match="need one shape"):
+        triton_ops.check_cache(k, v[:2], True)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        triton_ops.check_cache(k.transpose(2, 3), k.transpose(2, 3))

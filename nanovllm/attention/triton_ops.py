@@ -112,6 +112,13 @@ def slot_offset(slot, BLOCK_SIZE: tl.constexpr, stride_cb, stride_cs):
 
 
 @triton.jit
+def transposed_v_offset(slot, heads, dims, BLOCK_SIZE: tl.constexpr, stride_cb, stride_ch):
+    """Where a token's V goes in a transposed V cache (``v_transposed``): ``[heads, dims]`` offsets
+    from the slot's column of its block (slot stride 1, dim stride ``BLOCK_SIZE``)."""
+    return slot_offset(slot, BLOCK_SIZE, stride_cb, 1) + heads[:, None] * stride_ch + dims[None, :] * BLOCK_SIZE
+
+
+@triton.jit
 def fp8_saturate(x, scale):
     """What an FP8 cache holds for ``x``, before the cast: clamp(x / scale, +-448) in float32."""
     return tl.minimum(tl.maximum(x.to(tl.float32) / scale, -FP8_MAX), FP8_MAX)
@@ -162,11 +169,7 @@ def _store_kv_kernel(
         v = fp8_saturate(v, v_scale).to(v_cache_ptr.dtype.element_ty)
     tl.store(k_cache_ptr + dst, k, mask=mask)
     if V_T:
-        v_dst = (
-            slot_offset(tl.maximum(slot, 0), BLOCK_SIZE, stride_cb, 1)
-            + offs_h[:, None] * stride_ch
-            + offs_d[None, :] * BLOCK_SIZE
-        )
+        v_dst = transposed_v_offset(tl.maximum(slot, 0), offs_h, offs_d, BLOCK_SIZE, stride_cb, stride_ch)
         tl.store(v_cache_ptr + v_dst, v, mask=mask)
     else:
         tl.store(v_cache_ptr + dst, v, mask=mask)
@@ -223,16 +226,17 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, v_t: bool = False)
     """The kernels' rule: one shape and dtype, K's last dim contiguous, V stored as K is; or, with
     ``v_t``, V transposed per (block, head) (``v_transposed``) beside a head-major K (the kernels
     then take V's slot stride as 1 and its dim stride as the block size)."""
-    if k_cache.shape != v_cache.shape or k_cache.stride(-1) != 1:
+    if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache need one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.stride(-1) != 1:
+        raise ValueError(f"k_cache needs a contiguous last dim, got strides {k_cache.stride()}")
     if v_t:
-        num_blocks, block_size, num_kv_heads, d = k_cache.shape
-        head_major = (num_kv_heads * block_size * d, d, block_size * d, 1)
-        if k_cache.stride() != head_major or not v_transposed(v_cache):
+        if k_cache.stride() != head_major_strides(k_cache):
             raise ValueError(
-                f"a transposed V cache needs a head-major K cache {head_major}, got {k_cache.stride()} "
-                f"and V {v_cache.stride()}"
+                f"a transposed V cache needs a head-major K cache {head_major_strides(k_cache)}, got {k_cache.stride()}"
             )
+        if not v_transposed(v_cache):
+            raise ValueError(f"v_cache is not stored transposed: strides {v_cache.stride()}")
     elif k_cache.stride() != v_cache.stride():
         raise ValueError(
             f"k_cache and v_cache need equal strides with a contiguous last dim, got "
@@ -364,7 +368,7 @@ def _decode_kernel(
     ``TMA`` (with TILE_BLOCK on a head-major cache, ``k_desc``/``v_desc`` the caches' 2-D row
     views): a tile is one box of ``BLOCK_N`` rows, copied by the tensor memory accelerator.
     The box is not masked: keys past ``end`` in the tile's block are whatever the slots hold,
-    so their scores are set to -inf (as always) and their V rows to zero (0 x NaN is NaN)."""
+    so their scores are set to -inf (as always) and their V values to zero (0 x NaN is NaN)."""
     pdl.wait_then_release(PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -507,15 +511,24 @@ def _has_tma(device_index: int) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] == 9
 
 
+def head_major_strides(cache: torch.Tensor) -> tuple[int, ...]:
+    """The strides of a ``[blocks, slots, kv heads, d]`` cache stored head-major (the engine's)."""
+    num_blocks, block_size, num_kv_heads, d = cache.shape
+    return (num_kv_heads * block_size * d, d, block_size * d, 1)
+
+
+def _box_width(d: int) -> bool:
+    """A head_dim the kernel's boxes take: a power of two up to 128 (its ``BLOCK_D``)."""
+    return d <= 128 and d == triton.next_power_of_2(d)
+
+
 def cache_rows(cache: torch.Tensor) -> torch.Tensor | None:
     """A layer's cache seen as rows of ``head_dim`` elements, ``[blocks * kv heads * slots, d]``
     (row ``(block * kv_heads + head) * block_size + slot``), when a TMA box can address it: storage
     head-major and dense, ``head_dim`` a power of two up to 128 (the kernel's ``BLOCK_D``), 16-byte
     aligned, under 2**31 rows (a box's coordinates are int32); else None."""
     num_blocks, block_size, num_kv_heads, d = cache.shape
-    if cache.stride() != (num_kv_heads * block_size * d, d, block_size * d, 1):
-        return None
-    if d > 128 or d != triton.next_power_of_2(d):
+    if cache.stride() != head_major_strides(cache) or not _box_width(d):
         return None
     rows = num_blocks * num_kv_heads * block_size
     if rows >= 2**31 or cache.data_ptr() % 16 or d * cache.element_size() % 16:
@@ -538,9 +551,9 @@ def v_transposable(cache: torch.Tensor, model_dtype: torch.dtype) -> bool:
     asked = DECODE_TMA in ("all", "1", "fp8")
     if not (asked and is_fp8(cache) and model_dtype in (torch.bfloat16, torch.float16)):
         return False
-    if block_size % TMA_BLOCK_N or block_size > TMA_MAX_BOX or d > 128 or d != triton.next_power_of_2(d):
+    if block_size % TMA_BLOCK_N:
         return False
-    return _tma_capable(cache) and cache_rows(cache) is not None
+    return _tma_capable(cache) and cache_rows(cache) is not None  # head-major, its head_dim a box's
 
 
 def new_transposed_v_cache(
@@ -575,11 +588,16 @@ def cache_rows_t(cache: torch.Tensor) -> torch.Tensor | None:
         return None
     num_blocks, block_size, num_kv_heads, d = cache.shape
     rows = num_blocks * num_kv_heads * d
-    if d > 128 or d != triton.next_power_of_2(d) or block_size > TMA_MAX_BOX:
+    if not _box_width(d):
         return None
     if rows >= 2**31 or cache.data_ptr() % 16 or block_size * cache.element_size() % 16:
         return None
     return cache.as_strided((rows, block_size), (block_size, 1))
+
+
+def v_rows(v_cache: torch.Tensor) -> torch.Tensor | None:
+    """The V cache's rows for a TMA descriptor: ``cache_rows_t`` if stored transposed, else ``cache_rows``."""
+    return cache_rows_t(v_cache) if v_transposed(v_cache) else cache_rows(v_cache)
 
 
 def _tma_capable(cache: torch.Tensor) -> bool:
@@ -592,18 +610,17 @@ def _tma_capable(cache: torch.Tensor) -> bool:
 
 def tma_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> tuple | None:
     """Host-side TMA descriptors of the two caches' row views, boxes of ``block_n`` keys; None
-    where TMA does not apply: no descriptor support, not a Hopper GPU, a layout ``cache_rows``
-    refuses, a box longer than ``TMA_MAX_BOX``. Under Triton's interpreter (CPU tensors) the
+    where TMA does not apply: no descriptor support, not a Hopper GPU, a layout ``cache_rows`` (a
+    transposed V: ``cache_rows_t``) refuses, a box longer than ``TMA_MAX_BOX``. Under Triton's interpreter (CPU tensors) the
     descriptors are emulated."""
     if block_n > TMA_MAX_BOX or not _tma_capable(k_cache):
         return None
-    k_rows = cache_rows(k_cache)
-    vt = v_transposed(v_cache)
-    v_rows = cache_rows_t(v_cache) if vt else cache_rows(v_cache)
-    if k_rows is None or v_rows is None:
+    k_rows, v_rows_ = cache_rows(k_cache), v_rows(v_cache)
+    if k_rows is None or v_rows_ is None:
         return None
-    box = [block_n, k_cache.shape[-1]]
-    return TensorDescriptor.from_tensor(k_rows, box), TensorDescriptor.from_tensor(v_rows, box[::-1] if vt else box)
+    box = [block_n, k_cache.shape[-1]]  # a transposed V's box is [d, block_n]
+    v_box = box[::-1] if v_transposed(v_cache) else box
+    return TensorDescriptor.from_tensor(k_rows, box), TensorDescriptor.from_tensor(v_rows_, v_box)
 
 
 def wants_tma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -613,8 +630,7 @@ def wants_tma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
     asked = DECODE_TMA in ("all", "1") or (DECODE_TMA == "fp8" and is_fp8(k_cache))
     if not asked or q.dtype not in (torch.bfloat16, torch.float16) or k_cache.shape[1] % TMA_BLOCK_N:
         return False
-    v_rows = cache_rows_t(v_cache) if v_transposed(v_cache) else cache_rows(v_cache)
-    return _tma_capable(k_cache) and cache_rows(k_cache) is not None and v_rows is not None
+    return _tma_capable(k_cache) and cache_rows(k_cache) is not None and v_rows(v_cache) is not None
 
 
 def num_decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int, waves: int | None = None) -> int:

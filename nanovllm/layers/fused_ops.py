@@ -24,7 +24,14 @@ try:
     import triton
     import triton.language as tl
 
-    from nanovllm.attention.triton_ops import METADATA_PTRS, check_cache, fp8_saturate, slot_offset, v_transposed
+    from nanovllm.attention.triton_ops import (
+        METADATA_PTRS,
+        check_cache,
+        fp8_saturate,
+        slot_offset,
+        transposed_v_offset,
+        v_transposed,
+    )
     from nanovllm.layers import pdl
 except ImportError:  # CPU-only installs: the layers keep their PyTorch code
     triton = None
@@ -234,11 +241,7 @@ if triton is not None:
             tl.store(k_cache_ptr + dst, k1.to(cache_dtype), mask=k_mask)
             tl.store(k_cache_ptr + dst + HALF, k2.to(cache_dtype), mask=k_mask)
             if V_T:
-                v_dst = (
-                    slot_offset(tl.maximum(slot, 0), BLOCK_SIZE, stride_cb, 1)
-                    + kv_head[:, None] * stride_ch
-                    + offs[None, :] * BLOCK_SIZE
-                )
+                v_dst = transposed_v_offset(tl.maximum(slot, 0), kv_head, offs, BLOCK_SIZE, stride_cb, stride_ch)
                 tl.store(v_cache_ptr + v_dst, v1.to(cache_dtype), mask=v_mask)
                 tl.store(v_cache_ptr + v_dst + HALF * BLOCK_SIZE, v2.to(cache_dtype), mask=v_mask)
             else:

@@ -353,11 +353,12 @@ def test_prefill_with_cached_prefix_and_chunks(block_size, group, head_dim):
     assert_close(out, case.reference(), f"prefill bs={block_size} g={group} d={head_dim}")
 
 
-@pytest.mark.parametrize("block_size,tile_block", [(16, False), (64, True)])
+@pytest.mark.parametrize("block_size,tile_block", [(16, False), (64, True), (128, True)])
 def test_prefill_reads_a_transposed_v_cache(block_size, tile_block, monkeypatch):
     """V stored transposed per (block, head) (``transposed_v_cache``) beside a head-major K: the
     prefill kernel gives the reference's output, per key (tiles straddling blocks) and per tile (one
-    table entry a tile). Control: the transposed storage read as if it were head-major misses."""
+    table entry a tile; with 128-slot blocks a tile also starts mid-block). Control: the transposed
+    storage read as if it were head-major misses."""
     monkeypatch.setitem(triton_ops.PREFILL_FLAG_OVERRIDES, "TILE_BLOCK", tile_block)
     rng = random.Random(block_size * 13)
     max_q = 40 if INTERPRET else 300
