@@ -795,7 +795,10 @@ def _prefill_tile(
         base = tl.load(table + n0 // BLOCK_SIZE).to(tl.int64) * stride_cb + (n0 % BLOCK_SIZE) * stride_cs
         k_ptrs = k_cache_ptr + base + tile_off
         if V_T:
-            v_base = tl.load(table + n0 // BLOCK_SIZE).to(tl.int64) * stride_cb + n0 % BLOCK_SIZE
+            # the tile's first slot, a multiple of the tile's keys (16, 32 or 64), said so: otherwise
+            # Triton cannot prove the keys' runs aligned and loads them byte by byte (KERNEL_NOTES 20)
+            in_block = tl.multiple_of(n0 % BLOCK_SIZE, 16)
+            v_base = tl.load(table + n0 // BLOCK_SIZE).to(tl.int64) * stride_cb + in_block
             v_ptrs = v_cache_ptr + v_base + kvh * stride_ch + offs_n[:, None] + offs_d[None, :] * BLOCK_SIZE
         else:
             v_ptrs = v_cache_ptr + base + tile_off
@@ -823,14 +826,27 @@ def _prefill_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-    elif EVEN_D:
-        v = tl.load(v_ptrs)
+    if V_T and TILE_BLOCK:
+        # the keys are V's contiguous dim: a mask along them would split its vector loads into
+        # bytes, so the tile (inside one block: valid memory) is read whole and the keys past the
+        # end zeroed after (their stale values times p = 0 could be NaN)
+        if EVEN_D:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
+        if MASKED:
+            v = tl.where(n_mask[:, None], v, 0.0)
     else:
-        v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
-    if KV_FP8:
-        v = v.to(q.dtype)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        elif EVEN_D:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
