@@ -31,8 +31,9 @@ MIN_SPLIT_DECODES: int | None = None if os.environ.get("NANOVLLM_MIXED_DECODE_SP
 HEAD_MAJOR_CACHE = True
 # an FP8 cache's V stored transposed per (block, head) where its decode tiles are TMA boxes: the
 # decode kernel's V tile then needs no byte-wise transposing loads (-10 % decode time at batches of
-# 32-64, bitwise the same output), but the engine measured 3-5 % slower with it on an H100 (suspected,
-# not measured: its V stores, one byte per 256-byte row; KERNEL_NOTES session 20). Off; NANOVLLM_FP8_V_TRANSPOSED=1
+# 32-64, bitwise the same output), but the engine measured 3-5 % slower with it on an H100, when the
+# prefill kernel still loaded it byte by byte (found offline after the run, mended in fd4c17f, not
+# re-measured: KERNEL_NOTES session 20). Off; NANOVLLM_FP8_V_TRANSPOSED=1
 # turns it on for experiments (scripts/ab_engine.py vt=1)
 FP8_V_TRANSPOSED = os.environ.get("NANOVLLM_FP8_V_TRANSPOSED", "0") == "1"
 
