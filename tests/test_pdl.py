@@ -40,6 +40,7 @@ HELPERS = {
     "_prefill_tile",
     "_decode_tile",
     "slot_offset",
+    "transposed_v_offset",
     "fp8_saturate",
     "_log2",
 }  # jit functions called by kernels
