@@ -826,27 +826,20 @@ def _prefill_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if V_T and TILE_BLOCK:
-        # the keys are V's contiguous dim: a mask along them would split its vector loads into
-        # bytes, so the tile (inside one block: valid memory) is read whole and the keys past the
-        # end zeroed after (their stale values times p = 0 could be NaN)
-        if EVEN_D:
-            v = tl.load(v_ptrs)
-        else:
-            v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
-        if KV_FP8:
-            v = v.to(q.dtype)
-        if MASKED:
-            v = tl.where(n_mask[:, None], v, 0.0)
+    # a transposed V's keys are its contiguous dim: a mask along them would split its vector loads
+    # into bytes, so its tile (inside one block: valid memory) is read whole and the keys past the
+    # end zeroed after (their stale values times p = 0 could be NaN)
+    WHOLE_V: tl.constexpr = V_T and TILE_BLOCK
+    if MASKED and not WHOLE_V:
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    elif EVEN_D:
+        v = tl.load(v_ptrs)
     else:
-        if MASKED:
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        elif EVEN_D:
-            v = tl.load(v_ptrs)
-        else:
-            v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
-        if KV_FP8:
-            v = v.to(q.dtype)
+        v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
+    if KV_FP8:
+        v = v.to(q.dtype)
+    if MASKED and WHOLE_V:
+        v = tl.where(n_mask[:, None], v, 0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
