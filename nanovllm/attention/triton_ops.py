@@ -792,13 +792,13 @@ def _prefill_tile(
     n_mask = pos < kv_end
     kv_mask = n_mask[:, None] & d_mask[None, :]
     if TILE_BLOCK:  # the tile lies in one cache block: one table entry, one scalar base
-        base = tl.load(table + n0 // BLOCK_SIZE).to(tl.int64) * stride_cb + (n0 % BLOCK_SIZE) * stride_cs
+        block_base = tl.load(table + n0 // BLOCK_SIZE).to(tl.int64) * stride_cb
+        base = block_base + (n0 % BLOCK_SIZE) * stride_cs
         k_ptrs = k_cache_ptr + base + tile_off
         if V_T:
             # the tile's first slot, a multiple of the tile's keys (16, 32 or 64), said so: otherwise
             # Triton cannot prove the keys' runs aligned and loads them byte by byte (KERNEL_NOTES 20)
-            in_block = tl.multiple_of(n0 % BLOCK_SIZE, 16)
-            v_base = tl.load(table + n0 // BLOCK_SIZE).to(tl.int64) * stride_cb + in_block
+            v_base = block_base + tl.multiple_of(n0 % BLOCK_SIZE, 16)
             v_ptrs = v_cache_ptr + v_base + kvh * stride_ch + offs_n[:, None] + offs_d[None, :] * BLOCK_SIZE
         else:
             v_ptrs = v_cache_ptr + base + tile_off
