@@ -6,6 +6,7 @@
 #   2. where a prefill step's time goes with the switch off and on (profile_gpu.py --skip 0, FP8);
 #   3. the engine, fresh processes alternated twice: ab_engine.py new,vt=0 against new,vt=1,
 #      bench --workload gpu --repeat 2 --kv-cache-dtype fp8.
+# NANOVLLM_AB_TESTS=0 skips step 1 (where GPU CI runs them in the same session).
 # Everything goes to $OUT/fp8_vt.tgz (packed after each step), the order of events also to stdout.
 set -u
 : "${OUT:?set OUT to the folder the results go to}"
@@ -17,7 +18,7 @@ t0=$(date +%s)
 { date -u; nvidia-smi -L; git rev-parse --short HEAD 2>/dev/null; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } > "$W/env.txt" 2>&1
 [ -d .whl ] && python3 -m pip install -q --no-index --find-links .whl hypothesis pytest-xdist gguf >> "$W/env.txt" 2>&1
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")  # without pytest-xdist: one process
-timeout 150 python3 -m pytest -q -p no:cacheprovider $XDIST tests/gpu/test_triton_kernels.py tests/gpu/test_triton_fp8.py \
+[ "${NANOVLLM_AB_TESTS:-1}" = 0 ] || timeout 150 python3 -m pytest -q -p no:cacheprovider $XDIST tests/gpu/test_triton_kernels.py tests/gpu/test_triton_fp8.py \
     tests/gpu/test_fused_ops.py tests/gpu/test_kv_cache_fp8_gpu.py -k "transposed or fp8" > "$W/tests.log" 2>&1
 echo "tests rc $? at $(( $(date +%s) - t0 )) s: $(tail -1 "$W/tests.log")" >> "$W/order.txt"; pack
 for vt in 0 1; do
