@@ -9,7 +9,8 @@ old:      qk_norm_rope one head per program, the prefill kernel without SPLIT_MA
           for the kernels as they were before session 10;
 new:      everything as shipped (the mixed-step split on since session 9; split=0 or
           NANOVLLM_MIXED_DECODE_SPLIT=0 turns it off).
-waves=N:  decode split-K aimed at N programs per SM (``triton_ops.DECODE_SPLIT_WAVES``, session 9).
+waves=N:  decode split-K aimed at N programs per SM (``triton_ops.DECODE_SPLIT_WAVES``, session 9);
+fp8waves=N: the same for FP8 caches (``triton_ops.FP8_DECODE_SPLIT_WAVES``, session 21).
 mbt=N:    N tokens per step by default on CUDA (``config.DEFAULT_MAX_NUM_BATCHED_TOKENS``, session 9).
 layout=head|slot: the Triton cache's storage (``triton_backend.HEAD_MAJOR_CACHE``, session 9).
 split=0|1: a mixed step's leading decode rows to the decode kernel (``triton_backend.MIN_SPLIT_DECODES``).
@@ -145,6 +146,7 @@ def _set_sampler(path: str) -> None:
 # option -> (apply, is the value accepted)
 SETTINGS = {
     "waves": (_set("nanovllm.attention.triton_ops", "DECODE_SPLIT_WAVES", int), _positive),
+    "fp8waves": (_set("nanovllm.attention.triton_ops", "FP8_DECODE_SPLIT_WAVES", int), _positive),
     "mbt": (_set_mbt, _positive),
     "layout": (
         _set("nanovllm.attention.triton_backend", "HEAD_MAJOR_CACHE", lambda v: v == "head"),

@@ -50,7 +50,7 @@ def measure(batch: int, lo: int, hi: int, rounds: int, sms: int) -> str:
     q, k, v, tables, lens = case(batch, lo, hi)
     vt = triton_ops.transposed_v_cache(v)
     assert triton_ops.v_transposed(vt) and torch.equal(vt.view(torch.uint8), v.view(torch.uint8))
-    splits = triton_ops.num_decode_splits(batch, KV_HEADS, sms)
+    splits = triton_ops.num_decode_splits(batch, KV_HEADS, sms, kv_fp8=True)  # as the engine splits FP8
     rows = batch * HEADS * splits
     ws = (torch.empty(rows * D, device="cuda"), torch.empty(rows, device="cuda"))
     outs = {}

@@ -133,7 +133,8 @@ def main() -> None:
     for batch, ctx in [(32, 2048), (8, 4096)]:  # the shrinking tail: few sequences, auto split
         for fp8 in (False, True):
             dec = Decode(batch, ctx, fp8)
-            splits = ops.num_decode_splits(batch, KVH, torch.cuda.get_device_properties(0).multi_processor_count)
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            splits = ops.num_decode_splits(batch, KVH, sms, kv_fp8=fp8)
             ms, bw, _ = dec.time(None, {}, splits)
             line(f"decode b{batch} c{ctx} {'fp8' if fp8 else 'bf16'} default, {splits} splits", ms, bw)
             del dec

@@ -136,3 +136,13 @@ def test_the_transposed_v_switch(ab_engine, monkeypatch):
     assert triton_backend.FP8_V_TRANSPOSED is True
     apply("0")
     assert triton_backend.FP8_V_TRANSPOSED is False
+
+
+def test_the_split_wave_switches_set_one_cache_type_each(ab_engine, monkeypatch):
+    monkeypatch.setattr(triton_ops, "DECODE_SPLIT_WAVES", triton_ops.DECODE_SPLIT_WAVES)
+    monkeypatch.setattr(triton_ops, "FP8_DECODE_SPLIT_WAVES", triton_ops.FP8_DECODE_SPLIT_WAVES)
+    ab_engine.SETTINGS["fp8waves"][0]("16")
+    ab_engine.SETTINGS["waves"][0]("1")
+    assert triton_ops.num_decode_splits(23, 8, 132, kv_fp8=True) == 16  # 2112 / 184 -> 11.5 -> 16
+    assert triton_ops.num_decode_splits(23, 8, 132) == 1  # 132 / 184 -> 1
+    assert not ab_engine.SETTINGS["fp8waves"][1]("0")

@@ -50,7 +50,10 @@ def test_the_rule_check_refuses_a_factor_rounded_down():
 
 def test_the_default_waves_is_the_module_setting_and_the_workspace_follows_it(monkeypatch):
     monkeypatch.setattr(triton_ops, "DECODE_SPLIT_WAVES", 2)
+    monkeypatch.setattr(triton_ops, "FP8_DECODE_SPLIT_WAVES", 8)
     assert triton_ops.num_decode_splits(23, 8, 132) == 2  # 264 / 184 -> 2
+    assert triton_ops.num_decode_splits(23, 8, 132, kv_fp8=True) == 8  # 1056 / 184 -> 8
+    assert triton_ops.num_decode_splits(129, 8, 132, kv_fp8=True) == 2  # 1056 / 1032 -> 2 (16-bit: 1)
     monkeypatch.setattr(triton_ops, "DECODE_SPLIT_WAVES", 8)
     assert triton_ops.num_decode_splits(23, 8, 132) == 8  # 1056 / 184 -> 8
     import torch
@@ -60,3 +63,28 @@ def test_the_default_waves_is_the_module_setting_and_the_workspace_follows_it(mo
     # the CPU stand-in has 4 SMs, 32 programs aimed at: batches 1-4 get 4, 2, 2, 1 splits, so
     # 64, 64, 96, 64 rows of 16 heads; the workspace holds the most (batch 3)
     assert backend._lse.numel() == 96 and backend._partials.numel() == 96 * 64
+    # 16-bit caches at 2 waves (8 programs aimed at: 1 split each, 64 rows at most); FP8 at 8 (96)
+    monkeypatch.setattr(triton_ops, "DECODE_SPLIT_WAVES", 2)
+    backend = TritonBackend()
+    backend.reserve(4, 16, 8, 64, torch.device("cpu"), kv_dtype=torch.bfloat16)
+    assert backend._lse.numel() == 64
+    backend = TritonBackend()
+    backend.reserve(4, 16, 8, 64, torch.device("cpu"), kv_dtype=torch.float8_e4m3fn)
+    assert backend._lse.numel() == 96 and backend.num_splits(3, 8, torch.device("cpu"), kv_fp8=True) == 2
+
+
+def test_a_decode_step_splits_as_its_cache_type_says(monkeypatch):
+    """The backend's decode call asks for the FP8 rule on an FP8 cache (what ``reserve`` sized the
+    workspace for): a batch of 3 on the CPU stand-in's 4 SMs, 24 programs, splits once at 2 waves
+    and twice at 8; a call that asked for the 16-bit rule on both would give [1, 1]."""
+    import torch
+
+    monkeypatch.setattr(triton_ops, "DECODE_SPLIT_WAVES", 2)
+    monkeypatch.setattr(triton_ops, "FP8_DECODE_SPLIT_WAVES", 8)
+    seen = []
+    monkeypatch.setattr(triton_ops, "paged_decode", lambda *a, num_splits, **kw: seen.append(num_splits))
+    backend = TritonBackend()
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        cache = torch.zeros(2, 16, 8, 64, dtype=dtype)
+        backend._decode(torch.zeros(3, 16, 64), cache, cache, None, None, 1.0, 1.0, 1.0)
+    assert seen == [1, 2]

@@ -48,11 +48,19 @@ class TritonBackend:
 
     # ----------------------------------------------------------- workspace
     def reserve(
-        self, max_num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+        self,
+        max_num_seqs: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
-        """Allocate the split-K workspace for every batch size up to ``max_num_seqs``."""
+        """Allocate the split-K workspace for every batch size up to ``max_num_seqs`` on a cache
+        of ``kv_dtype`` (FP8 caches split more: ``triton_ops.num_decode_splits``)."""
+        kv_fp8 = kv_dtype == torch.float8_e4m3fn
         rows = max(
-            num_seqs * num_heads * self.num_splits(num_seqs, num_kv_heads, device)
+            num_seqs * num_heads * self.num_splits(num_seqs, num_kv_heads, device, kv_fp8)
             for num_seqs in range(1, max_num_seqs + 1)
         )
         self._workspace(rows, head_dim, device)
@@ -69,13 +77,13 @@ class TritonBackend:
             self._lse = torch.empty(rows, dtype=torch.float32, device=device)
         return self._partials, self._lse
 
-    def num_splits(self, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    def num_splits(self, num_seqs: int, num_kv_heads: int, device: torch.device, kv_fp8: bool = False) -> int:
         if device.type != "cuda":
-            return triton_ops.num_decode_splits(num_seqs, num_kv_heads, num_sms=4)
+            return triton_ops.num_decode_splits(num_seqs, num_kv_heads, num_sms=4, kv_fp8=kv_fp8)
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in self._num_sms:
             self._num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        return triton_ops.num_decode_splits(num_seqs, num_kv_heads, self._num_sms[index])
+        return triton_ops.num_decode_splits(num_seqs, num_kv_heads, self._num_sms[index], kv_fp8=kv_fp8)
 
     # ------------------------------------------------------------ interface
     @staticmethod
@@ -153,7 +161,7 @@ class TritonBackend:
 
     def _decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, out=None):
         num_seqs, num_heads, head_dim = q.shape
-        splits = self.num_splits(num_seqs, k_cache.shape[2], q.device)
+        splits = self.num_splits(num_seqs, k_cache.shape[2], q.device, triton_ops.is_fp8(k_cache))
         workspace = None
         if splits > 1:
             workspace = self._workspace(num_seqs * num_heads * splits, head_dim, q.device)

@@ -40,6 +40,12 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
 # decode programs aimed at per SM when a batch is too small to fill the GPU (num_decode_splits)
 DECODE_SPLIT_WAVES = 2
+# the same for FP8 caches: their programs are shorter (half the bytes, TMA boxes), so the tail's
+# batches of 33-132 sequences (1 split at 2 waves) leave SMs idle while the longest programs finish.
+# Engine A/B on an H100 (FP8, fresh processes alternated twice, second runs): 2 waves 28,389 and
+# 28,864 tok/s, 3: 28,843 / 28,797, 4: 29,063 / 29,096, 8: 29,230 / 29,239 (KERNEL_NOTES session 21).
+# 16-bit caches at 4 waves: 21,199 / 21,232 against 21,053 / 21,194, not resolved: they keep 2
+FP8_DECODE_SPLIT_WAVES = 8
 FP8_MAX = tl.constexpr(448.0)  # the largest finite float8 e4m3fn value (a constexpr: kernels read it)
 
 
@@ -633,15 +639,20 @@ def wants_tma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
     return _tma_capable(k_cache) and cache_rows(k_cache) is not None and v_rows(v_cache) is not None
 
 
-def num_decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int, waves: int | None = None) -> int:
-    """Split-K factor: enough programs for ``waves`` (default ``DECODE_SPLIT_WAVES``) programs
-    per SM; 1 for large batches.
+def num_decode_splits(
+    num_seqs: int, num_kv_heads: int, num_sms: int, waves: int | None = None, kv_fp8: bool = False
+) -> int:
+    """Split-K factor: enough programs for ``waves`` programs per SM (default
+    ``FP8_DECODE_SPLIT_WAVES`` for an FP8 cache, ``DECODE_SPLIT_WAVES`` otherwise); 1 for large
+    batches.
 
     Depends on the batch shape only (not on lengths), so eager and graph runs agree;
     a power of two, so few kernel variants get compiled.
     """
     programs = max(1, num_seqs * num_kv_heads)
-    target = (DECODE_SPLIT_WAVES if waves is None else waves) * num_sms
+    if waves is None:
+        waves = FP8_DECODE_SPLIT_WAVES if kv_fp8 else DECODE_SPLIT_WAVES
+    target = waves * num_sms
     return min(MAX_SPLITS, triton.next_power_of_2(-(-target // programs)))
 
 
@@ -1090,4 +1101,6 @@ __all__ = [
     "num_decode_splits",
     "decode_kv_bytes",
     "MAX_SPLITS",
+    "DECODE_SPLIT_WAVES",
+    "FP8_DECODE_SPLIT_WAVES",
 ]

@@ -253,7 +253,9 @@ class ModelRunner:
             layer.backend = self.backend
         if hasattr(self.backend, "reserve"):
             a = self.attn_layers[0]
-            self.backend.reserve(self.config.max_num_seqs, a.num_heads, a.num_kv_heads, a.head_dim, self.device)
+            self.backend.reserve(
+                self.config.max_num_seqs, a.num_heads, a.num_kv_heads, a.head_dim, self.device, self.kv_dtype
+            )
         if capture_graphs and self._use_graphs():
             self.graphs = CudaGraphRunner(
                 self.model,
