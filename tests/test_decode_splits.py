@@ -1,6 +1,8 @@
 """The decode kernel's split-K factor (``triton_ops.num_decode_splits``): the smallest power of
 two that gives at least ``waves x SMs`` programs, capped at ``MAX_SPLITS``; the default ``waves``
-is the module's ``DECODE_SPLIT_WAVES`` (what the engine's graphs are captured with)."""
+is the module's ``FP8_DECODE_SPLIT_WAVES`` for an FP8 cache and ``DECODE_SPLIT_WAVES`` otherwise
+(what the engine's graphs are captured with), and the workspace ``reserve`` sizes follows the
+cache's rule."""
 
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ def test_the_default_waves_is_the_module_setting_and_the_workspace_follows_it(mo
     import torch
 
     backend = TritonBackend()
-    backend.reserve(4, num_heads=16, num_kv_heads=8, head_dim=64, device=torch.device("cpu"))
+    backend.reserve(4, num_heads=16, num_kv_heads=8, head_dim=64, device=torch.device("cpu"), kv_dtype=torch.bfloat16)
     # the CPU stand-in has 4 SMs, 32 programs aimed at: batches 1-4 get 4, 2, 2, 1 splits, so
     # 64, 64, 96, 64 rows of 16 heads; the workspace holds the most (batch 3)
     assert backend._lse.numel() == 96 and backend._partials.numel() == 96 * 64
@@ -88,3 +90,53 @@ def test_a_decode_step_splits_as_its_cache_type_says(monkeypatch):
         cache = torch.zeros(2, 16, 8, 64, dtype=dtype)
         backend._decode(torch.zeros(3, 16, 64), cache, cache, None, None, 1.0, 1.0, 1.0)
     assert seen == [1, 2]
+
+
+def test_a_step_that_outgrows_the_reserved_workspace_raises(monkeypatch):
+    """A workspace ``reserve`` sized is not grown later: CUDA graphs captured on it would read the
+    freed buffer. The case that would do it: a reserve with the 16-bit rule, then an FP8 decode step
+    (a batch of 3: 96 rows against 64). Control: without a reserve, an eager caller's workspace grows."""
+    import torch
+
+    monkeypatch.setattr(triton_ops, "DECODE_SPLIT_WAVES", 2)
+    monkeypatch.setattr(triton_ops, "FP8_DECODE_SPLIT_WAVES", 8)
+    monkeypatch.setattr(triton_ops, "paged_decode", lambda *a, **kw: None)
+    cpu = torch.device("cpu")
+    fp8 = torch.zeros(2, 16, 8, 64, dtype=torch.float8_e4m3fn)
+    backend = TritonBackend()
+    backend.reserve(4, 16, 8, 64, cpu, kv_dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="96 rows, more than the 64 that reserve"):
+        backend._decode(torch.zeros(3, 16, 64), fp8, fp8, None, None, 1.0, 1.0, 1.0)
+    backend.reserve(4, 16, 8, 64, cpu, kv_dtype=torch.float8_e4m3fn)  # the cache's own rule: fits
+    backend._decode(torch.zeros(3, 16, 64), fp8, fp8, None, None, 1.0, 1.0, 1.0)
+    eager = TritonBackend()
+    eager._decode(torch.zeros(3, 16, 64), fp8, fp8, None, None, 1.0, 1.0, 1.0)
+    assert eager._lse.numel() == 96
+
+
+@pytest.mark.parametrize("kv_dtype,rows", [("float8_e4m3fn", 96), ("bfloat16", 64)])
+def test_the_runner_reserves_the_workspace_for_its_cache_dtype(monkeypatch, kv_dtype, rows):
+    """``ModelRunner.allocate_kv_cache`` hands its cache dtype to ``reserve``: the FP8 rule sizes
+    96 rows for 4 sequences of 16 heads on the CPU stand-in's 4 SMs, the 16-bit rule 64."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from nanovllm.worker.model_runner import ModelRunner
+
+    monkeypatch.setattr(triton_ops, "DECODE_SPLIT_WAVES", 2)
+    monkeypatch.setattr(triton_ops, "FP8_DECODE_SPLIT_WAVES", 8)
+    backend = TritonBackend()
+    monkeypatch.setattr(backend, "new_kv_cache", lambda *a: torch.empty(0))
+    monkeypatch.setattr(backend, "new_v_cache", lambda *a: torch.empty(0))
+    runner = SimpleNamespace(
+        attn_layers=[SimpleNamespace(num_heads=16, num_kv_heads=8, head_dim=64)],
+        backend=backend,
+        block_size=16,
+        kv_dtype=getattr(torch, kv_dtype),
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+        config=SimpleNamespace(max_num_seqs=4),
+    )
+    ModelRunner.allocate_kv_cache(runner, 2, capture_graphs=False)
+    assert backend._reserved_rows == rows and backend._lse.numel() == rows

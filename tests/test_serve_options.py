@@ -101,7 +101,10 @@ def test_greedy_n_choices_equal_offline_streamed_or_not_and_metrics_count_them(u
         if stream:
             chunks = list(r)
             got, use = streamed_ids(chunks, 4), chunks[-1].usage
-            assert chunks[-1].choices == [] and len(chunks) > 5
+            # at least a chunk per choice and the usage chunk: a client that falls behind gets what
+            # queued up as one chunk (AsyncLLM.generate), so on a loaded machine each choice's six
+            # tokens may come in one piece; the pieces per index are checked below
+            assert chunks[-1].choices == [] and len(chunks) >= 5
         else:
             assert [c.index for c in r.choices] == [0, 1, 2, 3]
             got, use = [ids_of(c) for c in r.choices], r.usage

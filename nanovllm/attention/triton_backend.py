@@ -12,7 +12,9 @@ about +1 % end to end on the H200, KERNEL_NOTES session 9).
 CUDA-graph contract: a decode forward reads no host value but tensor shapes,
 and its split-K workspace is allocated before capture (``reserve`` or an eager
 warm-up at the largest batch); growing it while a graph is being captured is
-an error, never a silent allocation inside the graph's pool.
+an error, never a silent allocation inside the graph's pool. Once ``reserve``
+has sized it, a step that asks for more is an error too: the graphs captured
+before would go on reading the freed buffer.
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ MIN_SPLIT_DECODES: int | None = None if os.environ.get("NANOVLLM_MIXED_DECODE_SP
 HEAD_MAJOR_CACHE = True
 # an FP8 cache's V stored transposed per (block, head) where its decode tiles are TMA boxes: the
 # decode kernel's V tile then needs no byte-wise transposing loads (-10 % decode time at batches of
-# 32-64, bitwise the same output), but the engine measured 3-5 % slower with it on an H100, when the
-# prefill kernel still loaded it byte by byte (found offline after the run, mended in fd4c17f, not
-# re-measured: KERNEL_NOTES session 20). Off; NANOVLLM_FP8_V_TRANSPOSED=1
-# turns it on for experiments (scripts/ab_engine.py vt=1)
+# 32-64, bitwise the same output), but the engine is slower with it on an H100: -3 to -5 % (session
+# 20), -2.3 % after the prefill kernel's loads were mended (session 21), because every token's V is
+# written one byte per dim, 256 bytes apart (Qwen3's q/k kernel 3.4x slower in a prefill step).
+# Off; NANOVLLM_FP8_V_TRANSPOSED=1 turns it on for experiments (scripts/ab_engine.py vt=1)
 FP8_V_TRANSPOSED = os.environ.get("NANOVLLM_FP8_V_TRANSPOSED", "0") == "1"
 
 
@@ -45,6 +47,7 @@ class TritonBackend:
         self._partials: torch.Tensor | None = None  # float32 [rows * head_dim]
         self._lse: torch.Tensor | None = None  # float32 [rows]
         self._num_sms: dict[int, int] = {}
+        self._reserved_rows: int | None = None  # what reserve() sized the workspace for
 
     # ----------------------------------------------------------- workspace
     def reserve(
@@ -54,18 +57,27 @@ class TritonBackend:
         num_kv_heads: int,
         head_dim: int,
         device: torch.device,
-        kv_dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype,
     ) -> None:
         """Allocate the split-K workspace for every batch size up to ``max_num_seqs`` on a cache
-        of ``kv_dtype`` (FP8 caches split more: ``triton_ops.num_decode_splits``)."""
-        kv_fp8 = kv_dtype == torch.float8_e4m3fn
+        of ``kv_dtype`` (FP8 caches split more: ``triton_ops.num_decode_splits``). A later step
+        that needs more rows raises (see the module's CUDA-graph contract)."""
+        kv_fp8 = triton_ops.is_fp8_dtype(kv_dtype)
         rows = max(
-            num_seqs * num_heads * self.num_splits(num_seqs, num_kv_heads, device, kv_fp8)
+            num_seqs * num_heads * self.num_splits(num_seqs, num_kv_heads, device, kv_fp8=kv_fp8)
             for num_seqs in range(1, max_num_seqs + 1)
         )
+        self._reserved_rows = None
         self._workspace(rows, head_dim, device)
+        self._reserved_rows = rows
 
     def _workspace(self, rows: int, head_dim: int, device: torch.device):
+        if self._reserved_rows is not None and rows > self._reserved_rows:
+            raise RuntimeError(
+                f"decode workspace asked for {rows} rows, more than the {self._reserved_rows} that "
+                "reserve() sized it for: the CUDA graphs captured on it would read a freed buffer "
+                "(reserve with the cache's dtype and the largest batch)"
+            )
         have = 0 if self._lse is None else self._lse.numel()
         if have < rows or self._partials.numel() < rows * head_dim or self._lse.device != device:  # type: ignore[union-attr]
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -78,12 +90,16 @@ class TritonBackend:
         return self._partials, self._lse
 
     def num_splits(self, num_seqs: int, num_kv_heads: int, device: torch.device, kv_fp8: bool = False) -> int:
+        return triton_ops.num_decode_splits(num_seqs, num_kv_heads, self._sms(device), kv_fp8=kv_fp8)
+
+    def _sms(self, device: torch.device) -> int:
+        """The device's SM count (4 stands in for a CPU under Triton's interpreter)."""
         if device.type != "cuda":
-            return triton_ops.num_decode_splits(num_seqs, num_kv_heads, num_sms=4, kv_fp8=kv_fp8)
+            return 4
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in self._num_sms:
             self._num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        return triton_ops.num_decode_splits(num_seqs, num_kv_heads, self._num_sms[index], kv_fp8=kv_fp8)
+        return self._num_sms[index]
 
     # ------------------------------------------------------------ interface
     @staticmethod
@@ -161,7 +177,7 @@ class TritonBackend:
 
     def _decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, out=None):
         num_seqs, num_heads, head_dim = q.shape
-        splits = self.num_splits(num_seqs, k_cache.shape[2], q.device, triton_ops.is_fp8(k_cache))
+        splits = self.num_splits(num_seqs, k_cache.shape[2], q.device, kv_fp8=triton_ops.is_fp8(k_cache))
         workspace = None
         if splits > 1:
             workspace = self._workspace(num_seqs * num_heads * splits, head_dim, q.device)

@@ -40,11 +40,10 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
 # decode programs aimed at per SM when a batch is too small to fill the GPU (num_decode_splits)
 DECODE_SPLIT_WAVES = 2
-# the same for FP8 caches, whose programs read half the bytes and finish sooner: at 2 waves the
-# tail's batches of 33-132 sequences got one split each. Engine A/B on an H100 (FP8, fresh processes
-# alternated twice, second runs, tok/s): 2 waves 28,389 / 28,864, 3: 28,843 / 28,797, 4: 29,063 /
-# 29,096, 8: 29,230 / 29,239, 16: 28,774 / 28,763 (KERNEL_NOTES session 21). 16-bit caches at 4
-# waves: 21,199 / 21,232 against 21,053 / 21,194, within the spread: they keep 2
+# the same for FP8 caches, whose programs read half the bytes and finish sooner: at 2 waves every
+# batch of 33 or more sequences got one split. Measured end to end on an H100 (KERNEL_NOTES session
+# 21): 8 waves the best of 2, 3, 4, 8 and 16, +1 to +3 % over 2; 16-bit caches at 4 waves within the
+# spread, so they keep 2
 FP8_DECODE_SPLIT_WAVES = 8
 FP8_MAX = tl.constexpr(448.0)  # the largest finite float8 e4m3fn value (a constexpr: kernels read it)
 
@@ -224,8 +223,12 @@ def store_kv(
     )
 
 
+def is_fp8_dtype(dtype: torch.dtype) -> bool:
+    return dtype == torch.float8_e4m3fn
+
+
 def is_fp8(cache: torch.Tensor) -> bool:
-    return cache.dtype == torch.float8_e4m3fn
+    return is_fp8_dtype(cache.dtype)
 
 
 def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, v_t: bool = False) -> None:
