@@ -126,18 +126,6 @@ def test_the_sampler_option_loads_another_module_in_place_of_the_shipped_one(ab_
     assert importlib.import_module(name).WHICH == "the other sampler"
 
 
-def test_the_transposed_v_switch(ab_engine, monkeypatch):
-    from nanovllm.attention import triton_backend
-
-    monkeypatch.setattr(triton_backend, "FP8_V_TRANSPOSED", triton_backend.FP8_V_TRANSPOSED)
-    apply, valid = ab_engine.SETTINGS["vt"]
-    assert valid("0") and valid("1") and not valid("yes")
-    apply("1")
-    assert triton_backend.FP8_V_TRANSPOSED is True
-    apply("0")
-    assert triton_backend.FP8_V_TRANSPOSED is False
-
-
 def test_the_split_wave_switches_set_one_cache_type_each(ab_engine, monkeypatch):
     monkeypatch.setattr(triton_ops, "DECODE_SPLIT_WAVES", triton_ops.DECODE_SPLIT_WAVES)
     monkeypatch.setattr(triton_ops, "FP8_DECODE_SPLIT_WAVES", triton_ops.FP8_DECODE_SPLIT_WAVES)

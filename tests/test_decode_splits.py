@@ -128,7 +128,6 @@ def test_the_runner_reserves_the_workspace_for_its_cache_dtype(monkeypatch, kv_d
     monkeypatch.setattr(triton_ops, "FP8_DECODE_SPLIT_WAVES", 8)
     backend = TritonBackend()
     monkeypatch.setattr(backend, "new_kv_cache", lambda *a: torch.empty(0))
-    monkeypatch.setattr(backend, "new_v_cache", lambda *a: torch.empty(0))
     runner = SimpleNamespace(
         attn_layers=[SimpleNamespace(num_heads=16, num_kv_heads=8, head_dim=64)],
         backend=backend,

@@ -206,60 +206,20 @@ def test_tma_only_on_hopper(monkeypatch, capability, hip, expected):
         triton_ops._has_tma.cache_clear()
 
 
-@pytest.mark.parametrize(
-    "kv,model_dtype,block_size,expected",
-    [
-        (torch.float8_e4m3fn, torch.bfloat16, 256, True),
-        (torch.bfloat16, torch.bfloat16, 256, False),  # a 16-bit cache: ldmatrix transposes its V already
-        (torch.float8_e4m3fn, torch.float32, 256, False),  # a float32 model's decode takes no TMA boxes
-        (torch.float8_e4m3fn, torch.bfloat16, 64, False),  # blocks that hold no whole box
-    ],
-)
-def test_which_v_caches_the_engine_stores_transposed(kv, model_dtype, block_size, expected, monkeypatch):
-    """``FP8_V_TRANSPOSED`` (``NANOVLLM_FP8_V_TRANSPOSED=1``): an FP8 V cache is stored transposed
-    where its decode tiles are TMA boxes, never elsewhere: not when the switch is off, not with TMA
-    off (``DECODE_TMA=0``), not for a CPU tensor outside the interpreter; K never."""
-    from nanovllm.attention import triton_backend
-    from nanovllm.attention.backends import TorchBackend
-
-    def v_cache():
-        return triton_backend.TritonBackend.new_v_cache(4, block_size, 2, 128, kv, "cpu", model_dtype)
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors take boxes only under the interpreter
-    monkeypatch.setattr(triton_backend, "FP8_V_TRANSPOSED", True)
-    v = v_cache()
-    assert triton_ops.v_transposed(v) is expected and v.shape == (4, block_size, 2, 128) and v.dtype == kv
-    k = triton_backend.TritonBackend.new_kv_cache(4, block_size, 2, 128, kv, "cpu")
-    assert not triton_ops.v_transposed(k)
-    triton_ops.check_cache(k, v, triton_ops.v_transposed(v))  # the kernels take the pair
-    assert not triton_ops.v_transposed(TorchBackend.new_v_cache(4, block_size, 2, 128, kv, "cpu", model_dtype))
-    monkeypatch.setattr(triton_ops, "DECODE_TMA", "0")
-    assert not triton_ops.v_transposed(v_cache())
-    monkeypatch.setattr(triton_ops, "DECODE_TMA", "fp8")
-    monkeypatch.setattr(triton_backend, "FP8_V_TRANSPOSED", False)
-    assert not triton_ops.v_transposed(v_cache())
-    monkeypatch.setattr(triton_backend, "FP8_V_TRANSPOSED", True)
-    monkeypatch.delenv("TRITON_INTERPRET")
-    assert not triton_ops.v_transposed(v_cache())
-
-
 def test_the_kernels_refuse_a_bad_cache_pair_naming_what_is_wrong():
-    """A transposed V takes its head and block strides from K: beside a K that is not head-major
-    the pair is refused, naming K's strides; a V said to be transposed that is not, other shapes, a
-    K whose last dim is not contiguous are each refused with their own message. Control: the pair
-    as the engine makes it is taken."""
-    v = triton_ops.new_transposed_v_cache(4, 256, 2, 128, torch.bfloat16, "cpu")
+    """V stored otherwise than K, other shapes, other dtypes, a K whose last dim is not contiguous
+    are each refused with their own message. Control: the pair as the engine makes it (both
+    head-major) is taken."""
     k = _head_major(4, 256, 2, 128).to(torch.bfloat16)
-    assert k.stride() == triton_ops.head_major_strides(k)
-    triton_ops.check_cache(k, v, True)
+    v = k.clone()
+    assert k.stride() == v.stride() == triton_ops.head_major_strides(k)
+    triton_ops.check_cache(k, v)
     slot_major = torch.zeros(4, 256, 2, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="transposed V cache needs a head-major K cache"):
-        triton_ops.check_cache(slot_major, v, True)
     with pytest.raises(ValueError, match="equal strides"):
         triton_ops.check_cache(slot_major, v)
-    with pytest.raises(ValueError, match="v_cache is not stored transposed"):
-        triton_ops.check_cache(k, k.clone(), True)
     with pytest.raises(ValueError, match="need one shape"):
-        triton_ops.check_cache(k, v[:2], True)
+        triton_ops.check_cache(k, v[:2])
+    with pytest.raises(ValueError, match="need one dtype"):
+        triton_ops.check_cache(k, v.to(torch.float16))
     with pytest.raises(ValueError, match="contiguous last dim"):
         triton_ops.check_cache(k.transpose(2, 3), k.transpose(2, 3))

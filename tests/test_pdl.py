@@ -40,7 +40,6 @@ HELPERS = {
     "_prefill_tile",
     "_decode_tile",
     "slot_offset",
-    "transposed_v_offset",
     "fp8_saturate",
     "_log2",
 }  # jit functions called by kernels

@@ -195,27 +195,6 @@ def test_qk_norm_rope_writes_the_cache_as_the_store_kernel_does(dtype, t, hq, hk
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_qk_norm_rope_writes_a_transposed_v_cache(dtype):
-    """V stored transposed per (block, head) (``triton_ops.v_transposed``): the kernel puts v where
-    that storage keeps it, the same (block, slot, head, dim) values as ``store_kv`` gives a
-    head-major V cache. Control: its writes seen through a head-major view are not the values."""
-    from nanovllm.attention import triton_ops
-
-    t, hq, hk, d = 13, 4, 2, 64
-    rope, qkv, pos, q_w, k_w = _qk_case(dtype, t, hq, hk, d, seed=17)
-    (want_kc, want_vc), slots = _cache_case(dtype, t, hk, d, seed=17)
-    norms = ((q_w, 1e-6), (k_w, 1e-6))
-    _, k = fused_ops.qk_norm_rope(pos, qkv, hq, hk, *norms, rope.cos, rope.sin)
-    triton_ops.store_kv(k, qkv[:, (hq + hk) * d :].view(t, hk, d), want_kc, want_vc, slots)
-    (kc, vc), _ = _cache_case(dtype, t, hk, d, seed=17)
-    vt = triton_ops.transposed_v_cache(vc)
-    assert triton_ops.v_transposed(vt)
-    fused_ops.qk_norm_rope(pos, qkv, hq, hk, *norms, rope.cos, rope.sin, cache=fused_ops.CacheWrite(kc, vt, slots))
-    assert torch.equal(kc, want_kc) and torch.equal(vt, want_vc)
-    assert not torch.equal(vt.as_strided(vt.shape, want_vc.stride()), want_vc), "control: a head-major reading"
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 def test_qk_norm_rope_cache_comparison_rejects_shifted_slots_and_swapped_caches(dtype):
     """Negative controls for the rule above: slots one further, or k's and v's caches exchanged,
     each makes the caches differ from the store kernel's."""

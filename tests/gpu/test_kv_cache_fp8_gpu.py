@@ -52,30 +52,3 @@ def test_fp8_cache_graphs_equal_eager_and_match_the_cpu_engine():
     report = compare_greedy(ref_tokens, ref_lps, got[False], DELTA[FP8_KV], 0.5)
     assert report.ok, report.summary()
     assert report.num_exact >= len(prompts) // 2, report.summary()
-
-
-def test_a_transposed_v_cache_gives_the_same_tokens_and_logprobs(monkeypatch):
-    """``NANOVLLM_FP8_V_TRANSPOSED``: the engine stores an FP8 cache's V transposed per (block, head)
-    where its decode tiles are TMA boxes (Hopper); the kernels read it in the same order, so the
-    engine's tokens and logprobs are bitwise those of the head-major V cache, with CUDA graphs and a
-    chunked prefill (the transposed V is written by the store kernel and by Qwen3's q/k kernel, and
-    read by the decode and prefill kernels)."""
-    from nanovllm.attention import triton_backend, triton_ops
-
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("a transposed V cache is read through TMA boxes, which the engine uses on Hopper only")
-    model = zoo_model(MODEL)
-    prompts = prompts_for(ZOO[MODEL].vocab_size, [1, 5, 17, 40, 300, 100, 130, 3, 9], seed=12)
-    got = {}
-    for transposed in (False, True):
-        monkeypatch.setattr(triton_backend, "FP8_V_TRANSPOSED", transposed)
-        llm = LLM(model, **engine_args("cuda", dtype="bfloat16", kv_cache_dtype="fp8", max_num_batched_tokens=256))
-        layer = llm.llm_engine.executor.runner.attn_layers[0]
-        assert triton_ops.v_transposed(layer.v_cache) is transposed
-        outs = _generate(llm, prompts, logprobs=True)
-        got[transposed] = (
-            [list(o.outputs[0].token_ids) for o in outs],
-            [[{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs] for o in outs],
-        )
-        llm.close()
-    assert got[True] == got[False]

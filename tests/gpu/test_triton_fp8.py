@@ -100,20 +100,16 @@ def test_decode_fp8_matches_reference(block_size, group, head_dim, splits):
 
 @pytest.mark.parametrize("block_size,group,head_dim", [(256, 2, 128), (128, 8, 64), (256, 1, 64)])
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("v_t", [False, True], ids=["v", "v_transposed"])
-def test_decode_fp8_tma_matches_reference(block_size, group, head_dim, splits, v_t, monkeypatch):
+def test_decode_fp8_tma_matches_reference(block_size, group, head_dim, splits, monkeypatch):
     """The shipped FP8 path on a Hopper GPU: a head-major cache of whole 128-key boxes takes TMA by
     default (128-key boxes, double-buffered); the NaN-poisoned slots past each sequence's end are
-    read by the boxes and must be masked. ``v_transposed``: the V cache stored per (block, head) as
-    [d, slots] (``transposed_v_cache``). Control: the wrong v_scale misses."""
+    read by the boxes and must be masked. Control: the wrong v_scale misses."""
     rng = random.Random(block_size * 77 + group * 10 + head_dim + splits)
     lens = _lengths(block_size, rng, 9, 4096)
     assert any(n % triton_ops.TMA_BLOCK_N for n in lens)
     fc = Fp8Case(PagedCase([(n - 1, 1) for n in lens], block_size, group, head_dim, seed=rng.randint(0, 1 << 30)))
     c = fc.case
     k, v = _head_major(fc.k_cache), _head_major(fc.v_cache)
-    if v_t:
-        v = triton_ops.transposed_v_cache(v)
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("TMA needs compute capability 9.0 or newer")
     assert triton_ops.wants_tma(c.q, k, v), "the default must take TMA here"

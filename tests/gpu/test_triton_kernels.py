@@ -245,9 +245,8 @@ def _head_major(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
 
 
-def _decode_tma(case: PagedCase, splits: int, block_n: int, v: torch.Tensor | None = None) -> torch.Tensor:
-    """``v``: another storage of the case's V cache (default: head-major)."""
-    k, v = _head_major(case.k_cache), _head_major(case.v_cache) if v is None else v
+def _decode_tma(case: PagedCase, splits: int, block_n: int) -> torch.Tensor:
+    k, v = _head_major(case.k_cache), _head_major(case.v_cache)
     assert triton_ops.tma_descriptors(k, v, block_n) is not None, "the case must take the TMA path"
     out = torch.full_like(case.q, float("nan"))
     cfg = triton_ops.KernelConfig(16, block_n, 4, 3)
@@ -271,34 +270,6 @@ def test_decode_tma_tiles(block_size, group, head_dim, block_n, splits, monkeypa
     assert any(n % block_n for n in lens)
     case = PagedCase([(n - 1, 1) for n in lens], block_size, group, head_dim, seed=rng.randint(0, 1 << 30))
     assert_close(_decode_tma(case, splits, block_n), case.reference(), f"decode TMA bs={block_size} splits={splits}")
-
-
-@pytest.mark.parametrize("splits", [1, 3])
-def test_decode_tma_tiles_with_v_transposed(splits, monkeypatch):
-    """A V cache stored transposed per (block, head) (``transposed_v_cache``: the same values, keys
-    contiguous) gives the output of the head-major one, with NaN in unowned slots (so the partial
-    last tile must mask V). Control: the transposed storage read as if it were head-major misses."""
-    monkeypatch.setitem(triton_ops.DECODE_FLAG_OVERRIDES, "TMA", True)
-    block_size, group, head_dim, block_n = TMA_SHAPES[0]
-    rng = random.Random(11 + splits)
-    lens = _lengths(block_size, rng, 5 if INTERPRET else 9, MAX_CTX)
-    assert any(n % block_n for n in lens)
-    case = PagedCase([(n - 1, 1) for n in lens], block_size, group, head_dim, seed=rng.randint(0, 1 << 30))
-    vt = triton_ops.transposed_v_cache(_head_major(case.v_cache))
-    assert triton_ops.v_transposed(vt) and torch.equal(vt.isnan(), case.v_cache.isnan())
-    assert_close(_decode_tma(case, splits, block_n, vt), case.reference(), f"decode TMA, V transposed, splits={splits}")
-    misread = vt.as_strided(vt.shape, _head_major(case.v_cache).stride())
-    with pytest.raises(AssertionError):
-        assert_close(_decode_tma(case, splits, block_n, misread), case.reference(), "control: read as head-major")
-
-
-def test_a_transposed_v_cache_needs_tma(monkeypatch):
-    """Only the TMA path reads a transposed V cache: elsewhere it is refused, naming why."""
-    monkeypatch.setitem(triton_ops.DECODE_FLAG_OVERRIDES, "TMA", False)
-    case = PagedCase([(40, 1)], TMA_SHAPES[0][0], 2, 64, seed=3)
-    vt = triton_ops.transposed_v_cache(_head_major(case.v_cache))
-    with pytest.raises(ValueError, match="transposed V cache is read through TMA boxes only"):
-        triton_ops.paged_decode(case.q, _head_major(case.k_cache), vt, case.meta.block_tables, case.meta.seq_lens, 1.0)
 
 
 @pytest.mark.skipif(
@@ -351,54 +322,6 @@ def test_prefill_with_cached_prefix_and_chunks(block_size, group, head_dim):
         out=out,
     )
     assert_close(out, case.reference(), f"prefill bs={block_size} g={group} d={head_dim}")
-
-
-@pytest.mark.parametrize("block_size,tile_block", [(16, False), (64, True), (128, True)])
-def test_prefill_reads_a_transposed_v_cache(block_size, tile_block, monkeypatch):
-    """V stored transposed per (block, head) (``transposed_v_cache``) beside a head-major K: the
-    prefill kernel gives the reference's output, per key (tiles straddling blocks) and per tile (one
-    table entry a tile; with 128-slot blocks a tile also starts mid-block). Control: the transposed
-    storage read as if it were head-major misses."""
-    monkeypatch.setitem(triton_ops.PREFILL_FLAG_OVERRIDES, "TILE_BLOCK", tile_block)
-    rng = random.Random(block_size * 13)
-    max_q = 40 if INTERPRET else 300
-    specs = [(0, rng.randint(2, max_q)), (block_size, rng.randint(1, max_q)), (rng.randint(1, MAX_CTX - max_q), 1)]
-    case = PagedCase(specs, block_size, 2, 64, seed=rng.randint(0, 1 << 30))
-    k = _head_major(case.k_cache)
-    vt = triton_ops.transposed_v_cache(_head_major(case.v_cache))
-    assert triton_ops.v_transposed(vt) and torch.equal(vt.isnan(), case.v_cache.isnan())
-
-    def run(v: torch.Tensor) -> torch.Tensor:
-        out = torch.full_like(case.q, float("nan"))
-        meta = case.meta
-        triton_ops.paged_prefill(case.q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_tables, case.scale, out)
-        return out
-
-    assert_close(run(vt), case.reference(), f"prefill, V transposed, bs={block_size}")
-    with pytest.raises(AssertionError):
-        assert_close(run(vt.as_strided(vt.shape, k.stride())), case.reference(), "control: read as head-major")
-
-
-def test_store_kv_writes_a_transposed_v_cache():
-    """The store kernel puts each token's values where a transposed V cache keeps them: the same
-    (block, slot, head, dim) values as a head-major one, -1 slots untouched. Control: the kernel's
-    writes seen through a head-major view of the same memory are not the values."""
-    gen = torch.Generator().manual_seed(9)
-    block_size, heads, d, t = 16, 2, 64, 21
-    shape = (5, block_size, heads, d)
-    k = torch.randn(t, heads, d, generator=gen).to(DTYPE).to(DEVICE)
-    v = torch.randn(t, heads, d, generator=gen).to(DTYPE).to(DEVICE)
-    slots = torch.randperm(5 * block_size, generator=gen)[:t]
-    slots[::4] = -1
-    slots = slots.to(DEVICE)
-    want_k, want_v = (_head_major(torch.zeros(shape, dtype=DTYPE, device=DEVICE)) for _ in range(2))
-    triton_ops.store_kv(k, v, want_k, want_v, slots)
-    got_k = _head_major(torch.zeros(shape, dtype=DTYPE, device=DEVICE))
-    got_v = triton_ops.transposed_v_cache(torch.zeros(shape, dtype=DTYPE, device=DEVICE))
-    triton_ops.store_kv(k, v, got_k, got_v, slots)
-    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
-    assert (want_v != 0).any(), "nothing was written: a vacuous check"
-    assert not torch.equal(got_v.as_strided(shape, want_v.stride()), want_v), "control: a head-major reading"
 
 
 @pytest.mark.parametrize("split_mask,tile_block", [(True, True), (True, False), (False, True), (False, False)])
