@@ -30,20 +30,6 @@ class TorchBackend:
             cls.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
         )
 
-    @classmethod
-    def new_v_cache(
-        cls,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device,
-        model_dtype: torch.dtype,
-    ) -> torch.Tensor:
-        """One layer's V cache: stored as K's (``model_dtype`` matters only to the GPU backend)."""
-        return cls.new_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
-
     @staticmethod
     def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         if cpu_kernels.applies(k, k_cache):

@@ -31,13 +31,6 @@ MIN_SPLIT_DECODES: int | None = None if os.environ.get("NANOVLLM_MIXED_DECODE_SP
 # the cache's storage: head-major [blocks, kv heads, slots, d] (a head's keys of a block contiguous),
 # seen by the kernels through the slot-major view they address by strides; False: slot-major storage
 HEAD_MAJOR_CACHE = True
-# an FP8 cache's V stored transposed per (block, head) where its decode tiles are TMA boxes: the
-# decode kernel's V tile then needs no byte-wise transposing loads (-10 % decode time at batches of
-# 32-64, bitwise the same output), but the engine is slower with it on an H100: -3 to -5 % (session
-# 20), -2.3 % after the prefill kernel's loads were mended (session 21), because every token's V is
-# written one byte per dim, 256 bytes apart (Qwen3's q/k kernel 3.4x slower in a prefill step).
-# Off; NANOVLLM_FP8_V_TRANSPOSED=1 turns it on for experiments (scripts/ab_engine.py vt=1)
-FP8_V_TRANSPOSED = os.environ.get("NANOVLLM_FP8_V_TRANSPOSED", "0") == "1"
 
 
 class TritonBackend:
@@ -118,25 +111,6 @@ class TritonBackend:
             return torch.empty(shape, dtype=dtype, device=device)
         storage = torch.empty((num_blocks, num_kv_heads, block_size, head_dim), dtype=dtype, device=device)
         return storage.transpose(1, 2)
-
-    @classmethod
-    def new_v_cache(
-        cls,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device,
-        model_dtype: torch.dtype,
-    ) -> torch.Tensor:
-        """One layer's V cache: as ``new_kv_cache``, or stored transposed per (block, head) where
-        ``FP8_V_TRANSPOSED`` asks and ``triton_ops.v_transposable`` allows it."""
-        cache = cls.new_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
-        if FP8_V_TRANSPOSED and HEAD_MAJOR_CACHE and triton_ops.v_transposable(cache, model_dtype):
-            del cache
-            return triton_ops.new_transposed_v_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
-        return cache
 
     @staticmethod
     def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:

@@ -117,13 +117,6 @@ def slot_offset(slot, BLOCK_SIZE: tl.constexpr, stride_cb, stride_cs):
 
 
 @triton.jit
-def transposed_v_offset(slot, heads, dims, BLOCK_SIZE: tl.constexpr, stride_cb, stride_ch):
-    """Where a token's V goes in a transposed V cache (``v_transposed``): ``[heads, dims]`` offsets
-    from the slot's column of its block (slot stride 1, dim stride ``BLOCK_SIZE``)."""
-    return slot_offset(slot, BLOCK_SIZE, stride_cb, 1) + heads[:, None] * stride_ch + dims[None, :] * BLOCK_SIZE
-
-
-@triton.jit
 def fp8_saturate(x, scale):
     """What an FP8 cache holds for ``x``, before the cast: clamp(x / scale, +-448) in float32."""
     return tl.minimum(tl.maximum(x.to(tl.float32) / scale, -FP8_MAX), FP8_MAX)
@@ -152,10 +145,7 @@ def _store_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr,
     PDL: tl.constexpr = False,
-    V_T: tl.constexpr = False,
 ):
-    """``V_T``: the V cache is stored transposed per (block, head) (``v_transposed``): a token's
-    values go to its slot's column, ``BLOCK_SIZE`` elements apart."""
     pdl.wait_then_release(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -173,11 +163,7 @@ def _store_kv_kernel(
         k = fp8_saturate(k, k_scale).to(k_cache_ptr.dtype.element_ty)
         v = fp8_saturate(v, v_scale).to(v_cache_ptr.dtype.element_ty)
     tl.store(k_cache_ptr + dst, k, mask=mask)
-    if V_T:
-        v_dst = transposed_v_offset(tl.maximum(slot, 0), offs_h, offs_d, BLOCK_SIZE, stride_cb, stride_ch)
-        tl.store(v_cache_ptr + v_dst, v, mask=mask)
-    else:
-        tl.store(v_cache_ptr + dst, v, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
 def store_kv(
@@ -194,8 +180,7 @@ def store_kv(
     if num_tokens == 0:
         return
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    v_t = v_transposed(v_cache)
-    check_cache(k_cache, v_cache, v_t)
+    check_cache(k_cache, v_cache)
     _store_kv_kernel[(num_tokens,)](
         key,
         value,
@@ -217,7 +202,6 @@ def store_kv(
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
         KV_FP8=is_fp8(k_cache),
-        V_T=v_t,
         num_warps=4,
         **pdl.launch_args(key),
     )
@@ -231,22 +215,13 @@ def is_fp8(cache: torch.Tensor) -> bool:
     return is_fp8_dtype(cache.dtype)
 
 
-def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, v_t: bool = False) -> None:
-    """The kernels' rule: one shape and dtype, K's last dim contiguous, V stored as K is; or, with
-    ``v_t``, V transposed per (block, head) (``v_transposed``) beside a head-major K (the kernels
-    then take V's slot stride as 1 and its dim stride as the block size)."""
+def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The kernels' rule: one shape and dtype, K's last dim contiguous, V stored as K is."""
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache need one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if k_cache.stride(-1) != 1:
         raise ValueError(f"k_cache needs a contiguous last dim, got strides {k_cache.stride()}")
-    if v_t:
-        if k_cache.stride() != head_major_strides(k_cache):
-            raise ValueError(
-                f"a transposed V cache needs a head-major K cache {head_major_strides(k_cache)}, got {k_cache.stride()}"
-            )
-        if not v_transposed(v_cache):
-            raise ValueError(f"v_cache is not stored transposed: strides {v_cache.stride()}")
-    elif k_cache.stride() != v_cache.stride():
+    if k_cache.stride() != v_cache.stride():
         raise ValueError(
             f"k_cache and v_cache need equal strides with a contiguous last dim, got "
             f"{k_cache.stride()} and {v_cache.stride()}"
@@ -274,13 +249,8 @@ def _decode_tile(
     qk_scale, stride_cb, stride_cs, stride_ch,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr, V_ASM: tl.constexpr, TILE_BLOCK: tl.constexpr, TMA: tl.constexpr, MASK_V: tl.constexpr,
-    V_T: tl.constexpr = False,
 ):  # fmt: skip
-    """One key tile [n0, n0 + BLOCK_N) of the decode kernel: the online-softmax update.
-
-    ``V_T``: the V cache holds each (block, head) transposed, ``[head_dim, block_size]`` (keys
-    contiguous), so the V tile is read as ``[BLOCK_D, BLOCK_N]``: for the ``p @ v`` product its
-    reduction dim (the keys) is contiguous, as K's is for ``q @ k^T``."""
+    """One key tile [n0, n0 + BLOCK_N) of the decode kernel: the online-softmax update."""
     pos = n0 + offs_n
     n_mask = pos < end
     kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
@@ -304,27 +274,18 @@ def _decode_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if V_T:
-        # rows of BLOCK_SIZE keys: the block's, then the head's, then the dim's
-        vrow = tl.load(table + n0 // BLOCK_SIZE) * (stride_cb // BLOCK_SIZE) + kvh * (stride_ch // BLOCK_SIZE)
-        vt = v_desc.load([vrow, n0 % BLOCK_SIZE])
-        if KV_FP8:
-            vt = _fp8_to_f16_asm(vt) if V_ASM else vt.to(q.dtype)
-        if MASK_V:
-            vt = tl.where(n_mask[None, :], vt, 0.0)
-        v = tl.trans(vt)
-    elif TMA:
+    if TMA:
         v = v_desc.load([row, 0])
     elif TILE_BLOCK:
         v = tl.load(v_cache_ptr + base + tile_off, mask=kv_mask, other=0.0)
     else:
         v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    if KV_FP8 and not V_T:
+    if KV_FP8:
         if V_ASM:
             v = _fp8_to_f16_asm(v)
         else:
             v = v.to(q.dtype)
-    if MASK_V and not V_T:
+    if MASK_V:
         v = tl.where(n_mask[:, None], v, 0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
@@ -370,14 +331,13 @@ def _decode_kernel(
     TILE_BLOCK: tl.constexpr = False,
     TMA: tl.constexpr = False,
     PDL: tl.constexpr = False,
-    V_T: tl.constexpr = False,
 ):
     """Program (seq, kv head, split): the group's query heads against keys of one split.
 
     ``TMA`` (with TILE_BLOCK on a head-major cache, ``k_desc``/``v_desc`` the caches' 2-D row
     views): a tile is one box of ``BLOCK_N`` rows, copied by the tensor memory accelerator.
     The box is not masked: keys past ``end`` in the tile's block are whatever the slots hold,
-    so their scores are set to -inf (as always) and their V values to zero (0 x NaN is NaN)."""
+    so their scores are set to -inf (as always) and their V rows to zero (0 x NaN is NaN)."""
     pdl.wait_then_release(PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -414,14 +374,14 @@ def _decode_kernel(
         m_i, l_i, acc = _decode_tile(
             q, m_i, l_i, acc, n0, end, table, kvh, k_cache_ptr, v_cache_ptr, k_desc, v_desc, tile_off, offs_n,
             offs_d, qk_scale, stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PRECISION,
-            KV_FP8, V_ASM, TILE_BLOCK, TMA, False, V_T,
+            KV_FP8, V_ASM, TILE_BLOCK, TMA, False,
         )  # fmt: skip
     if TMA:
         if full_end < end:  # the partial last tile, outside the pipelined loop
             m_i, l_i, acc = _decode_tile(
                 q, m_i, l_i, acc, full_end, end, table, kvh, k_cache_ptr, v_cache_ptr, k_desc, v_desc, tile_off,
                 offs_n, offs_d, qk_scale, stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_N, BLOCK_SIZE,
-                DOT_PRECISION, KV_FP8, V_ASM, TILE_BLOCK, TMA, True, V_T,
+                DOT_PRECISION, KV_FP8, V_ASM, TILE_BLOCK, TMA, True,
             )  # fmt: skip
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty range leaves acc = 0 -> zeros
@@ -545,70 +505,6 @@ def cache_rows(cache: torch.Tensor) -> torch.Tensor | None:
     return cache.as_strided((rows, d), (d, 1))
 
 
-def v_transposed(cache: torch.Tensor) -> bool:
-    """Whether a V cache ``[blocks, slots, kv heads, d]`` stores each (block, head) transposed,
-    ``[d, slots]`` (keys contiguous: ``transposed_v_cache``)."""
-    num_blocks, block_size, num_kv_heads, d = cache.shape
-    return cache.stride() == (num_kv_heads * d * block_size, 1, d * block_size, block_size) and block_size > 1
-
-
-def v_transposable(cache: torch.Tensor, model_dtype: torch.dtype) -> bool:
-    """Whether V beside the (head-major) cache ``cache`` may be stored transposed: an FP8 cache
-    whose decode tiles are TMA boxes (``DECODE_TMA``, a 16-bit model, blocks of whole boxes, a
-    Hopper GPU), the only decode path that reads a transposed V."""
-    num_blocks, block_size, num_kv_heads, d = cache.shape
-    asked = DECODE_TMA in ("all", "1", "fp8")
-    if not (asked and is_fp8(cache) and model_dtype in (torch.bfloat16, torch.float16)):
-        return False
-    if block_size % TMA_BLOCK_N:
-        return False
-    return _tma_capable(cache) and cache_rows(cache) is not None  # head-major, its head_dim a box's
-
-
-def new_transposed_v_cache(
-    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device
-) -> torch.Tensor:
-    """An empty V cache ``[blocks, slots, kv heads, d]`` stored transposed per (block, head)."""
-    return torch.empty_strided(
-        (num_blocks, block_size, num_kv_heads, head_dim),
-        (num_kv_heads * head_dim * block_size, 1, head_dim * block_size, block_size),
-        dtype=dtype,
-        device=device,
-    )
-
-
-def transposed_v_cache(v_cache: torch.Tensor) -> torch.Tensor:
-    """A copy of ``v_cache`` with the same shape and values whose storage holds each (block, head)
-    as ``[d, slots]``: the V tile of ``p @ v`` then has its reduction dim (the keys) contiguous."""
-    num_blocks, block_size, num_kv_heads, d = v_cache.shape
-    out = new_transposed_v_cache(num_blocks, block_size, num_kv_heads, d, v_cache.dtype, v_cache.device)
-    if v_cache.element_size() == 1:  # float8: copied as bytes
-        out.view(torch.uint8).copy_(v_cache.view(torch.uint8))
-    else:
-        out.copy_(v_cache)
-    return out
-
-
-def cache_rows_t(cache: torch.Tensor) -> torch.Tensor | None:
-    """A transposed V cache (``v_transposed``) seen as rows of ``block_size`` keys, ``[blocks *
-    kv heads * d, block_size]`` (row ``(block * kv_heads + head) * d + dim``), when a TMA box can
-    address it; else None."""
-    if not v_transposed(cache):
-        return None
-    num_blocks, block_size, num_kv_heads, d = cache.shape
-    rows = num_blocks * num_kv_heads * d
-    if not _box_width(d):
-        return None
-    if rows >= 2**31 or cache.data_ptr() % 16 or block_size * cache.element_size() % 16:
-        return None
-    return cache.as_strided((rows, block_size), (block_size, 1))
-
-
-def v_rows(v_cache: torch.Tensor) -> torch.Tensor | None:
-    """The V cache's rows for a TMA descriptor: ``cache_rows_t`` if stored transposed, else ``cache_rows``."""
-    return cache_rows_t(v_cache) if v_transposed(v_cache) else cache_rows(v_cache)
-
-
 def _tma_capable(cache: torch.Tensor) -> bool:
     if TensorDescriptor is None:
         return False
@@ -619,17 +515,16 @@ def _tma_capable(cache: torch.Tensor) -> bool:
 
 def tma_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> tuple | None:
     """Host-side TMA descriptors of the two caches' row views, boxes of ``block_n`` keys; None
-    where TMA does not apply: no descriptor support, not a Hopper GPU, a layout ``cache_rows`` (a
-    transposed V: ``cache_rows_t``) refuses, a box longer than ``TMA_MAX_BOX``. Under Triton's interpreter (CPU tensors) the
+    where TMA does not apply: no descriptor support, not a Hopper GPU, a layout ``cache_rows``
+    refuses, a box longer than ``TMA_MAX_BOX``. Under Triton's interpreter (CPU tensors) the
     descriptors are emulated."""
     if block_n > TMA_MAX_BOX or not _tma_capable(k_cache):
         return None
-    k_rows, v_rows_ = cache_rows(k_cache), v_rows(v_cache)
-    if k_rows is None or v_rows_ is None:
+    k_rows, v_rows = cache_rows(k_cache), cache_rows(v_cache)
+    if k_rows is None or v_rows is None:
         return None
-    box = [block_n, k_cache.shape[-1]]  # a transposed V's box is [d, block_n]
-    v_box = box[::-1] if v_transposed(v_cache) else box
-    return TensorDescriptor.from_tensor(k_rows, box), TensorDescriptor.from_tensor(v_rows_, v_box)
+    box = [block_n, k_cache.shape[-1]]
+    return TensorDescriptor.from_tensor(k_rows, box), TensorDescriptor.from_tensor(v_rows, box)
 
 
 def wants_tma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -639,7 +534,7 @@ def wants_tma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
     asked = DECODE_TMA in ("all", "1") or (DECODE_TMA == "fp8" and is_fp8(k_cache))
     if not asked or q.dtype not in (torch.bfloat16, torch.float16) or k_cache.shape[1] % TMA_BLOCK_N:
         return False
-    return _tma_capable(k_cache) and cache_rows(k_cache) is not None and v_rows(v_cache) is not None
+    return _tma_capable(k_cache) and cache_rows(k_cache) is not None and cache_rows(v_cache) is not None
 
 
 def num_decode_splits(
@@ -684,8 +579,7 @@ def paged_decode(
     """
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    v_t = v_transposed(v_cache)
-    check_cache(k_cache, v_cache, v_t)
+    check_cache(k_cache, v_cache)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     if not 1 <= num_splits <= MAX_SPLITS:
@@ -715,8 +609,6 @@ def paged_decode(
     }
     descriptors = tma_descriptors(k_cache, v_cache, cfg.block_n) if flags["TMA"] and flags["TILE_BLOCK"] else None
     flags["TMA"] = descriptors is not None
-    if v_t and not flags["TMA"]:
-        raise ValueError("a transposed V cache is read through TMA boxes only (a Hopper GPU, blocks of whole boxes)")
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -750,7 +642,6 @@ def paged_decode(
         KV_FP8=is_fp8(k_cache),
         WIDEN=_widen(q.dtype),
         **flags,
-        V_T=v_t,
         **pdl.launch_args(q),
     )
     if num_splits > 1:
@@ -797,34 +688,21 @@ def _prefill_tile(
     TILE_BLOCK: tl.constexpr,
     EVEN_D: tl.constexpr,
     MASKED: tl.constexpr,
-    V_T: tl.constexpr = False,
 ):
     """One tile of keys from ``n0``: scores, online softmax, P @ V. MASKED: the causal and
-    end-of-keys masks (the diagonal tiles); without it every key is visible to every row.
-    ``V_T``: V stored transposed per (block, head): slot stride 1, dim stride ``BLOCK_SIZE``."""
+    end-of-keys masks (the diagonal tiles); without it every key is visible to every row."""
     pos = n0 + offs_n
     n_mask = pos < kv_end
     kv_mask = n_mask[:, None] & d_mask[None, :]
     if TILE_BLOCK:  # the tile lies in one cache block: one table entry, one scalar base
-        block_base = tl.load(table + n0 // BLOCK_SIZE).to(tl.int64) * stride_cb
-        base = block_base + (n0 % BLOCK_SIZE) * stride_cs
+        base = tl.load(table + n0 // BLOCK_SIZE).to(tl.int64) * stride_cb + (n0 % BLOCK_SIZE) * stride_cs
         k_ptrs = k_cache_ptr + base + tile_off
-        if V_T:
-            # the tile's first slot, a multiple of the tile's keys (16, 32 or 64), said so: otherwise
-            # Triton cannot prove the keys' runs aligned and loads them byte by byte (KERNEL_NOTES 20)
-            v_base = block_base + tl.multiple_of(n0 % BLOCK_SIZE, 16)
-            v_ptrs = v_cache_ptr + v_base + kvh * stride_ch + offs_n[:, None] + offs_d[None, :] * BLOCK_SIZE
-        else:
-            v_ptrs = v_cache_ptr + base + tile_off
+        v_ptrs = v_cache_ptr + base + tile_off
     else:
         block = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         k_ptrs = k_cache_ptr + off[:, None] + offs_d[None, :]
-        if V_T:
-            v_off = block * stride_cb + pos % BLOCK_SIZE + kvh * stride_ch
-            v_ptrs = v_cache_ptr + v_off[:, None] + offs_d[None, :] * BLOCK_SIZE
-        else:
-            v_ptrs = v_cache_ptr + off[:, None] + offs_d[None, :]
+        v_ptrs = v_cache_ptr + off[:, None] + offs_d[None, :]
     if MASKED:
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
     elif EVEN_D:
@@ -840,11 +718,7 @@ def _prefill_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    # a transposed V's keys are its contiguous dim: a mask along them would split its vector loads
-    # into bytes, so its tile (inside one block: valid memory) is read whole and the keys past the
-    # end zeroed after (their stale values times p = 0 could be NaN)
-    WHOLE_V: tl.constexpr = V_T and TILE_BLOCK
-    if MASKED and not WHOLE_V:
+    if MASKED:
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     elif EVEN_D:
         v = tl.load(v_ptrs)
@@ -852,8 +726,6 @@ def _prefill_tile(
         v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
     if KV_FP8:
         v = v.to(q.dtype)
-    if MASKED and WHOLE_V:
-        v = tl.where(n_mask[:, None], v, 0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -895,7 +767,6 @@ def _prefill_kernel(
     SPLIT_MASK: tl.constexpr,
     TILE_BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
-    V_T: tl.constexpr = False,
 ):
     """Program (query tile, kv head): BLOCK_Q tokens x the group's heads of one sequence.
 
@@ -975,7 +846,6 @@ def _prefill_kernel(
             TILE_BLOCK,
             BLOCK_D == HEAD_DIM,
             False,
-            V_T,
         )
     for n0 in range(n_split, kv_end, BLOCK_N):
         m_i, l_i, acc = _prefill_tile(
@@ -1004,7 +874,6 @@ def _prefill_kernel(
             TILE_BLOCK,
             BLOCK_D == HEAD_DIM,
             True,
-            V_T,
         )
     out = acc * (v_scale / l_i)[:, None]
     tl.store(
@@ -1038,8 +907,7 @@ def paged_prefill(
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    v_t = v_transposed(v_cache)
-    check_cache(k_cache, v_cache, v_t)
+    check_cache(k_cache, v_cache)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     group = num_heads // num_kv_heads
@@ -1083,7 +951,6 @@ def paged_prefill(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **{**prefill_tile_flags(block_size, cfg.block_n), **PREFILL_FLAG_OVERRIDES},
-        V_T=v_t,
         **pdl.launch_args(q),
     )
     return out

@@ -24,14 +24,7 @@ try:
     import triton
     import triton.language as tl
 
-    from nanovllm.attention.triton_ops import (
-        METADATA_PTRS,
-        check_cache,
-        fp8_saturate,
-        slot_offset,
-        transposed_v_offset,
-        v_transposed,
-    )
+    from nanovllm.attention.triton_ops import METADATA_PTRS, check_cache, fp8_saturate, slot_offset
     from nanovllm.layers import pdl
 except ImportError:  # CPU-only installs: the layers keep their PyTorch code
     triton = None
@@ -175,7 +168,6 @@ if triton is not None:
         STORE: tl.constexpr = False,
         KV_FP8: tl.constexpr = False,
         PDL: tl.constexpr = False,
-        V_T: tl.constexpr = False,
     ):
         """Program (token, run of BLOCK_H heads) over heads 0..NUM_HEADS-1: q's heads, then k's
         (k's follow q's in a qkv row). Each head: RMSNorm (float32, rounded to the model dtype,
@@ -186,9 +178,7 @@ if triton is not None:
         STORE: k's heads go into the paged cache at the token's slot instead of k_out, and the
         heads NUM_HEADS.. (v's, NUM_KV_HEADS of them, after k's in the qkv row) are copied there
         unchanged, as ``triton_ops.store_kv`` would (slot -1 writes nothing; an FP8 cache holds
-        clamp(x / scale, +-448)): one launch per layer fewer. ``V_T``: the V cache is stored
-        transposed per (block, head) (``triton_ops.v_transposed``: slot stride 1, dim stride
-        ``BLOCK_SIZE``)."""
+        clamp(x / scale, +-448)): one launch per layer fewer."""
         pdl.wait_then_release(PDL)
         tok = tl.program_id(0).to(tl.int64)
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -240,13 +230,8 @@ if triton is not None:
             cache_dtype = k_cache_ptr.dtype.element_ty
             tl.store(k_cache_ptr + dst, k1.to(cache_dtype), mask=k_mask)
             tl.store(k_cache_ptr + dst + HALF, k2.to(cache_dtype), mask=k_mask)
-            if V_T:
-                v_dst = transposed_v_offset(tl.maximum(slot, 0), kv_head, offs, BLOCK_SIZE, stride_cb, stride_ch)
-                tl.store(v_cache_ptr + v_dst, v1.to(cache_dtype), mask=v_mask)
-                tl.store(v_cache_ptr + v_dst + HALF * BLOCK_SIZE, v2.to(cache_dtype), mask=v_mask)
-            else:
-                tl.store(v_cache_ptr + dst, v1.to(cache_dtype), mask=v_mask)
-                tl.store(v_cache_ptr + dst + HALF, v2.to(cache_dtype), mask=v_mask)
+            tl.store(v_cache_ptr + dst, v1.to(cache_dtype), mask=v_mask)
+            tl.store(v_cache_ptr + dst + HALF, v2.to(cache_dtype), mask=v_mask)
         else:
             k_dst = k_out_ptr + tok * stride_ko + (heads - NUM_Q_HEADS)[:, None] * HEAD_DIM + offs[None, :]
             k_mask = mask & (heads >= NUM_Q_HEADS)[:, None]
@@ -353,7 +338,7 @@ class CacheWrite:
                 f"qk_norm_rope: k_cache {tuple(k.shape)} and v_cache {tuple(v.shape)} are not "
                 f"[blocks, slots, {num_kv_heads}, {d}]"
             )
-        check_cache(k, v, v_transposed(v))  # the attention kernels' rule (V may be stored transposed)
+        check_cache(k, v)  # the attention kernels' rule: equal strides and dtype, last dim contiguous
         if self.slot_mapping.numel() < n_tokens:
             raise ValueError(f"qk_norm_rope: slot_mapping has {self.slot_mapping.numel()} slots for {n_tokens} tokens")
 
@@ -387,11 +372,7 @@ def qk_norm_rope(
         cache.check(n_tokens, num_kv_heads, d)
         kc = cache.k_cache
         store = dict(
-            NUM_KV_HEADS=num_kv_heads,
-            BLOCK_SIZE=kc.shape[1],
-            STORE=True,
-            KV_FP8=kc.dtype == torch.float8_e4m3fn,
-            V_T=v_transposed(cache.v_cache),
+            NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=kc.shape[1], STORE=True, KV_FP8=kc.dtype == torch.float8_e4m3fn
         )
         cache_args = (kc, cache.v_cache, cache.slot_mapping, cache.k_scale, cache.v_scale, *kc.stride()[:3])
     else:

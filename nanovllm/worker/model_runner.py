@@ -249,7 +249,7 @@ class ModelRunner:
         for layer in self.attn_layers:
             dims = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             layer.k_cache = self.backend.new_kv_cache(*dims, self.kv_dtype, self.device)
-            layer.v_cache = self.backend.new_v_cache(*dims, self.kv_dtype, self.device, self.dtype)
+            layer.v_cache = self.backend.new_kv_cache(*dims, self.kv_dtype, self.device)
             layer.backend = self.backend
         if hasattr(self.backend, "reserve"):
             a = self.attn_layers[0]
