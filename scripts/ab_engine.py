@@ -31,8 +31,6 @@ pre=N:    the preloading linear kernel (weights loaded before the PDL wait) for 
           (``fused_ops.EARLY_RELEASE``), so the preloading kernel overlaps two kernels.
 kvstore=0|1: Qwen3's fused q/k norm + RoPE kernel also writes K/V into the cache (1, the default since
           session 13) or leaves it to the store kernel (``NANOVLLM_FUSED_KV_STORE``).
-vt=0|1:   an FP8 cache's V stored transposed per (block, head) where its decode tiles are TMA boxes
-          (``triton_backend.FP8_V_TRANSPOSED``, ``NANOVLLM_FP8_V_TRANSPOSED``; session 20, off by default).
 sampler=PATH: the fused sampler's module loaded from PATH (another version of
           ``nanovllm/layers/fused_sampler.py``, e.g. ``git show REV:nanovllm/layers/fused_sampler.py``)
           in place of the shipped one (session 15).
@@ -166,10 +164,6 @@ SETTINGS = {
     "early": (_set("nanovllm.layers.fused_ops", "EARLY_RELEASE", lambda v: v == "1"), lambda v: v in ("0", "1")),
     "kvstore": (lambda v: os.environ.__setitem__("NANOVLLM_FUSED_KV_STORE", v), lambda v: v in ("0", "1")),
     "sampler": (_set_sampler, os.path.isfile),
-    "vt": (
-        _set("nanovllm.attention.triton_backend", "FP8_V_TRANSPOSED", lambda v: v == "1"),
-        lambda v: v in ("0", "1"),
-    ),
     "split": (
         _set("nanovllm.attention.triton_backend", "MIN_SPLIT_DECODES", lambda v: 8 if v == "1" else None),
         lambda v: v in ("0", "1"),

@@ -253,8 +253,7 @@ def tiles(configs: str = TILES, waves_list: str = "2", stride: int = 100, kv: st
     cache (the configs were last swept on the slot-major layout). Prints the run estimate per
     variant and, last, the best one as ``best tile NxWxS tb=0|1|2 waves=N`` (scripts read that line;
     tb=2 is TMA, ``ab_engine.py tma=1`` with ``tb=1``).
-    ``kv="fp8"``: the same on an FP8 cache (its V widened by inline PTX, as shipped); ``kv="fp8t"``:
-    an FP8 cache whose V is stored transposed (session 20; read through TMA only, mode ``m``). ``modes``: how
+    ``kv="fp8"``: the same on an FP8 cache (its V widened by inline PTX, as shipped). ``modes``: how
     a tile is addressed, ``p`` one block-table entry per key, ``t`` TILE_BLOCK, ``m`` TILE_BLOCK with
     the tile copied by TMA (session 11); a variant's key says tb=0, 1 or 2 for the three."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -265,10 +264,8 @@ def tiles(configs: str = TILES, waves_list: str = "2", stride: int = 100, kv: st
     for ctx in decode_steps(stride):
         q, k, v, _, sl, bt = paged([(c - 1, 1) for c in ctx])
         kc, vc = head_major(k), head_major(v)
-        if kv in ("fp8", "fp8t"):
+        if kv == "fp8":
             kc, vc = head_major(k.to(torch.float8_e4m3fn)), head_major(v.to(torch.float8_e4m3fn))
-        if kv == "fp8t":
-            vc = ops.transposed_v_cache(vc)
         b = len(ctx)
         gb = sum(ctx) * HK * D * 2 * kc.element_size() / 1e9
         ref = None
@@ -283,10 +280,6 @@ def tiles(configs: str = TILES, waves_list: str = "2", stride: int = 100, kv: st
                     try:
                         us, diff, ref = time_decode(q, kc, vc, bt, sl, splits, ref, ops.KernelConfig(16, n, w, st))
                     except triton.runtime.errors.OutOfResources:  # shared memory: counted as never best
-                        us, diff = float("inf"), 0.0
-                    except ValueError:  # a transposed V outside the TMA mode: not a variant
-                        if kv != "fp8t" or tb == 2:
-                            raise
                         us, diff = float("inf"), 0.0
                     worst = max(worst, diff)
                     key = (n, w, st, tb, waves)
@@ -403,12 +396,7 @@ def main() -> None:
     p.add_argument("--rows", default="1,8,16,23,32,48,64,96,128,192,256", help="batch sizes for --only gemm")
     p.add_argument("--tiles", default=TILES, help="decode configs for --only tiles: NxWxS,...")
     p.add_argument("--waves", default="2", help="split-K targets (programs per SM) for --only tiles: N,...")
-    p.add_argument(
-        "--kv",
-        choices=["bf16", "fp8", "fp8t"],
-        default="bf16",
-        help="the cache type for --only tiles (fp8t: V transposed)",
-    )
+    p.add_argument("--kv", choices=["bf16", "fp8"], default="bf16", help="the cache type for --only tiles")
     p.add_argument(
         "--modes", default="p,t", help="tile addressing for --only tiles: p (per key), t (TILE_BLOCK), m (TMA)"
     )
