@@ -12,7 +12,12 @@ completed step by what it computed:
 Per phase: steps, wall seconds (between successive step completions), output tokens sampled,
 prompt tokens, output tok/s, mean batch, and the phase's share of the run's wall time.
 
-    PYTHONPATH=. python3 scripts/profile_phases.py [--kv-cache-dtype fp8] [--json-out F]
+    PYTHONPATH=. python3 scripts/profile_phases.py [--kv-cache-dtype fp8] [--json-out F] [--runs N]
+
+``--runs N`` builds the engine N times in one process, as ``nanovllm bench --repeat N`` does,
+and compares each later run with the first step by step: where a fresh process's first run
+loses its time (the schedules are the same in every run, so step k of one run is step k of the
+other).
 
 Steps are matched to schedules in launch order: the engine completes steps in the order it
 launches them (one in flight under async scheduling), so the k-th ``step_profiler`` call is
@@ -98,6 +103,39 @@ def summarise(steps: list[StepRecord]) -> list[PhaseRow]:
     return rows
 
 
+@dataclass
+class RunDiff:
+    """Run B against run A, step by step (``compare_runs``)."""
+
+    phase_delta: dict[str, float]  # phase -> B's seconds minus A's
+    host_delta: dict[str, float]  # step_profiler phase (schedule, launch, wait, ...) -> B's total minus A's
+    slowest: list[tuple[int, str, float, float]]  # (step, phase, A's wall, B's wall), largest |B - A| first
+
+
+def compare_runs(a: list[StepRecord], b: list[StepRecord], top: int = 10) -> RunDiff:
+    """Where run ``b`` spends more or less wall time than run ``a``: the runs must have made the
+    same schedules (same prompt tokens and batch at every step), else pairing them means nothing."""
+    if [(s.prompt_tokens, s.batch) for s in a] != [(s.prompt_tokens, s.batch) for s in b]:
+        raise ValueError(f"the runs scheduled differently ({len(a)} and {len(b)} steps): cannot pair their steps")
+    phases = classify(a)
+    delta = dict.fromkeys(PHASES, 0.0)
+    for p, sa, sb in zip(phases, a, b):
+        delta[p] += sb.wall - sa.wall
+    host: dict[str, float] = {}
+    for sa, sb in zip(a, b):
+        for k in sa.phases.keys() | sb.phases.keys():
+            host[k] = host.get(k, 0.0) + sb.phases.get(k, 0.0) - sa.phases.get(k, 0.0)
+    order = sorted(range(len(a)), key=lambda i: abs(b[i].wall - a[i].wall), reverse=True)[:top]
+    return RunDiff(delta, dict(sorted(host.items())), [(i, phases[i], a[i].wall, b[i].wall) for i in order])
+
+
+def report_diff(d: RunDiff, label: str) -> str:
+    lines = [f"{label}: " + ", ".join(f"{p} {v * 1e3:+.1f} ms" for p, v in d.phase_delta.items())]
+    lines.append("  host phases: " + ", ".join(f"{p} {v * 1e3:+.1f} ms" for p, v in d.host_delta.items()))
+    lines += [f"  step {i:4d} ({p}): {wa * 1e3:7.2f} -> {wb * 1e3:7.2f} ms" for i, p, wa, wb in d.slowest]
+    return "\n".join(lines)
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -176,8 +214,10 @@ def main() -> None:
     p.add_argument("--limit", type=int, help="smoke check only: the first LIMIT requests")
     p.add_argument("--cap", type=int, help="smoke check only: at most CAP output tokens per request")
     p.add_argument("--detail", type=int, default=0, help="also print the first DETAIL steps one by one")
+    p.add_argument("--runs", type=int, default=1, help="build the engine and time the run RUNS times in this process")
     args = p.parse_args()
-    steps, elapsed, n_out = profile_run(args.kv_cache_dtype, args.limit, args.cap)
+    runs = [profile_run(args.kv_cache_dtype, args.limit, args.cap) for _ in range(args.runs)]
+    steps, elapsed, n_out = runs[0]
     rows = summarise(steps)
     for i, s in enumerate(steps[: args.detail]):
         print(
@@ -189,7 +229,10 @@ def main() -> None:
     counted = sum(r.output_tokens for r in rows)
     if counted != n_out:  # e.g. a preempted sequence recomputed: the phases still stand, say so
         print(f"warning: the steps sampled {counted} tokens, the run returned {n_out}", flush=True)
-    print(report(rows, elapsed, n_out, f"gpu workload, kv_cache_dtype={args.kv_cache_dtype}"), flush=True)
+    print(report(rows, elapsed, n_out, f"run 1: gpu workload, kv_cache_dtype={args.kv_cache_dtype}"), flush=True)
+    for k, (later, elapsed_k, n_k) in enumerate(runs[1:], 2):
+        print(report(summarise(later), elapsed_k, n_k, f"run {k}"), flush=True)
+        print(report_diff(compare_runs(runs[0][0], later), f"run {k} minus run 1"), flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(
@@ -199,6 +242,9 @@ def main() -> None:
                     "output_tokens": n_out,
                     "phases": [asdict(r) | {"tok_s": r.tok_s} for r in rows],
                     "steps": [asdict(s) for s in steps],
+                    "later_runs": [
+                        {"seconds": e, "output_tokens": n, "steps": [asdict(s) for s in st]} for st, e, n in runs[1:]
+                    ],
                 },
                 f,
             )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.profile_phases import StepRecord, classify, summarise
+from scripts.profile_phases import StepRecord, classify, compare_runs, summarise
 
 
 def _steps() -> list[StepRecord]:
@@ -39,3 +39,26 @@ def test_summarise_sums_each_phase():
     assert rows["tail"].mean_batch == pytest.approx(1.5)
     assert sum(r.steps for r in rows.values()) == len(_steps())
     assert rows["ramp"].output_tokens == 3
+
+
+def test_compare_runs_pairs_steps_and_sums_each_phase_difference():
+    first = _steps()
+    later = [StepRecord(s.prompt_tokens, s.samples, s.batch, wall=s.wall, phases={"launch": 0.01}) for s in first]
+    later[0].wall += 0.2  # the first run's prefill step was 0.2 s faster than the later one's
+    later[5].wall -= 0.05
+    d = compare_runs(first, later, top=2)
+    assert d.phase_delta["prefill"] == pytest.approx(0.2)
+    assert d.phase_delta["tail"] == pytest.approx(-0.05)
+    assert d.phase_delta["steady"] == 0.0
+    assert d.host_delta == {"launch": pytest.approx(0.07)}
+    assert [(i, p) for i, p, _, _ in d.slowest] == [(0, "prefill"), (5, "tail")]
+
+
+def test_compare_runs_refuses_runs_that_scheduled_differently():
+    # control: the same steps pair; one batch size changed does not
+    first = _steps()
+    compare_runs(first, _steps())
+    other = _steps()
+    other[3].batch = 3
+    with pytest.raises(ValueError, match="scheduled differently"):
+        compare_runs(first, other)
