@@ -27,6 +27,7 @@ the k-th non-empty schedule.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -49,6 +50,8 @@ class StepRecord:
     host: float = 0.0  # host seconds of the step's own work (step_profiler phases, "wait" excluded)
     wait: float = 0.0  # host seconds spent waiting for the step's result
     phases: dict[str, float] = field(default_factory=dict)  # step_profiler's phases, seconds
+    call: float = 0.0  # seconds of the ``LLMEngine.step`` call that completed the step
+    gap: float = 0.0  # seconds between that call and the one before it (LLM.generate's own loop)
 
 
 @dataclass
@@ -109,7 +112,8 @@ class RunDiff:
 
     phase_delta: dict[str, float]  # phase -> B's seconds minus A's
     host_delta: dict[str, float]  # step_profiler phase (schedule, launch, wait, ...) -> B's total minus A's
-    slowest: list[tuple[int, str, float, float]]  # (step, phase, A's wall, B's wall), largest |B - A| first
+    # (step, phase, A's wall, B's wall, A's and B's step() call, A's and B's gap), largest |B - A| first
+    slowest: list[tuple[int, str, float, float, float, float, float, float]]
 
 
 def compare_runs(a: list[StepRecord], b: list[StepRecord], top: int = 10) -> RunDiff:
@@ -126,13 +130,21 @@ def compare_runs(a: list[StepRecord], b: list[StepRecord], top: int = 10) -> Run
         for k in sa.phases.keys() | sb.phases.keys():
             host[k] = host.get(k, 0.0) + sb.phases.get(k, 0.0) - sa.phases.get(k, 0.0)
     order = sorted(range(len(a)), key=lambda i: abs(b[i].wall - a[i].wall), reverse=True)[:top]
-    return RunDiff(delta, dict(sorted(host.items())), [(i, phases[i], a[i].wall, b[i].wall) for i in order])
+    return RunDiff(
+        delta,
+        dict(sorted(host.items())),
+        [(i, phases[i], a[i].wall, b[i].wall, a[i].call, b[i].call, a[i].gap, b[i].gap) for i in order],
+    )
 
 
 def report_diff(d: RunDiff, label: str) -> str:
     lines = [f"{label}: " + ", ".join(f"{p} {v * 1e3:+.1f} ms" for p, v in d.phase_delta.items())]
     lines.append("  host phases: " + ", ".join(f"{p} {v * 1e3:+.1f} ms" for p, v in d.host_delta.items()))
-    lines += [f"  step {i:4d} ({p}): {wa * 1e3:7.2f} -> {wb * 1e3:7.2f} ms" for i, p, wa, wb in d.slowest]
+    lines += [
+        f"  step {i:4d} ({p}): {wa * 1e3:7.2f} -> {wb * 1e3:7.2f} ms (step() call {ca * 1e3:.2f} -> {cb * 1e3:.2f}, "
+        f"gap before it {ga * 1e3:.2f} -> {gb * 1e3:.2f})"
+        for i, p, wa, wb, ca, cb, ga, gb in d.slowest
+    ]
     return "\n".join(lines)
 
 
@@ -170,6 +182,17 @@ def profile_run(
             return sched
 
         completed: list[tuple[float, dict]] = []
+        calls: list[tuple[float, float]] = []  # (entered, returned) of each engine.step call
+        step = engine.step
+
+        def timed_step():
+            entered = time.perf_counter()
+            try:
+                return step()
+            finally:
+                calls.append((entered, time.perf_counter()))
+
+        engine.step = timed_step  # type: ignore[method-assign]
         engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
         engine.step_profiler = lambda phases: completed.append((time.perf_counter(), dict(phases)))
         _sync()
@@ -179,13 +202,19 @@ def profile_run(
         elapsed = time.perf_counter() - start
         engine.step_profiler = None
         engine.scheduler.schedule = schedule  # type: ignore[method-assign]
+        engine.step = step  # type: ignore[method-assign]
     finally:
         llm.close()
     if len(completed) != len(launched):
         raise RuntimeError(f"{len(completed)} steps completed but {len(launched)} were scheduled: cannot pair them")
     prev = start
+    entered = [c[0] for c in calls]
     for rec, (t, phases) in zip(launched, completed):
         rec.wall, prev = t - prev, t
+        k = bisect.bisect_right(entered, t) - 1  # the call that was running when the step completed
+        if k >= 0:
+            rec.call = calls[k][1] - calls[k][0]
+            rec.gap = calls[k][0] - (calls[k - 1][1] if k > 0 else start)
         rec.wait = phases.get("wait", 0.0)
         rec.host = sum(phases.values()) - rec.wait
         rec.phases = phases

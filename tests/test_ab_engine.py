@@ -134,3 +134,28 @@ def test_the_split_wave_switches_set_one_cache_type_each(ab_engine, monkeypatch)
     assert triton_ops.num_decode_splits(23, 8, 132, kv_fp8=True) == 16  # 2112 / 184 -> 11.5 -> 16
     assert triton_ops.num_decode_splits(23, 8, 132) == 1  # 132 / 184 -> 1
     assert not ab_engine.SETTINGS["fp8waves"][1]("0")
+
+
+def test_gcfreeze_freezes_what_an_engine_leaves_after_it_is_built(ab_engine, monkeypatch):
+    """``gcfreeze=1``: once ``LLM.__init__`` returns, the objects it left are in the collector's
+    permanent generation; ``gcfreeze=0`` leaves ``LLM`` alone (the control)."""
+    import gc
+
+    import nanovllm
+
+    class FakeLLM:
+        def __init__(self):
+            self.state = [object() for _ in range(10)]
+
+    monkeypatch.setattr(nanovllm, "LLM", FakeLLM)
+    ab_engine.SETTINGS["gcfreeze"][0]("0")
+    assert FakeLLM.__init__.__name__ == "__init__"
+    gc.unfreeze()
+    before = gc.get_freeze_count()
+    ab_engine.SETTINGS["gcfreeze"][0]("1")
+    try:
+        FakeLLM()
+        assert gc.get_freeze_count() > before
+    finally:
+        gc.unfreeze()
+    assert not ab_engine.SETTINGS["gcfreeze"][1]("2")
