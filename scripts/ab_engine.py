@@ -34,6 +34,8 @@ kvstore=0|1: Qwen3's fused q/k norm + RoPE kernel also writes K/V into the cache
 sampler=PATH: the fused sampler's module loaded from PATH (another version of
           ``nanovllm/layers/fused_sampler.py``, e.g. ``git show REV:nanovllm/layers/fused_sampler.py``)
           in place of the shipped one (session 15).
+rowwarm=0|1: start-up runs the LM head and the sampler on every row count 1..max_num_seqs
+          (``nanovllm.worker.sampling_warmup.ENABLED``, session 22; on by default).
 gcfreeze=1: after each ``LLM`` is built, collect garbage once and move every object left to the
           collector's permanent generation (``gc.freeze``), so later collections do not walk the
           engine's start-up objects (session 22: a fresh process's first run pauses ~8 ms at
@@ -186,6 +188,7 @@ SETTINGS = {
     "kvstore": (lambda v: os.environ.__setitem__("NANOVLLM_FUSED_KV_STORE", v), lambda v: v in ("0", "1")),
     "sampler": (_set_sampler, os.path.isfile),
     "gcfreeze": (_set_gcfreeze, lambda v: v in ("0", "1")),
+    "rowwarm": (_set("nanovllm.worker.sampling_warmup", "ENABLED", lambda v: v == "1"), lambda v: v in ("0", "1")),
     "split": (
         _set("nanovllm.attention.triton_backend", "MIN_SPLIT_DECODES", lambda v: 8 if v == "1" else None),
         lambda v: v in ("0", "1"),

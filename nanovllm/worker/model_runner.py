@@ -25,6 +25,7 @@ from nanovllm.layers.sampler import Sampler, SamplingMetadata, fused_sampler
 from nanovllm.layers.seeds import mix_seed
 from nanovllm.loader.model_loader import init_dummy_weights, iter_safetensors, load_weights
 from nanovllm.models.registry import get_model_class
+from nanovllm.worker import sampling_warmup
 from nanovllm.worker.cuda_graph import CudaGraphRunner
 from nanovllm.worker.step_inputs import StepInputs
 
@@ -266,6 +267,15 @@ class ModelRunner:
                 self.device,
             )
             self.graphs.capture()
+        if capture_graphs and self.device.type == "cuda" and sampling_warmup.ENABLED:
+            sampling_warmup.warm_sampling_rows(
+                self.model,
+                self.config.max_num_seqs,
+                self.config.hf_config.hidden_size,
+                self.dtype,
+                self.device,
+                sample=self.rank == 0,
+            )
 
     def free_kv_cache(self) -> None:
         self.graphs = None  # graphs hold the cache's addresses

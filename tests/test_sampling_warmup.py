@@ -1,0 +1,58 @@
+"""nanovllm/worker/sampling_warmup.py: start-up runs the LM head on every row count a step can
+sample, and the sampler on each where this rank samples, without touching the engine's random
+state (the GPU effect itself, fewer first launches in a fresh process's first run, is measured
+with scripts/profile_phases.py --runs 2 on a GPU host; BENCHMARKS)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanovllm.layers.sampler import Sampler
+from nanovllm.worker import sampling_warmup
+from nanovllm.worker.cuda_graph import graph_batch_sizes
+
+
+class _Head(torch.nn.Module):
+    def __init__(self, vocab: int = 40, hidden: int = 8):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(vocab, hidden))
+        self.rows: list[int] = []
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.rows.append(hidden.shape[0])
+        return hidden @ self.weight.T
+
+
+def _assert_covers(rows: list[int], max_rows: int) -> None:
+    missing = sorted(set(range(1, max_rows + 1)) - set(rows))
+    assert not missing, f"row counts never warmed: {missing[:8]}..."
+
+
+@pytest.mark.parametrize("sample", [True, False])
+def test_every_row_count_goes_through_the_head_and_the_sampler(monkeypatch, sample):
+    head = _Head()
+    sampled: list[int] = []
+    launch = Sampler.launch
+    monkeypatch.setattr(
+        Sampler,
+        "launch",
+        lambda self, logits, meta: sampled.append(len(meta.temperatures)) or launch(self, logits, meta),
+    )
+    sampling_warmup.warm_sampling_rows(head, 37, 8, torch.float32, torch.device("cpu"), sample=sample)
+    assert sorted(head.rows) == list(range(1, 38))
+    _assert_covers(head.rows, 37)
+    assert sampled == (list(range(1, 38)) if sample else [])
+
+
+def test_warming_only_the_graph_sizes_fails_the_coverage_check():
+    # control: the captured sizes (all that the eager run before each capture meets) miss most counts
+    with pytest.raises(AssertionError, match="never warmed"):
+        _assert_covers(graph_batch_sizes(256), 256)
+
+
+def test_the_engines_random_state_is_untouched():
+    head = _Head()
+    before = torch.random.get_rng_state()
+    sampling_warmup.warm_sampling_rows(head, 5, 8, torch.float32, torch.device("cpu"), sample=True)
+    assert torch.equal(torch.random.get_rng_state(), before)
