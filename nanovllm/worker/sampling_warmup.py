@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ ENABLED = True
 
 
 @torch.inference_mode()
-def warm_sampling_rows(model: torch.nn.Module, max_rows: int, hidden_size: int, dtype, device, sample: bool) -> None:
+def warm_sampling_rows(model: Any, max_rows: int, hidden_size: int, dtype, device, sample: bool) -> None:
     """LM head on 1..``max_rows`` rows of zeros; with ``sample`` (the rank that samples) the
     sampler's plain path on each, with a scratch generator (the engine's random state is untouched)."""
     start = time.perf_counter()
