@@ -36,10 +36,6 @@ sampler=PATH: the fused sampler's module loaded from PATH (another version of
           in place of the shipped one (session 15).
 rowwarm=0|1: start-up runs the LM head and the sampler on every row count 1..max_num_seqs
           (``nanovllm.worker.sampling_warmup.ENABLED``, session 22; on by default).
-gcfreeze=1: after each ``LLM`` is built, collect garbage once and move every object left to the
-          collector's permanent generation (``gc.freeze``), so later collections do not walk the
-          engine's start-up objects (session 22: a fresh process's first run pauses ~8 ms at
-          intervals in its tail that later runs do not).
 """
 
 from __future__ import annotations
@@ -147,23 +143,6 @@ def _set_sampler(path: str) -> None:
     spec.loader.exec_module(module)
 
 
-def _set_gcfreeze(value: str) -> None:
-    if value != "1":
-        return
-    import gc
-
-    from nanovllm import LLM
-
-    init = LLM.__init__
-
-    def frozen_init(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        gc.collect()
-        gc.freeze()
-
-    LLM.__init__ = frozen_init  # type: ignore[method-assign]
-
-
 # option -> (apply, is the value accepted)
 SETTINGS = {
     "waves": (_set("nanovllm.attention.triton_ops", "DECODE_SPLIT_WAVES", int), _positive),
@@ -187,7 +166,6 @@ SETTINGS = {
     "early": (_set("nanovllm.layers.fused_ops", "EARLY_RELEASE", lambda v: v == "1"), lambda v: v in ("0", "1")),
     "kvstore": (lambda v: os.environ.__setitem__("NANOVLLM_FUSED_KV_STORE", v), lambda v: v in ("0", "1")),
     "sampler": (_set_sampler, os.path.isfile),
-    "gcfreeze": (_set_gcfreeze, lambda v: v in ("0", "1")),
     "rowwarm": (_set("nanovllm.worker.sampling_warmup", "ENABLED", lambda v: v == "1"), lambda v: v in ("0", "1")),
     "split": (
         _set("nanovllm.attention.triton_backend", "MIN_SPLIT_DECODES", lambda v: 8 if v == "1" else None),

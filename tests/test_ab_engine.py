@@ -136,26 +136,12 @@ def test_the_split_wave_switches_set_one_cache_type_each(ab_engine, monkeypatch)
     assert not ab_engine.SETTINGS["fp8waves"][1]("0")
 
 
-def test_gcfreeze_freezes_what_an_engine_leaves_after_it_is_built(ab_engine, monkeypatch):
-    """``gcfreeze=1``: once ``LLM.__init__`` returns, the objects it left are in the collector's
-    permanent generation; ``gcfreeze=0`` leaves ``LLM`` alone (the control)."""
-    import gc
+def test_the_row_warm_up_switch(ab_engine, monkeypatch):
+    from nanovllm.worker import sampling_warmup
 
-    import nanovllm
-
-    class FakeLLM:
-        def __init__(self):
-            self.state = [object() for _ in range(10)]
-
-    monkeypatch.setattr(nanovllm, "LLM", FakeLLM)
-    ab_engine.SETTINGS["gcfreeze"][0]("0")
-    assert FakeLLM.__init__.__name__ == "__init__"
-    gc.unfreeze()
-    before = gc.get_freeze_count()
-    ab_engine.SETTINGS["gcfreeze"][0]("1")
-    try:
-        FakeLLM()
-        assert gc.get_freeze_count() > before
-    finally:
-        gc.unfreeze()
-    assert not ab_engine.SETTINGS["gcfreeze"][1]("2")
+    monkeypatch.setattr(sampling_warmup, "ENABLED", sampling_warmup.ENABLED)  # restored after the test
+    ab_engine.SETTINGS["rowwarm"][0]("0")
+    assert sampling_warmup.ENABLED is False
+    ab_engine.SETTINGS["rowwarm"][0]("1")
+    assert sampling_warmup.ENABLED is True
+    assert not ab_engine.SETTINGS["rowwarm"][1]("2")
