@@ -35,7 +35,8 @@ sampler=PATH: the fused sampler's module loaded from PATH (another version of
           ``nanovllm/layers/fused_sampler.py``, e.g. ``git show REV:nanovllm/layers/fused_sampler.py``)
           in place of the shipped one (session 15).
 rowwarm=0|1: start-up runs the LM head and the sampler on every row count 1..max_num_seqs
-          (``nanovllm.worker.sampling_warmup.ENABLED``, session 22; on by default).
+          (``NANOVLLM_ROW_WARMUP``, read by ``nanovllm.worker.sampling_warmup.enabled``, session 22;
+          on by default).
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ SETTINGS = {
     "early": (_set("nanovllm.layers.fused_ops", "EARLY_RELEASE", lambda v: v == "1"), lambda v: v in ("0", "1")),
     "kvstore": (lambda v: os.environ.__setitem__("NANOVLLM_FUSED_KV_STORE", v), lambda v: v in ("0", "1")),
     "sampler": (_set_sampler, os.path.isfile),
-    "rowwarm": (_set("nanovllm.worker.sampling_warmup", "ENABLED", lambda v: v == "1"), lambda v: v in ("0", "1")),
+    "rowwarm": (lambda v: os.environ.__setitem__("NANOVLLM_ROW_WARMUP", v), lambda v: v in ("0", "1")),
     "split": (
         _set("nanovllm.attention.triton_backend", "MIN_SPLIT_DECODES", lambda v: 8 if v == "1" else None),
         lambda v: v in ("0", "1"),

@@ -40,6 +40,13 @@ def main() -> None:
 def profile_once(args) -> None:
     w = gpu_workload()
     llm = LLM(shape_config_dir("qwen3-0.6b"), load_format="dummy", max_model_len=4096)
+    try:
+        profile_engine(llm, w, args)
+    finally:
+        llm.close()
+
+
+def profile_engine(llm, w, args) -> None:
     engine = llm.llm_engine
     llm.generate(_warmup_prompts(w), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     before = torch.cuda.memory_stats()
@@ -89,7 +96,6 @@ def profile_once(args) -> None:
     stats = pstats.Stats(prof)
     stats.sort_stats("tottime").print_stats(args.top)
     stats.sort_stats("cumulative").print_stats(args.top)
-    llm.close()
 
 
 if __name__ == "__main__":

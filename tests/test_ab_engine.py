@@ -139,9 +139,11 @@ def test_the_split_wave_switches_set_one_cache_type_each(ab_engine, monkeypatch)
 def test_the_row_warm_up_switch(ab_engine, monkeypatch):
     from nanovllm.worker import sampling_warmup
 
-    monkeypatch.setattr(sampling_warmup, "ENABLED", sampling_warmup.ENABLED)  # restored after the test
+    monkeypatch.setenv("NANOVLLM_ROW_WARMUP", "")  # recorded, so what the switch writes is undone
+    monkeypatch.delenv("NANOVLLM_ROW_WARMUP")
+    assert sampling_warmup.enabled()  # the default
     ab_engine.SETTINGS["rowwarm"][0]("0")
-    assert sampling_warmup.ENABLED is False
+    assert not sampling_warmup.enabled()
     ab_engine.SETTINGS["rowwarm"][0]("1")
-    assert sampling_warmup.ENABLED is True
+    assert sampling_warmup.enabled()
     assert not ab_engine.SETTINGS["rowwarm"][1]("2")

@@ -56,3 +56,43 @@ def test_the_engines_random_state_is_untouched():
     before = torch.random.get_rng_state()
     sampling_warmup.warm_sampling_rows(head, 5, 8, torch.float32, torch.device("cpu"), sample=True)
     assert torch.equal(torch.random.get_rng_state(), before)
+
+
+def _runner(device: str, rank: int = 0):
+    """A ModelRunner with only what allocate_kv_cache reads (no model, no layers, eager)."""
+    from types import SimpleNamespace
+
+    from nanovllm.worker.model_runner import ModelRunner
+
+    runner = object.__new__(ModelRunner)
+    runner.attn_layers = []
+    runner.backend = SimpleNamespace(name="triton")  # no reserve(): nothing to size
+    runner.config = SimpleNamespace(
+        enforce_eager=True, max_num_seqs=48, max_num_batched_tokens=32, hf_config=SimpleNamespace(hidden_size=8)
+    )
+    runner.device, runner.dtype, runner.rank, runner.model = torch.device(device), torch.float16, rank, object()
+    return runner
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_engines_cache_allocation_warms_on_cuda_on_every_rank(monkeypatch, rank):
+    calls = []
+    monkeypatch.setattr(sampling_warmup, "warm_sampling_rows", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.delenv("NANOVLLM_ROW_WARMUP", raising=False)
+    _runner("cuda", rank).allocate_kv_cache(4)
+    assert len(calls) == 1
+    (model, rows, hidden, dtype, device), kw = calls[0]
+    assert rows == 32  # a step samples at most min(max_num_seqs, max_num_batched_tokens) rows
+    assert (hidden, dtype, device.type) == (8, torch.float16, "cuda")
+    assert kw == {"sample": rank == 0}  # only the rank that samples runs the sampler
+
+
+def test_no_warm_up_for_the_profiling_cache_on_a_cpu_or_when_switched_off(monkeypatch):
+    calls = []
+    monkeypatch.setattr(sampling_warmup, "warm_sampling_rows", lambda *a, **k: calls.append(a))
+    monkeypatch.delenv("NANOVLLM_ROW_WARMUP", raising=False)
+    _runner("cuda").allocate_kv_cache(4, capture_graphs=False)  # the start-up profile's scratch cache
+    _runner("cpu").allocate_kv_cache(4)
+    monkeypatch.setenv("NANOVLLM_ROW_WARMUP", "0")
+    _runner("cuda").allocate_kv_cache(4)
+    assert calls == []

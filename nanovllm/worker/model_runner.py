@@ -267,10 +267,11 @@ class ModelRunner:
                 self.device,
             )
             self.graphs.capture()
-        if capture_graphs and self.device.type == "cuda" and sampling_warmup.ENABLED:
+        if capture_graphs and self.device.type == "cuda" and sampling_warmup.enabled():
+            # every rank (the LM head gathers its vocabulary shards); the sampler on the one that samples
             sampling_warmup.warm_sampling_rows(
                 self.model,
-                self.config.max_num_seqs,
+                min(self.config.max_num_seqs, self.config.max_num_batched_tokens),
                 self.config.hf_config.hidden_size,
                 self.dtype,
                 self.device,

@@ -1,20 +1,22 @@
 """Start-up warm-up of every row count a step can sample: the LM head and the sampler.
 
-A decode step's body replays a CUDA graph captured (after an eager run) at start-up, but the LM head
-and the sampler run outside it, on exactly the rows that sample: any count from 1 to
-``max_num_seqs``. Measured on an H100 (BENCHMARKS, session 22): without this, a fresh process's
-first run had 18 decode steps whose launch took 5-15 ms of host time instead of ~0.7, at row counts
-255, 247, 232, 216, 160, ... 24; a later engine in the same process had one (5 ms), and the first
-run was 1.4 % slower than the later one. With it: one such step (17 ms), and 0.16 %. Why a first
-launch at a new row count costs that much is inferred, not measured: cuBLAS picks its kernel by the
-row count, and CUDA loads a kernel's module on its first launch in the process (lazy loading, the
-default since CUDA 12.2). The sampler's split count also follows the row count, and Triton builds
-one variant per integer specialisation of it.
+On CUDA the LM head and the sampler run outside the decode graphs (and in eager steps), on exactly
+the rows that sample: any count from 1 to ``max_num_seqs``. Measured on an H100 (BENCHMARKS,
+session 22): without this, a fresh process's first run had 18 decode steps whose launch took 5-15
+ms of host time instead of ~0.7, at row counts 255, 247, 232, 216, 160, ... 24; a later engine in
+the same process had one (5 ms), and the first run was 1.4 % slower than the later one. With it:
+one such step (17 ms), and 0.16 %. Why a first launch at a new row count costs that much is
+inferred, not measured: cuBLAS picks the LM head's kernel by the row count, and CUDA loads a
+kernel's module on its first launch in the process (lazy loading, the default since CUDA 12.2).
+The sampler runs here too (its kernels' variants are compiled by the start-up profile already;
+what a new row count meets there is host-to-device copies and small torch operations of that
+size); whether that half is needed was not measured separately.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -24,8 +26,11 @@ from nanovllm.layers.sampler import Sampler, SamplingMetadata
 
 logger = logging.getLogger(__name__)
 
-# on by default on CUDA (model_runner); scripts/ab_engine.py rowwarm=0 turns it off for an A/B
-ENABLED = True
+
+def enabled() -> bool:
+    """On unless ``NANOVLLM_ROW_WARMUP=0`` (an environment variable, so that tensor-parallel
+    workers see it too; scripts/ab_engine.py rowwarm=0|1 sets it for an A/B)."""
+    return os.environ.get("NANOVLLM_ROW_WARMUP", "1") != "0"
 
 
 @torch.inference_mode()
