@@ -1,10 +1,7 @@
 """Where the host's time goes in the standard GPU run's first steps (the prefill phase):
 cProfile over ``LLMEngine.step`` calls FIRST..LAST of the workload (bench warm-up first).
 
-    PYTHONPATH=. python3 scripts/profile_host.py [--first 1] [--last 18] [--top 35] [--runs N]
-
-``--runs N`` builds the engine N times in one process (as ``nanovllm bench --repeat N`` does) and
-profiles the same steps of each run: what a fresh process's first run does that later runs skip.
+    PYTHONPATH=. python3 scripts/profile_host.py [--first 1] [--last 18] [--top 35]
 
 Prints the functions by own time and by cumulative time; a blocking call (an event or stream
 synchronisation, a device-to-host read) shows up as own time of that call.
@@ -14,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import pstats
 import time
 
@@ -30,23 +26,9 @@ def main() -> None:
     p.add_argument("--first", type=int, default=1)
     p.add_argument("--last", type=int, default=18)
     p.add_argument("--top", type=int, default=35)
-    p.add_argument("--runs", type=int, default=1)
     args = p.parse_args()
-    for run in range(1, args.runs + 1):
-        print(f"=== run {run} of {args.runs} ===", flush=True)
-        profile_once(args)
-
-
-def profile_once(args) -> None:
     w = gpu_workload()
     llm = LLM(shape_config_dir("qwen3-0.6b"), load_format="dummy", max_model_len=4096)
-    try:
-        profile_engine(llm, w, args)
-    finally:
-        llm.close()
-
-
-def profile_engine(llm, w, args) -> None:
     engine = llm.llm_engine
     llm.generate(_warmup_prompts(w), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     before = torch.cuda.memory_stats()
@@ -67,28 +49,11 @@ def profile_engine(llm, w, args) -> None:
 
     engine.step = profiled_step  # type: ignore[method-assign]
     params = [SamplingParams(temperature=w.temperature, max_tokens=n, ignore_eos=True) for n in w.max_tokens]
-    pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}  # the garbage collector's, by generation
-    began = [0.0]
-
-    def on_gc(phase: str, info: dict) -> None:
-        if phase == "start":
-            began[0] = time.perf_counter()
-        else:
-            pauses[info["generation"]].append(time.perf_counter() - began[0])
-
     torch.cuda.synchronize()
-    gc.callbacks.append(on_gc)
     t = time.perf_counter()
-    try:
-        llm.generate(w.prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
-    finally:
-        gc.callbacks.remove(on_gc)
+    llm.generate(w.prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
     print(f"run: {time.perf_counter() - t:.2f} s, {count[0]} steps")
-    for gen, ps in pauses.items():
-        print(
-            f"gc generation {gen}: {len(ps)} collections, {sum(ps) * 1e3:.1f} ms, longest {max(ps, default=0) * 1e3:.1f} ms"
-        )
     after = torch.cuda.memory_stats()
     # device allocations and frees (cudaFree synchronises the device), allocator retries
     for key in ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams"):
@@ -96,6 +61,7 @@ def profile_engine(llm, w, args) -> None:
     stats = pstats.Stats(prof)
     stats.sort_stats("tottime").print_stats(args.top)
     stats.sort_stats("cumulative").print_stats(args.top)
+    llm.close()
 
 
 if __name__ == "__main__":
