@@ -207,18 +207,27 @@ def profile_run(
         llm.close()
     if len(completed) != len(launched):
         raise RuntimeError(f"{len(completed)} steps completed but {len(launched)} were scheduled: cannot pair them")
+    attach_times(launched, completed, calls, start)
+    return launched, elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def attach_times(
+    steps: list[StepRecord], completed: list[tuple[float, dict]], calls: list[tuple[float, float]], start: float
+) -> None:
+    """Fill each step's times from when it completed (``completed``: the time and the phases
+    ``step_profiler`` reported) and the ``LLMEngine.step`` calls (entered, returned): its wall since
+    the previous completion, the call that was running when it completed and the gap before that call."""
     prev = start
     entered = [c[0] for c in calls]
-    for rec, (t, phases) in zip(launched, completed):
+    for rec, (t, phases) in zip(steps, completed):
         rec.wall, prev = t - prev, t
-        k = bisect.bisect_right(entered, t) - 1  # the call that was running when the step completed
+        k = bisect.bisect_right(entered, t) - 1  # the last call entered at or before t
         if k >= 0:
             rec.call = calls[k][1] - calls[k][0]
             rec.gap = calls[k][0] - (calls[k - 1][1] if k > 0 else start)
         rec.wait = phases.get("wait", 0.0)
         rec.host = sum(phases.values()) - rec.wait
         rec.phases = phases
-    return launched, elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
 def report(rows: list[PhaseRow], elapsed: float, n_out: int, label: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.profile_phases import StepRecord, classify, compare_runs, summarise
+from scripts.profile_phases import StepRecord, attach_times, classify, compare_runs, summarise
 
 
 def _steps() -> list[StepRecord]:
@@ -62,3 +62,16 @@ def test_compare_runs_refuses_runs_that_scheduled_differently():
     other[3].batch = 3
     with pytest.raises(ValueError, match="scheduled differently"):
         compare_runs(first, other)
+
+
+def test_attach_times_gives_each_step_the_call_it_completed_in():
+    # three step() calls: [1.0, 1.5], [2.0, 2.2], [3.0, 3.9]; the second completes nothing, the
+    # third completes two steps (a drain); the run began at 0.5
+    calls = [(1.0, 1.5), (2.0, 2.2), (3.0, 3.9)]
+    completed = [(1.4, {"launch": 0.1, "wait": 0.2}), (3.2, {"wait": 0.05}), (3.8, {})]
+    steps = [StepRecord(0, 1, 1) for _ in completed]
+    attach_times(steps, completed, calls, start=0.5)
+    assert [s.wall for s in steps] == pytest.approx([0.9, 1.8, 0.6])
+    assert [s.call for s in steps] == pytest.approx([0.5, 0.9, 0.9])
+    assert [s.gap for s in steps] == pytest.approx([0.5, 0.8, 0.8])  # the first call's gap: since the start
+    assert (steps[0].wait, steps[0].host) == pytest.approx((0.2, 0.1))
