@@ -78,9 +78,14 @@ def _runner(device: str, rank: int = 0):
 def test_the_engines_cache_allocation_warms_on_cuda_on_every_rank(monkeypatch, rank):
     calls = []
     monkeypatch.setattr(sampling_warmup, "warm_sampling_rows", lambda *a, **k: calls.append((a, k)))
+    scatters = []
+    monkeypatch.setattr(sampling_warmup, "warm_pending_scatter", lambda *a: scatters.append(a))
     monkeypatch.delenv("NANOVLLM_ROW_WARMUP", raising=False)
-    _runner("cuda", rank).allocate_kv_cache(4)
+    runner = _runner("cuda", rank)
+    runner.allocate_kv_cache(4)
     assert len(calls) == 1
+    # every rank fills its own pending rows, so every rank warms the out-of-order fill
+    assert len(scatters) == 1 and scatters[0][0] == runner.scatter_pending and scatters[0][1].type == "cuda"
     (model, rows, hidden, dtype, device), kw = calls[0]
     assert rows == 32  # a step samples at most min(max_num_seqs, max_num_batched_tokens) rows
     assert (hidden, dtype, device.type) == (8, torch.float16, "cuda")
@@ -90,9 +95,35 @@ def test_the_engines_cache_allocation_warms_on_cuda_on_every_rank(monkeypatch, r
 def test_no_warm_up_for_the_profiling_cache_on_a_cpu_or_when_switched_off(monkeypatch):
     calls = []
     monkeypatch.setattr(sampling_warmup, "warm_sampling_rows", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(sampling_warmup, "warm_pending_scatter", lambda *a: calls.append(a))
     monkeypatch.delenv("NANOVLLM_ROW_WARMUP", raising=False)
     _runner("cuda").allocate_kv_cache(4, capture_graphs=False)  # the start-up profile's scratch cache
     _runner("cpu").allocate_kv_cache(4)
     monkeypatch.setenv("NANOVLLM_ROW_WARMUP", "0")
     _runner("cuda").allocate_kv_cache(4)
     assert calls == []
+
+
+def test_the_pending_fill_warm_up_takes_the_out_of_order_path():
+    from nanovllm.worker.model_runner import ModelRunner
+
+    seen = []
+
+    def scatter(input_ids, prev, rows, src):
+        seen.append((list(rows), list(src)))
+        ModelRunner.scatter_pending(input_ids, prev, rows, src)
+        seen.append(input_ids.tolist())
+
+    sampling_warmup.warm_pending_scatter(scatter, torch.device("cpu"))
+    (rows, src), filled = seen
+    # the fast path (a plain copy) is taken when rows == src == 0..k-1; the warm-up must not be that case
+    assert not (rows == src == list(range(len(rows))))
+    assert filled == [1, 0]  # prev = [0, 1] swapped into place
+
+
+def test_scatter_pending_moves_each_token_to_its_row():
+    from nanovllm.worker.model_runner import ModelRunner
+
+    input_ids = torch.zeros(5, dtype=torch.int64)
+    ModelRunner.scatter_pending(input_ids, torch.tensor([10, 11, 12]), [4, 0, 2], [1, 2, 0])
+    assert input_ids.tolist() == [12, 0, 10, 0, 11]

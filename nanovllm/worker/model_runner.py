@@ -277,6 +277,7 @@ class ModelRunner:
                 self.device,
                 sample=self.rank == 0,
             )
+            sampling_warmup.warm_pending_scatter(self.scatter_pending, self.device)
 
     def free_kv_cache(self) -> None:
         self.graphs = None  # graphs hold the cache's addresses
@@ -406,7 +407,13 @@ class ModelRunner:
         if mi.pending_rows == mi.pending_src == list(range(k)):  # steady decode: same rows, same order
             input_ids[:k].copy_(prev[:k])
             return
-        index = torch.tensor([mi.pending_rows, mi.pending_src], dtype=torch.int64, pin_memory=input_ids.is_cuda).to(
+        self.scatter_pending(input_ids, prev, mi.pending_rows, mi.pending_src)
+
+    @staticmethod
+    def scatter_pending(input_ids: torch.Tensor, prev: torch.Tensor, rows: list[int], src: list[int]) -> None:
+        """``input_ids[rows[i]] = prev[src[i]]`` on the device: the fill when rows moved or left
+        (a pinned index copied without a wait, then ``index_select`` and ``index_copy_``)."""
+        index = torch.tensor([rows, src], dtype=torch.int64, pin_memory=input_ids.is_cuda).to(
             input_ids.device, non_blocking=True
         )
         input_ids.index_copy_(0, index[0], prev.index_select(0, index[1]))
