@@ -5,9 +5,9 @@ the rows that sample: any count from 1 to ``max_num_seqs``. Measured on an H100 
 session 22): without this, a fresh process's first run had 18 decode steps whose launch took 5-15
 ms of host time instead of ~0.7, at row counts 255, 247, 232, 216, 160, ... 24; a later engine in
 the same process had one (5 ms), and the first run was 1.4 % slower than the later one. With it:
-one such step (17 ms), and 0.16 %. Why a first launch at a new row count costs that much is
-inferred, not measured: cuBLAS picks the LM head's kernel by the row count, and CUDA loads a
-kernel's module on its first launch in the process (lazy loading, the default since CUDA 12.2).
+one such step (17 ms), and 0.16 %. Why a first launch at a new row count costs that much is not
+known. It is not CUDA's lazy module loading: with ``CUDA_MODULE_LOADING=EAGER`` and this warm-up
+off, the first run was still 0.83 % behind, with the same ~8 ms tail steps (session 23, H100).
 The sampler runs here too (its kernels' variants are compiled by the start-up profile already;
 what a new row count meets there is host-to-device copies and small torch operations of that
 size); whether that half is needed was not measured separately.
@@ -16,6 +16,9 @@ The one slow launch left in that measurement (17 ms) was the first step after a 
 mid-batch: the first whose pending rows are not the leading rows in order, so the runner fills
 them with ``scatter_pending`` (a pinned host tensor, ``index_select``, ``index_copy_``), which the
 bench's warm-up requests, finishing together, never reach. ``warm_pending_scatter`` runs it once.
+With both (session 23, another H100): the first run 6.45 s, the second 6.46 s, and no decode step
+of either launched in over 5 ms; the warm-up took 0.18 s of start-up. Both are switched together,
+so the scatter's own share was not measured apart.
 """
 
 from __future__ import annotations
