@@ -14,16 +14,15 @@ import argparse
 import logging
 import time
 
+FORMAT = "%(relative)7.2f s  %(name)s: %(message)s"  # ``relative``: stamped by _Relative
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kv-cache-dtype", default="auto")
     args = p.parse_args()
     start = time.perf_counter()
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(relative)7.2f s  %(name)s: %(message)s",
-    )
+    logging.basicConfig(level=logging.INFO, format=FORMAT)
     for handler in logging.getLogger().handlers:
         handler.addFilter(_Relative(start))
     from nanovllm import LLM
