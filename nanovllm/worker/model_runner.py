@@ -8,6 +8,7 @@ graphs for decode); only the attention backend and the graph runner differ.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 import torch.distributed as dist
@@ -69,6 +70,7 @@ class ModelRunner:
             torch.set_num_threads(max(1, config.threads // config.tensor_parallel_size))
         torch.manual_seed(config.seed)
         model_cls = get_model_class(hf)
+        built = time.perf_counter()
         default_dtype = torch.get_default_dtype()
         try:
             torch.set_default_dtype(self.dtype)
@@ -89,6 +91,11 @@ class ModelRunner:
             pack_linear_weights(
                 self.model
             )  # packed copies (rows kernel / oneDNN): faster decode matmuls (cpu_linear.py)
+        logger.info(
+            "built the model with %s weights in %.2f s",
+            "random (dummy)" if load_format == "dummy" else "its checkpoint's",
+            time.perf_counter() - built,
+        )
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = get_backend(config.attention_backend)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
@@ -199,6 +206,7 @@ class ModelRunner:
         before the measurement and freed after it; they also compile the kernels.
         """
         cfg = self.config
+        start = time.perf_counter()
         lens, left = [], cfg.max_num_batched_tokens  # type: ignore[var-annotated]
         while left > 0 and len(lens) < cfg.max_num_seqs:
             lens.append(min(left, cfg.max_model_len))
@@ -217,7 +225,11 @@ class ModelRunner:
         finally:
             self.free_kv_cache()
             torch.cuda.empty_cache()
-        logger.info("profiled peak activation memory: %s MiB", [round(p / 2**20) for p in peaks])
+        logger.info(
+            "profiled peak activation memory: %s MiB (%.2f s, kernels compiled or loaded from the cache)",
+            [round(p / 2**20) for p in peaks],
+            time.perf_counter() - start,
+        )
         return int(sum(peaks) * 1.1) + (256 << 20)
 
     def _peak_step_memory(self, mi: ModelInput) -> int:
