@@ -34,9 +34,9 @@ kvstore=0|1: Qwen3's fused q/k norm + RoPE kernel also writes K/V into the cache
 sampler=PATH: the fused sampler's module loaded from PATH (another version of
           ``nanovllm/layers/fused_sampler.py``, e.g. ``git show REV:nanovllm/layers/fused_sampler.py``)
           in place of the shipped one (session 15).
-rowwarm=0|1: start-up runs the LM head and the sampler on every row count 1..max_num_seqs
-          (``NANOVLLM_ROW_WARMUP``, read by ``nanovllm.worker.sampling_warmup.enabled``, session 22;
-          on by default).
+rowwarm=0|1: start-up runs the LM head and the sampler on every row count 1..max_num_seqs, and
+          the runner's pending-row scatter once (``NANOVLLM_ROW_WARMUP``, read by
+          ``nanovllm.worker.sampling_warmup.enabled``, sessions 22-23; on by default).
 """
 
 from __future__ import annotations

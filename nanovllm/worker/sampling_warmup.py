@@ -1,4 +1,5 @@
-"""Start-up warm-up of every row count a step can sample: the LM head and the sampler.
+"""Start-up warm-up of every row count a step can sample (the LM head and the sampler), and of the
+runner's out-of-order fill of pending rows.
 
 On CUDA the LM head and the sampler run outside the decode graphs (and in eager steps), on exactly
 the rows that sample: any count from 1 to ``max_num_seqs``. Measured on an H100 (BENCHMARKS,
