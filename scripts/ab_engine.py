@@ -34,6 +34,8 @@ kvstore=0|1: Qwen3's fused q/k norm + RoPE kernel also writes K/V into the cache
 sampler=PATH: the fused sampler's module loaded from PATH (another version of
           ``nanovllm/layers/fused_sampler.py``, e.g. ``git show REV:nanovllm/layers/fused_sampler.py``)
           in place of the shipped one (session 15).
+wide=0..3: the widened FP8 K (1), V (2) or both (3) reach the MMA as 16-bit operands (``WIDE_MMA``
+          in the decode kernel, through ``DECODE_FLAG_OVERRIDES``; session 24).
 rowwarm=0|1: start-up runs the LM head and the sampler on every row count 1..max_num_seqs, and
           the runner's pending-row scatter once (``NANOVLLM_ROW_WARMUP``, read by
           ``nanovllm.worker.sampling_warmup.enabled``, sessions 22-23; on by default).
@@ -82,6 +84,15 @@ def _tile_setter(fp8: bool):
             return triton_ops.KernelConfig(16, n, w, st) if kv_fp8 == fp8 and cfg.block_n != 32 else cfg
 
         triton_ops.decode_config = decode_config
+
+    return apply
+
+
+def _set_flag(name: str, convert):
+    def apply(value: str) -> None:
+        from nanovllm.attention import triton_ops
+
+        triton_ops.DECODE_FLAG_OVERRIDES[name] = convert(value)
 
     return apply
 
@@ -167,6 +178,7 @@ SETTINGS = {
     "early": (_set("nanovllm.layers.fused_ops", "EARLY_RELEASE", lambda v: v == "1"), lambda v: v in ("0", "1")),
     "kvstore": (lambda v: os.environ.__setitem__("NANOVLLM_FUSED_KV_STORE", v), lambda v: v in ("0", "1")),
     "sampler": (_set_sampler, os.path.isfile),
+    "wide": (_set_flag("WIDE_MMA", int), lambda v: v in ("0", "1", "2", "3")),
     "rowwarm": (lambda v: os.environ.__setitem__("NANOVLLM_ROW_WARMUP", v), lambda v: v in ("0", "1")),
     "split": (
         _set("nanovllm.attention.triton_backend", "MIN_SPLIT_DECODES", lambda v: 8 if v == "1" else None),

@@ -91,7 +91,9 @@ def test_no_tma_on_the_cpu_outside_the_interpreter(monkeypatch):
     assert triton_ops.tma_descriptors(cache, cache, 16) is not None
 
 
-def _compile_decode_for_sm90(kv: str, block_n: int, tma: bool, num_stages: int = 3, hints: bool = True):
+def _compile_decode_for_sm90(
+    kv: str, block_n: int, tma: bool, num_stages: int = 3, hints: bool = True, wide_mma: int = 0
+):
     """The decode kernel compiled offline for an H200 (no GPU needed): ``kv`` the cache's Triton
     type (``bf16`` or ``fp8e4nv``), one 256-slot block per table entry, TILE_BLOCK on. The data
     pointers and strides carry the divisibility by 16 that Triton specializes on at run time
@@ -112,6 +114,7 @@ def _compile_decode_for_sm90(kv: str, block_n: int, tma: bool, num_stages: int =
     constexprs = dict(
         GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=block_n, BLOCK_SIZE=256, NUM_SPLITS=1,
         DOT_PRECISION="ieee", KV_FP8=fp8, WIDEN=True, V_ASM=fp8, TILE_BLOCK=True, TMA=tma, PDL=False,
+        WIDE_MMA=wide_mma,
     )  # fmt: skip
     source = ASTSource(
         fn=kernel, signature=signature, constexprs=constexprs, attrs=runtime_hints(kernel) if hints else {}
@@ -135,6 +138,22 @@ def test_compiled_for_sm90_tma_tiles_are_bulk_copies(kv, tma):
         assert ptx.count("cp.async.bulk.tensor") >= 2 and per_thread_copies == 0 and ptx.count("ld.global") < 32
     else:
         assert "cp.async.bulk.tensor" not in ptx and per_thread_copies >= 8, per_thread_copies
+
+
+@pytest.mark.parametrize("wide_mma", [0, 3])
+def test_compiled_for_sm90_wide_mma_gives_the_fp8_tiles_the_16_bit_operand_layout(wide_mma):
+    """``WIDE_MMA`` (session 24): the widened FP8 K and V tiles pass a copy Triton cannot see
+    through, so the dots take the 16-bit operand layout (``kWidth = 2``) and V reaches the MMA by
+    ``ldmatrix.trans`` from shared memory. The control is the kernel without it (0): Triton traces
+    the operands back to the cache's 8-bit loads, ``kWidth = 4``, and V is gathered byte by byte
+    (KERNEL_NOTES sessions 4, 22 and 23)."""
+    compiled = _compile_decode_for_sm90("fp8e4nv", 128, tma=True, num_stages=5, wide_mma=wide_mma)
+    widths = set(re.findall(r"kWidth = (\d+)", compiled.asm["ttgir"]))
+    byte_loads = len(re.findall(r"ld\.shared\.[ub]8", compiled.asm["ptx"]))
+    if wide_mma:
+        assert widths == {"2"} and byte_loads == 0, (widths, byte_loads)
+    else:
+        assert widths == {"4"} and byte_loads >= 64, (widths, byte_loads)
 
 
 def _tile_copies(ptx: str) -> int:

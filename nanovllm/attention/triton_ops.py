@@ -244,11 +244,21 @@ def _fp8_to_f16_asm(x):
 
 
 @triton.jit
+def _opaque16(x):
+    """``x`` (a 16-bit tile) copied by a PTX ``mov`` marked as having side effects, so that Triton's
+    search for the width an MMA operand was loaded with stops here and finds 16 bits, not the FP8
+    cache's 8: the widened tile then takes the 16-bit operand layout (``kWidth`` 2), as a bf16
+    cache's does. The values are unchanged, bit for bit (KERNEL_NOTES session 24)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
+
+
+@triton.jit
 def _decode_tile(
     q, m_i, l_i, acc, n0, end, table, kvh, k_cache_ptr, v_cache_ptr, k_desc, v_desc, tile_off, offs_n, offs_d,
     qk_scale, stride_cb, stride_cs, stride_ch,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr, V_ASM: tl.constexpr, TILE_BLOCK: tl.constexpr, TMA: tl.constexpr, MASK_V: tl.constexpr,
+    WIDE_MMA: tl.constexpr = 0,
 ):  # fmt: skip
     """One key tile [n0, n0 + BLOCK_N) of the decode kernel: the online-softmax update."""
     pos = n0 + offs_n
@@ -268,6 +278,8 @@ def _decode_tile(
         k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     if KV_FP8:
         k = k.to(q.dtype)
+        if WIDE_MMA & 1:
+            k = _opaque16(k)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     s = tl.where(n_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds a valid key
@@ -285,6 +297,8 @@ def _decode_tile(
             v = _fp8_to_f16_asm(v)
         else:
             v = v.to(q.dtype)
+        if WIDE_MMA & 2:
+            v = _opaque16(v)
     if MASK_V:
         v = tl.where(n_mask[:, None], v, 0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -331,6 +345,7 @@ def _decode_kernel(
     TILE_BLOCK: tl.constexpr = False,
     TMA: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    WIDE_MMA: tl.constexpr = 0,
 ):
     """Program (seq, kv head, split): the group's query heads against keys of one split.
 
@@ -374,14 +389,14 @@ def _decode_kernel(
         m_i, l_i, acc = _decode_tile(
             q, m_i, l_i, acc, n0, end, table, kvh, k_cache_ptr, v_cache_ptr, k_desc, v_desc, tile_off, offs_n,
             offs_d, qk_scale, stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PRECISION,
-            KV_FP8, V_ASM, TILE_BLOCK, TMA, False,
+            KV_FP8, V_ASM, TILE_BLOCK, TMA, False, WIDE_MMA,
         )  # fmt: skip
     if TMA:
         if full_end < end:  # the partial last tile, outside the pipelined loop
             m_i, l_i, acc = _decode_tile(
                 q, m_i, l_i, acc, full_end, end, table, kvh, k_cache_ptr, v_cache_ptr, k_desc, v_desc, tile_off,
                 offs_n, offs_d, qk_scale, stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_N, BLOCK_SIZE,
-                DOT_PRECISION, KV_FP8, V_ASM, TILE_BLOCK, TMA, True,
+                DOT_PRECISION, KV_FP8, V_ASM, TILE_BLOCK, TMA, True, WIDE_MMA,
             )  # fmt: skip
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty range leaves acc = 0 -> zeros

@@ -79,7 +79,9 @@ def test_store_kv_fp8_equals_reference_bytes():
 
 @pytest.mark.parametrize("block_size,group,head_dim", SHAPES[::3])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_decode_fp8_matches_reference(block_size, group, head_dim, splits):
+@pytest.mark.parametrize("wide_mma", [0, 3])
+def test_decode_fp8_matches_reference(block_size, group, head_dim, splits, wide_mma, monkeypatch):
+    monkeypatch.setitem(triton_ops.DECODE_FLAG_OVERRIDES, "WIDE_MMA", wide_mma)
     rng = random.Random(block_size * 1000 + group * 10 + head_dim + splits)
     lens = _lengths(block_size, rng, 9, 4096)
     fc = Fp8Case(PagedCase([(n - 1, 1) for n in lens], block_size, group, head_dim, seed=rng.randint(0, 1 << 30)))
@@ -100,10 +102,13 @@ def test_decode_fp8_matches_reference(block_size, group, head_dim, splits):
 
 @pytest.mark.parametrize("block_size,group,head_dim", [(256, 2, 128), (128, 8, 64), (256, 1, 64)])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_decode_fp8_tma_matches_reference(block_size, group, head_dim, splits, monkeypatch):
+@pytest.mark.parametrize("wide_mma", [0, 3])
+def test_decode_fp8_tma_matches_reference(block_size, group, head_dim, splits, wide_mma, monkeypatch):
     """The shipped FP8 path on a Hopper GPU: a head-major cache of whole 128-key boxes takes TMA by
     default (128-key boxes, double-buffered); the NaN-poisoned slots past each sequence's end are
-    read by the boxes and must be masked. Control: the wrong v_scale misses."""
+    read by the boxes and must be masked. Control: the wrong v_scale misses. ``wide_mma``: the
+    widened tiles as 8-bit-loaded MMA operands (0) or as 16-bit ones (3)."""
+    monkeypatch.setitem(triton_ops.DECODE_FLAG_OVERRIDES, "WIDE_MMA", wide_mma)
     rng = random.Random(block_size * 77 + group * 10 + head_dim + splits)
     lens = _lengths(block_size, rng, 9, 4096)
     assert any(n % triton_ops.TMA_BLOCK_N for n in lens)
