@@ -35,7 +35,8 @@ sampler=PATH: the fused sampler's module loaded from PATH (another version of
           ``nanovllm/layers/fused_sampler.py``, e.g. ``git show REV:nanovllm/layers/fused_sampler.py``)
           in place of the shipped one (session 15).
 wide=0..3: the widened FP8 K (1), V (2) or both (3) reach the MMA as 16-bit operands (``WIDE_MMA``
-          in the decode kernel, through ``DECODE_FLAG_OVERRIDES``; session 24).
+          in the decode kernel, through ``DECODE_FLAG_OVERRIDES``; session 24: with fp8tile=128x4x3
+          -6 % on an H100; at the shipped 128x4x5, 2 CTAs per SM, not measured yet).
 rowwarm=0|1: start-up runs the LM head and the sampler on every row count 1..max_num_seqs, and
           the runner's pending-row scatter once (``NANOVLLM_ROW_WARMUP``, read by
           ``nanovllm.worker.sampling_warmup.enabled``, sessions 22-23; on by default).

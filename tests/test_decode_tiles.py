@@ -38,16 +38,6 @@ def test_keys_per_tile(dtype, kv_fp8, tma, keys):
         assert triton_ops.TMA_BLOCK_N % keys == 0
 
 
-@pytest.mark.parametrize("wide", [False, True])
-def test_fp8_tma_boxes_keep_three_ctas_per_sm_with_the_wide_operands(wide, monkeypatch):
-    """With ``FP8_WIDE_MMA`` each widened tile is staged in shared memory (32 KB), so the FP8 TMA
-    config drops from 5 stages (double-buffered boxes) to 3 to keep 74 KB and 3 CTAs per SM; the
-    16-bit caches' config does not change."""
-    monkeypatch.setattr(triton_ops, "FP8_WIDE_MMA", wide)
-    assert triton_ops.decode_config(128, torch.bfloat16, True, True).num_stages == (3 if wide else 5)
-    assert triton_ops.decode_config(128, torch.bfloat16, False, False).num_stages == 3
-
-
 def straddles(block_size: int, block_n: int) -> bool:
     """Whether some tile [k * block_n, (k + 1) * block_n) holds slots of two blocks."""
     return any((start // block_size) != ((start + block_n - 1) // block_size) for start in range(0, 4096, block_n))

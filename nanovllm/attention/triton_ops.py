@@ -57,9 +57,6 @@ class KernelConfig:
 
 
 TMA_BLOCK_N = 128  # the keys per TMA box of decode_config; TMA needs blocks that hold whole boxes
-# FP8 caches read by TMA: the widened K and V tiles reach the MMA as 16-bit operands (the
-# decode kernel's WIDE_MMA; session 24). Off by default until measured on a GPU
-FP8_WIDE_MMA = os.environ.get("NANOVLLM_FP8_WIDE_MMA", "0") == "1"
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, kv_fp8: bool = False, tma: bool = False) -> KernelConfig:
@@ -68,10 +65,6 @@ def decode_config(head_dim: int, dtype: torch.dtype, kv_fp8: bool = False, tma: 
     if dtype == torch.float32 or head_dim > 128:
         return KernelConfig(16, 32, 4, 2)
     if kv_fp8 and tma:
-        if FP8_WIDE_MMA:
-            # the 16-bit operand layout stages each widened tile in shared memory (32 KB): at 5
-            # stages 107 KB, 2 CTAs per SM; at 3, one box buffer, 74 KB, 3 CTAs (session 24)
-            return KernelConfig(16, TMA_BLOCK_N, 4, 3)
         # boxes of 128 keys, double-buffered (5 stages: 74 KB of shared memory, 3 CTAs per SM):
         # FP8 +3.2 % end to end against the 64-key tiles below (session 11)
         return KernelConfig(16, TMA_BLOCK_N, 4, 5)
@@ -359,7 +352,12 @@ def _decode_kernel(
     ``TMA`` (with TILE_BLOCK on a head-major cache, ``k_desc``/``v_desc`` the caches' 2-D row
     views): a tile is one box of ``BLOCK_N`` rows, copied by the tensor memory accelerator.
     The box is not masked: keys past ``end`` in the tile's block are whatever the slots hold,
-    so their scores are set to -inf (as always) and their V rows to zero (0 x NaN is NaN)."""
+    so their scores are set to -inf (as always) and their V rows to zero (0 x NaN is NaN).
+
+    ``WIDE_MMA`` (an experiment, 0 everywhere by default): the widened FP8 K (bit 1) and V (bit 2)
+    tiles pass ``_opaque16`` and reach the MMA as 16-bit operands. It cuts the FP8 loop by a
+    quarter offline, but at 128x4x3 it ran 6 % slower end to end on an H100 (KERNEL_NOTES
+    session 24); ``ab_engine.py new,wide=3`` measures it."""
     pdl.wait_then_release(PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -457,9 +455,8 @@ def _merge_kernel(
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-DECODE_FLAG_OVERRIDES: dict[
-    str, bool | int
-] = {}  # tests and scripts (sweep_kv_fp8, ab_kernels, ab_engine) force a flag
+# tests and scripts (sweep_kv_fp8, ab_kernels, ab_engine) force a flag (WIDE_MMA takes 0..3)
+DECODE_FLAG_OVERRIDES: dict[str, bool | int] = {}
 PREFILL_FLAG_OVERRIDES: dict[str, bool] = {}  # tests and scripts/ab_kernels.py force a flag on or off
 
 
@@ -633,9 +630,6 @@ def paged_decode(
     }
     descriptors = tma_descriptors(k_cache, v_cache, cfg.block_n) if flags["TMA"] and flags["TILE_BLOCK"] else None
     flags["TMA"] = descriptors is not None
-    if "WIDE_MMA" not in flags:  # 16-bit tiles only (a float32 model widens to float32)
-        wide = FP8_WIDE_MMA and flags["TMA"] and is_fp8(k_cache) and q.dtype in (torch.bfloat16, torch.float16)
-        flags["WIDE_MMA"] = 3 if wide else 0
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
