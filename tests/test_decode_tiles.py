@@ -92,7 +92,7 @@ def test_no_tma_on_the_cpu_outside_the_interpreter(monkeypatch):
 
 
 def _compile_decode_for_sm90(
-    kv: str, block_n: int, tma: bool, num_stages: int = 3, hints: bool = True, wide_mma: int = 0
+    kv: str, block_n: int, tma: bool, num_stages: int = 3, hints: bool = True, wide_mma: int = 0, model: str = "bf16"
 ):
     """The decode kernel compiled offline for an H200 (no GPU needed): ``kv`` the cache's Triton
     type (``bf16`` or ``fp8e4nv``), one 256-slot block per table entry, TILE_BLOCK on. The data
@@ -106,14 +106,15 @@ def _compile_decode_for_sm90(
     kernel = triton_ops._decode_kernel
     fp8 = kv == "fp8e4nv"
     signature = {p.name: "constexpr" if p.is_constexpr else "i32" for p in kernel.params}
-    signature.update(q_ptr="*bf16", k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}", block_tables_ptr="*i32")
-    signature.update(seq_lens_ptr="*i32", out_ptr="*bf16", part_ptr="*fp32", lse_ptr="*fp32")
+    signature.update(q_ptr=f"*{model}", k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}", block_tables_ptr="*i32")
+    signature.update(seq_lens_ptr="*i32", out_ptr=f"*{model}", part_ptr="*fp32", lse_ptr="*fp32")
     signature.update(qk_scale="fp32", v_scale="fp32")
     if tma:
         signature["k_desc"] = signature["v_desc"] = f"tensordesc<{kv}[{block_n}, 128]>"
     constexprs = dict(
         GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=block_n, BLOCK_SIZE=256, NUM_SPLITS=1,
-        DOT_PRECISION="ieee", KV_FP8=fp8, WIDEN=True, V_ASM=fp8, TILE_BLOCK=True, TMA=tma, PDL=False,
+        DOT_PRECISION="ieee", KV_FP8=fp8, WIDEN=model == "bf16", V_ASM=fp8 and model == "bf16", TILE_BLOCK=True,
+        TMA=tma, PDL=False,
         WIDE_MMA=wide_mma,
     )  # fmt: skip
     source = ASTSource(
@@ -154,6 +155,17 @@ def test_compiled_for_sm90_wide_mma_gives_the_fp8_tiles_the_16_bit_operand_layou
         assert widths == {"2"} and byte_loads == 0, (widths, byte_loads)
     else:
         assert widths == {"4"} and byte_loads >= 64, (widths, byte_loads)
+
+
+def test_wide_mma_refuses_a_float32_models_tiles():
+    """A float32 model widens FP8 tiles to float32; ``_opaque16`` copies 16-bit pairs, so it must
+    refuse them at compile time, naming why, rather than return wrong bits. Control: the same
+    float32 compile without WIDE_MMA succeeds."""
+    import triton
+
+    with pytest.raises(triton.CompilationError, match="16-bit"):
+        _compile_decode_for_sm90("fp8e4nv", 32, tma=False, num_stages=2, wide_mma=3, model="fp32")
+    assert _compile_decode_for_sm90("fp8e4nv", 32, tma=False, num_stages=2, model="fp32").asm["ptx"]
 
 
 def _tile_copies(ptx: str) -> int:

@@ -249,6 +249,7 @@ def _opaque16(x):
     search for the width an MMA operand was loaded with stops here and finds 16 bits, not the FP8
     cache's 8: the widened tile then takes the 16-bit operand layout (``kWidth`` 2), as a bf16
     cache's does. The values are unchanged, bit for bit (KERNEL_NOTES session 24)."""
+    tl.static_assert(x.dtype.primitive_bitwidth == 16, "WIDE_MMA needs 16-bit tiles (a float32 model widens to 32)")
     return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
 
 
