@@ -90,18 +90,14 @@ def _tile_setter(fp8: bool):
 
 
 def _set_flag(name: str, convert):
+    """An option that forces one of the decode kernel's flags (``DECODE_FLAG_OVERRIDES``)."""
+
     def apply(value: str) -> None:
         from nanovllm.attention import triton_ops
 
         triton_ops.DECODE_FLAG_OVERRIDES[name] = convert(value)
 
     return apply
-
-
-def _set_tb(value: str) -> None:
-    from nanovllm.attention import triton_ops
-
-    triton_ops.DECODE_FLAG_OVERRIDES["TILE_BLOCK"] = value == "1"
 
 
 def _set_tma(value: str) -> None:
@@ -168,7 +164,7 @@ SETTINGS = {
     "blas": (_set_blas, lambda v: v in ("lt", "default")),
     "tile": (_tile_setter(fp8=False), _is_tile),
     "fp8tile": (_tile_setter(fp8=True), _is_tile),
-    "tb": (_set_tb, lambda v: v in ("0", "1")),
+    "tb": (_set_flag("TILE_BLOCK", lambda v: v == "1"), lambda v: v in ("0", "1")),
     "tma": (_set_tma, lambda v: v in ("0", "1", "fp8")),
     "pdl": (lambda v: os.environ.__setitem__("NANOVLLM_PDL", v), lambda v: v in ("0", "1")),
     "gemm": (lambda v: os.environ.__setitem__("NANOVLLM_DECODE_GEMM", v), lambda v: v in ("0", "1")),

@@ -114,8 +114,7 @@ def _compile_decode_for_sm90(
     constexprs = dict(
         GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=block_n, BLOCK_SIZE=256, NUM_SPLITS=1,
         DOT_PRECISION="ieee", KV_FP8=fp8, WIDEN=model == "bf16", V_ASM=fp8 and model == "bf16", TILE_BLOCK=True,
-        TMA=tma, PDL=False,
-        WIDE_MMA=wide_mma,
+        TMA=tma, PDL=False, WIDE_MMA=wide_mma,
     )  # fmt: skip
     source = ASTSource(
         fn=kernel, signature=signature, constexprs=constexprs, attrs=runtime_hints(kernel) if hints else {}
@@ -141,20 +140,22 @@ def test_compiled_for_sm90_tma_tiles_are_bulk_copies(kv, tma):
         assert "cp.async.bulk.tensor" not in ptx and per_thread_copies >= 8, per_thread_copies
 
 
-@pytest.mark.parametrize("wide_mma", [0, 3])
+@pytest.mark.parametrize("wide_mma", [0, 1, 2, 3])
 def test_compiled_for_sm90_wide_mma_gives_the_fp8_tiles_the_16_bit_operand_layout(wide_mma):
-    """``WIDE_MMA`` (session 24): the widened FP8 K and V tiles pass a copy Triton cannot see
-    through, so the dots take the 16-bit operand layout (``kWidth = 2``) and V reaches the MMA by
-    ``ldmatrix.trans`` from shared memory. The control is the kernel without it (0): Triton traces
-    the operands back to the cache's 8-bit loads, ``kWidth = 4``, and V is gathered byte by byte
-    (KERNEL_NOTES sessions 4, 22 and 23)."""
+    """``WIDE_MMA`` (session 24): the widened FP8 K (bit 1) and V (bit 2) tiles pass a copy Triton
+    cannot see through, so their dots take the 16-bit operand layout (``kWidth = 2``), and V
+    reaches the MMA by ``ldmatrix.trans`` from shared memory. The control is the kernel without it
+    (0): Triton traces the operands back to the cache's 8-bit loads, ``kWidth = 4``, and V is
+    gathered byte by byte (KERNEL_NOTES sessions 4, 22 and 23). One bit alone leaves the other
+    dot at ``kWidth = 4``; only V's bit removes the byte loads (a swapped bit fails here)."""
     compiled = _compile_decode_for_sm90("fp8e4nv", 128, tma=True, num_stages=5, wide_mma=wide_mma)
     widths = set(re.findall(r"kWidth = (\d+)", compiled.asm["ttgir"]))
     byte_loads = len(re.findall(r"ld\.shared\.[ub]8", compiled.asm["ptx"]))
-    if wide_mma:
-        assert widths == {"2"} and byte_loads == 0, (widths, byte_loads)
+    assert widths == {0: {"4"}, 1: {"2", "4"}, 2: {"2", "4"}, 3: {"2"}}[wide_mma], widths
+    if wide_mma & 2:
+        assert byte_loads == 0, byte_loads
     else:
-        assert widths == {"4"} and byte_loads >= 64, (widths, byte_loads)
+        assert byte_loads >= 64, byte_loads
 
 
 def test_wide_mma_refuses_a_float32_models_tiles():
