@@ -1,0 +1,98 @@
+"""The decode attention kernel alone, as a tail step of the standard GPU run launches it, for Nsight
+Compute (``ncu``) to read its hardware counters (KERNEL_NOTES session 25).
+
+One layer's decode attention at batch ``--batch`` with contexts spread around ``--context`` (the
+Qwen3-0.6B shape: 16 query heads, 8 KV heads, head_dim 128, 256-slot blocks, the cache head-major
+and the blocks shuffled, as the engine's), the split factor the engine picks, a bf16 or FP8 cache.
+It captures ``--launches`` calls of ``paged_decode`` in a CUDA graph, replays it three times and
+prints the median time per call by CUDA events (the merge included where there are splits), so the
+counters can be read against a figure taken without the profiler. Under ncu, ``--launch-skip 1``
+skips the compiling call and profiles the first replayed kernel.
+
+    PYTHONPATH=. python3 scripts/ncu_decode.py --kv fp8 --batch 129
+    ncu --clock-control none --kernel-name regex:_decode_kernel --launch-skip 1 --launch-count 1 \\
+        --set full python3 scripts/ncu_decode.py --kv fp8 --batch 129 --launches 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from nanovllm.attention import triton_ops as ops
+
+HQ, HK, D, BLOCK = 16, 8, 128, 256
+
+
+def tail_step(batch: int, context: int, kv: str, seed: int = 0, device: str = "cuda"):
+    """q, caches, block tables and lengths of one decode step: contexts uniform in
+    [context / 2, 3 context / 2), the blocks of all sequences shuffled over the cache."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(context // 2, context * 3 // 2, (batch,), generator=gen).tolist()
+    blocks = [-(-n // BLOCK) for n in lens]
+    perm = torch.randperm(sum(blocks), generator=gen).tolist()
+    tables, nxt = [], 0
+    for nb in blocks:
+        tables.append(perm[nxt : nxt + nb])
+        nxt += nb
+    width = max(blocks)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+    dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
+    # head-major storage [blocks, kv heads, slots, d], seen slot-major as the kernels take it
+    k, v = (
+        torch.randn(nxt, HK, BLOCK, D, device=device, dtype=torch.bfloat16).to(dtype).permute(0, 2, 1, 3)
+        for _ in range(2)
+    )
+    q = torch.randn(batch, HQ, D, device=device, dtype=torch.bfloat16)
+    sl = torch.tensor(lens, dtype=torch.int32, device=device)
+    return q, k, v, bt, sl
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--kv", choices=["bf16", "fp8"], default="fp8")
+    p.add_argument("--batch", type=int, default=129, help="sequences in the step (129: session 20's tail step)")
+    p.add_argument("--context", type=int, default=1058, help="mean context length (1,058 at batch 129)")
+    p.add_argument("--launches", type=int, default=20)
+    p.add_argument("--wide", type=int, default=None, help="force the kernel's WIDE_MMA (0..3)")
+    args = p.parse_args()
+    if args.wide is not None:
+        ops.DECODE_FLAG_OVERRIDES["WIDE_MMA"] = args.wide
+    q, k, v, bt, sl = tail_step(args.batch, args.context, args.kv)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = ops.num_decode_splits(args.batch, HK, sms, kv_fp8=args.kv == "fp8")
+    out = torch.empty_like(q)
+    part = torch.empty(args.batch * HQ * splits * D, dtype=torch.float32, device="cuda")
+    lse = torch.empty(args.batch * HQ * splits, dtype=torch.float32, device="cuda")
+
+    def launch() -> None:
+        ops.paged_decode(q, k, v, bt, sl, D**-0.5, num_splits=splits, workspace=(part, lse), out=out)
+
+    launch()  # compiles
+    torch.cuda.synchronize()
+    # replayed from a CUDA graph, as the engine runs decode steps: a launch costs the host more than
+    # the kernel takes (an FP8 cache's TMA descriptors are made on each call)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(args.launches):
+            launch()
+    times = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / args.launches)
+    nbytes = int(sl.sum()) * HK * D * 2 * k.element_size()
+    us = statistics.median(times)
+    print(
+        f"decode {args.kv} batch {args.batch} mean context {int(sl.float().mean())} splits {splits}: "
+        f"{us:.1f} us (with the merge), {nbytes / us / 1e6:.2f} TB/s of K/V bytes"
+    )
+
+
+if __name__ == "__main__":
+    main()
