@@ -15,8 +15,9 @@ mbt=N:    N tokens per step by default on CUDA (``config.DEFAULT_MAX_NUM_BATCHED
 layout=head|slot: the Triton cache's storage (``triton_backend.HEAD_MAJOR_CACHE``, session 9).
 split=0|1: a mixed step's leading decode rows to the decode kernel (``triton_backend.MIN_SPLIT_DECODES``).
 blas=lt|default: torch's cuBLAS front end for the linear layers (``torch.backends.cuda.preferred_blas_library``, session 10).
-tile=NxWxS: the decode kernel's keys per tile, warps and stages for 16-bit caches (session 10).
-fp8tile=NxWxS: the same for FP8 caches (session 10).
+tile=NxWxS[xR]: the decode kernel's keys per tile, warps and stages for 16-bit caches (session 10),
+          and at most R registers per thread (``maxnreg``, session 25).
+fp8tile=NxWxS[xR]: the same for FP8 caches (session 10).
 tb=0|1:   TILE_BLOCK (one block-table entry per key tile) forced off/on in the decode kernel (session 10).
 tma=0|1|fp8: the decode kernel's K/V tiles copied by TMA for no cache, every 16-bit-model cache, or
           FP8 caches only (the default; ``NANOVLLM_DECODE_TMA``, session 11).
@@ -77,12 +78,13 @@ def _tile_setter(fp8: bool):
     def apply(value: str) -> None:
         from nanovllm.attention import triton_ops
 
-        n, w, st = map(int, value.split("x"))
+        n, w, st, *reg = map(int, value.split("x"))
         shipped = triton_ops.decode_config
 
         def decode_config(d, dtype, kv_fp8=False, tma=False):
             cfg = shipped(d, dtype, kv_fp8, tma)
-            return triton_ops.KernelConfig(16, n, w, st) if kv_fp8 == fp8 and cfg.block_n != 32 else cfg
+            mine = triton_ops.KernelConfig(16, n, w, st, reg[0] if reg else None)
+            return mine if kv_fp8 == fp8 and cfg.block_n != 32 else cfg
 
         triton_ops.decode_config = decode_config
 
@@ -133,8 +135,8 @@ def _set_preload_config(value: str) -> None:
 
 
 def _is_tile(value: str) -> bool:
-    parts = value.split("x")
-    return len(parts) == 3 and all(_positive(p) for p in parts)
+    parts = value.split("x")  # NxWxS, or NxWxSxR with R the registers per thread (maxnreg)
+    return len(parts) in (3, 4) and all(_positive(p) for p in parts)
 
 
 def _positive(value: str) -> bool:

@@ -10,6 +10,7 @@ counters can be read against a figure taken without the profiler. Under ncu, ``-
 skips the compiling call and profiles the first replayed kernel.
 
     PYTHONPATH=. python3 scripts/ncu_decode.py --kv fp8 --batch 129
+    PYTHONPATH=. python3 scripts/ncu_decode.py --tile shipped,128x4x3x128 --batch 64,129,256   # A/B, "best tile"
     ncu --clock-control none --kernel-name regex:_decode_kernel --launch-skip 1 --launch-count 1 \\
         --set full python3 scripts/ncu_decode.py --kv fp8 --batch 129 --launches 2
 """
@@ -50,33 +51,34 @@ def tail_step(batch: int, context: int, kv: str, seed: int = 0, device: str = "c
     return q, k, v, bt, sl
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--kv", choices=["bf16", "fp8"], default="fp8")
-    p.add_argument("--batch", type=int, default=129, help="sequences in the step (129: session 20's tail step)")
-    p.add_argument("--context", type=int, default=1058, help="mean context length (1,058 at batch 129)")
-    p.add_argument("--launches", type=int, default=20)
-    p.add_argument("--wide", type=int, default=None, help="force the kernel's WIDE_MMA (0..3)")
-    args = p.parse_args()
-    if args.wide is not None:
-        ops.DECODE_FLAG_OVERRIDES["WIDE_MMA"] = args.wide
-    q, k, v, bt, sl = tail_step(args.batch, args.context, args.kv)
+def parse_tile(spec: str) -> ops.KernelConfig | None:
+    """``shipped`` (None: the engine's config) or ``NxWxS[xR]``: keys per tile, warps, stages and
+    at most R registers per thread (``maxnreg``)."""
+    if spec == "shipped":
+        return None
+    n, w, st, *reg = map(int, spec.split("x"))
+    return ops.KernelConfig(16, n, w, st, reg[0] if reg else None)
+
+
+def time_step(kv: str, batch: int, context: int, config: ops.KernelConfig | None, launches: int) -> tuple[float, float]:
+    """Median microseconds per ``paged_decode`` call (the merge included) replayed from a CUDA graph,
+    as the engine runs decode steps (a launch costs the host more than the kernel takes: an FP8
+    cache's TMA descriptors are made on each call), and the TB/s of K/V bytes that makes."""
+    q, k, v, bt, sl = tail_step(batch, context, kv)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = ops.num_decode_splits(args.batch, HK, sms, kv_fp8=args.kv == "fp8")
+    splits = ops.num_decode_splits(batch, HK, sms, kv_fp8=kv == "fp8")
     out = torch.empty_like(q)
-    part = torch.empty(args.batch * HQ * splits * D, dtype=torch.float32, device="cuda")
-    lse = torch.empty(args.batch * HQ * splits, dtype=torch.float32, device="cuda")
+    part = torch.empty(batch * HQ * splits * D, dtype=torch.float32, device="cuda")
+    lse = torch.empty(batch * HQ * splits, dtype=torch.float32, device="cuda")
 
     def launch() -> None:
-        ops.paged_decode(q, k, v, bt, sl, D**-0.5, num_splits=splits, workspace=(part, lse), out=out)
+        ops.paged_decode(q, k, v, bt, sl, D**-0.5, num_splits=splits, workspace=(part, lse), out=out, config=config)
 
     launch()  # compiles
     torch.cuda.synchronize()
-    # replayed from a CUDA graph, as the engine runs decode steps: a launch costs the host more than
-    # the kernel takes (an FP8 cache's TMA descriptors are made on each call)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(args.launches):
+        for _ in range(launches):
             launch()
     times = []
     for _ in range(3):
@@ -85,13 +87,34 @@ def main() -> None:
         graph.replay()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / args.launches)
-    nbytes = int(sl.sum()) * HK * D * 2 * k.element_size()
+        times.append(start.elapsed_time(end) * 1e3 / launches)
     us = statistics.median(times)
-    print(
-        f"decode {args.kv} batch {args.batch} mean context {int(sl.float().mean())} splits {splits}: "
-        f"{us:.1f} us (with the merge), {nbytes / us / 1e6:.2f} TB/s of K/V bytes"
-    )
+    return us, int(sl.sum()) * HK * D * 2 * k.element_size() / us / 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--kv", choices=["bf16", "fp8"], default="fp8")
+    p.add_argument("--batch", default="129", help="sequences in the step, N[,N...] (129: session 20's tail step)")
+    p.add_argument("--context", type=int, default=1058, help="mean context length (1,058 at batch 129)")
+    p.add_argument("--launches", type=int, default=20)
+    p.add_argument("--wide", type=int, default=None, help="force the kernel's WIDE_MMA (0..3)")
+    p.add_argument("--tile", default="shipped", help="shipped or NxWxS[xR], comma-separated: the configs to time")
+    args = p.parse_args()
+    if args.wide is not None:
+        ops.DECODE_FLAG_OVERRIDES["WIDE_MMA"] = args.wide
+    total: dict[str, float] = {}
+    for spec in args.tile.split(","):
+        config = parse_tile(spec)
+        for batch in map(int, args.batch.split(",")):
+            us, tbs = time_step(args.kv, batch, args.context, config, args.launches)
+            total[spec] = total.get(spec, 0.0) + us
+            print(f"decode {args.kv} {spec} batch {batch}: {us:.1f} us (with the merge), {tbs:.2f} TB/s of K/V bytes")
+    if len(total) > 1:
+        best = min(total, key=total.__getitem__)
+        print(
+            f"best tile {best} ({total[best]:.1f} us over the batches; shipped {total.get('shipped', float('nan')):.1f})"
+        )
 
 
 if __name__ == "__main__":

@@ -55,6 +55,14 @@ def test_tile_overrides_take_paged_decodes_arguments(ab_engine, tma):
     assert call(torch.bfloat16, False, tma) == triton_ops.KernelConfig(16, 64, 4, 2)
 
 
+def test_a_tile_override_may_cap_the_registers(ab_engine):
+    apply, valid = ab_engine.SETTINGS["fp8tile"]
+    assert valid("128x4x5x128") and not valid("128x4") and not valid("128x4x5x128x1") and not valid("128x4x5x0")
+    apply("128x4x5x128")
+    assert _call_like_paged_decode(torch.bfloat16, True, True) == triton_ops.KernelConfig(16, 128, 4, 5, 128)
+    assert _call_like_paged_decode(torch.bfloat16, False, True).maxnreg is None  # 16-bit caches keep theirs
+
+
 @pytest.mark.parametrize("value,expected", [("0", "0"), ("1", "1"), ("fp8", "fp8")])
 def test_the_tma_switch(ab_engine, value, expected):
     apply, valid = ab_engine.SETTINGS["tma"]

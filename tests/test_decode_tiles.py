@@ -92,7 +92,14 @@ def test_no_tma_on_the_cpu_outside_the_interpreter(monkeypatch):
 
 
 def _compile_decode_for_sm90(
-    kv: str, block_n: int, tma: bool, num_stages: int = 3, hints: bool = True, wide_mma: int = 0, model: str = "bf16"
+    kv: str,
+    block_n: int,
+    tma: bool,
+    num_stages: int = 3,
+    hints: bool = True,
+    wide_mma: int = 0,
+    model: str = "bf16",
+    maxnreg: int | None = None,
 ):
     """The decode kernel compiled offline for an H200 (no GPU needed): ``kv`` the cache's Triton
     type (``bf16`` or ``fp8e4nv``), one 256-slot block per table entry, TILE_BLOCK on. The data
@@ -119,7 +126,7 @@ def _compile_decode_for_sm90(
     source = ASTSource(
         fn=kernel, signature=signature, constexprs=constexprs, attrs=runtime_hints(kernel) if hints else {}
     )
-    options = {"num_warps": 4, "num_stages": num_stages}
+    options = {"num_warps": 4, "num_stages": num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg})}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -255,3 +262,32 @@ def test_the_kernels_refuse_a_bad_cache_pair_naming_what_is_wrong():
         triton_ops.check_cache(k, v.to(torch.float16))
     with pytest.raises(ValueError, match="contiguous last dim"):
         triton_ops.check_cache(k.transpose(2, 3), k.transpose(2, 3))
+
+
+def _resources(cubin: bytes, tmp_path) -> dict[str, int]:
+    """Registers, local memory (spills) and the like of a compiled kernel, read by cuobjdump."""
+    import subprocess
+    from pathlib import Path
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        pytest.skip(f"Triton's cuobjdump is not at {tool}: cannot read a kernel's registers")
+    path = tmp_path / "kernel.cubin"
+    path.write_bytes(cubin)
+    out = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True, check=True).stdout
+    return {k: int(v) for k, v in re.findall(r"(REG|LOCAL|STACK):(\d+)", out)}
+
+
+@pytest.mark.parametrize("stages", [3, 5])
+def test_maxnreg_caps_the_fp8_decode_kernels_registers_without_spills(stages, tmp_path):
+    """``KernelConfig.maxnreg`` (session 25's occupancy A/B): the shipped FP8 TMA kernel compiles to
+    more than 128 registers per thread (168: 3 CTAs of 128 threads per SM); capped at 128 it fits 4
+    and ptxas keeps everything in registers (no local memory). The control is the compile without
+    the cap, which must be over 128, or the cap would test nothing."""
+    free = _resources(_compile_decode_for_sm90("fp8e4nv", 128, tma=True, num_stages=stages).asm["cubin"], tmp_path)
+    capped = _compile_decode_for_sm90("fp8e4nv", 128, tma=True, num_stages=stages, maxnreg=128)
+    got = _resources(capped.asm["cubin"], tmp_path)
+    assert free["REG"] > 128, free
+    assert got["REG"] <= 128 and got["LOCAL"] == 0 and got["STACK"] == 0, got

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scripts.ncu_decode import BLOCK, HK, HQ, D, tail_step
+from nanovllm.attention import triton_ops
+from scripts.ncu_decode import BLOCK, HK, HQ, D, parse_tile, tail_step
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
@@ -34,3 +35,11 @@ def test_a_wrong_layout_fails_the_stride_check():
     _, k, _, _, _ = tail_step(2, 300, "bf16", device="cpu")
     slot_major = k.contiguous()
     assert slot_major.shape == k.shape and slot_major.stride() != k.stride()
+
+
+def test_tile_specs():
+    assert parse_tile("shipped") is None  # the engine's own config
+    assert parse_tile("128x4x5") == triton_ops.KernelConfig(16, 128, 4, 5)
+    assert parse_tile("64x4x5x128") == triton_ops.KernelConfig(16, 64, 4, 5, 128)
+    with pytest.raises(ValueError):
+        parse_tile("128x4")

@@ -54,6 +54,9 @@ class KernelConfig:
     block_n: int  # keys per tile
     num_warps: int
     num_stages: int
+    # the most registers a thread may use (ptxas' .maxnreg; None: the compiler's choice), for A/B
+    # runs of occupancy: at 128 an FP8 decode program fits 4 CTAs per SM where 168 fits 3
+    maxnreg: int | None = None
 
 
 TMA_BLOCK_N = 128  # the keys per TMA box of decode_config; TMA needs blocks that hold whole boxes
@@ -665,6 +668,7 @@ def paged_decode(
         WIDEN=_widen(q.dtype),
         **flags,
         **pdl.launch_args(q),
+        **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )
     if num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](

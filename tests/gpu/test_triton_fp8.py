@@ -9,6 +9,8 @@ GPU only: Triton's CPU interpreter has no float8 arithmetic."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import random
 
 import pytest
@@ -103,11 +105,13 @@ def test_decode_fp8_matches_reference(block_size, group, head_dim, splits, wide_
 @pytest.mark.parametrize("block_size,group,head_dim", [(256, 2, 128), (128, 8, 64), (256, 1, 64)])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("wide_mma", [0, 3])
-def test_decode_fp8_tma_matches_reference(block_size, group, head_dim, splits, wide_mma, monkeypatch):
+@pytest.mark.parametrize("maxnreg", [None, 128])
+def test_decode_fp8_tma_matches_reference(block_size, group, head_dim, splits, wide_mma, maxnreg, monkeypatch):
     """The shipped FP8 path on a Hopper GPU: a head-major cache of whole 128-key boxes takes TMA by
     default (128-key boxes, double-buffered); the NaN-poisoned slots past each sequence's end are
     read by the boxes and must be masked. Control: the wrong v_scale misses. ``wide_mma``: the
-    widened tiles as 8-bit-loaded MMA operands (0) or as 16-bit ones (3)."""
+    widened tiles as 8-bit-loaded MMA operands (0) or as 16-bit ones (3); ``maxnreg``: the shipped
+    tiles with at most 128 registers per thread (an A/B config, session 25)."""
     monkeypatch.setitem(triton_ops.DECODE_FLAG_OVERRIDES, "WIDE_MMA", wide_mma)
     rng = random.Random(block_size * 77 + group * 10 + head_dim + splits)
     lens = _lengths(block_size, rng, 9, 4096)
@@ -118,6 +122,10 @@ def test_decode_fp8_tma_matches_reference(block_size, group, head_dim, splits, w
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("TMA needs compute capability 9.0 or newer")
     assert triton_ops.wants_tma(c.q, k, v), "the default must take TMA here"
+    config = None
+    if maxnreg is not None:
+        shipped = triton_ops.decode_config(head_dim, c.q.dtype, kv_fp8=True, tma=True)
+        config = dataclasses.replace(shipped, maxnreg=maxnreg)
     made = []
     real = triton_ops.tma_descriptors
     monkeypatch.setattr(triton_ops, "tma_descriptors", lambda *a: made.append(real(*a)) or made[-1])
@@ -126,7 +134,7 @@ def test_decode_fp8_tma_matches_reference(block_size, group, head_dim, splits, w
         out = torch.full_like(c.q, float("nan"))
         triton_ops.paged_decode(
             c.q, k, v, c.meta.block_tables, c.meta.seq_lens, c.scale,
-            num_splits=splits, out=out, k_scale=K_SCALE, v_scale=v_scale,
+            num_splits=splits, out=out, k_scale=K_SCALE, v_scale=v_scale, config=config,
         )  # fmt: skip
         return out
 
@@ -134,6 +142,10 @@ def test_decode_fp8_tma_matches_reference(block_size, group, head_dim, splits, w
     assert_close(run(V_SCALE), ref, f"fp8 TMA decode bs={block_size} g={group} d={head_dim} splits={splits}")
     assert made and all(d is not None for d in made), "the launch must have used TMA descriptors"
     assert _far(run(1.0), ref), "control: the wrong v_scale must miss the reference"
+    if maxnreg is not None:  # the cap reached the compiler: a kernel built with it, within it
+        kernel_cache = triton_ops._decode_kernel.device_caches[torch.cuda.current_device()][0]
+        capped = [k for k in kernel_cache.values() if k.metadata.maxnreg == maxnreg]
+        assert capped and all(k.n_regs <= maxnreg for k in capped), [(k.metadata.maxnreg, k.n_regs) for k in capped]
 
 
 @pytest.mark.parametrize("block_size,group,head_dim", SHAPES[1::4])
