@@ -10,7 +10,6 @@ GPU only: Triton's CPU interpreter has no float8 arithmetic."""
 from __future__ import annotations
 
 import dataclasses
-
 import random
 
 import pytest
