@@ -60,13 +60,15 @@ def parse_tile(spec: str) -> ops.KernelConfig | None:
     return ops.KernelConfig(16, n, w, st, reg[0] if reg else None)
 
 
-def time_step(kv: str, batch: int, context: int, config: ops.KernelConfig | None, launches: int) -> tuple[float, float]:
+def time_step(
+    kv: str, batch: int, context: int, config: ops.KernelConfig | None, launches: int, splits: int | None = None
+) -> tuple[float, float]:
     """Median microseconds per ``paged_decode`` call (the merge included) replayed from a CUDA graph,
     as the engine runs decode steps (a launch costs the host more than the kernel takes: an FP8
     cache's TMA descriptors are made on each call), and the TB/s of K/V bytes that makes."""
     q, k, v, bt, sl = tail_step(batch, context, kv)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = ops.num_decode_splits(batch, HK, sms, kv_fp8=kv == "fp8")
+    splits = splits or ops.num_decode_splits(batch, HK, sms, kv_fp8=kv == "fp8")
     out = torch.empty_like(q)
     part = torch.empty(batch * HQ * splits * D, dtype=torch.float32, device="cuda")
     lse = torch.empty(batch * HQ * splits, dtype=torch.float32, device="cuda")
@@ -100,6 +102,7 @@ def main() -> None:
     p.add_argument("--launches", type=int, default=20)
     p.add_argument("--wide", type=int, default=None, help="force the kernel's WIDE_MMA (0..3)")
     p.add_argument("--tile", default="shipped", help="shipped or NxWxS[xR], comma-separated: the configs to time")
+    p.add_argument("--splits", default="", help="split factors N[,N...] to time instead of the engine's choice")
     args = p.parse_args()
     if args.wide is not None:
         ops.DECODE_FLAG_OVERRIDES["WIDE_MMA"] = args.wide
@@ -107,9 +110,11 @@ def main() -> None:
     for spec in args.tile.split(","):
         config = parse_tile(spec)
         for batch in map(int, args.batch.split(",")):
-            us, tbs = time_step(args.kv, batch, args.context, config, args.launches)
-            total[spec] = total.get(spec, 0.0) + us
-            print(f"decode {args.kv} {spec} batch {batch}: {us:.1f} us (with the merge), {tbs:.2f} TB/s of K/V bytes")
+            for splits in [int(n) for n in args.splits.split(",") if n] or [None]:
+                us, tbs = time_step(args.kv, batch, args.context, config, args.launches, splits)
+                total[spec] = total.get(spec, 0.0) + us
+                how = f"splits {splits}" if splits else "the engine's splits"
+                print(f"decode {args.kv} {spec} batch {batch} {how}: {us:.1f} us (with the merge), {tbs:.2f} TB/s")
     if len(total) > 1:
         best = min(total, key=total.__getitem__)
         print(
