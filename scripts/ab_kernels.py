@@ -77,8 +77,10 @@ def prefill_steps(limit: int) -> list[list[tuple[int, int]]]:
     return steps
 
 
-def paged(specs: list[tuple[int, int]], block_size: int = 256):
-    gen = torch.Generator().manual_seed(0)
+def paged(specs: list[tuple[int, int]], block_size: int = 256, device: str = "cuda", seed: int = 0):
+    """q, K/V caches (slot-major, bf16), cumulative query starts, lengths and block tables for
+    sequences of (context, new tokens) ``specs``, their blocks shuffled over the cache."""
+    gen = torch.Generator().manual_seed(seed)
     totals = [c + q for c, q in specs]
     tables, nxt = [], 0
     for n in totals:
@@ -88,13 +90,13 @@ def paged(specs: list[tuple[int, int]], block_size: int = 256):
     perm = torch.randperm(nxt, generator=gen).tolist()
     tables = [[perm[b] for b in t] for t in tables]
     width = max(len(t) for t in tables)
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device="cuda")
-    k = torch.randn(nxt, block_size, HK, D, device="cuda", dtype=torch.bfloat16)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+    k = torch.randn(nxt, block_size, HK, D, device=device, dtype=torch.bfloat16)
     v = torch.randn_like(k)
     qs = [q for _, q in specs]
-    qsl = torch.tensor([0, *itertools.accumulate(qs)], dtype=torch.int32, device="cuda")
-    sl = torch.tensor(totals, dtype=torch.int32, device="cuda")
-    q = torch.randn(sum(qs), HQ, D, device="cuda", dtype=torch.bfloat16)
+    qsl = torch.tensor([0, *itertools.accumulate(qs)], dtype=torch.int32, device=device)
+    sl = torch.tensor(totals, dtype=torch.int32, device=device)
+    q = torch.randn(sum(qs), HQ, D, device=device, dtype=torch.bfloat16)
     return q, k, v, qsl, sl, bt
 
 
@@ -147,26 +149,42 @@ def decode_steps(stride: int = 50) -> list[list[int]]:
     return steps
 
 
+def graph_us(fn, launches: int = 20) -> float:
+    """Microseconds per call of ``fn`` (already run once: compiled), ``launches`` calls captured in a
+    CUDA graph and replayed (do_bench median), as the engine replays its decode steps. Timing the
+    calls themselves would time the host: a paged_decode call on an FP8 cache costs ~220-250 us of
+    host time (its TMA descriptors are made on each call) for a ~115 us kernel at batch 129 on an
+    H100 (session 25)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    return do_bench(graph.replay, warmup=5, rep=50) * 1e3 / launches
+
+
 def time_decode(
     q, kc, vc, bt, sl, splits: int, ref: torch.Tensor | None, config: ops.KernelConfig | None = None
 ) -> tuple[float, float, torch.Tensor]:
-    """do_bench median (us) of one paged_decode, its output's largest distance from ``ref``, and the
-    reference for the next variants (this output when ``ref`` is None, so the first variant's)."""
+    """Microseconds per paged_decode call (``graph_us``), its output's largest distance from ``ref``,
+    and the reference for the next variants (this output when ``ref`` is None, so the first
+    variant's). Until session 25 this timed the calls with do_bench, host launch included."""
     out = torch.empty_like(q)
+    part = torch.empty(q.shape[0] * q.shape[1] * splits * D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(q.shape[0] * q.shape[1] * splits, dtype=torch.float32, device=q.device)
 
     def fn():
-        ops.paged_decode(q, kc, vc, bt, sl, D**-0.5, num_splits=splits, out=out, config=config)
+        ops.paged_decode(q, kc, vc, bt, sl, D**-0.5, num_splits=splits, workspace=(part, lse), out=out, config=config)
 
     fn()
     ref = out.clone() if ref is None else ref
     diff = (out.float() - ref.float()).abs().max().item()
-    return do_bench(fn, warmup=10, rep=50) * 1e3, diff, ref
+    return graph_us(fn), diff, ref
 
 
 def decode(stride: int = 50) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     steps = decode_steps(stride)
-    print(f"## decode attention over {len(steps)} decode steps of the workload (every {stride}th), do_bench median")
+    print(f"## decode attention over {len(steps)} decode steps of the workload (every {stride}th), from CUDA graphs")
     totals: dict[tuple[str, int], float] = {}
     for ctx in steps:
         q, k, v, _, sl, bt = paged([(c - 1, 1) for c in ctx])
@@ -196,7 +214,7 @@ def layout(stride: int = 50) -> None:
     """Session 9: slot-major (each key's 8 heads side by side: a head's keys 2 KB apart) against
     head-major (a head's keys of a block contiguous), decode and prefill, bf16 and FP8."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print("## cache layout: slot-major (now) vs head-major, do_bench median")
+    print("## cache layout: slot-major (now) vs head-major, decode from CUDA graphs, prefill do_bench median")
     totals: dict[str, float] = {}
     for ctx in decode_steps(stride):
         q, k, v, _, sl, bt = paged([(c - 1, 1) for c in ctx])
@@ -259,7 +277,7 @@ def tiles(configs: str = TILES, waves_list: str = "2", stride: int = 100, kv: st
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = [tuple(map(int, c.split("x"))) for c in configs.split(",")]
     waves_all = [int(w) for w in waves_list.split(",")]
-    print(f"## decode tile configs, head-major {kv} cache, every {stride}th decode step, do_bench median")
+    print(f"## decode tile configs, head-major {kv} cache, every {stride}th decode step, from CUDA graphs")
     totals: dict[tuple[int, int, int, bool, int], float] = {}
     for ctx in decode_steps(stride):
         q, k, v, _, sl, bt = paged([(c - 1, 1) for c in ctx])

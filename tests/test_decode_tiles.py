@@ -282,10 +282,11 @@ def _resources(cubin: bytes, tmp_path) -> dict[str, int]:
 
 @pytest.mark.parametrize("stages", [3, 5])
 def test_maxnreg_caps_the_fp8_decode_kernels_registers_without_spills(stages, tmp_path):
-    """``KernelConfig.maxnreg`` (session 25's occupancy A/B): the shipped FP8 TMA kernel compiles to
-    more than 128 registers per thread (168: 3 CTAs of 128 threads per SM); capped at 128 it fits 4
-    and ptxas keeps everything in registers (no local memory). The control is the compile without
-    the cap, which must be over 128, or the cap would test nothing."""
+    """``KernelConfig.maxnreg`` (session 25's occupancy A/B): the FP8 TMA kernel compiles to more
+    than 128 registers per thread (168-184 by variant: at most 3 CTAs of 128 threads per SM); capped
+    at 128 (4 CTAs where shared memory allows: at 3 stages) ptxas keeps everything in registers (no
+    local memory). The control is the compile without the cap, which must be over 128, or the cap
+    would test nothing."""
     free = _resources(_compile_decode_for_sm90("fp8e4nv", 128, tma=True, num_stages=stages).asm["cubin"], tmp_path)
     capped = _compile_decode_for_sm90("fp8e4nv", 128, tma=True, num_stages=stages, maxnreg=128)
     got = _resources(capped.asm["cubin"], tmp_path)
