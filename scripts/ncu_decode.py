@@ -12,6 +12,7 @@ the profiler. Under ncu, ``--launch-skip 1`` skips the compiling call and profil
 
     PYTHONPATH=. python3 scripts/ncu_decode.py --kv fp8 --batch 129
     PYTHONPATH=. python3 scripts/ncu_decode.py --tile shipped,128x4x3x128 --batch 64,129,256   # A/B
+    PYTHONPATH=. python3 scripts/ncu_decode.py --tile shipped,streamk --batch 32,64,129,256
     PYTHONPATH=. python3 scripts/ncu_decode.py --batch 129,258 --splits 1,2,4
     ncu --clock-control none --kernel-name regex:_decode_kernel --launch-skip 1 --launch-count 1 \\
         --set full python3 scripts/ncu_decode.py --kv fp8 --batch 129 --launches 2
@@ -24,6 +25,7 @@ import argparse
 import torch
 import triton
 
+from nanovllm.attention import decode_streamk
 from nanovllm.attention import triton_ops as ops
 from scripts.ab_kernels import graph_us, head_major, paged
 
@@ -42,28 +44,47 @@ def tail_step(batch: int, context: int, kv: str, seed: int = 0, device: str = "c
 
 
 def parse_tile(spec: str) -> ops.KernelConfig | None:
-    """``shipped`` (None: the engine's config) or ``NxWxS[xR]``: keys per tile, warps, stages and
-    at most R registers per thread (``maxnreg``)."""
-    if spec == "shipped":
+    """``shipped`` or ``streamk`` (None: the engine's config; ``streamk`` times
+    ``decode_streamk.paged_decode_streamk`` with its own) or ``NxWxS[xR]``: keys per tile, warps,
+    stages and at most R registers per thread (``maxnreg``), for the shipped kernel."""
+    if spec in ("shipped", "streamk"):
         return None
     n, w, st, *reg = map(int, spec.split("x"))
     return ops.KernelConfig(16, n, w, st, reg[0] if reg else None)
 
 
 def time_step(
-    kv: str, batch: int, context: int, config: ops.KernelConfig | None, launches: int, splits: int | None = None
+    kv: str,
+    batch: int,
+    context: int,
+    config: ops.KernelConfig | None,
+    launches: int,
+    splits: int | None = None,
+    streamk: bool = False,
 ) -> tuple[float, float, int]:
     """Microseconds per ``paged_decode`` call (the merge included), the TB/s of K/V bytes that
-    makes, and the split factor used (``splits``, or the engine's choice when None)."""
+    makes, and the split factor used (``splits``, or the engine's choice when None). ``streamk``:
+    ``paged_decode_streamk`` instead, its tile map and merge included (``splits`` then counts its
+    programs per SM)."""
     q, k, v, bt, sl = tail_step(batch, context, kv)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = splits or ops.num_decode_splits(batch, HK, sms, kv_fp8=kv == "fp8")
     out = torch.empty_like(q)
-    part = torch.empty(batch * HQ * splits * D, dtype=torch.float32, device="cuda")
-    lse = torch.empty(batch * HQ * splits, dtype=torch.float32, device="cuda")
+    if streamk:
+        splits = splits or decode_streamk.PROGRAMS_PER_SM
+        programs = splits * sms
+        max_tiles = -(-bt.shape[1] * BLOCK // 32)  # room for the smallest tiles
+        ws = decode_streamk.StreamKWorkspace.allocate(batch, max_tiles, HK, HQ // HK, D, programs, q.device)
 
-    def launch() -> None:
-        ops.paged_decode(q, k, v, bt, sl, D**-0.5, num_splits=splits, workspace=(part, lse), out=out, config=config)
+        def launch() -> None:
+            decode_streamk.paged_decode_streamk(q, k, v, bt, sl, D**-0.5, programs=programs, workspace=ws, out=out)
+
+    else:
+        splits = splits or ops.num_decode_splits(batch, HK, sms, kv_fp8=kv == "fp8")
+        part = torch.empty(batch * HQ * splits * D, dtype=torch.float32, device="cuda")
+        lse = torch.empty(batch * HQ * splits, dtype=torch.float32, device="cuda")
+
+        def launch() -> None:
+            ops.paged_decode(q, k, v, bt, sl, D**-0.5, num_splits=splits, workspace=(part, lse), out=out, config=config)
 
     launch()  # compiles
     torch.cuda.synchronize()
@@ -78,8 +99,12 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1058, help="mean context length (1,058 at batch 129)")
     p.add_argument("--launches", type=int, default=20, help="calls per CUDA graph")
     p.add_argument("--wide", type=int, default=None, help="force the kernel's WIDE_MMA (0..3)")
-    p.add_argument("--tile", default="shipped", help="shipped or NxWxS[xR], comma-separated: the configs to time")
-    p.add_argument("--splits", default="", help="split factors N[,N...] to time instead of the engine's choice")
+    p.add_argument(
+        "--tile", default="shipped", help="shipped, streamk or NxWxS[xR], comma-separated: the configs to time"
+    )
+    p.add_argument(
+        "--splits", default="", help="split factors N[,N...] instead of the engine's choice (streamk: programs per SM)"
+    )
     args = p.parse_args()
     if args.wide is not None:
         ops.DECODE_FLAG_OVERRIDES["WIDE_MMA"] = args.wide
@@ -90,7 +115,9 @@ def main() -> None:
         for asked in splits_list:
             for batch in map(int, args.batch.split(",")):
                 try:
-                    us, tbs, used = time_step(args.kv, batch, args.context, config, args.launches, asked)
+                    us, tbs, used = time_step(
+                        args.kv, batch, args.context, config, args.launches, asked, streamk=spec == "streamk"
+                    )
                 except triton.runtime.errors.OutOfResources as e:  # shared memory: never the fastest
                     total[spec, asked] = float("inf")
                     print(f"decode {args.kv} {spec} batch {batch}: does not fit ({e})")

@@ -37,6 +37,7 @@ HELPERS = {
     "release_then_wait",
     "enter",
     "_fp8_to_f16_asm",
+    "_fp8_to_finite_f16_asm",
     "_opaque16",
     "_prefill_tile",
     "_decode_tile",

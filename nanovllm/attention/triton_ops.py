@@ -248,6 +248,25 @@ def _fp8_to_f16_asm(x):
 
 
 @triton.jit
+def _fp8_to_finite_f16_asm(x):
+    """``_fp8_to_f16_asm`` with every value clamped to float16's finite range: a NaN byte (e4m3fn
+    has no infinity) becomes -65504, so a V row multiplied by a softmax weight of 0 adds 0. For
+    tiles whose rows past a sequence's end are not masked (stream-K decode, where any tile may end
+    an item: masking V there moves the widened tile through shared memory, 32 KB more)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; .reg .b32 a, b, low, high; mov.b32 {lo, hi}, $2; "
+        "mov.b32 low, 0xFBFFFBFF; mov.b32 high, 0x7BFF7BFF; "
+        "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
+        "max.f16x2 a, a, low; max.f16x2 b, b, low; min.f16x2 $0, a, high; min.f16x2 $1, b, high; }",
+        "=r,=r,r",
+        [x],
+        dtype=tl.float16,
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
 def _opaque16(x):
     """``x`` (a 16-bit tile) copied by a PTX ``mov`` marked as having side effects, so that Triton's
     search for the width an MMA operand was loaded with stops here and finds 16 bits, not the FP8
@@ -263,9 +282,11 @@ def _decode_tile(
     qk_scale, stride_cb, stride_cs, stride_ch,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr, V_ASM: tl.constexpr, TILE_BLOCK: tl.constexpr, TMA: tl.constexpr, MASK_V: tl.constexpr,
-    WIDE_MMA: tl.constexpr = 0,
+    WIDE_MMA: tl.constexpr = 0, V_FINITE: tl.constexpr = False,
 ):  # fmt: skip
-    """One key tile [n0, n0 + BLOCK_N) of the decode kernel: the online-softmax update."""
+    """One key tile [n0, n0 + BLOCK_N) of the decode kernel: the online-softmax update. ``MASK_V``
+    zeroes V's rows past ``end`` (NaN there would poison the product); ``V_FINITE`` (FP8 with
+    ``V_ASM`` only) clamps the widened V to finite values instead, so those rows add 0 x finite."""
     pos = n0 + offs_n
     n_mask = pos < end
     kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
@@ -298,7 +319,9 @@ def _decode_tile(
     else:
         v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     if KV_FP8:
-        if V_ASM:
+        if V_ASM and V_FINITE:
+            v = _fp8_to_finite_f16_asm(v)
+        elif V_ASM:
             v = _fp8_to_f16_asm(v)
         else:
             v = v.to(q.dtype)

@@ -153,6 +153,70 @@ def test_decode_fp8_tma_matches_reference(block_size, group, head_dim, splits, w
         assert all(kern.n_regs <= maxnreg for kern in launched), [kern.n_regs for kern in launched]
 
 
+@pytest.mark.parametrize("programs", [3, None])
+def test_decode_fp8_streamk_matches_reference(programs):
+    """Stream-K decode (``decode_streamk``) on the shipped FP8 path: TMA boxes of the head-major
+    cache, V widened by PTX and clamped finite instead of masked (``V_FINITE``), registers capped
+    (``FP8_MAXNREG``). The NaN-poisoned slots past each sequence's end are read by the boxes: their
+    scores must be -inf and their V rows must add nothing. ``programs``: 3 (programs start and end
+    mid-item) or one wave (the default). Control: the wrong v_scale misses."""
+    from nanovllm.attention import decode_streamk
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA needs compute capability 9.0 or newer")
+    rng = random.Random(31 + (programs or 0))
+    lens = [0] + _lengths(256, rng, 9, 4096)  # a padding row (seq_len 0) first
+    fc = Fp8Case(PagedCase([(max(n - 1, 0), 1) for n in lens], 256, 2, 128, seed=rng.randint(0, 1 << 30)))
+    c = fc.case
+    seq_lens = c.meta.seq_lens.clone()
+    seq_lens[0] = 0
+    k, v = _head_major(fc.k_cache), _head_major(fc.v_cache)
+    assert triton_ops.wants_tma(c.q, k, v)
+
+    def run(v_scale: float) -> torch.Tensor:
+        out = torch.full_like(c.q, float("nan"))
+        decode_streamk.paged_decode_streamk(
+            c.q, k, v, c.meta.block_tables, seq_lens, c.scale, programs=programs, out=out, k_scale=K_SCALE,
+            v_scale=v_scale,
+        )  # fmt: skip
+        return out
+
+    ref = fc.reference()
+    out = run(V_SCALE)
+    assert torch.equal(out[0].cpu(), torch.zeros_like(out[0].cpu())), "the padding row must be zeros"
+    assert_close(out[1:], ref[1:], f"fp8 stream-K decode programs={programs}")
+    assert _far(run(1.0)[1:], ref[1:]), "control: the wrong v_scale must miss the reference"
+
+
+def test_fp8_finite_widening_clamps_only_nan():
+    """``_fp8_to_finite_f16_asm`` (stream-K's unmasked V): every e4m3 byte but NaN widens to the
+    value ``_fp8_to_f16_asm`` gives (torch's conversion), and NaN (0x7F, 0xFF) to a finite value.
+    Control: the plain widening gives NaN for those two bytes, so the check sees them."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def widen(x_ptr, out_ptr, FINITE: tl.constexpr):
+        offs = tl.arange(0, 256)
+        x = tl.load(x_ptr + offs)
+        y = triton_ops._fp8_to_finite_f16_asm(x) if FINITE else triton_ops._fp8_to_f16_asm(x)
+        tl.store(out_ptr + offs, y)
+
+    x = torch.arange(256, dtype=torch.uint8, device="cuda").view(FP8)
+    nan = torch.isnan(x.float())
+    assert nan.sum() == 2, "e4m3fn has two NaN bytes"
+
+    def run(finite: bool) -> torch.Tensor:
+        out = torch.empty(256, dtype=torch.float16, device="cuda")
+        widen[(1,)](x, out, FINITE=finite)
+        return out
+
+    plain, finite = run(False), run(True)
+    assert torch.equal(plain[~nan], x.to(torch.float16)[~nan])
+    assert torch.isnan(plain[nan]).all(), "control: the plain widening keeps NaN"
+    assert torch.equal(finite[~nan], plain[~nan]) and torch.isfinite(finite).all()
+
+
 @pytest.mark.parametrize("block_size,group,head_dim", SHAPES[1::4])
 def test_prefill_fp8_matches_reference(block_size, group, head_dim):
     rng = random.Random(block_size * 31 + group * 7 + head_dim)

@@ -295,6 +295,103 @@ def test_decode_tma_control_unmasked_values_give_nan(monkeypatch):
         assert_close(_decode_tma(case, 1, 64), case.reference(), "control: V unmasked")
 
 
+# ---------------------------------------------------------- decode, stream-K
+decode_streamk = pytest.importorskip("nanovllm.attention.decode_streamk", reason="needs triton")
+STREAMK_SHAPE = (128, 2, 64) if INTERPRET else (256, 2, 128)
+
+
+def _streamk_case(seed: int) -> tuple[PagedCase, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A case of edge lengths (whole tiles, one key, a key past a tile) with two padding rows
+    (seq_len 0, graph padding) in the middle and at the end: q, tables, lengths with them."""
+    block_size, group, head_dim = STREAMK_SHAPE
+    rng = random.Random(seed)
+    lens = _lengths(block_size, rng, 5 if INTERPRET else 9, MAX_CTX)
+    case = PagedCase([(n - 1, 1) for n in lens], block_size, group, head_dim, seed=rng.randint(0, 1 << 30))
+    pad = [1, len(lens) + 1]  # row positions of the padding rows after insertion
+    q, tables, seq_lens = case.q, case.meta.block_tables, case.meta.seq_lens
+    for at in pad:
+        q = torch.cat([q[:at], torch.randn_like(q[:1]), q[at:]])
+        tables = torch.cat([tables[:at], torch.zeros_like(tables[:1]), tables[at:]])
+        seq_lens = torch.cat([seq_lens[:at], torch.zeros_like(seq_lens[:1]), seq_lens[at:]])
+    return case, q, tables, seq_lens
+
+
+def _real_rows(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    keep = [i for i in range(out.shape[0]) if i not in (1, out.shape[0] - 1)]
+    return out[keep], out[[1, out.shape[0] - 1]]
+
+
+@pytest.mark.parametrize("programs", [1, 3, 7, 64])
+@pytest.mark.parametrize("tma", [False, True])
+def test_decode_streamk_matches_reference(programs, tma, monkeypatch):
+    """Stream-K decode (``decode_streamk``): a fixed grid walks all items' key tiles, so programs
+    start and end mid-item (3, 7), one walks everything (1), or many get no tile (64 at the
+    interpreter's small contexts); each item's partials are merged. Padding rows (seq_len 0) give
+    zeros. ``tma``: the tiles copied as boxes from the head-major cache (emulated by the
+    interpreter)."""
+    case, q, tables, seq_lens = _streamk_case(programs * 2 + tma)
+    k, v = case.k_cache, case.v_cache
+    config = None
+    if tma:
+        monkeypatch.setitem(triton_ops.DECODE_FLAG_OVERRIDES, "TMA", True)
+        k, v = _head_major(k), _head_major(v)
+        config = triton_ops.KernelConfig(16, 64, 4, 3) if INTERPRET else None
+    out = torch.full_like(q, float("nan"))
+    decode_streamk.paged_decode_streamk(
+        q, k, v, tables, seq_lens, case.scale, programs=programs, out=out, config=config
+    )
+    real, padding = _real_rows(out)
+    assert_close(real, case.reference(), f"stream-K decode programs={programs} tma={tma}")
+    assert torch.equal(padding.cpu(), torch.zeros_like(padding.cpu())), "padding rows must be zeros"
+
+
+@pytest.mark.skipif(
+    not INTERPRET, reason="the mutant kernels are built from source text, which only the interpreter runs"
+)
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        # every program writes an item's partial to the item's own slot: items split between
+        # programs overwrite each other's partials
+        ("row = (item + pid) * GROUP + offs_g", "row = item * GROUP + offs_g"),
+        # a program that starts mid-item keeps the query of zeros it started with
+        ("first = (j == 0) | (t == t0)", "first = j == 0"),
+    ],
+)
+def test_decode_streamk_controls(old, new, monkeypatch):
+    """Negative controls of test_decode_streamk_matches_reference: on a case where programs start
+    mid-item, the shipped stream-K kernel passes the check and each of two one-line source mutants
+    of it fails it."""
+    import inspect
+    import textwrap
+
+    import triton
+
+    block_size, group, head_dim = STREAMK_SHAPE
+    case = PagedCase([(299, 1)] * 3, block_size, group, head_dim, seed=6)
+    # 3 sequences x 2 heads x 3 tiles of 128 keys = 18 tiles; 4 programs take 5 each, so the
+    # second and third start mid-item (items start at multiples of 3)
+    assert triton_ops.decode_config(head_dim, case.q.dtype).block_n == 128 and NUM_KV_HEADS == 2
+
+    def run() -> torch.Tensor:
+        out = torch.full_like(case.q, float("nan"))
+        tables, seq_lens = case.meta.block_tables, case.meta.seq_lens
+        decode_streamk.paged_decode_streamk(
+            case.q, case.k_cache, case.v_cache, tables, seq_lens, case.scale, programs=4, out=out
+        )
+        return out
+
+    assert_close(run(), case.reference(), "stream-K decode, programs starting mid-item")
+    src = textwrap.dedent(inspect.getsource(decode_streamk._decode_streamk_kernel.fn))
+    assert src.count(old) == 1, old
+    src = src[src.index("def _decode_streamk_kernel") :]
+    scope = dict(vars(decode_streamk))
+    exec(src.replace(old, new), scope)
+    monkeypatch.setattr(decode_streamk, "_decode_streamk_kernel", triton.jit(scope["_decode_streamk_kernel"]))
+    with pytest.raises(AssertionError):
+        assert_close(run(), case.reference(), f"control: {new}")
+
+
 # --------------------------------------------------------------------- prefill
 @pytest.mark.parametrize("block_size,group,head_dim", SHAPES)
 def test_prefill_with_cached_prefix_and_chunks(block_size, group, head_dim):
