@@ -77,7 +77,7 @@ class StreamKWorkspace:
         )
 
 
-@triton.jit(do_not_specialize_on_alignment=["seq_lens_ptr"])
+@triton.jit(do_not_specialize=["num_seqs"], do_not_specialize_on_alignment=["seq_lens_ptr"])
 def _tile_map_kernel(
     seq_lens_ptr,
     tile_map_ptr,
