@@ -155,3 +155,14 @@ def test_the_row_warm_up_switch(ab_engine, monkeypatch):
     ab_engine.SETTINGS["rowwarm"][0]("1")
     assert sampling_warmup.enabled()
     assert not ab_engine.SETTINGS["rowwarm"][1]("2")
+
+
+def test_the_streamk_switch(ab_engine, monkeypatch):
+    from nanovllm.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "DECODE_STREAMK", "0")  # recorded: the option's write is undone
+    apply, valid = ab_engine.SETTINGS["streamk"]
+    assert valid("fp8") and valid("1") and valid("0") and not valid("2") and not valid("yes")
+    apply("fp8")
+    assert triton_backend.DECODE_STREAMK == "fp8"
+    assert triton_backend.TritonBackend._streamk_on(True) and not triton_backend.TritonBackend._streamk_on(False)

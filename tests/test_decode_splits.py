@@ -135,7 +135,43 @@ def test_the_runner_reserves_the_workspace_for_its_cache_dtype(monkeypatch, kv_d
         kv_dtype=getattr(torch, kv_dtype),
         dtype=torch.bfloat16,
         device=torch.device("cpu"),
-        config=SimpleNamespace(max_num_seqs=4),
+        config=SimpleNamespace(max_num_seqs=4, max_model_len=100),
     )
     ModelRunner.allocate_kv_cache(runner, 2, capture_graphs=False)
     assert backend._reserved_rows == rows and backend._lse.numel() == rows
+    assert backend._streamk is None, "the stream-K decode is off by default: nothing reserved for it"
+
+
+def test_the_runner_reserves_the_streamk_workspace_when_it_is_on(monkeypatch):
+    """With ``DECODE_STREAMK`` on, ``reserve`` also sizes the stream-K buffers: ``max_num_seqs``
+    sequences of the widest block table (``max_model_len`` rounded up to whole blocks: 112 slots,
+    so 4 tiles of the smallest, 32-key, tiles), the CPU stand-in's programs (4 SMs x 3); a step
+    that needs more then raises, before any buffer is freed."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from nanovllm.attention import decode_streamk, triton_backend
+    from nanovllm.worker.model_runner import ModelRunner
+
+    monkeypatch.setattr(triton_backend, "DECODE_STREAMK", "1")
+    backend = TritonBackend()
+    monkeypatch.setattr(backend, "new_kv_cache", lambda *a: torch.empty(0))
+    runner = SimpleNamespace(
+        attn_layers=[SimpleNamespace(num_heads=16, num_kv_heads=8, head_dim=64)],
+        backend=backend,
+        block_size=16,
+        kv_dtype=torch.bfloat16,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+        config=SimpleNamespace(max_num_seqs=4, max_model_len=100),
+    )
+    ModelRunner.allocate_kv_cache(runner, 2, capture_graphs=False)
+    programs = 4 * decode_streamk.PROGRAMS_PER_SM
+    assert backend._streamk_reserved == (4, 4, programs)
+    ws = backend._streamk
+    assert ws.tile_map.numel() == 4 * 8 * 4 and ws.lse.numel() == (4 * 8 + programs) * 2
+    assert backend._streamk_workspace(4, 4, 8, 2, 64, torch.device("cpu"))[0] is ws  # fits: the same buffers
+    with pytest.raises(RuntimeError, match="reserve"):
+        backend._streamk_workspace(5, 4, 8, 2, 64, torch.device("cpu"))
+    assert backend._streamk is ws

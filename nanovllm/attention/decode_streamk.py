@@ -21,8 +21,9 @@ Slots: from one tile to the next the item and the program each grow or stay (ite
 skipped), and at a new (item, program) pair at least one grows, so ``item + program`` never repeats;
 ``items + programs`` slots hold them all.
 
-An experiment, not on the engine's path: ``scripts/ncu_decode.py --tile streamk`` times it against
-the shipped kernel. The tiles are those of ``paged_decode`` (``_decode_tile``). Any tile may end an
+An experiment, off by default: ``NANOVLLM_DECODE_STREAMK=fp8`` (or ``1``: every cache) makes the
+engine's Triton backend use it, ``ab_engine.py streamk=fp8`` A/Bs it, and ``scripts/ncu_decode.py
+--tile streamk`` times the kernels against the shipped one. The tiles are those of ``paged_decode`` (``_decode_tile``). Any tile may end an
 item, so none can skip the treatment of keys past a sequence's end: their scores are -inf as
 always, and V's rows there are zeroed (16-bit caches) or, for FP8 caches widened by PTX, clamped
 to finite values (``V_FINITE``), which keeps the widened V out of shared memory (zeroing it
@@ -49,6 +50,7 @@ PROGRAMS_PER_SM = 3
 # nothing. 16-bit caches are not capped: their masked V tiles need 102 KB of shared memory (2 CTAs)
 # either way, and at 168 registers they spill.
 FP8_MAXNREG = 168
+MIN_BLOCK_N = 32  # the fewest keys a decode tile holds (float32 models): sizes the tile map
 
 
 @dataclass
@@ -297,9 +299,12 @@ def paged_decode_streamk(
     if workspace is None:
         max_tiles = -(-block_tables.shape[1] * block_size // cfg.block_n)
         workspace = StreamKWorkspace.allocate(num_seqs, max_tiles, num_kv_heads, group, head_dim, programs, q.device)
-    if workspace.lse.numel() < (num_seqs * num_kv_heads + programs) * group:
+    items = num_seqs * num_kv_heads
+    max_tiles = -(-block_tables.shape[1] * block_size // cfg.block_n)
+    if workspace.lse.numel() < (items + programs) * group or workspace.tile_map.numel() < items * max_tiles:
         raise ValueError(
-            f"stream-K workspace too small: {num_seqs} sequences x {num_kv_heads} heads + {programs} programs"
+            f"stream-K workspace too small: {num_seqs} sequences x {num_kv_heads} heads of up to {max_tiles} "
+            f"tiles, {programs} programs"
         )
     launch = pdl.launch_args(q)
     _tile_map_kernel[(num_seqs,)](

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from nanovllm.attention import triton_ops
+from nanovllm.attention import decode_streamk, triton_ops
 from nanovllm.attention.metadata import AttentionMetadata
 
 # fewer leading decode rows stay in the prefill kernel (one launch); None: the split is off
@@ -31,6 +31,11 @@ MIN_SPLIT_DECODES: int | None = None if os.environ.get("NANOVLLM_MIXED_DECODE_SP
 # the cache's storage: head-major [blocks, kv heads, slots, d] (a head's keys of a block contiguous),
 # seen by the kernels through the slot-major view they address by strides; False: slot-major storage
 HEAD_MAJOR_CACHE = True
+# decode attention by the stream-K kernel (``decode_streamk``, an experiment: KERNEL_NOTES session
+# 25) for no cache ("0", the default), FP8 caches only ("fp8") or every cache ("1")
+DECODE_STREAMK = os.environ.get("NANOVLLM_DECODE_STREAMK", "0")
+if DECODE_STREAMK not in ("0", "fp8", "1"):
+    raise ValueError(f"NANOVLLM_DECODE_STREAMK must be 0, fp8 or 1, got {DECODE_STREAMK!r}")
 
 
 class TritonBackend:
@@ -41,6 +46,9 @@ class TritonBackend:
         self._lse: torch.Tensor | None = None  # float32 [rows]
         self._num_sms: dict[int, int] = {}
         self._reserved_rows: int | None = None  # what reserve() sized the workspace for
+        self._streamk: decode_streamk.StreamKWorkspace | None = None
+        self._streamk_size: tuple[int, int, int] = (0, 0, 0)  # (sequences, tiles each, programs) it holds
+        self._streamk_reserved: tuple[int, int, int] | None = None  # what reserve() sized it for
 
     # ----------------------------------------------------------- workspace
     def reserve(
@@ -51,11 +59,20 @@ class TritonBackend:
         head_dim: int,
         device: torch.device,
         kv_dtype: torch.dtype,
+        max_context: int | None = None,
     ) -> None:
         """Allocate the split-K workspace for every batch size up to ``max_num_seqs`` on a cache
         of ``kv_dtype`` (FP8 caches split more: ``triton_ops.num_decode_splits``). A later step
-        that needs more rows raises (see the module's CUDA-graph contract)."""
+        that needs more rows raises (see the module's CUDA-graph contract). With the stream-K decode
+        on for this cache and ``max_context`` (the widest block table's slots) given, its buffers
+        too, for ``max_num_seqs`` sequences of that context; growing them later raises as well."""
         kv_fp8 = triton_ops.is_fp8_dtype(kv_dtype)
+        self._streamk_reserved = None
+        if self._streamk_on(kv_fp8) and max_context is not None:
+            max_tiles = -(-max_context // decode_streamk.MIN_BLOCK_N)
+            group = num_heads // num_kv_heads
+            self._streamk_workspace(max_num_seqs, max_tiles, num_kv_heads, group, head_dim, device)
+            self._streamk_reserved = self._streamk_size
         rows = max(
             num_seqs * num_heads * self.num_splits(num_seqs, num_kv_heads, device, kv_fp8=kv_fp8)
             for num_seqs in range(1, max_num_seqs + 1)
@@ -149,8 +166,48 @@ class TritonBackend:
             v_scale=v_scale,
         )
 
+    def _streamk_workspace(self, num_seqs: int, max_tiles: int, num_kv_heads: int, group: int, head_dim: int, device):
+        """The stream-K buffers for ``num_seqs`` sequences of up to ``max_tiles`` key tiles (the block
+        table's width), grown outside CUDA-graph capture only (the module's contract). The first
+        decode of a graph's batch size is an eager warm-up at the same table width."""
+        programs = decode_streamk.default_programs(device)
+        want = (num_seqs, max_tiles, programs)
+        have = self._streamk_size
+        if self._streamk is None or any(w > h for w, h in zip(want, have)) or self._streamk.lse.device != device:
+            if self._streamk_reserved is not None:
+                raise RuntimeError(
+                    f"stream-K decode workspace asked for {want} (sequences, tiles, programs), more than the "
+                    f"{self._streamk_reserved} that reserve() sized it for: the CUDA graphs captured on it "
+                    "would read a freed buffer"
+                )
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"stream-K decode workspace must grow to {want} (sequences, tiles, programs) during "
+                    f"CUDA-graph capture (have {have}): run a decode of this batch eagerly first"
+                )
+            size = tuple(max(w, h) for w, h in zip(want, have))
+            self._streamk = decode_streamk.StreamKWorkspace.allocate(
+                size[0], size[1], num_kv_heads, group, head_dim, size[2], device
+            )
+            self._streamk_size = size  # type: ignore[assignment]
+        return self._streamk, programs
+
+    @staticmethod
+    def _streamk_on(kv_fp8: bool) -> bool:
+        return DECODE_STREAMK == "1" or (DECODE_STREAMK == "fp8" and kv_fp8)
+
     def _decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, out=None):
         num_seqs, num_heads, head_dim = q.shape
+        if self._streamk_on(triton_ops.is_fp8(k_cache)):
+            block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+            max_tiles = -(-block_tables.shape[1] * block_size // decode_streamk.MIN_BLOCK_N)
+            workspace, programs = self._streamk_workspace(
+                num_seqs, max_tiles, num_kv_heads, num_heads // num_kv_heads, head_dim, q.device
+            )
+            return decode_streamk.paged_decode_streamk(
+                q, k_cache, v_cache, block_tables, seq_lens, scale, programs=programs, workspace=workspace,
+                out=out, k_scale=k_scale, v_scale=v_scale,
+            )  # fmt: skip
         splits = self.num_splits(num_seqs, k_cache.shape[2], q.device, kv_fp8=triton_ops.is_fp8(k_cache))
         workspace = None
         if splits > 1:

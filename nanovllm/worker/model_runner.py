@@ -267,7 +267,13 @@ class ModelRunner:
         if hasattr(self.backend, "reserve"):
             a = self.attn_layers[0]
             self.backend.reserve(
-                self.config.max_num_seqs, a.num_heads, a.num_kv_heads, a.head_dim, self.device, self.kv_dtype
+                self.config.max_num_seqs,
+                a.num_heads,
+                a.num_kv_heads,
+                a.head_dim,
+                self.device,
+                self.kv_dtype,
+                max_context=cdiv(self.config.max_model_len, self.block_size) * self.block_size,
             )
         if capture_graphs and self._use_graphs():
             self.graphs = CudaGraphRunner(

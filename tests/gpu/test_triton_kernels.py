@@ -480,6 +480,37 @@ def test_backend_dispatch(decode):
     assert_close(out, case.reference(), f"backend decode={decode}")
 
 
+def test_backend_streamk_switch_reserve_and_growth(monkeypatch):
+    """``NANOVLLM_DECODE_STREAMK`` (``triton_backend.DECODE_STREAMK``): "1" sends decode-only steps
+    to the stream-K kernel, with the reference's result; "fp8" leaves a 16-bit cache to the shipped
+    kernel (the control that the spy sees only what the switch sends). ``reserve`` sizes its
+    buffers, and a later step that needs more raises instead of freeing what graphs would read."""
+    from nanovllm.attention import triton_backend
+
+    case = PagedCase([(5, 1), (40, 1), (0, 1), (150, 1)], 16, 4, 64, seed=13)
+    calls = []
+    real = decode_streamk.paged_decode_streamk
+    monkeypatch.setattr(
+        decode_streamk, "paged_decode_streamk", lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw)
+    )
+    monkeypatch.setattr(triton_backend, "DECODE_STREAMK", "fp8")
+    out = TritonBackend().forward(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert calls == [], "fp8: a 16-bit cache keeps the shipped kernel"
+    assert_close(out, case.reference(), "backend, stream-K for FP8 only")
+
+    monkeypatch.setattr(triton_backend, "DECODE_STREAMK", "1")
+    backend = TritonBackend()
+    heads, kv_heads, d = case.q.shape[1], case.k_cache.shape[2], case.q.shape[2]
+    width = case.meta.block_tables.shape[1] * 16
+    backend.reserve(4, heads, kv_heads, d, case.q.device, case.k_cache.dtype, max_context=width)
+    out = backend.forward(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert calls == [4]
+    assert_close(out, case.reference(), "backend, stream-K")
+    wider = case.meta.block_tables.repeat(1, 4)  # a table wider than reserve() was told
+    with pytest.raises(RuntimeError, match="reserve"):
+        backend._decode(case.q, case.k_cache, case.v_cache, wider, case.meta.seq_lens, case.scale, 1.0, 1.0)
+
+
 def _mixed_case():
     """Nine leading decodes (the running sequences of a mixed step), then a fresh prompt, a chunk
     after a cached prefix, a decode between prompts and a last chunk."""
