@@ -168,10 +168,23 @@ def test_the_runner_reserves_the_streamk_workspace_when_it_is_on(monkeypatch):
     )
     ModelRunner.allocate_kv_cache(runner, 2, capture_graphs=False)
     programs = 4 * decode_streamk.PROGRAMS_PER_SM
-    assert backend._streamk_reserved == (4, 4, programs)
     ws = backend._streamk
+    assert backend._streamk_reserved and ws.size == (4, 4, 8, 2, 64, programs)
     assert ws.tile_map.numel() == 4 * 8 * 4 and ws.lse.numel() == (4 * 8 + programs) * 2
+    assert ws.item_start.numel() == 4 * 8 + 1 and ws.partials.numel() == (4 * 8 + programs) * 2 * 64
     assert backend._streamk_workspace(4, 4, 8, 2, 64, torch.device("cpu"))[0] is ws  # fits: the same buffers
-    with pytest.raises(RuntimeError, match="reserve"):
-        backend._streamk_workspace(5, 4, 8, 2, 64, torch.device("cpu"))
+    for bigger in [(5, 4, 8, 2, 64), (4, 5, 8, 2, 64), (4, 4, 8, 2, 128), (4, 4, 4, 4, 64)]:
+        with pytest.raises(RuntimeError, match="reserve"):
+            backend._streamk_workspace(*bigger, torch.device("cpu"))
     assert backend._streamk is ws
+
+
+def test_a_streamk_workspace_holds_only_what_it_was_sized_for():
+    """``StreamKWorkspace.holds``: fewer sequences, tiles or programs fit; more of any, or other head
+    shapes (its buffers' sizes multiply them), do not: ``paged_decode_streamk`` refuses those."""
+    from nanovllm.attention import decode_streamk
+
+    ws = decode_streamk.StreamKWorkspace.allocate(4, 10, 8, 2, 64, 12, "cpu")
+    assert ws.holds(4, 10, 8, 2, 64, 12) and ws.holds(1, 3, 8, 2, 64, 5)
+    for shape in [(5, 10, 8, 2, 64, 12), (4, 11, 8, 2, 64, 12), (4, 10, 8, 2, 64, 13), (4, 10, 4, 4, 64, 12)]:
+        assert not ws.holds(*shape), shape

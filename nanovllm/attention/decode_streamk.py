@@ -55,9 +55,13 @@ MIN_BLOCK_N = 32  # the fewest keys a decode tile holds (float32 models): sizes 
 
 @dataclass
 class StreamKWorkspace:
-    """Device buffers of one stream-K decode: sized for ``num_seqs`` sequences of at most
-    ``max_tiles`` key tiles each, ``num_kv_heads`` heads and ``programs`` programs."""
+    """Device buffers of one stream-K decode: sized for up to ``num_seqs`` sequences of at most
+    ``max_tiles`` key tiles each, ``num_kv_heads`` KV heads of ``group`` query heads of
+    ``head_dim``, and up to ``programs`` programs (``size``). With the switch on, the tile map is the
+    big one: ``num_seqs x num_kv_heads x max_tiles`` int64 (Qwen3-0.6B, 256 sequences of 40,960
+    slots in 32-key tiles: 21 MB)."""
 
+    size: tuple[int, int, int, int, int, int]  # (num_seqs, max_tiles, num_kv_heads, group, head_dim, programs)
     tile_map: torch.Tensor  # int64 [tiles]: item << 32 | tile index within the item
     item_start: torch.Tensor  # int32 [items + 1]: an item's first tile; the last entry the total
     num_tiles: torch.Tensor  # int32 [1]
@@ -71,11 +75,19 @@ class StreamKWorkspace:
         items = num_seqs * num_kv_heads
         slots = items + programs
         return cls(
+            size=(num_seqs, max_tiles, num_kv_heads, group, head_dim, programs),
             tile_map=torch.empty(max(1, items * max_tiles), dtype=torch.int64, device=device),
             item_start=torch.empty(items + 1, dtype=torch.int32, device=device),
             num_tiles=torch.empty(1, dtype=torch.int32, device=device),
             partials=torch.empty(slots * group * head_dim, dtype=torch.float32, device=device),
             lse=torch.empty(slots * group, dtype=torch.float32, device=device),
+        )
+
+    def holds(self, num_seqs: int, max_tiles: int, num_kv_heads: int, group: int, head_dim: int, programs: int) -> bool:
+        """Whether a decode of this shape fits: the same heads, no more of the rest."""
+        seqs, tiles, kv_heads, g, d, progs = self.size
+        return (kv_heads, g, d) == (num_kv_heads, group, head_dim) and (
+            num_seqs <= seqs and max_tiles <= tiles and programs <= progs
         )
 
 
@@ -158,7 +170,7 @@ def _decode_streamk_kernel(
     pdl.wait_then_release(PDL)
     pid = tl.program_id(0)
     total = tl.load(num_tiles_ptr)
-    share = tl.cdiv(total, tl.num_programs(0))
+    share = tl.maximum(tl.cdiv(total, tl.num_programs(0)), 1)  # no tile at all (padding only): no division by 0
     t0 = pid * share
     t1 = tl.minimum(t0 + share, total)
 
@@ -232,7 +244,7 @@ def _streamk_merge_kernel(
     head = tl.program_id(1)
     item = seq * NUM_KV_HEADS + head // GROUP
     g = head % GROUP
-    share = tl.cdiv(tl.load(num_tiles_ptr), programs)
+    share = tl.maximum(tl.cdiv(tl.load(num_tiles_ptr), programs), 1)
     start = tl.load(item_start_ptr + item)
     end = tl.load(item_start_ptr + item + 1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -299,12 +311,12 @@ def paged_decode_streamk(
     if workspace is None:
         max_tiles = -(-block_tables.shape[1] * block_size // cfg.block_n)
         workspace = StreamKWorkspace.allocate(num_seqs, max_tiles, num_kv_heads, group, head_dim, programs, q.device)
-    items = num_seqs * num_kv_heads
     max_tiles = -(-block_tables.shape[1] * block_size // cfg.block_n)
-    if workspace.lse.numel() < (items + programs) * group or workspace.tile_map.numel() < items * max_tiles:
+    want = (num_seqs, max_tiles, num_kv_heads, group, head_dim, programs)
+    if not workspace.holds(*want):
         raise ValueError(
-            f"stream-K workspace too small: {num_seqs} sequences x {num_kv_heads} heads of up to {max_tiles} "
-            f"tiles, {programs} programs"
+            f"stream-K workspace of {workspace.size} does not hold (num_seqs, max_tiles, num_kv_heads, group, "
+            f"head_dim, programs) = {want}"
         )
     launch = pdl.launch_args(q)
     _tile_map_kernel[(num_seqs,)](

@@ -47,8 +47,7 @@ class TritonBackend:
         self._num_sms: dict[int, int] = {}
         self._reserved_rows: int | None = None  # what reserve() sized the workspace for
         self._streamk: decode_streamk.StreamKWorkspace | None = None
-        self._streamk_size: tuple[int, int, int] = (0, 0, 0)  # (sequences, tiles each, programs) it holds
-        self._streamk_reserved: tuple[int, int, int] | None = None  # what reserve() sized it for
+        self._streamk_reserved = False  # reserve() sized it: growing it later is an error
 
     # ----------------------------------------------------------- workspace
     def reserve(
@@ -67,12 +66,12 @@ class TritonBackend:
         on for this cache and ``max_context`` (the widest block table's slots) given, its buffers
         too, for ``max_num_seqs`` sequences of that context; growing them later raises as well."""
         kv_fp8 = triton_ops.is_fp8_dtype(kv_dtype)
-        self._streamk_reserved = None
+        self._streamk_reserved = False
         if self._streamk_on(kv_fp8) and max_context is not None:
             max_tiles = -(-max_context // decode_streamk.MIN_BLOCK_N)
             group = num_heads // num_kv_heads
             self._streamk_workspace(max_num_seqs, max_tiles, num_kv_heads, group, head_dim, device)
-            self._streamk_reserved = self._streamk_size
+            self._streamk_reserved = True
         rows = max(
             num_seqs * num_heads * self.num_splits(num_seqs, num_kv_heads, device, kv_fp8=kv_fp8)
             for num_seqs in range(1, max_num_seqs + 1)
@@ -171,26 +170,24 @@ class TritonBackend:
         table's width), grown outside CUDA-graph capture only (the module's contract). The first
         decode of a graph's batch size is an eager warm-up at the same table width."""
         programs = decode_streamk.default_programs(device)
-        want = (num_seqs, max_tiles, programs)
-        have = self._streamk_size
-        if self._streamk is None or any(w > h for w, h in zip(want, have)) or self._streamk.lse.device != device:
-            if self._streamk_reserved is not None:
+        want = (num_seqs, max_tiles, num_kv_heads, group, head_dim, programs)
+        ws = self._streamk
+        if ws is None or not ws.holds(*want) or ws.lse.device != device:
+            if self._streamk_reserved:
                 raise RuntimeError(
-                    f"stream-K decode workspace asked for {want} (sequences, tiles, programs), more than the "
-                    f"{self._streamk_reserved} that reserve() sized it for: the CUDA graphs captured on it "
-                    "would read a freed buffer"
+                    f"stream-K decode workspace asked for {want} (sequences, tiles, KV heads, group, head_dim, "
+                    f"programs), more than the {ws.size if ws else None} that reserve() sized it for: the CUDA "
+                    "graphs captured on it would read a freed buffer"
                 )
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
-                    f"stream-K decode workspace must grow to {want} (sequences, tiles, programs) during "
-                    f"CUDA-graph capture (have {have}): run a decode of this batch eagerly first"
+                    f"stream-K decode workspace must grow to {want} during CUDA-graph capture "
+                    f"(have {ws.size if ws else None}): run a decode of this batch eagerly first"
                 )
-            size = tuple(max(w, h) for w, h in zip(want, have))
-            self._streamk = decode_streamk.StreamKWorkspace.allocate(
-                size[0], size[1], num_kv_heads, group, head_dim, size[2], device
-            )
-            self._streamk_size = size  # type: ignore[assignment]
-        return self._streamk, programs
+            if ws is not None and ws.size[2:5] == want[2:5]:  # the same heads: grow to cover both
+                want = (max(want[0], ws.size[0]), max(want[1], ws.size[1]), *want[2:5], max(want[5], ws.size[5]))
+            self._streamk = ws = decode_streamk.StreamKWorkspace.allocate(*want, device)
+        return ws, programs
 
     @staticmethod
     def _streamk_on(kv_fp8: bool) -> bool:

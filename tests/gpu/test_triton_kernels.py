@@ -332,17 +332,37 @@ def test_decode_streamk_matches_reference(programs, tma, monkeypatch):
     case, q, tables, seq_lens = _streamk_case(programs * 2 + tma)
     k, v = case.k_cache, case.v_cache
     config = None
+    made = []
     if tma:
         monkeypatch.setitem(triton_ops.DECODE_FLAG_OVERRIDES, "TMA", True)
         k, v = _head_major(k), _head_major(v)
         config = triton_ops.KernelConfig(16, 64, 4, 3) if INTERPRET else None
+        real_descriptors = triton_ops.tma_descriptors
+        monkeypatch.setattr(triton_ops, "tma_descriptors", lambda *a: made.append(real_descriptors(*a)) or made[-1])
     out = torch.full_like(q, float("nan"))
     decode_streamk.paged_decode_streamk(
         q, k, v, tables, seq_lens, case.scale, programs=programs, out=out, config=config
     )
+    assert not tma or (made and all(d is not None for d in made)), "tma: the launch must have used TMA descriptors"
     real, padding = _real_rows(out)
     assert_close(real, case.reference(), f"stream-K decode programs={programs} tma={tma}")
     assert torch.equal(padding.cpu(), torch.zeros_like(padding.cpu())), "padding rows must be zeros"
+
+
+def test_decode_streamk_all_padding_gives_zeros():
+    """A batch of padding rows only (seq_len 0: the CUDA-graph warm-up's batch) has no tile at all:
+    zeros, and no division by a share of 0 tiles (numpy warns under the interpreter: an error here)."""
+    import warnings
+
+    case = PagedCase([(3, 1), (9, 1)], 16, 2, 64, seed=4)
+    seq_lens = torch.zeros_like(case.meta.seq_lens)
+    out = torch.full_like(case.q, float("nan"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        decode_streamk.paged_decode_streamk(
+            case.q, case.k_cache, case.v_cache, case.meta.block_tables, seq_lens, case.scale, programs=5, out=out
+        )
+    assert torch.equal(out.cpu(), torch.zeros_like(out.cpu()))
 
 
 @pytest.mark.skipif(
