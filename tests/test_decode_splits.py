@@ -7,6 +7,7 @@ cache's rule."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("triton", reason="the split rule lives in the Triton kernels' module")
 
@@ -114,30 +115,35 @@ def test_a_step_that_outgrows_the_reserved_workspace_raises(monkeypatch):
     assert eager._lse.numel() == 96
 
 
-@pytest.mark.parametrize("kv_dtype,rows", [("float8_e4m3fn", 96), ("bfloat16", 64)])
-def test_the_runner_reserves_the_workspace_for_its_cache_dtype(monkeypatch, kv_dtype, rows):
-    """``ModelRunner.allocate_kv_cache`` hands its cache dtype to ``reserve``: the FP8 rule sizes
-    96 rows for 4 sequences of 16 heads on the CPU stand-in's 4 SMs, the 16-bit rule 64."""
+def _allocate_on_a_stub_runner(monkeypatch, kv_dtype) -> TritonBackend:
+    """``ModelRunner.allocate_kv_cache`` on a stand-in runner (16 query and 8 KV heads of 64, 16-slot
+    blocks, 4 sequences of up to 100 tokens, the CPU): the backend it reserved on."""
     from types import SimpleNamespace
-
-    import torch
 
     from nanovllm.worker.model_runner import ModelRunner
 
-    monkeypatch.setattr(triton_ops, "DECODE_SPLIT_WAVES", 2)
-    monkeypatch.setattr(triton_ops, "FP8_DECODE_SPLIT_WAVES", 8)
     backend = TritonBackend()
     monkeypatch.setattr(backend, "new_kv_cache", lambda *a: torch.empty(0))
     runner = SimpleNamespace(
         attn_layers=[SimpleNamespace(num_heads=16, num_kv_heads=8, head_dim=64)],
         backend=backend,
         block_size=16,
-        kv_dtype=getattr(torch, kv_dtype),
+        kv_dtype=kv_dtype,
         dtype=torch.bfloat16,
         device=torch.device("cpu"),
         config=SimpleNamespace(max_num_seqs=4, max_model_len=100),
     )
     ModelRunner.allocate_kv_cache(runner, 2, capture_graphs=False)
+    return backend
+
+
+@pytest.mark.parametrize("kv_dtype,rows", [("float8_e4m3fn", 96), ("bfloat16", 64)])
+def test_the_runner_reserves_the_workspace_for_its_cache_dtype(monkeypatch, kv_dtype, rows):
+    """``ModelRunner.allocate_kv_cache`` hands its cache dtype to ``reserve``: the FP8 rule sizes
+    96 rows for 4 sequences of 16 heads on the CPU stand-in's 4 SMs, the 16-bit rule 64."""
+    monkeypatch.setattr(triton_ops, "DECODE_SPLIT_WAVES", 2)
+    monkeypatch.setattr(triton_ops, "FP8_DECODE_SPLIT_WAVES", 8)
+    backend = _allocate_on_a_stub_runner(monkeypatch, getattr(torch, kv_dtype))
     assert backend._reserved_rows == rows and backend._lse.numel() == rows
     assert backend._streamk is None, "the stream-K decode is off by default: nothing reserved for it"
 
@@ -147,26 +153,10 @@ def test_the_runner_reserves_the_streamk_workspace_when_it_is_on(monkeypatch):
     sequences of the widest block table (``max_model_len`` rounded up to whole blocks: 112 slots,
     so 4 tiles of the smallest, 32-key, tiles), the CPU stand-in's programs (4 SMs x 3); a step
     that needs more then raises, before any buffer is freed."""
-    from types import SimpleNamespace
-
-    import torch
-
     from nanovllm.attention import decode_streamk, triton_backend
-    from nanovllm.worker.model_runner import ModelRunner
 
     monkeypatch.setattr(triton_backend, "DECODE_STREAMK", "1")
-    backend = TritonBackend()
-    monkeypatch.setattr(backend, "new_kv_cache", lambda *a: torch.empty(0))
-    runner = SimpleNamespace(
-        attn_layers=[SimpleNamespace(num_heads=16, num_kv_heads=8, head_dim=64)],
-        backend=backend,
-        block_size=16,
-        kv_dtype=torch.bfloat16,
-        dtype=torch.bfloat16,
-        device=torch.device("cpu"),
-        config=SimpleNamespace(max_num_seqs=4, max_model_len=100),
-    )
-    ModelRunner.allocate_kv_cache(runner, 2, capture_graphs=False)
+    backend = _allocate_on_a_stub_runner(monkeypatch, torch.bfloat16)
     programs = 4 * decode_streamk.PROGRAMS_PER_SM
     ws = backend._streamk
     assert backend._streamk_reserved and ws.size == (4, 4, 8, 2, 64, programs)
