@@ -332,13 +332,7 @@ def paged_decode_streamk(
         num_warps=4,
         **launch,
     )
-    flags = {
-        **ops.decode_tile_flags(block_size, cfg.block_n, ops.is_fp8(k_cache), q.dtype),
-        "TMA": tma,
-        **ops.DECODE_FLAG_OVERRIDES,
-    }
-    descriptors = ops.tma_descriptors(k_cache, v_cache, cfg.block_n) if flags["TMA"] and flags["TILE_BLOCK"] else None
-    flags["TMA"] = descriptors is not None
+    flags, descriptors = ops.decode_launch_flags(q, k_cache, v_cache, cfg, tma)
     _decode_streamk_kernel[(programs,)](
         q,
         k_cache,

@@ -603,6 +603,22 @@ def num_decode_splits(
     return min(MAX_SPLITS, triton.next_power_of_2(-(-target // programs)))
 
 
+def decode_launch_flags(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cfg: KernelConfig, tma: bool
+) -> tuple[dict[str, bool | int], tuple | None]:
+    """The decode tile's flags for a launch (``decode_tile_flags``, TMA as ``wants_tma`` said,
+    ``DECODE_FLAG_OVERRIDES`` last) and the TMA descriptors where the tiles are boxes (None
+    otherwise; ``TMA`` then reads False): shared by ``paged_decode`` and the stream-K decode."""
+    flags = {
+        **decode_tile_flags(k_cache.shape[1], cfg.block_n, is_fp8(k_cache), q.dtype),
+        "TMA": tma,
+        **DECODE_FLAG_OVERRIDES,
+    }
+    descriptors = tma_descriptors(k_cache, v_cache, cfg.block_n) if flags["TMA"] and flags["TILE_BLOCK"] else None
+    flags["TMA"] = descriptors is not None
+    return flags, descriptors
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -651,13 +667,7 @@ def paged_decode(
             raise ValueError(f"decode workspace too small: {rows} rows of {head_dim} needed, have {lse.numel()} rows")
     else:
         part = lse = out  # unused by the kernel
-    flags = {
-        **decode_tile_flags(block_size, cfg.block_n, is_fp8(k_cache), q.dtype),
-        "TMA": tma,
-        **DECODE_FLAG_OVERRIDES,
-    }
-    descriptors = tma_descriptors(k_cache, v_cache, cfg.block_n) if flags["TMA"] and flags["TILE_BLOCK"] else None
-    flags["TMA"] = descriptors is not None
+    flags, descriptors = decode_launch_flags(q, k_cache, v_cache, cfg, tma)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
