@@ -201,8 +201,10 @@ def test_fp8_finite_widening_clamps_only_nan():
     def widen(x_ptr, out_ptr, FINITE: tl.constexpr):
         offs = tl.arange(0, 256)
         x = tl.load(x_ptr + offs)
-        y = triton_ops._fp8_to_finite_f16_asm(x) if FINITE else triton_ops._fp8_to_f16_asm(x)
-        tl.store(out_ptr + offs, y)
+        if FINITE:
+            tl.store(out_ptr + offs, triton_ops._fp8_to_finite_f16_asm(x))
+        else:
+            tl.store(out_ptr + offs, triton_ops._fp8_to_f16_asm(x))
 
     x = torch.arange(256, dtype=torch.uint8, device="cuda").view(FP8)
     nan = torch.isnan(x.float())
