@@ -23,11 +23,13 @@ skipped), and at a new (item, program) pair at least one grows, so ``item + prog
 
 An experiment, off by default: ``NANOVLLM_DECODE_STREAMK=fp8`` (or ``1``: every cache) makes the
 engine's Triton backend use it, ``ab_engine.py streamk=fp8`` A/Bs it, and ``scripts/ncu_decode.py
---tile streamk`` times the kernels against the shipped one. The tiles are those of ``paged_decode`` (``_decode_tile``). Any tile may end an
-item, so none can skip the treatment of keys past a sequence's end: their scores are -inf as
-always, and V's rows there are zeroed (16-bit caches) or, for FP8 caches widened by PTX, clamped
-to finite values (``V_FINITE``), which keeps the widened V out of shared memory (zeroing it
-costs 32 KB there: 110 KB instead of 74, 2 CTAs per SM instead of 3).
+--tile streamk`` times the kernels against the shipped one. Not yet run on a GPU (session 25).
+
+The tiles are those of ``paged_decode`` (``_decode_tile``). Any tile may end an item, so none can
+skip the treatment of keys past a sequence's end: their scores are -inf as always, and V's rows
+there are zeroed (16-bit caches) or, for FP8 caches widened by PTX, clamped to finite values
+(``V_FINITE``). The clamp keeps the widened V out of shared memory; zeroing it costs 32 KB there
+(110 KB instead of 74: 2 CTAs per SM instead of 3).
 """
 
 from __future__ import annotations
