@@ -77,6 +77,14 @@ if _share is not None:
     os.environ.setdefault("NANOVLLM_TEST_KV_CACHE_GIB", str(_share[1]))
     os.environ.setdefault("CONFORMANCE_KV_CACHE_GIB", str(_share[1]))
 
+# Test engines on the CPU take a small KV cache unless a test sizes it (``kv_cache_memory_gib``):
+# a worker keeps up to 16 engines alive (tests/conftest.py's 8, the conformance pool's 8), and at the
+# engine's default of 4 GiB each its address space reached 50 GB, merged by the kernel into single
+# mappings of up to 39 GB. Forking such a worker (a server, a CLI run) failed with ENOMEM once one
+# mapping exceeded the machine's RAM: 16 server tests errored in 3 of 6 full runs on a 24 GB
+# machine (2026-12-06). The variable reaches the workers' subprocesses too.
+os.environ.setdefault("NANOVLLM_CPU_KVCACHE_SPACE", "0.5")
+
 # xdist workers share the cores: give each its share of threads (OpenMP spin-waits make
 # oversubscription far slower than the core count suggests: 16 workers of 16 threads each on a
 # 16-core GPU host ran the suite several times slower). The variables reach the worker's

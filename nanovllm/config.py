@@ -92,7 +92,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     """Fraction of the GPU's memory the engine may use (weights, activations, KV cache)."""
     kv_cache_memory_gib: float | None = None
-    """The KV cache's size in GiB (None: on CPU min(4 GiB, 30% of the free RAM), on GPU from
+    """The KV cache's size in GiB (None: on CPU the environment's NANOVLLM_CPU_KVCACHE_SPACE GiB,
+    as vLLM's VLLM_CPU_KVCACHE_SPACE, else min(4 GiB, 30% of the free RAM); on GPU from
     gpu_memory_utilization)."""
     seed: int = 0
     """The engine's seed: weights of dummy models and the noise of unseeded requests."""

@@ -8,6 +8,7 @@ graphs for decode); only the attention backend and the graph runner differ.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -155,7 +156,8 @@ class ModelRunner:
     def profile_num_blocks(self) -> int:
         """How many blocks fit in the memory budget (before any override).
 
-        CPU: ``kv_cache_memory_gib``, else min(4 GiB, 30% of the available RAM). GPU: with
+        CPU: ``kv_cache_memory_gib``, else ``NANOVLLM_CPU_KVCACHE_SPACE`` GiB (vLLM's
+        ``VLLM_CPU_KVCACHE_SPACE``), else min(4 GiB, 30% of the available RAM). GPU: with
         ``kv_cache_memory_gib`` that much (it must be free, beside the activation reserve);
         otherwise ``total x gpu_memory_utilization`` minus what this engine already holds
         (weights, staging buffers) minus the profiled activation and graph reserve.
@@ -164,6 +166,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             if self.config.kv_cache_memory_gib is not None:
                 budget = self.config.kv_cache_memory_gib * (1 << 30)
+            elif (space := cpu_kvcache_space_gib()) is not None:
+                budget = space * (1 << 30)
             else:
                 budget = min(4 << 30, 0.3 * _available_ram())
             return max(1, min(int(budget // per_block), self.max_useful_blocks()))
@@ -510,6 +514,24 @@ def _dummy_input(lens: list[int], block_size: int, first_block: int) -> ModelInp
         mi.block_tables.append(table)
         mi.sample_rows.append(mi.query_start_loc[-1] - 1)
     return mi
+
+
+def cpu_kvcache_space_gib() -> float | None:
+    """``NANOVLLM_CPU_KVCACHE_SPACE``: the CPU KV cache's GiB when ``kv_cache_memory_gib`` is not
+    given (vLLM's ``VLLM_CPU_KVCACHE_SPACE``); None when unset. The test suite sets it small: a
+    process holding many engines otherwise holds 4 GiB of address space for each, and once the
+    kernel merges those mappings into one larger than RAM, every fork of that process (a server, a
+    CLI run) fails with ENOMEM."""
+    value = os.environ.get("NANOVLLM_CPU_KVCACHE_SPACE")
+    if value is None or value == "":
+        return None
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = float("nan")
+    if not gib > 0:
+        raise ValueError(f"NANOVLLM_CPU_KVCACHE_SPACE must be a number of GiB > 0, got {value!r}")
+    return gib
 
 
 def _available_ram() -> int:
