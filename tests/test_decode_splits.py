@@ -115,9 +115,9 @@ def test_a_step_that_outgrows_the_reserved_workspace_raises(monkeypatch):
     assert eager._lse.numel() == 96
 
 
-def _allocate_on_a_stub_runner(monkeypatch, kv_dtype) -> TritonBackend:
-    """``ModelRunner.allocate_kv_cache`` on a stand-in runner (16 query and 8 KV heads of 64, 16-slot
-    blocks, 4 sequences of up to 100 tokens, the CPU): the backend it reserved on."""
+def _allocate_on_a_stub_runner(monkeypatch, kv_dtype, block_size: int = 16, max_model_len: int = 100) -> TritonBackend:
+    """``ModelRunner.allocate_kv_cache`` on a stand-in runner (16 query and 8 KV heads of 64, 4
+    sequences, the CPU): the backend it reserved on."""
     from types import SimpleNamespace
 
     from nanovllm.worker.model_runner import ModelRunner
@@ -127,11 +127,11 @@ def _allocate_on_a_stub_runner(monkeypatch, kv_dtype) -> TritonBackend:
     runner = SimpleNamespace(
         attn_layers=[SimpleNamespace(num_heads=16, num_kv_heads=8, head_dim=64)],
         backend=backend,
-        block_size=16,
+        block_size=block_size,
         kv_dtype=kv_dtype,
         dtype=torch.bfloat16,
         device=torch.device("cpu"),
-        config=SimpleNamespace(max_num_seqs=4, max_model_len=100),
+        config=SimpleNamespace(max_num_seqs=4, max_model_len=max_model_len),
     )
     ModelRunner.allocate_kv_cache(runner, 2, capture_graphs=False)
     return backend
@@ -150,13 +150,14 @@ def test_the_runner_reserves_the_workspace_for_its_cache_dtype(monkeypatch, kv_d
 
 def test_the_runner_reserves_the_streamk_workspace_when_it_is_on(monkeypatch):
     """With ``DECODE_STREAMK`` on, ``reserve`` also sizes the stream-K buffers: ``max_num_seqs``
-    sequences of the widest block table (``max_model_len`` rounded up to whole blocks: 112 slots,
-    so 4 tiles of the smallest, 32-key, tiles), the CPU stand-in's programs (4 SMs x 3); a step
-    that needs more then raises, before any buffer is freed."""
+    sequences of the widest block table (``max_model_len`` 70 rounded up to whole 64-slot blocks:
+    128 slots, so 4 tiles of the smallest, 32-key, tiles; 70 slots unrounded would give 3, too few
+    for a decode at the widest table), the CPU stand-in's programs (4 SMs x 3); a step that needs
+    more then raises, before any buffer is freed."""
     from nanovllm.attention import decode_streamk, triton_backend
 
     monkeypatch.setattr(triton_backend, "DECODE_STREAMK", "1")
-    backend = _allocate_on_a_stub_runner(monkeypatch, torch.bfloat16)
+    backend = _allocate_on_a_stub_runner(monkeypatch, torch.bfloat16, block_size=64, max_model_len=70)
     programs = 4 * decode_streamk.PROGRAMS_PER_SM
     ws = backend._streamk
     assert backend._streamk_reserved and ws.size == (4, 4, 8, 2, 64, programs)

@@ -169,7 +169,7 @@ class TritonBackend:
         """The stream-K buffers for ``num_seqs`` sequences of up to ``max_tiles`` key tiles (the block
         table's width), grown outside CUDA-graph capture only (the module's contract). The first
         decode of a graph's batch size is an eager warm-up at the same table width."""
-        programs = decode_streamk.default_programs(device)
+        programs = self._sms(device) * decode_streamk.PROGRAMS_PER_SM  # one wave (the SM count cached)
         want = (num_seqs, max_tiles, num_kv_heads, group, head_dim, programs)
         ws = self._streamk
         if ws is None or not ws.holds(*want) or ws.lse.device != device:

@@ -570,6 +570,24 @@ def test_backend_mixed_step_gives_leading_decodes_to_the_decode_kernel(monkeypat
     _assert_rows(out, case.reference(), specs, "mixed step, split off")
 
 
+def test_backend_mixed_step_with_streamk_writes_the_leading_decodes(monkeypatch):
+    """With the stream-K decode on, a mixed step's leading decodes go to it and land in the step's
+    output rows (it writes into the slice it is given), the prompts to the prefill kernel."""
+    from nanovllm.attention import triton_backend
+
+    specs, case = _mixed_case()
+    monkeypatch.setattr(triton_backend, "MIN_SPLIT_DECODES", 8)
+    monkeypatch.setattr(triton_backend, "DECODE_STREAMK", "1")
+    calls = []
+    real = decode_streamk.paged_decode_streamk
+    monkeypatch.setattr(
+        decode_streamk, "paged_decode_streamk", lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw)
+    )
+    out = TritonBackend().forward(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert calls == [9], calls
+    _assert_rows(out, case.reference(), specs, "mixed step, stream-K")
+
+
 def test_mixed_step_check_sees_a_prompt_row_taken_for_a_decode(monkeypatch):
     """Negative control: the first prompt counted among the leading decodes (its first row
     attends to its whole prompt, the others are never written) fails the per-sequence check."""
