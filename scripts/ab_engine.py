@@ -40,6 +40,8 @@ wide=0..3: the widened FP8 K (1), V (2) or both (3) reach the MMA as 16-bit oper
           -6 % on an H100; at the shipped 128x4x5, 2 CTAs per SM, not measured yet).
 streamk=0|fp8|1: decode attention by the stream-K kernel for no cache, FP8 caches or every cache
           (``triton_backend.DECODE_STREAMK``, ``NANOVLLM_DECODE_STREAMK``; session 25, off by default).
+skmax=N:  the stream-K kernel only for decode batches of at most N rows (``triton_backend.STREAMK_MAX_BATCH``,
+          ``NANOVLLM_DECODE_STREAMK_MAX_BATCH``; session 26).
 rowwarm=0|1: start-up runs the LM head and the sampler on every row count 1..max_num_seqs, and
           the runner's pending-row scatter once (``NANOVLLM_ROW_WARMUP``, read by
           ``nanovllm.worker.sampling_warmup.enabled``, sessions 22-23; on by default).
@@ -170,6 +172,7 @@ SETTINGS = {
     "fp8tile": (_tile_setter(fp8=True), _is_tile),
     "tb": (_set_flag("TILE_BLOCK", lambda v: v == "1"), lambda v: v in ("0", "1")),
     "streamk": (_set("nanovllm.attention.triton_backend", "DECODE_STREAMK", str), lambda v: v in ("0", "fp8", "1")),
+    "skmax": (_set("nanovllm.attention.triton_backend", "STREAMK_MAX_BATCH", int), _positive),
     "tma": (_set_tma, lambda v: v in ("0", "1", "fp8")),
     "pdl": (lambda v: os.environ.__setitem__("NANOVLLM_PDL", v), lambda v: v in ("0", "1")),
     "gemm": (lambda v: os.environ.__setitem__("NANOVLLM_DECODE_GEMM", v), lambda v: v in ("0", "1")),

@@ -166,3 +166,13 @@ def test_the_streamk_switch(ab_engine, monkeypatch):
     apply("fp8")
     assert triton_backend.DECODE_STREAMK == "fp8"
     assert triton_backend.TritonBackend._streamk_on(True) and not triton_backend.TritonBackend._streamk_on(False)
+
+
+def test_the_streamk_batch_cap(ab_engine, monkeypatch):
+    from nanovllm.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "STREAMK_MAX_BATCH", None)
+    apply, valid = ab_engine.SETTINGS["skmax"]
+    assert valid("128") and not valid("0") and not valid("-1") and not valid("x")
+    apply("96")
+    assert triton_backend.STREAMK_MAX_BATCH == 96

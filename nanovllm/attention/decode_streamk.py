@@ -212,15 +212,15 @@ def _decode_streamk_kernel(
             offs_d, qk_scale, stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PRECISION,
             KV_FP8, V_ASM, TILE_BLOCK, TMA, not (KV_FP8 and V_ASM), WIDE_MMA, KV_FP8 and V_ASM,
         )  # fmt: skip
-        last = (n0 + BLOCK_N >= seq_len) | (t == t1 - 1)
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-        row = (item + pid) * GROUP + offs_g
-        tl.store(
-            part_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-            acc * (v_scale / l_safe)[:, None],
-            mask=last & g_mask[:, None] & d_mask[None, :],
-        )
-        tl.store(lse_ptr + row, m_i + tl.log2(l_safe), mask=last & g_mask)
+        if (n0 + BLOCK_N >= seq_len) | (t == t1 - 1):  # the item's last tile or the program's
+            l_safe = tl.where(l_i > 0, l_i, 1.0)
+            row = (item + pid) * GROUP + offs_g
+            tl.store(
+                part_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                acc * (v_scale / l_safe)[:, None],
+                mask=g_mask[:, None] & d_mask[None, :],
+            )
+            tl.store(lse_ptr + row, m_i + tl.log2(l_safe), mask=g_mask)
 
 
 @triton.jit(do_not_specialize_on_alignment=["item_start_ptr", "num_tiles_ptr"])

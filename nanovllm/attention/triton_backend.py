@@ -36,6 +36,12 @@ HEAD_MAJOR_CACHE = True
 DECODE_STREAMK = os.environ.get("NANOVLLM_DECODE_STREAMK", "0")
 if DECODE_STREAMK not in ("0", "fp8", "1"):
     raise ValueError(f"NANOVLLM_DECODE_STREAMK must be 0, fp8 or 1, got {DECODE_STREAMK!r}")
+# with the switch on, the stream-K kernel takes decode batches of at most this many rows (None: all);
+# on an H100 it led at batches 32-64 and trailed at 256 (KERNEL_NOTES session 26)
+_max_batch = os.environ.get("NANOVLLM_DECODE_STREAMK_MAX_BATCH", "")
+if _max_batch and not (_max_batch.isdigit() and int(_max_batch) > 0):
+    raise ValueError(f"NANOVLLM_DECODE_STREAMK_MAX_BATCH must be a positive integer, got {_max_batch!r}")
+STREAMK_MAX_BATCH: int | None = int(_max_batch) if _max_batch else None
 
 
 class TritonBackend:
@@ -195,7 +201,8 @@ class TritonBackend:
 
     def _decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, out=None):
         num_seqs, num_heads, head_dim = q.shape
-        if self._streamk_on(triton_ops.is_fp8(k_cache)):
+        small = STREAMK_MAX_BATCH is None or num_seqs <= STREAMK_MAX_BATCH
+        if small and self._streamk_on(triton_ops.is_fp8(k_cache)):
             block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
             max_tiles = -(-block_tables.shape[1] * block_size // decode_streamk.MIN_BLOCK_N)
             workspace, programs = self._streamk_workspace(

@@ -249,15 +249,14 @@ def _fp8_to_f16_asm(x):
 
 @triton.jit
 def _fp8_to_finite_f16_asm(x):
-    """``_fp8_to_f16_asm`` with every value clamped to float16's finite range: a NaN byte (e4m3fn
-    has no infinity) becomes -65504, so a V row multiplied by a softmax weight of 0 adds 0. For
+    """``_fp8_to_f16_asm`` with every value finite: a NaN byte becomes -65504, so a V row multiplied
+    by a softmax weight of 0 adds 0. One ``max`` per pair suffices: PTX's ``max.f16x2`` returns the
+    other operand when one is NaN, and e4m3fn has no infinity and nothing above 448. For
     tiles whose rows past a sequence's end are not masked (stream-K decode, where any tile may end
     an item: masking V there moves the widened tile through shared memory, 32 KB more)."""
     return tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; .reg .b32 a, b, low, high; mov.b32 {lo, hi}, $2; "
-        "mov.b32 low, 0xFBFFFBFF; mov.b32 high, 0x7BFF7BFF; "
-        "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
-        "max.f16x2 a, a, low; max.f16x2 b, b, low; min.f16x2 $0, a, high; min.f16x2 $1, b, high; }",
+        "{ .reg .b16 lo, hi; .reg .b32 a, b, low; mov.b32 {lo, hi}, $2; mov.b32 low, 0xFBFFFBFF; "
+        "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; max.f16x2 $0, a, low; max.f16x2 $1, b, low; }",
         "=r,=r,r",
         [x],
         dtype=tl.float16,

@@ -531,6 +531,44 @@ def test_backend_streamk_switch_reserve_and_growth(monkeypatch):
         backend._decode(case.q, case.k_cache, case.v_cache, wider, case.meta.seq_lens, case.scale, 1.0, 1.0)
 
 
+def test_backend_streamk_max_batch_keeps_larger_batches_on_the_shipped_kernel(monkeypatch):
+    """``STREAMK_MAX_BATCH`` (``NANOVLLM_DECODE_STREAMK_MAX_BATCH``): with the switch on, a decode of
+    more rows than the cap goes to the shipped kernel and one of at most the cap to stream-K, both
+    with the reference's result (control: at the cap itself the spy sees the call)."""
+    from nanovllm.attention import triton_backend
+
+    case = PagedCase([(5, 1), (40, 1), (0, 1), (150, 1)], 16, 4, 64, seed=17)
+    calls = []
+    real = decode_streamk.paged_decode_streamk
+    monkeypatch.setattr(
+        decode_streamk, "paged_decode_streamk", lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw)
+    )
+    monkeypatch.setattr(triton_backend, "DECODE_STREAMK", "1")
+    monkeypatch.setattr(triton_backend, "STREAMK_MAX_BATCH", 3)
+    out = TritonBackend().forward(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert calls == [], "4 rows over a cap of 3: the shipped kernel"
+    assert_close(out, case.reference(), "backend, over the stream-K cap")
+    monkeypatch.setattr(triton_backend, "STREAMK_MAX_BATCH", 4)
+    out = TritonBackend().forward(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert calls == [4], "4 rows at a cap of 4: stream-K"
+    assert_close(out, case.reference(), "backend, at the stream-K cap")
+
+
+def test_streamk_max_batch_setting_is_checked():
+    """A bad ``NANOVLLM_DECODE_STREAMK_MAX_BATCH`` is refused at import, naming the variable."""
+    import subprocess
+    import sys
+
+    for bad in ("0", "-3", "many"):
+        run = subprocess.run(
+            [sys.executable, "-c", "import nanovllm.attention.triton_backend"],
+            env={**os.environ, "NANOVLLM_DECODE_STREAMK_MAX_BATCH": bad},
+            capture_output=True,
+            text=True,
+        )
+        assert run.returncode != 0 and "NANOVLLM_DECODE_STREAMK_MAX_BATCH" in run.stderr, (bad, run.stderr[-300:])
+
+
 def _mixed_case():
     """Nine leading decodes (the running sequences of a mixed step), then a fresh prompt, a chunk
     after a cached prefix, a decode between prompts and a last chunk."""
