@@ -39,9 +39,10 @@ wide=0..3: the widened FP8 K (1), V (2) or both (3) reach the MMA as 16-bit oper
           in the decode kernel, through ``DECODE_FLAG_OVERRIDES``; session 24: with fp8tile=128x4x3
           -6 % on an H100; at the shipped 128x4x5, 2 CTAs per SM, not measured yet).
 streamk=0|fp8|1: decode attention by the stream-K kernel for no cache, FP8 caches or every cache
-          (``triton_backend.DECODE_STREAMK``, ``NANOVLLM_DECODE_STREAMK``; session 25, off by default).
-skmax=N:  the stream-K kernel only for decode batches of at most N rows (``triton_backend.STREAMK_MAX_BATCH``,
-          ``NANOVLLM_DECODE_STREAMK_MAX_BATCH``; session 26).
+          (``triton_backend.DECODE_STREAMK``, ``NANOVLLM_DECODE_STREAMK``; session 25; fp8 by default
+          since session 26).
+skbatches=LO:HI: the decode batches the stream-K kernel takes (``triton_backend.STREAMK_BATCHES``,
+          ``NANOVLLM_DECODE_STREAMK_BATCHES``; session 26, 16:128 by default).
 rowwarm=0|1: start-up runs the LM head and the sampler on every row count 1..max_num_seqs, and
           the runner's pending-row scatter once (``NANOVLLM_ROW_WARMUP``, read by
           ``nanovllm.worker.sampling_warmup.enabled``, sessions 22-23; on by default).
@@ -117,14 +118,14 @@ def _set_gemm_config(value: str) -> None:
     decode_gemm.default_config = decode_gemm.parse_config(value)  # applies() reads it too: K falls back
 
 
-def _parses(parser: str):
-    """A validator: ``decode_gemm.<parser>(value)`` does not raise ValueError."""
+def _parses(parser: str, module: str = "nanovllm.layers.decode_gemm"):
+    """A validator: ``<module>.<parser>(value)`` does not raise ValueError."""
 
     def valid(value: str) -> bool:
-        from nanovllm.layers import decode_gemm
+        import importlib
 
         try:
-            getattr(decode_gemm, parser)(value)
+            getattr(importlib.import_module(module), parser)(value)
         except ValueError:
             return False
         return True
@@ -145,6 +146,12 @@ def _is_tile(value: str) -> bool:
 
 def _positive(value: str) -> bool:
     return value.isdigit() and int(value) > 0
+
+
+def _parse_batches(value: str) -> tuple[int, int]:
+    from nanovllm.attention.triton_backend import _parse_batches
+
+    return _parse_batches(value)
 
 
 def _set_sampler(path: str) -> None:
@@ -172,7 +179,10 @@ SETTINGS = {
     "fp8tile": (_tile_setter(fp8=True), _is_tile),
     "tb": (_set_flag("TILE_BLOCK", lambda v: v == "1"), lambda v: v in ("0", "1")),
     "streamk": (_set("nanovllm.attention.triton_backend", "DECODE_STREAMK", str), lambda v: v in ("0", "fp8", "1")),
-    "skmax": (_set("nanovllm.attention.triton_backend", "STREAMK_MAX_BATCH", int), _positive),
+    "skbatches": (
+        _set("nanovllm.attention.triton_backend", "STREAMK_BATCHES", _parse_batches),
+        _parses("_parse_batches", "nanovllm.attention.triton_backend"),
+    ),
     "tma": (_set_tma, lambda v: v in ("0", "1", "fp8")),
     "pdl": (lambda v: os.environ.__setitem__("NANOVLLM_PDL", v), lambda v: v in ("0", "1")),
     "gemm": (lambda v: os.environ.__setitem__("NANOVLLM_DECODE_GEMM", v), lambda v: v in ("0", "1")),

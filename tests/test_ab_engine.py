@@ -168,11 +168,12 @@ def test_the_streamk_switch(ab_engine, monkeypatch):
     assert triton_backend.TritonBackend._streamk_on(True) and not triton_backend.TritonBackend._streamk_on(False)
 
 
-def test_the_streamk_batch_cap(ab_engine, monkeypatch):
+def test_the_streamk_batch_range(ab_engine, monkeypatch):
     from nanovllm.attention import triton_backend
 
-    monkeypatch.setattr(triton_backend, "STREAMK_MAX_BATCH", None)
-    apply, valid = ab_engine.SETTINGS["skmax"]
-    assert valid("128") and not valid("0") and not valid("-1") and not valid("x")
-    apply("96")
-    assert triton_backend.STREAMK_MAX_BATCH == 96
+    monkeypatch.setattr(triton_backend, "STREAMK_BATCHES", (16, 128))
+    apply, valid = ab_engine.SETTINGS["skbatches"]
+    assert valid("1:256") and valid("8:8")
+    assert not valid("0:8") and not valid("9:8") and not valid("8") and not valid("a:b")
+    apply("32:96")
+    assert triton_backend.STREAMK_BATCHES == (32, 96)

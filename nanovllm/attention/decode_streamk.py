@@ -21,9 +21,11 @@ Slots: from one tile to the next the item and the program each grow or stay (ite
 skipped), and at a new (item, program) pair at least one grows, so ``item + program`` never repeats;
 ``items + programs`` slots hold them all.
 
-An experiment, off by default: ``NANOVLLM_DECODE_STREAMK=fp8`` (or ``1``: every cache) makes the
-engine's Triton backend use it, ``ab_engine.py streamk=fp8`` A/Bs it, and ``scripts/ncu_decode.py
---tile streamk`` times the kernels against the shipped one. Not yet run on a GPU (session 25).
+On by default for FP8 caches at decode batches of 16 to 128 rows (``triton_backend.DECODE_STREAMK``,
+``STREAMK_BATCHES``; ``NANOVLLM_DECODE_STREAMK=0|fp8|1`` and ``NANOVLLM_DECODE_STREAMK_BATCHES=LO:HI``
+change it): on an H100 it led the shipped kernel by 5-13 % at batches 16-64 and trailed it at 8 and
+from 192 up (KERNEL_NOTES session 26). ``ab_engine.py streamk=0`` A/Bs it, and
+``scripts/ncu_decode.py --tile streamk`` times the kernels against the shipped one.
 
 The tiles are those of ``paged_decode`` (``_decode_tile``). Any tile may end an item, so none can
 skip the treatment of keys past a sequence's end: their scores are -inf as always, and V's rows

@@ -31,17 +31,24 @@ MIN_SPLIT_DECODES: int | None = None if os.environ.get("NANOVLLM_MIXED_DECODE_SP
 # the cache's storage: head-major [blocks, kv heads, slots, d] (a head's keys of a block contiguous),
 # seen by the kernels through the slot-major view they address by strides; False: slot-major storage
 HEAD_MAJOR_CACHE = True
-# decode attention by the stream-K kernel (``decode_streamk``, an experiment: KERNEL_NOTES session
-# 25) for no cache ("0", the default), FP8 caches only ("fp8") or every cache ("1")
-DECODE_STREAMK = os.environ.get("NANOVLLM_DECODE_STREAMK", "0")
+# decode attention by the stream-K kernel (``decode_streamk``, KERNEL_NOTES sessions 25-26) for no
+# cache ("0"), FP8 caches only ("fp8", the default) or every cache ("1") ...
+DECODE_STREAMK = os.environ.get("NANOVLLM_DECODE_STREAMK", "fp8")
 if DECODE_STREAMK not in ("0", "fp8", "1"):
     raise ValueError(f"NANOVLLM_DECODE_STREAMK must be 0, fp8 or 1, got {DECODE_STREAMK!r}")
-# with the switch on, the stream-K kernel takes decode batches of at most this many rows (None: all);
-# on an H100 it led at batches 32-64 and trailed at 256 (KERNEL_NOTES session 26)
-_max_batch = os.environ.get("NANOVLLM_DECODE_STREAMK_MAX_BATCH", "")
-if _max_batch and not (_max_batch.isdigit() and int(_max_batch) > 0):
-    raise ValueError(f"NANOVLLM_DECODE_STREAMK_MAX_BATCH must be a positive integer, got {_max_batch!r}")
-STREAMK_MAX_BATCH: int | None = int(_max_batch) if _max_batch else None
+
+
+def _parse_batches(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(":")
+    if not (sep and lo.isdigit() and hi.isdigit() and 0 < int(lo) <= int(hi)):
+        raise ValueError(f"NANOVLLM_DECODE_STREAMK_BATCHES must be LO:HI with 0 < LO <= HI, got {text!r}")
+    return int(lo), int(hi)
+
+
+# ... at decode batches of LO to HI rows. On an H100 (FP8 cache, Qwen3-0.6B's heads) the kernel led the
+# shipped one by 5-13 % at batches 16-64, by 0.4-1.7 % at 96-160, and trailed at 8 (+19 %) and from
+# 192 up; the engine gained 1.0-1.8 % with it at 1..128 (session 26)
+STREAMK_BATCHES: tuple[int, int] = _parse_batches(os.environ.get("NANOVLLM_DECODE_STREAMK_BATCHES", "16:128"))
 
 
 class TritonBackend:
@@ -70,13 +77,15 @@ class TritonBackend:
         of ``kv_dtype`` (FP8 caches split more: ``triton_ops.num_decode_splits``). A later step
         that needs more rows raises (see the module's CUDA-graph contract). With the stream-K decode
         on for this cache and ``max_context`` (the widest block table's slots) given, its buffers
-        too, for ``max_num_seqs`` sequences of that context; growing them later raises as well."""
+        too, for as many sequences as it takes (``STREAMK_BATCHES``) of that context; growing them
+        later raises as well."""
         kv_fp8 = triton_ops.is_fp8_dtype(kv_dtype)
         self._streamk_reserved = False
-        if self._streamk_on(kv_fp8) and max_context is not None:
+        lo, hi = STREAMK_BATCHES
+        if self._streamk_on(kv_fp8) and max_context is not None and max_num_seqs >= lo:
             max_tiles = -(-max_context // decode_streamk.MIN_BLOCK_N)
             group = num_heads // num_kv_heads
-            self._streamk_workspace(max_num_seqs, max_tiles, num_kv_heads, group, head_dim, device)
+            self._streamk_workspace(min(max_num_seqs, hi), max_tiles, num_kv_heads, group, head_dim, device)
             self._streamk_reserved = True
         rows = max(
             num_seqs * num_heads * self.num_splits(num_seqs, num_kv_heads, device, kv_fp8=kv_fp8)
@@ -201,8 +210,8 @@ class TritonBackend:
 
     def _decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, out=None):
         num_seqs, num_heads, head_dim = q.shape
-        small = STREAMK_MAX_BATCH is None or num_seqs <= STREAMK_MAX_BATCH
-        if small and self._streamk_on(triton_ops.is_fp8(k_cache)):
+        lo, hi = STREAMK_BATCHES
+        if lo <= num_seqs <= hi and self._streamk_on(triton_ops.is_fp8(k_cache)):
             block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
             max_tiles = -(-block_tables.shape[1] * block_size // decode_streamk.MIN_BLOCK_N)
             workspace, programs = self._streamk_workspace(

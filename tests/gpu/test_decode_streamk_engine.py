@@ -1,5 +1,6 @@
-"""The stream-K decode in the engine (``NANOVLLM_DECODE_STREAMK``, an experiment; KERNEL_NOTES
-session 25), with CUDA graphs captured on it:
+"""The stream-K decode in the engine (``NANOVLLM_DECODE_STREAMK``; KERNEL_NOTES sessions 25-26), with
+CUDA graphs captured on it, at every batch size (the engine's default range, ``STREAMK_BATCHES``,
+starts above these tests' batches):
 
 - a float32 model, whose dots are exact, with its own float32 cache and with an FP8 one: the
   shipped decode kernel's greedy tokens exactly (the two kernels differ only in the order of their
@@ -47,6 +48,7 @@ def test_streamk_decode_gives_the_shipped_kernels_tokens(kv, monkeypatch):
 
     def run(mode: str) -> list[list[int]]:
         monkeypatch.setattr(triton_backend, "DECODE_STREAMK", mode)
+        monkeypatch.setattr(triton_backend, "STREAMK_BATCHES", (1, 1024))  # the test's batches are small
         with LLM(zoo_model(MODEL), **engine_args("cuda", kv_cache_dtype=kv, max_model_len=512)) as llm:
             assert llm.llm_engine.executor.runner.graphs is not None, "the decode steps must run as CUDA graphs"
             return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
@@ -94,6 +96,7 @@ def test_streamk_decode_on_a_bfloat16_model_with_an_fp8_cache_keeps_the_logprobs
 
     def run(mode: str):
         monkeypatch.setattr(triton_backend, "DECODE_STREAMK", mode)
+        monkeypatch.setattr(triton_backend, "STREAMK_BATCHES", (1, 1024))  # the test's batches are small
         args = engine_args("cuda", dtype="bfloat16", kv_cache_dtype="fp8", max_model_len=512)
         with LLM(zoo_model(MODEL), **args) as llm:
             assert llm.llm_engine.executor.runner.graphs is not None

@@ -507,6 +507,8 @@ def test_backend_streamk_switch_reserve_and_growth(monkeypatch):
     buffers, and a later step that needs more raises instead of freeing what graphs would read."""
     from nanovllm.attention import triton_backend
 
+    monkeypatch.setattr(triton_backend, "STREAMK_BATCHES", (1, 1024))  # every batch of the test
+
     case = PagedCase([(5, 1), (40, 1), (0, 1), (150, 1)], 16, 4, 64, seed=13)
     calls = []
     real = decode_streamk.paged_decode_streamk
@@ -531,10 +533,10 @@ def test_backend_streamk_switch_reserve_and_growth(monkeypatch):
         backend._decode(case.q, case.k_cache, case.v_cache, wider, case.meta.seq_lens, case.scale, 1.0, 1.0)
 
 
-def test_backend_streamk_max_batch_keeps_larger_batches_on_the_shipped_kernel(monkeypatch):
-    """``STREAMK_MAX_BATCH`` (``NANOVLLM_DECODE_STREAMK_MAX_BATCH``): with the switch on, a decode of
-    more rows than the cap goes to the shipped kernel and one of at most the cap to stream-K, both
-    with the reference's result (control: at the cap itself the spy sees the call)."""
+def test_backend_streamk_batches_keep_other_batches_on_the_shipped_kernel(monkeypatch):
+    """``STREAMK_BATCHES`` (``NANOVLLM_DECODE_STREAMK_BATCHES``, LO:HI): with the switch on, a decode
+    of fewer rows than LO or more than HI goes to the shipped kernel, one within the range to
+    stream-K, each with the reference's result (controls: at either end the spy sees the call)."""
     from nanovllm.attention import triton_backend
 
     case = PagedCase([(5, 1), (40, 1), (0, 1), (150, 1)], 16, 4, 64, seed=17)
@@ -544,29 +546,42 @@ def test_backend_streamk_max_batch_keeps_larger_batches_on_the_shipped_kernel(mo
         decode_streamk, "paged_decode_streamk", lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw)
     )
     monkeypatch.setattr(triton_backend, "DECODE_STREAMK", "1")
-    monkeypatch.setattr(triton_backend, "STREAMK_MAX_BATCH", 3)
-    out = TritonBackend().forward(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
-    assert calls == [], "4 rows over a cap of 3: the shipped kernel"
-    assert_close(out, case.reference(), "backend, over the stream-K cap")
-    monkeypatch.setattr(triton_backend, "STREAMK_MAX_BATCH", 4)
-    out = TritonBackend().forward(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
-    assert calls == [4], "4 rows at a cap of 4: stream-K"
-    assert_close(out, case.reference(), "backend, at the stream-K cap")
+    for batches, taken in (((1, 3), []), ((5, 8), []), ((1, 4), [4]), ((4, 8), [4])):
+        calls.clear()
+        monkeypatch.setattr(triton_backend, "STREAMK_BATCHES", batches)
+        out = TritonBackend().forward(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+        assert calls == taken, f"4 rows, stream-K for batches {batches}"
+        assert_close(out, case.reference(), f"backend, stream-K batches {batches}")
 
 
-def test_streamk_max_batch_setting_is_checked():
-    """A bad ``NANOVLLM_DECODE_STREAMK_MAX_BATCH`` is refused at import, naming the variable."""
+def test_backend_reserves_streamk_only_for_the_batches_it_takes(monkeypatch):
+    """``reserve`` sizes the stream-K buffers for at most HI sequences, and for none when
+    ``max_num_seqs`` is below LO."""
+    from nanovllm.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "DECODE_STREAMK", "1")
+    monkeypatch.setattr(triton_backend, "STREAMK_BATCHES", (4, 6))
+    backend = TritonBackend()
+    backend.reserve(10, 8, 2, 64, torch.device("cpu"), torch.float32, max_context=256)
+    assert backend._streamk is not None and backend._streamk.size[0] == 6
+    backend = TritonBackend()
+    backend.reserve(3, 8, 2, 64, torch.device("cpu"), torch.float32, max_context=256)
+    assert backend._streamk is None
+
+
+@pytest.mark.parametrize("bad", ["0:8", "9:8", "16", "x:y", "-1:4"])
+def test_streamk_batches_setting_is_checked(bad):
+    """A bad ``NANOVLLM_DECODE_STREAMK_BATCHES`` is refused at import, naming the variable."""
     import subprocess
     import sys
 
-    for bad in ("0", "-3", "many"):
-        run = subprocess.run(
-            [sys.executable, "-c", "import nanovllm.attention.triton_backend"],
-            env={**os.environ, "NANOVLLM_DECODE_STREAMK_MAX_BATCH": bad},
-            capture_output=True,
-            text=True,
-        )
-        assert run.returncode != 0 and "NANOVLLM_DECODE_STREAMK_MAX_BATCH" in run.stderr, (bad, run.stderr[-300:])
+    run = subprocess.run(
+        [sys.executable, "-c", "import nanovllm.attention.triton_backend"],
+        env={**os.environ, "NANOVLLM_DECODE_STREAMK_BATCHES": bad},
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode != 0 and "NANOVLLM_DECODE_STREAMK_BATCHES" in run.stderr, (bad, run.stderr[-300:])
 
 
 def _mixed_case():
@@ -612,6 +627,8 @@ def test_backend_mixed_step_with_streamk_writes_the_leading_decodes(monkeypatch)
     """With the stream-K decode on, a mixed step's leading decodes go to it and land in the step's
     output rows (it writes into the slice it is given), the prompts to the prefill kernel."""
     from nanovllm.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "STREAMK_BATCHES", (1, 1024))  # every batch of the test
 
     specs, case = _mixed_case()
     monkeypatch.setattr(triton_backend, "MIN_SPLIT_DECODES", 8)
