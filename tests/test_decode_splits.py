@@ -157,6 +157,7 @@ def test_the_runner_reserves_the_streamk_workspace_when_it_is_on(monkeypatch):
     from nanovllm.attention import decode_streamk, triton_backend
 
     monkeypatch.setattr(triton_backend, "DECODE_STREAMK", "1")
+    monkeypatch.setattr(triton_backend, "STREAMK_BATCHES", (1, 1024))  # the stub's 4 sequences
     backend = _allocate_on_a_stub_runner(monkeypatch, torch.bfloat16, block_size=64, max_model_len=70)
     programs = 4 * decode_streamk.PROGRAMS_PER_SM
     ws = backend._streamk
