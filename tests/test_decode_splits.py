@@ -180,3 +180,30 @@ def test_a_streamk_workspace_holds_only_what_it_was_sized_for():
     assert ws.holds(4, 10, 8, 2, 64, 12) and ws.holds(1, 3, 8, 2, 64, 5)
     for shape in [(5, 10, 8, 2, 64, 12), (4, 11, 8, 2, 64, 12), (4, 10, 8, 2, 64, 13), (4, 10, 4, 4, 64, 12)]:
         assert not ws.holds(*shape), shape
+
+
+@pytest.mark.parametrize(
+    "mode,fp8,tma,rows,taken",
+    [
+        ("fp8", True, True, 16, True),  # the default: an FP8 cache read as TMA boxes, within the range
+        ("fp8", True, True, 128, True),
+        ("fp8", True, True, 15, False),  # below the range
+        ("fp8", True, True, 129, False),  # above it
+        ("fp8", True, False, 64, False),  # no TMA boxes (a float32 model, no Hopper GPU): not measured
+        ("fp8", False, True, 64, False),  # a 16-bit cache
+        ("1", False, False, 64, True),  # every cache
+        ("1", False, False, 200, False),  # ... still within the range only
+        ("0", True, True, 64, False),
+    ],
+)
+def test_which_decodes_the_streamk_kernel_takes(mode, fp8, tma, rows, taken, monkeypatch):
+    """``TritonBackend._streamk_takes``: the switch, the batch range (default 16:128) and, for the
+    default switch, an FP8 cache whose tiles are TMA boxes, the one configuration measured faster."""
+    from nanovllm.attention import triton_backend, triton_ops
+
+    monkeypatch.setattr(triton_backend, "DECODE_STREAMK", mode)
+    monkeypatch.setattr(triton_backend, "STREAMK_BATCHES", (16, 128))
+    monkeypatch.setattr(triton_ops, "wants_tma", lambda q, k, v: tma)
+    q = torch.zeros(rows, 16, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(1, 256, 8, 128, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    assert triton_backend.TritonBackend._streamk_takes(q, cache, cache) is taken

@@ -21,7 +21,8 @@ Slots: from one tile to the next the item and the program each grow or stay (ite
 skipped), and at a new (item, program) pair at least one grows, so ``item + program`` never repeats;
 ``items + programs`` slots hold them all.
 
-On by default for FP8 caches at decode batches of 16 to 128 rows (``triton_backend.DECODE_STREAMK``,
+On by default for FP8 caches read as TMA boxes (a 16-bit model on a Hopper GPU) at decode batches
+of 16 to 128 rows (``triton_backend.DECODE_STREAMK``,
 ``STREAMK_BATCHES``; ``NANOVLLM_DECODE_STREAMK=0|fp8|1`` and ``NANOVLLM_DECODE_STREAMK_BATCHES=LO:HI``
 change it): on an H100 it led the shipped kernel by 5-13 % at batches 16-64 and trailed it at 8 and
 from 192 up (KERNEL_NOTES session 26). ``ab_engine.py streamk=0`` A/Bs it, and

@@ -32,7 +32,8 @@ MIN_SPLIT_DECODES: int | None = None if os.environ.get("NANOVLLM_MIXED_DECODE_SP
 # seen by the kernels through the slot-major view they address by strides; False: slot-major storage
 HEAD_MAJOR_CACHE = True
 # decode attention by the stream-K kernel (``decode_streamk``, KERNEL_NOTES sessions 25-26) for no
-# cache ("0"), FP8 caches only ("fp8", the default) or every cache ("1") ...
+# cache ("0"), FP8 caches read as TMA boxes ("fp8", the default: a 16-bit model on a Hopper GPU, as
+# measured) or every cache ("1", for experiments) ...
 DECODE_STREAMK = os.environ.get("NANOVLLM_DECODE_STREAMK", "fp8")
 if DECODE_STREAMK not in ("0", "fp8", "1"):
     raise ValueError(f"NANOVLLM_DECODE_STREAMK must be 0, fp8 or 1, got {DECODE_STREAMK!r}")
@@ -47,7 +48,7 @@ def _parse_batches(text: str) -> tuple[int, int]:
 
 # ... at decode batches of LO to HI rows. On an H100 (FP8 cache, Qwen3-0.6B's heads) the kernel led the
 # shipped one by 5-13 % at batches 16-64, by 0.4-1.7 % at 96-160, and trailed at 8 (+19 %) and from
-# 192 up; the engine gained 1.0-1.8 % with it at 1..128 (session 26)
+# 192 up; the engine gained 0.3-0.5 % with it at 16..128 (session 26)
 STREAMK_BATCHES: tuple[int, int] = _parse_batches(os.environ.get("NANOVLLM_DECODE_STREAMK_BATCHES", "16:128"))
 
 
@@ -206,12 +207,24 @@ class TritonBackend:
 
     @staticmethod
     def _streamk_on(kv_fp8: bool) -> bool:
+        """Whether the switch may send decodes on a cache of this kind to stream-K (``reserve``
+        sizes its buffers then; ``_streamk_takes`` decides per step)."""
         return DECODE_STREAMK == "1" or (DECODE_STREAMK == "fp8" and kv_fp8)
+
+    @staticmethod
+    def _streamk_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        """Whether this decode goes to stream-K: a batch within ``STREAMK_BATCHES``, and with the
+        default switch ("fp8") an FP8 cache whose tiles are TMA boxes (the configuration measured)."""
+        lo, hi = STREAMK_BATCHES
+        if not lo <= q.shape[0] <= hi:
+            return False
+        if DECODE_STREAMK == "1":
+            return True
+        return DECODE_STREAMK == "fp8" and triton_ops.is_fp8(k_cache) and triton_ops.wants_tma(q, k_cache, v_cache)
 
     def _decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, out=None):
         num_seqs, num_heads, head_dim = q.shape
-        lo, hi = STREAMK_BATCHES
-        if lo <= num_seqs <= hi and self._streamk_on(triton_ops.is_fp8(k_cache)):
+        if self._streamk_takes(q, k_cache, v_cache):
             block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
             max_tiles = -(-block_tables.shape[1] * block_size // decode_streamk.MIN_BLOCK_N)
             workspace, programs = self._streamk_workspace(
