@@ -500,6 +500,16 @@ def test_backend_dispatch(decode):
     assert_close(out, case.reference(), f"backend decode={decode}")
 
 
+def _spy_streamk(monkeypatch) -> list[int]:
+    """The batch sizes ``paged_decode_streamk`` is called with from now on (it still runs)."""
+    calls: list[int] = []
+    real = decode_streamk.paged_decode_streamk
+    monkeypatch.setattr(
+        decode_streamk, "paged_decode_streamk", lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw)
+    )
+    return calls
+
+
 def test_backend_streamk_switch_reserve_and_growth(monkeypatch):
     """``NANOVLLM_DECODE_STREAMK`` (``triton_backend.DECODE_STREAMK``): "1" sends decode-only steps
     to the stream-K kernel, with the reference's result; "fp8" leaves a 16-bit cache to the shipped
@@ -510,11 +520,7 @@ def test_backend_streamk_switch_reserve_and_growth(monkeypatch):
     monkeypatch.setattr(triton_backend, "STREAMK_BATCHES", (1, 1024))  # every batch of the test
 
     case = PagedCase([(5, 1), (40, 1), (0, 1), (150, 1)], 16, 4, 64, seed=13)
-    calls = []
-    real = decode_streamk.paged_decode_streamk
-    monkeypatch.setattr(
-        decode_streamk, "paged_decode_streamk", lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw)
-    )
+    calls = _spy_streamk(monkeypatch)
     monkeypatch.setattr(triton_backend, "DECODE_STREAMK", "fp8")
     out = TritonBackend().forward(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
     assert calls == [], "fp8: a 16-bit cache keeps the shipped kernel"
@@ -540,11 +546,7 @@ def test_backend_streamk_batches_keep_other_batches_on_the_shipped_kernel(monkey
     from nanovllm.attention import triton_backend
 
     case = PagedCase([(5, 1), (40, 1), (0, 1), (150, 1)], 16, 4, 64, seed=17)
-    calls = []
-    real = decode_streamk.paged_decode_streamk
-    monkeypatch.setattr(
-        decode_streamk, "paged_decode_streamk", lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw)
-    )
+    calls = _spy_streamk(monkeypatch)
     monkeypatch.setattr(triton_backend, "DECODE_STREAMK", "1")
     for batches, taken in (((1, 3), []), ((5, 8), []), ((1, 4), [4]), ((4, 8), [4])):
         calls.clear()
@@ -633,11 +635,7 @@ def test_backend_mixed_step_with_streamk_writes_the_leading_decodes(monkeypatch)
     specs, case = _mixed_case()
     monkeypatch.setattr(triton_backend, "MIN_SPLIT_DECODES", 8)
     monkeypatch.setattr(triton_backend, "DECODE_STREAMK", "1")
-    calls = []
-    real = decode_streamk.paged_decode_streamk
-    monkeypatch.setattr(
-        decode_streamk, "paged_decode_streamk", lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw)
-    )
+    calls = _spy_streamk(monkeypatch)
     out = TritonBackend().forward(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
     assert calls == [9], calls
     _assert_rows(out, case.reference(), specs, "mixed step, stream-K")
