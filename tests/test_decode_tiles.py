@@ -11,8 +11,6 @@ import re
 import pytest
 import torch
 
-from tests.compile_hints import runtime_hints  # noqa: E402
-
 pytest.importorskip("triton", reason="the tile rules live in the Triton kernels' module")
 
 from hypothesis import given  # noqa: E402
@@ -101,33 +99,14 @@ def _compile_decode_for_sm90(
     model: str = "bf16",
     maxnreg: int | None = None,
 ):
-    """The decode kernel compiled offline for an H200 (no GPU needed): ``kv`` the cache's Triton
-    type (``bf16`` or ``fp8e4nv``), one 256-slot block per table entry, TILE_BLOCK on. The data
-    pointers and strides carry the divisibility by 16 that Triton specializes on at run time
-    (``runtime_hints``): without them the compile is not the kernel the engine runs (no cp.async
-    pipelining at all; KERNEL_NOTES session 12; tests/compile_hints.py)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    """The decode kernel compiled offline for an H200 (no GPU needed; ``scripts/sass.py``): ``kv``
+    the cache's Triton type (``bf16`` or ``fp8e4nv``), one 256-slot block per table entry,
+    TILE_BLOCK on. With ``hints`` the data pointers and strides carry the divisibility by 16 that
+    Triton specializes on at run time (``runtime_hints``): without them the compile is not the
+    kernel the engine runs (no cp.async pipelining at all; KERNEL_NOTES session 12)."""
+    from scripts.sass import compile_decode
 
-    kernel = triton_ops._decode_kernel
-    fp8 = kv == "fp8e4nv"
-    signature = {p.name: "constexpr" if p.is_constexpr else "i32" for p in kernel.params}
-    signature.update(q_ptr=f"*{model}", k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}", block_tables_ptr="*i32")
-    signature.update(seq_lens_ptr="*i32", out_ptr=f"*{model}", part_ptr="*fp32", lse_ptr="*fp32")
-    signature.update(qk_scale="fp32", v_scale="fp32")
-    if tma:
-        signature["k_desc"] = signature["v_desc"] = f"tensordesc<{kv}[{block_n}, 128]>"
-    constexprs = dict(
-        GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=block_n, BLOCK_SIZE=256, NUM_SPLITS=1,
-        DOT_PRECISION="ieee", KV_FP8=fp8, WIDEN=model == "bf16", V_ASM=fp8 and model == "bf16", TILE_BLOCK=True,
-        TMA=tma, PDL=False, WIDE_MMA=wide_mma,
-    )  # fmt: skip
-    source = ASTSource(
-        fn=kernel, signature=signature, constexprs=constexprs, attrs=runtime_hints(kernel) if hints else {}
-    )
-    options = {"num_warps": 4, "num_stages": num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg})}
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return compile_decode("shipped", kv, block_n, tma, num_stages, hints, wide_mma, model, maxnreg)
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8e4nv"])
@@ -266,18 +245,13 @@ def test_the_kernels_refuse_a_bad_cache_pair_naming_what_is_wrong():
 
 def _resources(cubin: bytes, tmp_path) -> dict[str, int]:
     """Registers, local memory (spills) and the like of a compiled kernel, read by cuobjdump."""
-    import subprocess
-    from pathlib import Path
+    from scripts import sass
 
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not tool.exists():
-        pytest.skip(f"Triton's cuobjdump is not at {tool}: cannot read a kernel's registers")
-    path = tmp_path / "kernel.cubin"
-    path.write_bytes(cubin)
-    out = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True, check=True).stdout
-    return {k: int(v) for k, v in re.findall(r"(REG|LOCAL|STACK):(\d+)", out)}
+    try:
+        sass.cuobjdump()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    return sass.resources(cubin)
 
 
 @pytest.mark.parametrize("stages", [3, 5])

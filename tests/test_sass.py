@@ -1,0 +1,85 @@
+"""``scripts/sass.py``: the decode kernels' main loop read from an offline sm_90 compile.
+
+The loop finder is checked on a listing shaped as ptxas lays kernels out (a retry stub after
+``EXIT`` jumping back into the loop: taking any backward branch would count the stub's span, the
+mistake session 26 made once by hand). The real compiles check what the tile's shapes fix: per tile
+and thread, 64 ``HMMA.16816`` (q K^T and P V: 16 rows x 128 keys x 128 dims, twice, over 4 warps)
+and 128 FP8 widenings (128 bytes of K and 128 of V per thread, two a conversion); and the stream-K
+kernel's finite clamp on V at one ``HMNMX2`` per widened pair (3e50f62), where the shipped kernel,
+which masks V on its peeled last tile instead, has none in its loop."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton", reason="the kernels are Triton's")
+
+from scripts import sass  # noqa: E402
+
+LISTING = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   ISETP.GE.AND P0, PT, R2, R3, PT ;
+        /*0020*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*0030*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR4], R5 ;
+        /*0040*/              @!P1 BRA 0x90 ;
+        /*0050*/                   HMMA.16816.F32 R4, R8, R14, R4 ;
+        /*0060*/               @P0 BRA 0x20 ;
+        /*0070*/                   EXIT ;
+        /*0080*/                   BRA 0x80;
+        /*0090*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR4], R5 ;
+        /*00a0*/              @!P1 BRA 0x90 ;
+        /*00b0*/                   BRA 0x0 ;
+"""
+
+
+def test_the_main_loop_is_the_longest_conditional_backward_branch():
+    loop = sass.main_loop(LISTING)
+    assert [sass.opcode(t) for t in loop] == [
+        "HMMA.16816.F32",
+        "SYNCS.PHASECHK.TRANS64.TRYWAIT",
+        "BRA",
+        "HMMA.16816.F32",
+        "BRA",
+    ]
+    assert sass.histogram(loop)["HMMA.16816.F32"] == 2
+    # control: the stub's unconditional jump back is the longest backward branch of all
+    jumps = [(a, int(t.split("0x")[-1], 16)) for a, t in sass.instructions(LISTING) if "BRA 0x" in t]
+    assert max(jumps, key=lambda j: j[0] - j[1] if j[1] < j[0] else -1) == (0xB0, 0x0)
+
+
+def test_a_listing_without_a_loop_is_refused():
+    with pytest.raises(ValueError, match="no loop"):
+        sass.main_loop("        /*0000*/                   EXIT ;\n")
+
+
+def test_the_opcode_drops_the_predicate():
+    assert sass.opcode("@!P0 HMMA.16816.F32 R4, R8, R12, R4") == "HMMA.16816.F32"
+    assert sass.opcode("@UP1 UIADD3 UR4, UR5, 0x1, URZ") == "UIADD3"
+
+
+@pytest.fixture(scope="module")
+def fp8_loops():
+    try:
+        sass.cuobjdump()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    return {k: sass.histogram(sass.main_loop(sass.sass(sass.compile_decode(k).asm["cubin"]))) for k in sass.KERNELS}
+
+
+@pytest.mark.parametrize("kernel", sass.KERNELS)
+def test_one_fp8_tile_per_loop_iteration(fp8_loops, kernel):
+    ops = fp8_loops[kernel]
+    assert ops["HMMA.16816.F32"] == 64, ops.most_common(8)
+    assert ops["F2FP.F16.E4M3.UNPACK_B"] == 128, ops.most_common(8)
+
+
+def test_the_streamk_clamp_costs_one_max_per_widened_pair(fp8_loops):
+    assert fp8_loops["streamk"]["HMNMX2"] == 64
+    assert fp8_loops["shipped"]["HMNMX2"] == 0
+
+
+def test_the_cli_compares_two_kernels(capsys, fp8_loops):
+    sass.main(["--kernel", "shipped,streamk", "--kv", "fp8", "--top", "3"])
+    out = capsys.readouterr().out
+    assert "shipped fp8: 168 registers" in out and "streamk fp8: 168 registers" in out
+    assert "streamk - shipped: " in out and "HMNMX2 +64" in out
