@@ -22,11 +22,12 @@ skipped), and at a new (item, program) pair at least one grows, so ``item + prog
 ``items + programs`` slots hold them all.
 
 On by default for FP8 caches read as TMA boxes (a 16-bit model on a Hopper GPU) at decode batches
-of 16 to 128 rows (``triton_backend.DECODE_STREAMK``,
-``STREAMK_BATCHES``; ``NANOVLLM_DECODE_STREAMK=0|fp8|1`` and ``NANOVLLM_DECODE_STREAMK_BATCHES=LO:HI``
-change it): on an H100 it led the shipped kernel by 5-13 % at batches 16-64 and trailed it at 8 and
-from 192 up (KERNEL_NOTES session 26). ``ab_engine.py streamk=0`` A/Bs it, and
-``scripts/ncu_decode.py --tile streamk`` times the kernels against the shipped one.
+of 16 to 128 rows (``triton_backend.DECODE_STREAMK`` and ``STREAMK_BATCHES``, set by
+``NANOVLLM_DECODE_STREAMK=0|fp8|1`` and ``NANOVLLM_DECODE_STREAMK_BATCHES=LO:HI``). On an H100 it led
+the shipped kernel by 5-13 % at batches 16-64 and trailed it at 8 and from 192 up; the engine's FP8
+runs gained 0.3-0.5 % (KERNEL_NOTES session 26). ``ab_engine.py streamk=0`` A/Bs it,
+``scripts/ncu_decode.py --tile streamk`` times the kernels on a GPU, and ``scripts/sass.py --kernel
+shipped,streamk`` compares their loops offline.
 
 The tiles are those of ``paged_decode`` (``_decode_tile``). Any tile may end an item, so none can
 skip the treatment of keys past a sequence's end: their scores are -inf as always, and V's rows
