@@ -376,6 +376,9 @@ def test_decode_streamk_all_padding_gives_zeros():
         ("row = (item + pid) * GROUP + offs_g", "row = item * GROUP + offs_g"),
         # a program that starts mid-item keeps the query of zeros it started with
         ("first = (j == 0) | (t == t0)", "first = j == 0"),
+        # an item whose keys fill its last tile exactly never writes its partial (unless that
+        # tile is also its program's last)
+        ("if (n0 + BLOCK_N >= seq_len) |", "if (n0 + BLOCK_N > seq_len) |"),
     ],
 )
 def test_decode_streamk_controls(old, new, monkeypatch):
@@ -388,9 +391,11 @@ def test_decode_streamk_controls(old, new, monkeypatch):
     import triton
 
     block_size, group, head_dim = STREAMK_SHAPE
-    case = PagedCase([(299, 1)] * 3, block_size, group, head_dim, seed=6)
-    # 3 sequences x 2 heads x 3 tiles of 128 keys = 18 tiles; 4 programs take 5 each, so the
-    # second and third start mid-item (items start at multiples of 3)
+    case = PagedCase([(299, 1), (255, 1), (299, 1)], block_size, group, head_dim, seed=6)
+    # 2 heads x (3 + 2 + 3) tiles of 128 keys = 16 tiles, items starting at tiles 0, 3, 6, 8, 10
+    # and 13; 4 programs take 4 each, so the second and the fourth start mid-item, and the middle
+    # sequence's 256 keys fill its last tile exactly: its second item (tiles 8-9) ends inside the
+    # third program's share
     assert triton_ops.decode_config(head_dim, case.q.dtype).block_n == 128 and NUM_KV_HEADS == 2
 
     def run() -> torch.Tensor:
@@ -557,8 +562,8 @@ def test_backend_streamk_batches_keep_other_batches_on_the_shipped_kernel(monkey
 
 
 def test_backend_reserves_streamk_only_for_the_batches_it_takes(monkeypatch):
-    """``reserve`` sizes the stream-K buffers for at most HI sequences, and for none when
-    ``max_num_seqs`` is below LO."""
+    """``reserve`` sizes the stream-K buffers for at most HI sequences, for ``max_num_seqs`` of
+    exactly LO too (a graph of that batch is captured on them), and for none below LO."""
     from nanovllm.attention import triton_backend
 
     monkeypatch.setattr(triton_backend, "DECODE_STREAMK", "1")
@@ -566,6 +571,9 @@ def test_backend_reserves_streamk_only_for_the_batches_it_takes(monkeypatch):
     backend = TritonBackend()
     backend.reserve(10, 8, 2, 64, torch.device("cpu"), torch.float32, max_context=256)
     assert backend._streamk is not None and backend._streamk.size[0] == 6
+    backend = TritonBackend()
+    backend.reserve(4, 8, 2, 64, torch.device("cpu"), torch.float32, max_context=256)
+    assert backend._streamk is not None and backend._streamk.size[0] == 4, "max_num_seqs at LO: reserved"
     backend = TritonBackend()
     backend.reserve(3, 8, 2, 64, torch.device("cpu"), torch.float32, max_context=256)
     assert backend._streamk is None
