@@ -43,8 +43,6 @@ streamk=0|fp8|1: decode attention by the stream-K kernel for no cache, FP8 cache
           since session 26).
 skbatches=LO:HI: the decode batches the stream-K kernel takes (``triton_backend.STREAMK_BATCHES``,
           ``NANOVLLM_DECODE_STREAMK_BATCHES``; session 26, 16:128 by default).
-splitk=LO:HI|0: the linear layers at LO..HI rows by the split-K kernel (``splitk_gemm.ROWS``,
-          ``NANOVLLM_SPLITK_GEMM``; session 27, off by default); skcfg=skBNxBKxWxSxBM[wV]: its config.
 rowwarm=0|1: start-up runs the LM head and the sampler on every row count 1..max_num_seqs, and
           the runner's pending-row scatter once (``NANOVLLM_ROW_WARMUP``, read by
           ``nanovllm.worker.sampling_warmup.enabled``, sessions 22-23; on by default).
@@ -135,19 +133,6 @@ def _parses(parser: str, module: str = "nanovllm.layers.decode_gemm"):
     return valid
 
 
-def _set_splitk_rows(value: str) -> None:
-    os.environ["NANOVLLM_SPLITK_GEMM"] = value  # processes started later
-    from nanovllm.layers import splitk_gemm
-
-    splitk_gemm.ROWS = splitk_gemm.parse_rows(value)
-
-
-def _set_splitk_config(value: str) -> None:
-    from nanovllm.layers import splitk_gemm
-
-    splitk_gemm.default_config = splitk_gemm.parse_config(value)  # applies() reads it too: K falls back
-
-
 def _set_preload_config(value: str) -> None:
     from nanovllm.layers import decode_gemm
 
@@ -205,11 +190,6 @@ SETTINGS = {
     "gemmcfg": (_set_gemm_config, _parses("parse_config")),
     "pre": (_set("nanovllm.layers.decode_gemm", "PRELOAD_MAX_ROWS", int), str.isdigit),
     "precfg": (_set_preload_config, _parses("parse_preload_config")),
-    "splitk": (
-        _set_splitk_rows,
-        _parses("parse_rows", "nanovllm.layers.splitk_gemm"),
-    ),
-    "skcfg": (_set_splitk_config, _parses("parse_config", "nanovllm.layers.splitk_gemm")),
     "early": (_set("nanovllm.layers.fused_ops", "EARLY_RELEASE", lambda v: v == "1"), lambda v: v in ("0", "1")),
     "kvstore": (lambda v: os.environ.__setitem__("NANOVLLM_FUSED_KV_STORE", v), lambda v: v in ("0", "1")),
     "sampler": (_set_sampler, os.path.isfile),

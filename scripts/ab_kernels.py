@@ -323,7 +323,7 @@ def gemm(configs: str = GEMMS, rows: str = "1,8,16,23,32,48,64,96,128,192,256") 
     28 layers of RMSNorm -> qkv -> (SiLU-and-mul as the attention's stand-in, 4,096 -> 2,048) -> o_proj
     -> RMSNorm -> gate_up -> SiLU-and-mul -> down, each layer its own weights (Qwen3-0.6B's, 0.8 GB:
     past the L2), captured in one CUDA graph and replayed (do_bench median). The figure is per layer."""
-    from nanovllm.layers import decode_gemm, splitk_gemm
+    from nanovllm.layers import decode_gemm
 
     decode_gemm.MAX_ROWS = 1 << 30
     hidden, inter, qkv_n, layers = 1024, 3072, (HQ + 2 * HK) * D, 28
@@ -345,9 +345,6 @@ def gemm(configs: str = GEMMS, rows: str = "1,8,16,23,32,48,64,96,128,192,256") 
             early = spec.startswith("pre") and spec.endswith("e")  # RMSNorm and SiLU release early
             if spec == "cublas":
                 lin = lambda x, w: torch.nn.functional.linear(x, w)  # noqa: E731
-            elif spec.startswith("sk"):  # session 27: the split-K kernel, skBNxBKxWxSxBM[wV]
-                skcfg = splitk_gemm.parse_config(spec)
-                lin = lambda x, w, skcfg=skcfg: splitk_gemm.linear(x, w, skcfg(*w.shape))  # noqa: E731
             elif spec.startswith("pre"):  # session 16: the preloading kernel, BIG/SMALLxBMxW[e]
                 pcfg = decode_gemm.parse_preload_config(spec[3 : len(spec) - early])
                 lin = lambda x, w, pcfg=pcfg: decode_gemm.preload_linear(x, w, pcfg(*w.shape))  # noqa: E731
@@ -412,9 +409,7 @@ def main() -> None:
     p.add_argument("--prefill-steps", type=int, default=6)
     p.add_argument("--only", choices=["qk", "prefill", "decode", "layout", "tiles", "gemm"])
     p.add_argument(
-        "--gemms",
-        default=GEMMS,
-        help="configs for --only gemm: cublas, BIG/SMALLxBKxWxS, preBIG/SMALLxBMxW[e] or skBNxBKxWxSxBM[wV],...",
+        "--gemms", default=GEMMS, help="configs for --only gemm: cublas, BIG/SMALLxBKxWxS or preBIG/SMALLxBMxW[e],..."
     )
     p.add_argument("--rows", default="1,8,16,23,32,48,64,96,128,192,256", help="batch sizes for --only gemm")
     p.add_argument("--tiles", default=TILES, help="decode configs for --only tiles: NxWxS,...")

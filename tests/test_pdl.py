@@ -27,7 +27,7 @@ triton = pytest.importorskip("triton", reason="the kernels need triton")
 tl = triton.language
 
 from nanovllm.attention import triton_ops  # noqa: E402
-from nanovllm.layers import decode_gemm, fused_ops, fused_sampler, pdl, splitk_gemm  # noqa: E402
+from nanovllm.layers import decode_gemm, fused_ops, fused_sampler, pdl  # noqa: E402
 from tests.compile_hints import METADATA_POINTERS, runtime_hints  # noqa: E402
 from tests.kernel_modules import kernel_modules  # noqa: E402
 
@@ -99,7 +99,7 @@ def test_every_kernel_waits_first():
     launched = {
         "_store_kv_kernel", "_decode_kernel", "_merge_kernel", "_prefill_kernel", "_rms_norm_kernel",
         "_silu_mul_kernel", "_rope_kernel", "_qk_norm_rope_kernel", "_sample_kernel", "_sample_merge_kernel",
-        "_decode_gemm_kernel", "_preload_gemm_kernel", "_splitk_gemm_kernel",
+        "_decode_gemm_kernel", "_preload_gemm_kernel",
     }  # fmt: skip
     assert {triton_ops, fused_ops, fused_sampler} <= set(MODULES), MODULES
     assert launched <= {name.rsplit(".", 1)[1] for name in kernels}, sorted(kernels)
@@ -191,7 +191,6 @@ def _run_every_wrapper():
     triton_ops.paged_prefill(q, cache, cache, torch.tensor([0, t], dtype=torch.int32), lens[:1], tables[:1], 1.0)
     decode_gemm.linear(torch.randn(t, 128, **bf), torch.randn(48, 128, **bf))
     decode_gemm.preload_linear(torch.randn(t, 128, **bf), torch.randn(48, 128, **bf))
-    splitk_gemm.linear(torch.randn(t, 128, **bf), torch.randn(48, 128, **bf), splitk_gemm.SplitKConfig(16, 64, 4, 2, 16))
     logits = torch.randn(2, 10_000)
     for splits in (1, 4):  # one program per row, and split rows + the merge
         fused_sampler.sample(logits, torch.ones(2), torch.zeros(2, dtype=torch.int64), block=1024, splits=splits)
@@ -208,7 +207,7 @@ def test_every_wrapper_launches_with_matching_pdl_arguments(recorded):
     assert launched == {
         "_rms_norm_kernel", "_silu_mul_kernel", "_rope_kernel", "_qk_norm_rope_kernel", "_store_kv_kernel",
         "_decode_kernel", "_merge_kernel", "_prefill_kernel", "_sample_kernel", "_sample_merge_kernel",
-        "_decode_gemm_kernel", "_preload_gemm_kernel", "_splitk_gemm_kernel",
+        "_decode_gemm_kernel", "_preload_gemm_kernel",
     }, launched  # fmt: skip
     assert not _mismatched(recorded)
 
@@ -219,7 +218,6 @@ def test_every_wrapper_launches_with_matching_pdl_arguments(recorded):
         (fused_ops, {"_rms_norm_kernel", "_silu_mul_kernel", "_rope_kernel", "_qk_norm_rope_kernel"}),
         (fused_sampler, {"_sample_kernel", "_sample_merge_kernel"}),
         (decode_gemm, {"_decode_gemm_kernel", "_preload_gemm_kernel"}),
-        (splitk_gemm, {"_splitk_gemm_kernel"}),
     ],
 )
 def test_the_wrapper_check_catches_wrappers_that_drop_the_launch_option(recorded, monkeypatch, module, broken):
@@ -267,7 +265,7 @@ def test_capable_only_on_cuda_sm90_and_later(monkeypatch, capability, hip, expec
 
 
 FLOAT_ARGS = {"eps", "qk_scale", "v_scale"}
-INT_POINTERS = METADATA_POINTERS | {"count_ptr"}  # the int32 block tables, lengths, query offsets, counters
+INT_POINTERS = METADATA_POINTERS  # the int32 block tables, lengths and query offsets
 FLOAT32_POINTERS = {"part_ptr", "lse_ptr"}
 
 # kernel -> its constexprs (the H200's shipped shapes: Qwen3-0.6B, bf16, 256-slot blocks)
@@ -275,7 +273,6 @@ FLOAT32_POINTERS = {"part_ptr", "lse_ptr"}
 COMPILED = {
     "rms_norm": (fused_ops._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
     "decode_gemm": (decode_gemm._decode_gemm_kernel, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256)),
-    "splitk_gemm": (splitk_gemm._splitk_gemm_kernel, dict(K_SPLIT=256, SPLIT_K=4, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)),
     "decode": (triton_ops._decode_kernel, dict(
         GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=128, BLOCK_SIZE=256, NUM_SPLITS=1,
         DOT_PRECISION="tf32", KV_FP8=False, WIDEN=True, V_ASM=False, TILE_BLOCK=True)),

@@ -17,7 +17,6 @@ from nanovllm.layers.triton_switch import LazyKernels
 from nanovllm.loader.model_loader import set_weight
 
 decode_gemm = LazyKernels("nanovllm.layers.decode_gemm", "NANOVLLM_DECODE_GEMM")
-splitk_gemm = LazyKernels("nanovllm.layers.splitk_gemm", "NANOVLLM_DECODE_GEMM")  # its rows: NANOVLLM_SPLITK_GEMM
 
 
 def linear(
@@ -26,17 +25,14 @@ def linear(
     bias: torch.Tensor | None,
     packed: torch.Tensor | cpu_linear.RowsWeight | None,
 ) -> torch.Tensor:
-    """y = x @ weight.T + bias: the Triton decode-batch kernels where they are on and apply (CUDA, few
-    rows, or the split-K kernel's row range; on the CPU only in the kernel tests under Triton's
-    interpreter), the packed weights on the CPU (our rows kernel for float32, oneDNN's otherwise:
-    ``cpu_linear``), ``F.linear`` elsewhere."""
+    """y = x @ weight.T + bias: the Triton decode-batch kernel where it is on and applies (CUDA, few
+    rows; on the CPU only in the kernel tests under Triton's interpreter), the packed weights on the
+    CPU (our rows kernel for float32, oneDNN's otherwise: ``cpu_linear``), ``F.linear`` elsewhere."""
     if decode_gemm.enabled(x):
         if decode_gemm.preload_applies(x, weight, bias):
             return decode_gemm.preload_linear(x, weight)
         if decode_gemm.applies(x, weight, bias):
             return decode_gemm.linear(x, weight)
-    if splitk_gemm.enabled(x) and splitk_gemm.applies(x, weight, bias):
-        return splitk_gemm.linear(x, weight)
     return cpu_linear.linear(x, weight, bias, packed)
 
 
