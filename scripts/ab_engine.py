@@ -43,8 +43,6 @@ streamk=0|fp8|1: decode attention by the stream-K kernel for no cache, FP8 cache
           since session 26).
 skbatches=LO:HI: the decode batches the stream-K kernel takes (``triton_backend.STREAMK_BATCHES``,
           ``NANOVLLM_DECODE_STREAMK_BATCHES``; session 26, 16:128 by default).
-skmap=0|1: the stream-K tile map computed once per forward pass and reused by its later layers (1,
-          the default since session 27) or by every layer (``triton_backend.STREAMK_MAP_ONCE``).
 rowwarm=0|1: start-up runs the LM head and the sampler on every row count 1..max_num_seqs, and
           the runner's pending-row scatter once (``NANOVLLM_ROW_WARMUP``, read by
           ``nanovllm.worker.sampling_warmup.enabled``, sessions 22-23; on by default).
@@ -184,10 +182,6 @@ SETTINGS = {
     "skbatches": (
         _set("nanovllm.attention.triton_backend", "STREAMK_BATCHES", _parse_batches),
         _parses("_parse_batches", "nanovllm.attention.triton_backend"),
-    ),
-    "skmap": (
-        _set("nanovllm.attention.triton_backend", "STREAMK_MAP_ONCE", lambda v: v == "1"),
-        lambda v: v in ("0", "1"),
     ),
     "tma": (_set_tma, lambda v: v in ("0", "1", "fp8")),
     "pdl": (lambda v: os.environ.__setitem__("NANOVLLM_PDL", v), lambda v: v in ("0", "1")),

@@ -162,25 +162,3 @@ def test_the_torch_backend_allocates_and_reads_a_head_major_cache(monkeypatch):
     llm = LLM(zoo_model("qwen3-gqa2-hd64-tied"), device="cpu", kv_cache_memory_gib=0.01)
     attn = next(m for m in llm.llm_engine.executor.runner.model.modules() if hasattr(m, "k_cache"))
     assert attn.k_cache.shape[1:] == (attn.num_kv_heads, llm.llm_engine.config.block_size, attn.head_dim)
-
-
-def test_only_the_first_attention_layer_a_forward_runs_starts_it():
-    """The runner marks the attention layer each forward pass runs first (``first_in_forward``: the
-    backend computes per-step state there, such as the stream-K tile map, and the later layers may
-    reuse it). Checked against the order the layers actually run in, recorded by hooks over two
-    steps (a prefill and a decode)."""
-    from conformance.zoo import zoo_model
-    from nanovllm import LLM, SamplingParams
-
-    llm = LLM(zoo_model("qwen3-gqa2-hd64-tied"), device="cpu", kv_cache_memory_gib=0.01)
-    layers = llm.llm_engine.executor.runner.attn_layers
-    assert len(layers) > 1
-    assert [layer.first_in_forward for layer in layers] == [True] + [False] * (len(layers) - 1)
-    ran: list[int] = []
-    hooks = [layer.register_forward_pre_hook(lambda m, a, i=i: ran.append(i)) for i, layer in enumerate(layers)]
-    try:
-        llm.generate(["hello"], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    assert ran == list(range(len(layers))) * 2, ran

@@ -45,7 +45,6 @@ class TorchBackend:
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
-        new_step: bool = True,  # no per-step state here (TritonBackend.forward says what it is for)
     ) -> torch.Tensor:
         if cpu_kernels.applies(q, k_cache):
             rows = None if meta.is_decode_only else _prefill_rows(meta)

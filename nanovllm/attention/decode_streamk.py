@@ -8,9 +8,7 @@ tile's time: a fifth of the kernel at batch 129 (session 25's counters). Here th
 take one consecutive share of them, whatever items it crosses:
 
 1. ``_tile_map_kernel`` (one program per sequence) writes each tile's (item, tile index) and each
-   item's first tile, and the total. The map depends on the lengths alone, so ``TritonBackend``
-   launches it at a forward pass's first layer only and its later layers reuse it
-   (``tile_map_ready``; ``triton_backend.STREAMK_MAP_ONCE``, session 27).
+   item's first tile, and the total.
 2. ``_decode_streamk_kernel`` (``programs`` programs) walks its share. At an item's first tile (or
    its own first) it loads the item's query and resets the online softmax; at an item's last tile
    (or its own last) it writes a partial (output and log-sum-exp) to slot ``item + program``, a
@@ -295,15 +293,11 @@ def paged_decode_streamk(
     config: ops.KernelConfig | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    tile_map_ready: bool = False,
 ) -> torch.Tensor:
     """``triton_ops.paged_decode``'s result (one query token per sequence, q [S, heads, d]) from
     ``programs`` programs that share all key tiles (default ``default_programs``). ``workspace``:
     sized for this batch (``StreamKWorkspace.allocate``; allocated here when None, with room for
-    contexts up to the block tables' width). ``tile_map_ready``: the workspace's tile map was
-    written by an earlier call of this forward pass (the same ``seq_lens``, heads and tiles, and
-    nothing has changed them since), so its kernel is not launched again: the tile map depends on
-    the lengths alone, not on the layer (``TritonBackend`` reuses it across a forward's layers)."""
+    contexts up to the block tables' width)."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     ops.check_cache(k_cache, v_cache)
@@ -331,20 +325,19 @@ def paged_decode_streamk(
             f"head_dim, programs) = {want}"
         )
     launch = pdl.launch_args(q)
-    if not tile_map_ready:
-        _tile_map_kernel[(num_seqs,)](
-            seq_lens,
-            workspace.tile_map,
-            workspace.item_start,
-            workspace.num_tiles,
-            num_seqs,
-            NUM_KV_HEADS=num_kv_heads,
-            BLOCK_N=cfg.block_n,
-            BLOCK_S=256,
-            BLOCK_T=64,
-            num_warps=4,
-            **launch,
-        )
+    _tile_map_kernel[(num_seqs,)](
+        seq_lens,
+        workspace.tile_map,
+        workspace.item_start,
+        workspace.num_tiles,
+        num_seqs,
+        NUM_KV_HEADS=num_kv_heads,
+        BLOCK_N=cfg.block_n,
+        BLOCK_S=256,
+        BLOCK_T=64,
+        num_warps=4,
+        **launch,
+    )
     flags, descriptors = ops.decode_launch_flags(q, k_cache, v_cache, cfg, tma)
     _decode_streamk_kernel[(programs,)](
         q,

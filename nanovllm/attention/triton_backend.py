@@ -50,9 +50,6 @@ def _parse_batches(text: str) -> tuple[int, int]:
 # shipped one by 5-13 % at batches 16-64, by 0.4-1.7 % at 96-160, and trailed at 8 (+19 %) and from
 # 192 up; the engine gained 0.3-0.5 % with it at 16..128 (session 26)
 STREAMK_BATCHES: tuple[int, int] = _parse_batches(os.environ.get("NANOVLLM_DECODE_STREAMK_BATCHES", "16:128"))
-# the stream-K tile map computed once per forward pass, by its first attention layer, and reused by
-# the others (False: every layer computes its own, as before session 27; ``ab_engine.py skmap=0``)
-STREAMK_MAP_ONCE = True
 
 
 class TritonBackend:
@@ -65,7 +62,6 @@ class TritonBackend:
         self._reserved_rows: int | None = None  # what reserve() sized the workspace for
         self._streamk: decode_streamk.StreamKWorkspace | None = None
         self._streamk_reserved = False  # reserve() sized it: growing it later is an error
-        self._streamk_map_key: tuple | None = None  # what this forward's tile map was computed for
 
     # ----------------------------------------------------------- workspace
     def reserve(
@@ -161,13 +157,7 @@ class TritonBackend:
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
-        new_step: bool = True,
     ) -> torch.Tensor:
-        """One layer's attention. ``new_step`` False: an earlier layer of this forward pass ran with
-        the same ``meta`` (``Attention.first_in_forward``), so per-step state such as the stream-K
-        tile map may be reused; True (the default, and the first layer) computes it anew."""
-        if new_step:
-            self._streamk_map_key = None
         if meta.is_decode_only:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, k_scale, v_scale)
         n = 0  # leading decode rows for the decode kernel
@@ -240,13 +230,9 @@ class TritonBackend:
             workspace, programs = self._streamk_workspace(
                 num_seqs, max_tiles, num_kv_heads, num_heads // num_kv_heads, head_dim, q.device
             )
-            # the map depends on the lengths, the heads and the tile (set by the dtypes and head_dim)
-            key = (seq_lens.data_ptr(), num_seqs, num_kv_heads, head_dim, q.dtype, k_cache.dtype, id(workspace))
-            ready = STREAMK_MAP_ONCE and key == self._streamk_map_key
-            self._streamk_map_key = key
             return decode_streamk.paged_decode_streamk(
                 q, k_cache, v_cache, block_tables, seq_lens, scale, programs=programs, workspace=workspace,
-                out=out, k_scale=k_scale, v_scale=v_scale, tile_map_ready=ready,
+                out=out, k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
         splits = self.num_splits(num_seqs, k_cache.shape[2], q.device, kv_fp8=triton_ops.is_fp8(k_cache))
         workspace = None

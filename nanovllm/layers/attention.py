@@ -28,9 +28,6 @@ class Attention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
         self.backend: Any = None  # the runner sets it
-        # the first attention layer a forward pass runs (the runner clears it on the others, which
-        # may then reuse per-step state of the backend, such as the stream-K tile map)
-        self.first_in_forward = True
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor, meta: AttentionMetadata
@@ -39,6 +36,4 @@ class Attention(nn.Module):
         already wrote this step's k and v into the cache (Qwen3's fused q/k kernel on the GPU)."""
         if k is not None:
             self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        return self.backend.forward(
-            q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale, new_step=self.first_in_forward
-        )
+        return self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)

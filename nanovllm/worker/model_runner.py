@@ -97,9 +97,7 @@ class ModelRunner:
             "random (dummy)" if load_format == "dummy" else "its checkpoint's",
             time.perf_counter() - built,
         )
-        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]  # in the order they run
-        for i, layer in enumerate(self.attn_layers):
-            layer.first_in_forward = i == 0
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = get_backend(config.attention_backend)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.generators: dict[int, torch.Generator] = {}

@@ -365,52 +365,6 @@ def test_decode_streamk_all_padding_gives_zeros():
     assert torch.equal(out.cpu(), torch.zeros_like(out.cpu()))
 
 
-def test_the_backend_reuses_the_streamk_tile_map_within_a_forward_only(monkeypatch):
-    """``TritonBackend`` computes the stream-K tile map at a forward pass's first layer and reuses it
-    in the others (three layers, one map each forward); the next forward computes it again, though
-    its lengths were written into the same tensor (as a CUDA graph's replay sees them). Each layer
-    is checked against the reference. Control: a second forward that reuses the first one's map
-    (every layer told ``new_step=False``) gives wrong outputs, so the check can fail."""
-    import dataclasses
-
-    from nanovllm.attention import triton_backend
-
-    monkeypatch.setattr(triton_backend, "DECODE_STREAMK", "1")
-    monkeypatch.setattr(triton_backend, "STREAMK_BATCHES", (1, 1024))
-    block_size, group, head_dim = STREAMK_SHAPE
-    # the same number of sequences, other lengths: other tiles per item, items starting elsewhere
-    first = PagedCase([(199, 1), (9, 1), (129, 1), (63, 1)], block_size, group, head_dim, seed=11)
-    second = PagedCase([(9, 1), (199, 1), (63, 1), (129, 1)], block_size, group, head_dim, seed=12)
-    lens = first.meta.seq_lens.clone()  # one lengths tensor for both forwards, as in a captured graph
-    ready = []
-    real = decode_streamk.paged_decode_streamk
-    monkeypatch.setattr(
-        decode_streamk, "paged_decode_streamk", lambda *a, **kw: ready.append(kw["tile_map_ready"]) or real(*a, **kw)
-    )
-    backend = triton_backend.TritonBackend()
-
-    def forward(case: PagedCase, first_layer_is_new: bool = True) -> list[torch.Tensor]:
-        meta = dataclasses.replace(case.meta, seq_lens=lens)
-        return [
-            backend.forward(
-                case.q, case.k_cache, case.v_cache, meta, case.scale, new_step=first_layer_is_new and i == 0
-            )
-            for i in range(3)
-        ]
-
-    for out in forward(first):
-        assert_close(out, first.reference(), "stream-K, layers of the first forward")
-    lens.copy_(second.meta.seq_lens)
-    for out in forward(second):
-        assert_close(out, second.reference(), "stream-K, layers of the second forward (lengths changed in place)")
-    assert ready == [False, True, True] * 2, ready
-    with pytest.raises(AssertionError):  # control: the first forward's map kept for the second's lengths
-        lens.copy_(first.meta.seq_lens)
-        forward(first)
-        lens.copy_(second.meta.seq_lens)
-        assert_close(forward(second, first_layer_is_new=False)[0], second.reference(), "control: a stale map")
-
-
 @pytest.mark.skipif(
     not INTERPRET, reason="the mutant kernels are built from source text, which only the interpreter runs"
 )
