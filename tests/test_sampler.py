@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from nanovllm.layers.sampler import Sampler, SamplingMetadata, apply_min_p, apply_top_k_top_p
@@ -59,15 +60,23 @@ def test_samples_follow_the_distribution_and_stay_in_the_allowed_set():
     assert chi2 < 13.8, f"chi-square {chi2:.1f} (2 dof, p < 0.001)"
 
 
-def test_seeded_rows_do_not_depend_on_batch_mates():
-    logits = torch.randn(1, 100)
-    alone = [
-        _sampler(0)(logits, _meta(1, generators=[torch.Generator().manual_seed(7)])).token_ids[0] for _ in range(1)
-    ]
-    batch = torch.cat([torch.randn(3, 100), logits])
-    gens = [None, None, None, torch.Generator().manual_seed(7)]
-    mixed = _sampler(5)(batch, _meta(4, generators=gens)).token_ids[3]
-    assert mixed == alone[0]
+@pytest.mark.parametrize(
+    "mates",
+    [
+        [1.0, 1.0, 1.0],  # unseeded sampled rows: the seeded row is the 4th of the sampled rows too
+        [0.0, 1.0, 0.0],  # greedy rows among them: it is the 2nd sampled row but the 4th of the batch
+    ],
+)
+def test_seeded_rows_do_not_depend_on_batch_mates(mates):
+    """A seeded row draws from its own generator wherever it sits: its batch row, not its index among
+    the rows that sample (greedy rows take none). Several seeds, so a wrong generator is seen."""
+    for seed in range(8):
+        logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(100 + seed))
+        alone = _sampler(0)(logits, _meta(1, generators=[torch.Generator().manual_seed(seed)])).token_ids[0]
+        batch = torch.cat([torch.randn(3, 100), logits])
+        gens = [torch.Generator().manual_seed(99), None, None, torch.Generator().manual_seed(seed)]
+        mixed = _sampler(5)(batch, _meta(4, temperatures=[*mates, 1.0], generators=gens)).token_ids[3]
+        assert mixed == alone, (seed, mates)
 
 
 def test_banned_tokens_are_never_sampled():
