@@ -63,8 +63,8 @@ def test_samples_follow_the_distribution_and_stay_in_the_allowed_set():
 @pytest.mark.parametrize(
     "mates",
     [
-        [1.0, 1.0, 1.0],  # unseeded sampled rows: the seeded row is the 4th of the sampled rows too
-        [0.0, 1.0, 0.0],  # greedy rows among them: it is the 2nd sampled row but the 4th of the batch
+        [1.0, 1.0, 1.0],  # every mate samples (one with another seed): the row is the 4th sampled row too
+        [0.0, 1.0, 0.0],  # greedy mates: it is the 2nd sampled row but the 4th of the batch
     ],
 )
 def test_seeded_rows_do_not_depend_on_batch_mates(mates):
