@@ -83,3 +83,39 @@ def test_the_cli_compares_two_kernels(capsys, fp8_loops):
     out = capsys.readouterr().out
     assert "shipped fp8: 168 registers" in out and "streamk fp8: 168 registers" in out
     assert "streamk - shipped: " in out and "HMNMX2 +64" in out
+
+
+# an sm_90 SM's shared memory for CTAs: 228 KB, 1 KB of it reserved per CTA
+SM_SHARED = 228 * 1024
+
+
+def test_the_bf16_streamk_kernel_fits_three_ctas_per_sm(fp8_loops):
+    """Stream-K on a bfloat16 cache read by masked loads (no TMA; session 28): V's rows past each end
+    are zero from the load, so the kernel does not zero them in registers, which moved the tile
+    through shared memory (102 KB, 2 CTAs per SM). With its register cap (``register_cap``) it fits
+    3 CTAs per SM, as the shipped kernel does, and nothing spills inside its loop."""
+    from nanovllm.attention import decode_streamk
+
+    shipped = sass.compile_decode("shipped", "bf16", tma=False, num_stages=3)
+    streamk = sass.compile_decode("streamk", "bf16", tma=False, num_stages=3)
+    res = sass.resources(streamk.asm["cubin"])
+    assert res["REG"] <= decode_streamk.MAXNREG and 3 * decode_streamk.MAXNREG * 128 <= 65536, res
+    assert 3 * (streamk.metadata.shared + 1024) <= SM_SHARED, streamk.metadata.shared
+    assert streamk.metadata.shared <= shipped.metadata.shared + 64, (streamk.metadata.shared, shipped.metadata.shared)
+    loop = sass.histogram(sass.main_loop(sass.sass(streamk.asm["cubin"])))
+    assert loop["STL"] == 0, loop.most_common(8)
+
+
+def test_the_register_cap_follows_the_tiles():
+    import torch
+
+    from nanovllm.attention import decode_streamk
+
+    cache = {dt: torch.empty(1, 1, 1, 8, dtype=dt) for dt in (torch.bfloat16, torch.float16, torch.float32)}
+    cap = decode_streamk.MAXNREG
+    assert decode_streamk.register_cap(cache[torch.bfloat16], tma=False) == cap
+    assert decode_streamk.register_cap(cache[torch.float16], tma=False) == cap
+    assert decode_streamk.register_cap(cache[torch.bfloat16], tma=True) is None  # V zeroed in registers
+    assert decode_streamk.register_cap(cache[torch.float32], tma=False) is None
+    if hasattr(torch, "float8_e4m3fn"):
+        assert decode_streamk.register_cap(torch.empty(1, 1, 1, 8, dtype=torch.float8_e4m3fn), tma=True) == cap

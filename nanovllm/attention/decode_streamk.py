@@ -31,9 +31,11 @@ shipped,streamk`` compares their loops offline.
 
 The tiles are those of ``paged_decode`` (``_decode_tile``). Any tile may end an item, so none can
 skip the treatment of keys past a sequence's end: their scores are -inf as always, and V's rows
-there are zeroed (16-bit caches) or, for FP8 caches widened by PTX, clamped to finite values
-(``V_FINITE``). The clamp keeps the widened V out of shared memory; zeroing it costs 32 KB there
-(110 KB instead of 74: 2 CTAs per SM instead of 3).
+there must add nothing (0 x NaN is NaN):
+- tiles loaded with a mask (caches read without TMA, 16-bit ones above all) are zero there already;
+- a TMA box is not masked: a 16-bit V is zeroed in registers, an FP8 one widened by PTX is clamped
+  to finite values instead (``V_FINITE``). Zeroing a tile in registers moves it through shared
+  memory: 102-110 KB instead of 74, 2 CTAs per SM instead of 3.
 """
 
 from __future__ import annotations
@@ -51,11 +53,10 @@ from nanovllm.layers import pdl
 # the most programs per SM the FP8 tiles leave room for (3 CTAs of 74 KB of shared memory and 168
 # registers each): a grid of this many per SM runs in one wave
 PROGRAMS_PER_SM = 3
-# registers per thread for FP8 caches: the shipped decode kernel's own count. Uncapped the stream-K
-# kernel compiles to 223 (sm_90, offline), which leaves room for 2 CTAs per SM; at 168 ptxas spills
-# nothing. 16-bit caches are not capped: their masked V tiles need 102 KB of shared memory (2 CTAs)
-# either way, and at 168 registers they spill.
-FP8_MAXNREG = 168
+# registers per thread: the shipped FP8 decode kernel's own count, so 3 CTAs of 128 threads fit an
+# SM. Uncapped, the stream-K kernel compiles to 223 (FP8 boxes) and 202 (bfloat16, masked loads) on
+# sm_90 offline, room for 2 CTAs; at 168 ptxas spills nothing in the loop (``register_cap``).
+MAXNREG = 168
 MIN_BLOCK_N = 32  # the fewest keys a decode tile holds (float32 models): sizes the tile map
 
 
@@ -214,7 +215,7 @@ def _decode_streamk_kernel(
         m_i, l_i, acc = ops._decode_tile(
             q, m_i, l_i, acc, n0, seq_len, table, kvh, k_cache_ptr, v_cache_ptr, k_desc, v_desc, tile_off, offs_n,
             offs_d, qk_scale, stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PRECISION,
-            KV_FP8, V_ASM, TILE_BLOCK, TMA, not (KV_FP8 and V_ASM), WIDE_MMA, KV_FP8 and V_ASM,
+            KV_FP8, V_ASM, TILE_BLOCK, TMA, TMA and not (KV_FP8 and V_ASM), WIDE_MMA, KV_FP8 and V_ASM,
         )  # fmt: skip
         if (n0 + BLOCK_N >= seq_len) | (t == t1 - 1):  # the item's last tile or the program's
             l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -273,6 +274,15 @@ def _streamk_merge_kernel(
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
+def register_cap(k_cache: torch.Tensor, tma: bool) -> int | None:
+    """``MAXNREG`` where the tiles fit 3 CTAs per SM: FP8 caches, and 16-bit ones read by masked
+    loads. A 16-bit cache read as TMA boxes zeroes V in registers (102 KB of shared memory, 2 CTAs
+    either way; capped, it spills), and float32 tiles are another shape: neither is capped."""
+    if ops.is_fp8(k_cache) or (k_cache.element_size() == 2 and not tma):
+        return MAXNREG
+    return None
+
+
 def default_programs(device: torch.device) -> int:
     """One wave of programs: ``PROGRAMS_PER_SM`` per SM (4 SMs stand in for a CPU's interpreter)."""
     if device.type != "cuda":
@@ -309,8 +319,9 @@ def paged_decode_streamk(
         raise ValueError(f"programs must be >= 1, got {programs}")
     tma = ops.wants_tma(q, k_cache, v_cache)
     cfg = config or ops.decode_config(head_dim, q.dtype, ops.is_fp8(k_cache), tma)
-    if config is None and ops.is_fp8(k_cache):
-        cfg = dataclasses.replace(cfg, maxnreg=FP8_MAXNREG)
+    cap = register_cap(k_cache, tma)
+    if config is None and cap is not None:
+        cfg = dataclasses.replace(cfg, maxnreg=cap)
     out = torch.empty_like(q) if out is None else out
     if num_seqs == 0:
         return out

@@ -5,8 +5,9 @@ starts above these tests' batches):
 - a float32 model, whose dots are exact, with its own float32 cache and with an FP8 one: the
   shipped decode kernel's greedy tokens exactly (the two kernels differ only in the order of their
   sums, far below the logit gaps greedy decoding depends on);
-- a bfloat16 model with an FP8 cache, the path stream-K is for (TMA boxes, V widened by PTX and
-  clamped finite, registers capped): each decoded token's logprob within ``LOGPROB_TOL`` of the
+- a bfloat16 model with an FP8 cache, the path stream-K is for by default (TMA boxes, V widened by
+  PTX and clamped finite, registers capped), and with a bfloat16 cache (masked loads, registers
+  capped): each decoded token's logprob within ``LOGPROB_TOL`` of the
   shipped kernel's, up to where the greedy tokens first differ (random-weight models sit on
   near-ties that bfloat16 flips). The first decoded token of every prompt always compares (the
   token before it comes from the prefill, which both share).
@@ -85,11 +86,16 @@ def _logprob_gap(a, b) -> tuple[float, int]:
     return worst, compared
 
 
-def test_streamk_decode_on_a_bfloat16_model_with_an_fp8_cache_keeps_the_logprobs(monkeypatch):
+@pytest.mark.parametrize("kv", ["fp8", "auto"])
+def test_streamk_decode_on_a_bfloat16_model_keeps_the_logprobs(kv, monkeypatch):
+    """``fp8``: TMA boxes, V widened by PTX and clamped finite. ``auto`` (a bfloat16 cache): masked
+    loads, V's rows past each end zeroed by the load itself (no zeroing in registers), registers
+    capped so 3 CTAs fit an SM (``decode_streamk.register_cap``)."""
     from nanovllm.attention import decode_streamk, triton_backend
 
-    if torch.cuda.get_device_capability() < (9, 0):
+    if kv == "fp8" and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the FP8 path stream-K is for reads TMA boxes: compute capability 9.0 or newer")
+    mode = "fp8" if kv == "fp8" else "1"
     prompts = prompts_for(ZOO[MODEL].vocab_size, [3, 17, 40, 90, 130, 300], seed=5)
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
     real = decode_streamk.paged_decode_streamk
@@ -97,13 +103,13 @@ def test_streamk_decode_on_a_bfloat16_model_with_an_fp8_cache_keeps_the_logprobs
     def run(mode: str):
         monkeypatch.setattr(triton_backend, "DECODE_STREAMK", mode)
         monkeypatch.setattr(triton_backend, "STREAMK_BATCHES", (1, 1024))  # the test's batches are small
-        args = engine_args("cuda", dtype="bfloat16", kv_cache_dtype="fp8", max_model_len=512)
+        args = engine_args("cuda", dtype="bfloat16", kv_cache_dtype=kv, max_model_len=512)
         with LLM(zoo_model(MODEL), **args) as llm:
             assert llm.llm_engine.executor.runner.graphs is not None
             return [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
 
     shipped = run("0")
-    gap, compared = _logprob_gap(shipped, run("fp8"))
+    gap, compared = _logprob_gap(shipped, run(mode))
     assert compared >= len(prompts), compared
     assert gap <= LOGPROB_TOL, f"stream-K logprobs differ from the shipped kernel's by {gap:.4f} > {LOGPROB_TOL}"
     monkeypatch.setattr(
@@ -111,5 +117,5 @@ def test_streamk_decode_on_a_bfloat16_model_with_an_fp8_cache_keeps_the_logprobs
         "paged_decode_streamk",
         lambda q, k, v, bt, sl, scale, **kw: real(q, k, v, bt, sl, 4 * scale, **kw),
     )
-    gap, _ = _logprob_gap(shipped, run("fp8"))
+    gap, _ = _logprob_gap(shipped, run(mode))
     assert gap > LOGPROB_TOL, f"control: a wrong stream-K kernel moves the logprobs by only {gap:.4f}"

@@ -157,7 +157,7 @@ def test_decode_fp8_tma_matches_reference(block_size, group, head_dim, splits, w
 def test_decode_fp8_streamk_matches_reference(programs):
     """Stream-K decode (``decode_streamk``) on the shipped FP8 path: TMA boxes of the head-major
     cache, V widened by PTX and clamped finite instead of masked (``V_FINITE``), registers capped
-    (``FP8_MAXNREG``). The NaN-poisoned slots past each sequence's end are read by the boxes: their
+    (``MAXNREG``). The NaN-poisoned slots past each sequence's end are read by the boxes: their
     scores must be -inf and their V rows must add nothing. ``programs``: 3 (programs start and end
     mid-item) or one wave (the default). Control: the wrong v_scale misses."""
     from nanovllm.attention import decode_streamk
