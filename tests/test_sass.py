@@ -93,7 +93,7 @@ def test_the_bf16_streamk_kernel_fits_three_ctas_per_sm(fp8_loops):
     """Stream-K on a bfloat16 cache read by masked loads (no TMA; session 28): V's rows past each end
     are zero from the load, so the kernel does not zero them in registers, which moved the tile
     through shared memory (102 KB, 2 CTAs per SM). With its register cap (``register_cap``) it fits
-    3 CTAs per SM, as the shipped kernel does, and nothing spills inside its loop."""
+    3 CTAs per SM, as the shipped kernel does, and its loop stores nothing to the stack."""
     from nanovllm.attention import decode_streamk
 
     shipped = sass.compile_decode("shipped", "bf16", tma=False, num_stages=3)

@@ -55,7 +55,8 @@ from nanovllm.layers import pdl
 PROGRAMS_PER_SM = 3
 # registers per thread: the shipped FP8 decode kernel's own count, so 3 CTAs of 128 threads fit an
 # SM. Uncapped, the stream-K kernel compiles to 223 (FP8 boxes) and 202 (bfloat16, masked loads) on
-# sm_90 offline, room for 2 CTAs; at 168 ptxas spills nothing in the loop (``register_cap``).
+# sm_90 offline, room for 2 CTAs. At 168 the FP8 kernel spills nothing; the bfloat16 one keeps 24
+# bytes on its stack, read back 6 times a tile and stored outside the loop (``register_cap``).
 MAXNREG = 168
 MIN_BLOCK_N = 32  # the fewest keys a decode tile holds (float32 models): sizes the tile map
 
