@@ -73,6 +73,28 @@ def test_help_imports_no_torch():
     assert "--repetition-penalty" in r.stdout and "--max-num-seqs" in r.stdout and "--workload" in r.stdout
 
 
+def test_python_dash_m_nanovllm_is_the_command():
+    """``python -m nanovllm`` (a checkout without the console script): the same commands, help
+    without torch, and a bad flag's exit status 2 with the flag named."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        code = "import runpy, sys\nsys.argv = ['nanovllm', *sys.argv[1:]]\ntry:\n    runpy.run_module('nanovllm', run_name='__main__')\nfinally:\n    print('LOADED', sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:1])\n"
+        return subprocess.run(
+            [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT
+        )
+
+    r = run("bench", "--help")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--workload" in r.stdout and "LOADED []" in r.stdout, r.stdout[-500:]
+    r = run("bench", "--no-such-flag")
+    assert r.returncode == 2 and "--no-such-flag" in r.stderr, (r.returncode, r.stderr[-500:])
+    r = subprocess.run(
+        [sys.executable, "-m", "nanovllm", "--help"], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT
+    )
+    assert r.returncode == 0 and "generate" in r.stdout and "bench" in r.stdout, r.stderr[-2000:]
+
+
 def test_every_flag_has_help_and_every_value_flag_shows_its_default():
     for name in ("generate", "bench"):
         for action in _subparser(name)._actions:
