@@ -79,7 +79,14 @@ def test_python_dash_m_nanovllm_is_the_command():
     env = dict(os.environ, PYTHONPATH=ROOT)
 
     def run(*argv: str) -> subprocess.CompletedProcess:
-        code = "import runpy, sys\nsys.argv = ['nanovllm', *sys.argv[1:]]\ntry:\n    runpy.run_module('nanovllm', run_name='__main__')\nfinally:\n    print('LOADED', sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:1])\n"
+        code = (
+            "import runpy, sys\n"
+            "sys.argv = ['nanovllm', *sys.argv[1:]]\n"
+            "try:\n"
+            "    runpy.run_module('nanovllm', run_name='__main__')\n"
+            "finally:\n"
+            "    print('LOADED', sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:1])\n"
+        )
         return subprocess.run(
             [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT
         )
