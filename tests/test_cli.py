@@ -102,6 +102,24 @@ def test_python_dash_m_nanovllm_is_the_command():
     assert r.returncode == 0 and "generate" in r.stdout and "bench" in r.stdout, r.stderr[-2000:]
 
 
+def test_version_is_the_distributions():
+    """``nanovllm --version`` prints the package's version, which is the installed distribution's
+    (pyproject.toml's; two copies of a version drift apart)."""
+    import contextlib
+    import importlib.metadata
+    import re
+
+    import nanovllm
+
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:  # tomllib is Python 3.11's
+        declared = re.search(r'^version = "([^"]+)"$', f.read(), re.M).group(1)
+    assert nanovllm.__version__ == declared
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):  # a checkout that is not installed
+        assert importlib.metadata.version("nanovllm") == declared
+    r = _run("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"nanovllm {declared}", (r.stdout, r.stderr[-500:])
+
+
 def test_every_flag_has_help_and_every_value_flag_shows_its_default():
     for name in ("generate", "bench"):
         for action in _subparser(name)._actions:

@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable
 from typing import NamedTuple
 
+import nanovllm
 from nanovllm.engine.interrupts import deferred_interrupts
 from nanovllm.entrypoints.args import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
 
@@ -306,6 +307,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole command line; ``only="generate"``: that subcommand alone (what ``main`` builds
     when the first argument names it: the other subcommands' flags import their modules, ~0.04 s)."""
     parser = argparse.ArgumentParser(prog="nanovllm", description="nanovllm: a compact LLM inference engine")
+    parser.add_argument("--version", action="version", version=f"nanovllm {nanovllm.__version__}")
     add_global_args(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     parsers = {}
