@@ -40,7 +40,7 @@ def compile_decode(
     ``decode_streamk._decode_streamk_kernel``) compiled for sm_90 at Qwen3-0.6B's heads (groups of 2,
     head_dim 128), 256-slot blocks, one block-table entry per tile. ``kv`` is the cache's Triton
     type (``bf16`` or ``fp8e4nv``), ``model`` the query's. ``maxnreg`` None: as the engine launches
-    it (stream-K capped at ``decode_streamk.MAXNREG`` where ``register_cap`` caps it: FP8, or no TMA)."""
+    it (stream-K capped by ``decode_streamk.register_cap``, the shipped kernel uncapped)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -51,8 +51,8 @@ def compile_decode(
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     fn = triton_ops._decode_kernel if kernel == "shipped" else decode_streamk._decode_streamk_kernel
     fp8 = kv == "fp8e4nv"
-    if maxnreg is None and kernel == "streamk" and (fp8 or not tma):
-        maxnreg = decode_streamk.MAXNREG
+    if maxnreg is None and kernel == "streamk":
+        maxnreg = decode_streamk.register_cap(fp8, 1 if fp8 else 2, tma)
     signature = {p.name: "constexpr" if p.is_constexpr else "i32" for p in fn.params}
     signature.update(q_ptr=f"*{model}", k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}", block_tables_ptr="*i32")
     signature.update(seq_lens_ptr="*i32", part_ptr="*fp32", lse_ptr="*fp32", qk_scale="fp32", v_scale="fp32")

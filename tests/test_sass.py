@@ -58,11 +58,15 @@ def test_the_opcode_drops_the_predicate():
 
 
 @pytest.fixture(scope="module")
-def fp8_loops():
+def cuobjdump():
     try:
-        sass.cuobjdump()
+        return sass.cuobjdump()
     except FileNotFoundError as e:
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def fp8_loops(cuobjdump):
     return {k: sass.histogram(sass.main_loop(sass.sass(sass.compile_decode(k).asm["cubin"]))) for k in sass.KERNELS}
 
 
@@ -89,7 +93,7 @@ def test_the_cli_compares_two_kernels(capsys, fp8_loops):
 SM_SHARED = 228 * 1024
 
 
-def test_the_bf16_streamk_kernel_fits_three_ctas_per_sm(fp8_loops):
+def test_the_bf16_streamk_kernel_fits_three_ctas_per_sm(cuobjdump):
     """Stream-K on a bfloat16 cache read by masked loads (no TMA; session 28): V's rows past each end
     are zero from the load, so the kernel does not zero them in registers, which moved the tile
     through shared memory (102 KB, 2 CTAs per SM). With its register cap (``register_cap``) it fits
@@ -109,13 +113,16 @@ def test_the_bf16_streamk_kernel_fits_three_ctas_per_sm(fp8_loops):
 def test_the_register_cap_follows_the_tiles():
     import torch
 
-    from nanovllm.attention import decode_streamk
+    from nanovllm.attention import decode_streamk, triton_ops
 
-    cache = {dt: torch.empty(1, 1, 1, 8, dtype=dt) for dt in (torch.bfloat16, torch.float16, torch.float32)}
+    def cap_of(dtype: torch.dtype, tma: bool) -> int | None:  # as paged_decode_streamk asks for a cache
+        cache = torch.empty(1, 1, 1, 8, dtype=dtype)
+        return decode_streamk.register_cap(triton_ops.is_fp8(cache), cache.element_size(), tma)
+
     cap = decode_streamk.MAXNREG
-    assert decode_streamk.register_cap(cache[torch.bfloat16], tma=False) == cap
-    assert decode_streamk.register_cap(cache[torch.float16], tma=False) == cap
-    assert decode_streamk.register_cap(cache[torch.bfloat16], tma=True) is None  # V zeroed in registers
-    assert decode_streamk.register_cap(cache[torch.float32], tma=False) is None
+    assert cap_of(torch.bfloat16, tma=False) == cap
+    assert cap_of(torch.float16, tma=False) == cap
+    assert cap_of(torch.bfloat16, tma=True) is None  # V zeroed in registers
+    assert cap_of(torch.float32, tma=False) is None
     if hasattr(torch, "float8_e4m3fn"):
-        assert decode_streamk.register_cap(torch.empty(1, 1, 1, 8, dtype=torch.float8_e4m3fn), tma=True) == cap
+        assert cap_of(torch.float8_e4m3fn, tma=True) == cap

@@ -275,11 +275,12 @@ def _streamk_merge_kernel(
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def register_cap(k_cache: torch.Tensor, tma: bool) -> int | None:
-    """``MAXNREG`` where the tiles fit 3 CTAs per SM: FP8 caches, and 16-bit ones read by masked
-    loads. A 16-bit cache read as TMA boxes zeroes V in registers (102 KB of shared memory, 2 CTAs
-    either way; capped, it spills), and float32 tiles are another shape: neither is capped."""
-    if ops.is_fp8(k_cache) or (k_cache.element_size() == 2 and not tma):
+def register_cap(kv_fp8: bool, itemsize: int, tma: bool) -> int | None:
+    """``MAXNREG`` where the tiles fit 3 CTAs per SM: FP8 caches, and 16-bit ones (``itemsize`` 2)
+    read by masked loads. A 16-bit cache read as TMA boxes zeroes V in registers (102 KB of shared
+    memory, 2 CTAs either way; capped, it spills), and float32 tiles are another shape: neither is
+    capped. ``scripts/sass.py`` compiles offline with the same cap."""
+    if kv_fp8 or (itemsize == 2 and not tma):
         return MAXNREG
     return None
 
@@ -320,7 +321,7 @@ def paged_decode_streamk(
         raise ValueError(f"programs must be >= 1, got {programs}")
     tma = ops.wants_tma(q, k_cache, v_cache)
     cfg = config or ops.decode_config(head_dim, q.dtype, ops.is_fp8(k_cache), tma)
-    cap = register_cap(k_cache, tma)
+    cap = register_cap(ops.is_fp8(k_cache), k_cache.element_size(), tma)
     if config is None and cap is not None:
         cfg = dataclasses.replace(cfg, maxnreg=cap)
     out = torch.empty_like(q) if out is None else out
