@@ -100,6 +100,13 @@ def test_python_dash_m_nanovllm_is_the_command():
         [sys.executable, "-m", "nanovllm", "--help"], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT
     )
     assert r.returncode == 0 and "generate" in r.stdout and "bench" in r.stdout, r.stderr[-2000:]
+    # an error the command finds (not argparse; and not `generate`, which ends the process itself):
+    # the status main returns must reach the process
+    r = subprocess.run(
+        [sys.executable, "-m", "nanovllm", "bench", "--dataset", os.path.join(ROOT, "no-such-file.jsonl")],
+        capture_output=True, text=True, timeout=120, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert r.returncode == 2 and "--dataset" in r.stderr, (r.returncode, r.stderr[-500:])
 
 
 def test_version_is_the_distributions():
