@@ -43,6 +43,8 @@ streamk=0|fp8|1: decode attention by the stream-K kernel for no cache, FP8 cache
           since session 26).
 skbatches=LO:HI: the decode batches the stream-K kernel takes (``triton_backend.STREAMK_BATCHES``,
           ``NANOVLLM_DECODE_STREAMK_BATCHES``; session 26, 16:128 by default).
+vpairs=0|1: an FP8 V read as TMA boxes of int16 dim pairs, two PV products a tile (1, the default since
+          session 29: ``V_PAIRS``, ``NANOVLLM_FP8_V_PAIRS``) or as bytes (0, sessions 11-28).
 rowwarm=0|1: start-up runs the LM head and the sampler on every row count 1..max_num_seqs, and
           the runner's pending-row scatter once (``NANOVLLM_ROW_WARMUP``, read by
           ``nanovllm.worker.sampling_warmup.enabled``, sessions 22-23; on by default).
@@ -194,6 +196,7 @@ SETTINGS = {
     "kvstore": (lambda v: os.environ.__setitem__("NANOVLLM_FUSED_KV_STORE", v), lambda v: v in ("0", "1")),
     "sampler": (_set_sampler, os.path.isfile),
     "wide": (_set_flag("WIDE_MMA", int), lambda v: v in ("0", "1", "2", "3")),
+    "vpairs": (_set_flag("V_PAIRS", lambda v: v == "1"), lambda v: v in ("0", "1")),
     "rowwarm": (lambda v: os.environ.__setitem__("NANOVLLM_ROW_WARMUP", v), lambda v: v in ("0", "1")),
     "split": (
         _set("nanovllm.attention.triton_backend", "MIN_SPLIT_DECODES", lambda v: 8 if v == "1" else None),

@@ -13,6 +13,7 @@ the profiler. Under ncu, ``--launch-skip 1`` skips the compiling call and profil
     PYTHONPATH=. python3 scripts/ncu_decode.py --kv fp8 --batch 129
     PYTHONPATH=. python3 scripts/ncu_decode.py --tile shipped,128x4x3x128 --batch 64,129,256   # A/B
     PYTHONPATH=. python3 scripts/ncu_decode.py --tile shipped,streamk --batch 32,64,129,256
+    PYTHONPATH=. python3 scripts/ncu_decode.py --tile shipped,streamk --v-pairs 0,1 --batch 16,64,129,256
     PYTHONPATH=. python3 scripts/ncu_decode.py --batch 129,258 --splits 1,2,4
     ncu --clock-control none --kernel-name regex:_decode_kernel --launch-skip 1 --launch-count 1 \\
         --set full python3 scripts/ncu_decode.py --kv fp8 --batch 129 --launches 2
@@ -105,13 +106,23 @@ def main() -> None:
     p.add_argument(
         "--splits", default="", help="split factors N[,N...] instead of the engine's choice (streamk: programs per SM)"
     )
+    p.add_argument(
+        "--v-pairs", default="", help="0,1: time each config with an FP8 V read as bytes (0) and as int16 pairs (1)"
+    )
     args = p.parse_args()
     if args.wide is not None:
         ops.DECODE_FLAG_OVERRIDES["WIDE_MMA"] = args.wide
     splits_list = [int(n) for n in args.splits.split(",") if n] or [None]
     total: dict[tuple[str, int | None], float] = {}  # (config, splits asked) -> us summed over the batches
-    for spec in dict.fromkeys(args.tile.split(",")):
+    specs = [
+        (f"{spec}/vpairs={v}" if v else spec, spec, v)
+        for spec in dict.fromkeys(args.tile.split(","))
+        for v in (args.v_pairs.split(",") if args.v_pairs else [""])
+    ]
+    for label, spec, v_pairs in specs:
         config = parse_tile(spec)
+        if v_pairs:
+            ops.DECODE_FLAG_OVERRIDES["V_PAIRS"] = v_pairs == "1"
         for asked in splits_list:
             for batch in map(int, args.batch.split(",")):
                 try:
@@ -119,12 +130,12 @@ def main() -> None:
                         args.kv, batch, args.context, config, args.launches, asked, streamk=spec == "streamk"
                     )
                 except triton.runtime.errors.OutOfResources as e:  # shared memory: never the fastest
-                    total[spec, asked] = float("inf")
-                    print(f"decode {args.kv} {spec} batch {batch}: does not fit ({e})")
+                    total[label, asked] = float("inf")
+                    print(f"decode {args.kv} {label} batch {batch}: does not fit ({e})")
                     continue
-                total[spec, asked] = total.get((spec, asked), 0.0) + us
+                total[label, asked] = total.get((label, asked), 0.0) + us
                 print(
-                    f"decode {args.kv} {spec} batch {batch} splits {used}: {us:.1f} us (with the merge), {tbs:.2f} TB/s"
+                    f"decode {args.kv} {label} batch {batch} splits {used}: {us:.1f} us (with the merge), {tbs:.2f} TB/s"
                 )
     if len(total) > 1:
         (spec, asked), us = min(total.items(), key=lambda kv: kv[1])

@@ -35,12 +35,14 @@ def compile_decode(
     wide_mma: int = 0,
     model: str = "bf16",
     maxnreg: int | None = None,
+    v_pairs: bool | None = None,
 ):
     """The decode kernel (``shipped``: ``triton_ops._decode_kernel``; ``streamk``:
     ``decode_streamk._decode_streamk_kernel``) compiled for sm_90 at Qwen3-0.6B's heads (groups of 2,
     head_dim 128), 256-slot blocks, one block-table entry per tile. ``kv`` is the cache's Triton
     type (``bf16`` or ``fp8e4nv``), ``model`` the query's. ``maxnreg`` None: as the engine launches
-    it (stream-K capped by ``decode_streamk.register_cap``, the shipped kernel uncapped)."""
+    it (stream-K capped by ``decode_streamk.register_cap``, the shipped kernel uncapped). ``v_pairs``
+    None: as the engine reads an FP8 V (``triton_ops.FP8_V_PAIRS`` where the tiles are TMA boxes)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -60,12 +62,17 @@ def compile_decode(
         signature["out_ptr"] = f"*{model}"
     else:
         signature.update(tile_map_ptr="*i64", num_tiles_ptr="*i32")
+    v_asm = fp8 and model == "bf16"
+    if v_pairs is None:
+        v_pairs = triton_ops.FP8_V_PAIRS and v_asm and tma
     if tma:
         signature["k_desc"] = signature["v_desc"] = f"tensordesc<{kv}[{block_n}, 128]>"
+        if v_pairs:
+            signature["v_desc"] = f"tensordesc<i16[{block_n}, 64]>"
     constexprs = dict(
         GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=block_n, BLOCK_SIZE=256,
-        DOT_PRECISION="ieee", KV_FP8=fp8, WIDEN=model == "bf16", V_ASM=fp8 and model == "bf16", TILE_BLOCK=True,
-        TMA=tma, PDL=False, WIDE_MMA=wide_mma,
+        DOT_PRECISION="ieee", KV_FP8=fp8, WIDEN=model == "bf16", V_ASM=v_asm, TILE_BLOCK=True,
+        TMA=tma, PDL=False, WIDE_MMA=wide_mma, V_PAIRS=v_pairs,
     )  # fmt: skip
     constexprs.update(NUM_SPLITS=1) if kernel == "shipped" else constexprs.update(NUM_KV_HEADS=8)
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=runtime_hints(fn) if hints else {})
@@ -142,13 +149,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stages", type=int, default=None, help="default: 5 for FP8, 3 for bf16 (the shipped configs)")
     p.add_argument("--no-tma", action="store_true")
     p.add_argument("--maxnreg", type=int, default=None)
+    p.add_argument(
+        "--v-pairs", type=int, choices=(0, 1), default=None, help="FP8 V as int16 dim pairs (default: the engine's)"
+    )
     p.add_argument("--top", type=int, default=12, help="instruction kinds listed per kernel")
     args = p.parse_args(argv)
     kv = "fp8e4nv" if args.kv == "fp8" else "bf16"
     stages = args.stages or (5 if args.kv == "fp8" else 3)
     counts = {}
     for kernel in args.kernel.split(","):
-        k = compile_decode(kernel, kv, args.block_n, not args.no_tma, stages, maxnreg=args.maxnreg)
+        v_pairs = None if args.v_pairs is None else bool(args.v_pairs)
+        k = compile_decode(kernel, kv, args.block_n, not args.no_tma, stages, maxnreg=args.maxnreg, v_pairs=v_pairs)
         res, loop = resources(k.asm["cubin"]), main_loop(sass(k.asm["cubin"]))
         counts[kernel] = histogram(loop)
         print(

@@ -89,6 +89,38 @@ def test_no_tma_on_the_cpu_outside_the_interpreter(monkeypatch):
     assert triton_ops.tma_descriptors(cache, cache, 16) is not None
 
 
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="this torch has no float8_e4m3fn")
+def test_v_pairs_only_where_its_tile_applies(monkeypatch):
+    """``V_PAIRS`` (session 29) holds for an FP8 cache read as TMA boxes by a 16-bit model with a
+    head_dim of 32 or more, and then V's descriptor views the cache as int16, two dims an element,
+    K's as FP8; each missing condition turns it off and leaves V's descriptor FP8 (TMA is emulated
+    on the CPU under ``TRITON_INTERPRET=1``)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    def flags(kv=torch.float8_e4m3fn, d=128, model=torch.bfloat16, **overrides):
+        monkeypatch.setattr(triton_ops, "DECODE_FLAG_OVERRIDES", overrides)
+        cache = _head_major(4, 256, 2, d).to(kv)
+        q = torch.zeros(3, 4, d, dtype=model)
+        cfg = triton_ops.decode_config(d, model, triton_ops.is_fp8(cache), True)
+        got, descriptors = triton_ops.decode_launch_flags(q, cache, cache, cfg, True)
+        if got["V_PAIRS"]:
+            assert descriptors[1].base.dtype == torch.int16 and descriptors[1].block_shape == [cfg.block_n, d // 2]
+        elif descriptors is not None:
+            assert descriptors[1].base.dtype == kv and descriptors[1].block_shape == [cfg.block_n, d]
+        assert descriptors is None or descriptors[0].base.dtype == kv
+        return got["V_PAIRS"]
+
+    assert flags() is True
+    assert flags(d=32) is True
+    assert flags(d=16) is False  # halves of 8 dims: below an MMA's N
+    assert flags(kv=torch.bfloat16) is False
+    assert flags(model=torch.float32) is False  # no PTX widening (V_ASM) for a float32 model
+    assert flags(TMA=False) is False
+    assert flags(V_PAIRS=False) is False
+    monkeypatch.setattr(triton_ops, "FP8_V_PAIRS", False)  # NANOVLLM_FP8_V_PAIRS=0
+    assert flags() is False
+
+
 def _compile_decode_for_sm90(
     kv: str,
     block_n: int,
@@ -98,6 +130,7 @@ def _compile_decode_for_sm90(
     wide_mma: int = 0,
     model: str = "bf16",
     maxnreg: int | None = None,
+    v_pairs: bool | None = None,
 ):
     """The decode kernel compiled offline for an H200 (no GPU needed; ``scripts/sass.py``): ``kv``
     the cache's Triton type (``bf16`` or ``fp8e4nv``), one 256-slot block per table entry,
@@ -106,7 +139,7 @@ def _compile_decode_for_sm90(
     kernel the engine runs (no cp.async pipelining at all; KERNEL_NOTES session 12)."""
     from scripts.sass import compile_decode
 
-    return compile_decode("shipped", kv, block_n, tma, num_stages, hints, wide_mma, model, maxnreg)
+    return compile_decode("shipped", kv, block_n, tma, num_stages, hints, wide_mma, model, maxnreg, v_pairs)
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8e4nv"])
@@ -133,8 +166,9 @@ def test_compiled_for_sm90_wide_mma_gives_the_fp8_tiles_the_16_bit_operand_layou
     reaches the MMA by ``ldmatrix.trans`` from shared memory. The control is the kernel without it
     (0): Triton traces the operands back to the cache's 8-bit loads, ``kWidth = 4``, and V is
     gathered byte by byte (KERNEL_NOTES sessions 4, 22 and 23). One bit alone leaves the other
-    dot at ``kWidth = 4``; only V's bit removes the byte loads (a swapped bit fails here)."""
-    compiled = _compile_decode_for_sm90("fp8e4nv", 128, tma=True, num_stages=5, wide_mma=wide_mma)
+    dot at ``kWidth = 4``; only V's bit removes the byte loads (a swapped bit fails here). V is
+    read as bytes here (``V_PAIRS`` off), the tile this experiment was made for."""
+    compiled = _compile_decode_for_sm90("fp8e4nv", 128, tma=True, num_stages=5, wide_mma=wide_mma, v_pairs=False)
     widths = set(re.findall(r"kWidth = (\d+)", compiled.asm["ttgir"]))
     byte_loads = len(re.findall(r"ld\.shared\.[ub]8", compiled.asm["ptx"]))
     assert widths == {0: {"4"}, 1: {"2", "4"}, 2: {"2", "4"}, 3: {"2"}}[wide_mma], widths

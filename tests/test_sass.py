@@ -16,6 +16,9 @@ pytest.importorskip("triton", reason="the kernels are Triton's")
 
 from scripts import sass  # noqa: E402
 
+# an sm_90 SM's shared memory for CTAs: 228 KB, 1 KB of it reserved per CTA
+SM_SHARED = 228 * 1024
+
 LISTING = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
         /*0010*/                   ISETP.GE.AND P0, PT, R2, R3, PT ;
@@ -83,14 +86,44 @@ def test_the_streamk_clamp_costs_one_max_per_widened_pair(fp8_loops):
 
 
 def test_the_cli_compares_two_kernels(capsys, fp8_loops):
+    import re
+
     sass.main(["--kernel", "shipped,streamk", "--kv", "fp8", "--top", "3"])
     out = capsys.readouterr().out
-    assert "shipped fp8: 168 registers" in out and "streamk fp8: 168 registers" in out
+    regs = dict(re.findall(r"^(shipped|streamk) fp8: (\d+) registers", out, re.M))
+    assert set(regs) == {"shipped", "streamk"} and all(int(n) <= 168 for n in regs.values()), out
     assert "streamk - shipped: " in out and "HMNMX2 +64" in out
 
 
-# an sm_90 SM's shared memory for CTAs: 228 KB, 1 KB of it reserved per CTA
-SM_SHARED = 228 * 1024
+@pytest.fixture(scope="module")
+def fp8_byte_loops(cuobjdump):
+    """The FP8 loops with V read as bytes (``V_PAIRS`` off: sessions 11-28's kernels)."""
+    return {
+        k: sass.histogram(sass.main_loop(sass.sass(sass.compile_decode(k, v_pairs=False).asm["cubin"])))
+        for k in sass.KERNELS
+    }
+
+
+@pytest.mark.parametrize("kernel", sass.KERNELS)
+def test_v_pairs_load_fp8_v_by_ldmatrix_not_byte_by_byte(fp8_loops, fp8_byte_loops, kernel):
+    """Session 29: an FP8 V read as int16 dim pairs reaches the MMA by ``ldmatrix`` (transposed, 8
+    per tile and thread) instead of 128 one-byte loads, and the loop is over a fifth shorter. The
+    control: the same kernel reading bytes has the 128 ``LDS.U8``."""
+    pairs, bytes_ = fp8_loops[kernel], fp8_byte_loops[kernel]
+    assert pairs["LDS.U8"] == 0 and pairs["LDSM.16.MT88.4"] == 8, pairs.most_common(12)
+    assert bytes_["LDS.U8"] == 128, bytes_.most_common(12)
+    assert bytes_["HMMA.16816.F32"] == pairs["HMMA.16816.F32"] == 64
+    assert sum(pairs.values()) < 0.8 * sum(bytes_.values()), (sum(pairs.values()), sum(bytes_.values()))
+
+
+@pytest.mark.parametrize("kernel", sass.KERNELS)
+def test_the_fp8_kernels_fit_three_ctas_per_sm(cuobjdump, kernel):
+    """The FP8 tiles' occupancy (``decode_streamk.PROGRAMS_PER_SM``): registers and shared memory
+    for 3 CTAs of 128 threads, with V read as pairs."""
+    k = sass.compile_decode(kernel)
+    res = sass.resources(k.asm["cubin"])
+    assert res["REG"] * 128 * 3 <= 65536 and res.get("STACK", 0) == 0, res
+    assert 3 * (k.metadata.shared + 1024) <= SM_SHARED, k.metadata.shared
 
 
 def test_the_bf16_streamk_kernel_fits_three_ctas_per_sm(cuobjdump):

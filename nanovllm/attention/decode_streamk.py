@@ -173,6 +173,7 @@ def _decode_streamk_kernel(
     TMA: tl.constexpr = False,
     PDL: tl.constexpr = False,
     WIDE_MMA: tl.constexpr = 0,
+    V_PAIRS: tl.constexpr = False,
 ):
     """Program p: tiles [p * share, (p + 1) * share) of all items' tiles, share = cdiv(total, programs)."""
     pdl.wait_then_release(PDL)
@@ -191,7 +192,7 @@ def _decode_streamk_kernel(
     q = tl.zeros([BLOCK_G, BLOCK_D], q_dtype)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    acc = ops.pairs_accumulator(BLOCK_G, BLOCK_D, V_PAIRS)
     for t in range(t0, t1):
         info = tl.load(tile_map_ptr + t)
         item = (info >> 32).to(tl.int32)
@@ -210,20 +211,20 @@ def _decode_streamk_kernel(
             ).to(q_dtype)
             m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_G], tl.float32)
-            acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+            acc = ops.pairs_accumulator(BLOCK_G, BLOCK_D, V_PAIRS)
         table = block_tables_ptr + seq * stride_bt
         tile_off = kvh * stride_ch + offs_n[:, None] * stride_cs + offs_d[None, :]
         m_i, l_i, acc = ops._decode_tile(
             q, m_i, l_i, acc, n0, seq_len, table, kvh, k_cache_ptr, v_cache_ptr, k_desc, v_desc, tile_off, offs_n,
             offs_d, qk_scale, stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PRECISION,
-            KV_FP8, V_ASM, TILE_BLOCK, TMA, TMA and not (KV_FP8 and V_ASM), WIDE_MMA, KV_FP8 and V_ASM,
+            KV_FP8, V_ASM, TILE_BLOCK, TMA, TMA and not (KV_FP8 and V_ASM), WIDE_MMA, KV_FP8 and V_ASM, V_PAIRS,
         )  # fmt: skip
         if (n0 + BLOCK_N >= seq_len) | (t == t1 - 1):  # the item's last tile or the program's
             l_safe = tl.where(l_i > 0, l_i, 1.0)
             row = (item + pid) * GROUP + offs_g
             tl.store(
                 part_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                acc * (v_scale / l_safe)[:, None],
+                ops.pairs_joined(acc, BLOCK_G, BLOCK_D, V_PAIRS) * (v_scale / l_safe)[:, None],
                 mask=g_mask[:, None] & d_mask[None, :],
             )
             tl.store(lse_ptr + row, m_i + tl.log2(l_safe), mask=g_mask)

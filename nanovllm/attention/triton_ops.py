@@ -266,6 +266,55 @@ def _fp8_to_finite_f16_asm(x):
 
 
 @triton.jit
+def _fp8_pairs_to_f16_asm(x, FINITE: tl.constexpr):
+    """An FP8 V tile read as int16, each element a key's two neighbouring dims (2j, 2j + 1): its
+    even dims and its odd dims, each widened to float16 (``V_PAIRS``). Two elements per call, as
+    the MMA operand holds them (keys k and k + 1 of one dim pair): one ``prmt`` gathers the two low
+    bytes and the two high bytes, one ``cvt`` widens each pair. ``FINITE``: NaN becomes -65504, as
+    in ``_fp8_to_finite_f16_asm``."""
+    if FINITE:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 a, e, o, low; .reg .b16 lo, hi; prmt.b32 a, $2, 0, 0x3120; mov.b32 {lo, hi}, a; "
+            "mov.b32 low, 0xFBFFFBFF; cvt.rn.f16x2.e4m3x2 e, lo; cvt.rn.f16x2.e4m3x2 o, hi; "
+            "max.f16x2 $0, e, low; max.f16x2 $1, o, low; }",
+            "=r,=r,r",
+            [x],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=2,
+        )
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 a; .reg .b16 lo, hi; prmt.b32 a, $2, 0, 0x3120; mov.b32 {lo, hi}, a; "
+        "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r",
+        [x],
+        dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=2,
+    )
+
+
+@triton.jit
+def pairs_accumulator(BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, V_PAIRS: tl.constexpr):
+    """The decode tile's zero accumulator: [BLOCK_G, BLOCK_D] float32, or with ``V_PAIRS`` the
+    (even dims, odd dims) pair of [BLOCK_G, BLOCK_D // 2] halves."""
+    if V_PAIRS:
+        acc = tl.zeros([BLOCK_G, BLOCK_D // 2], tl.float32), tl.zeros([BLOCK_G, BLOCK_D // 2], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    return acc
+
+
+@triton.jit
+def pairs_joined(acc, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, V_PAIRS: tl.constexpr):
+    """The accumulator in the dims' own order: ``V_PAIRS``'s halves interleaved (dim 2j from the
+    even half, 2j + 1 from the odd one); any other accumulator as it is."""
+    if V_PAIRS:
+        acc = tl.reshape(tl.join(acc[0], acc[1]), [BLOCK_G, BLOCK_D])
+    return acc
+
+
+@triton.jit
 def _opaque16(x):
     """``x`` (a 16-bit tile) copied by a PTX ``mov`` marked as having side effects, so that Triton's
     search for the width an MMA operand was loaded with stops here and finds 16 bits, not the FP8
@@ -281,11 +330,19 @@ def _decode_tile(
     qk_scale, stride_cb, stride_cs, stride_ch,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr, V_ASM: tl.constexpr, TILE_BLOCK: tl.constexpr, TMA: tl.constexpr, MASK_V: tl.constexpr,
-    WIDE_MMA: tl.constexpr = 0, V_FINITE: tl.constexpr = False,
+    WIDE_MMA: tl.constexpr = 0, V_FINITE: tl.constexpr = False, V_PAIRS: tl.constexpr = False,
 ):  # fmt: skip
     """One key tile [n0, n0 + BLOCK_N) of the decode kernel: the online-softmax update. ``MASK_V``
     zeroes V's rows past ``end`` (NaN there would poison the product); ``V_FINITE`` (FP8 with
-    ``V_ASM`` only) clamps the widened V to finite values instead, so those rows add 0 x finite."""
+    ``V_ASM`` only) clamps the widened V to finite values instead, so those rows add 0 x finite.
+
+    ``V_PAIRS`` (an FP8 cache read as TMA boxes, ``v_desc`` a view of it as int16): V's tile comes
+    as [BLOCK_N, HEAD_DIM // 2] int16, each element two neighbouring dims of one key, and ``acc``
+    is a pair of halves, even dims and odd dims, each its own PV product. The MMA's V operand holds
+    two keys of one dim per register: from bytes, Triton gathers them one at a time (128
+    ``LDS.U8`` a tile); from 16-bit elements it loads them transposed by ``ldmatrix``, and
+    ``_fp8_pairs_to_f16_asm`` splits each register's dims. The FP8 loop goes from 892 to 605
+    instructions (sm_90, offline; KERNEL_NOTES session 29)."""
     pos = n0 + offs_n
     n_mask = pos < end
     kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
@@ -317,18 +374,28 @@ def _decode_tile(
         v = tl.load(v_cache_ptr + base + tile_off, mask=kv_mask, other=0.0)
     else:
         v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    if KV_FP8:
-        if V_ASM and V_FINITE:
-            v = _fp8_to_finite_f16_asm(v)
-        elif V_ASM:
-            v = _fp8_to_f16_asm(v)
-        else:
-            v = v.to(q.dtype)
-        if WIDE_MMA & 2:
-            v = _opaque16(v)
-    if MASK_V:
-        v = tl.where(n_mask[:, None], v, 0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if V_PAIRS:
+        tl.static_assert(KV_FP8 and V_ASM and TMA, "V_PAIRS reads an FP8 cache's TMA boxes as int16")
+        v_even, v_odd = _fp8_pairs_to_f16_asm(v, V_FINITE)
+        if MASK_V:
+            v_even = tl.where(n_mask[:, None], v_even, 0.0)
+            v_odd = tl.where(n_mask[:, None], v_odd, 0.0)
+        p = p.to(tl.float16)
+        acc_even = acc[0] * alpha[:, None] + tl.dot(p, v_even, input_precision=DOT_PRECISION)
+        acc = acc_even, acc[1] * alpha[:, None] + tl.dot(p, v_odd, input_precision=DOT_PRECISION)
+    else:
+        if KV_FP8:
+            if V_ASM and V_FINITE:
+                v = _fp8_to_finite_f16_asm(v)
+            elif V_ASM:
+                v = _fp8_to_f16_asm(v)
+            else:
+                v = v.to(q.dtype)
+            if WIDE_MMA & 2:
+                v = _opaque16(v)
+        if MASK_V:
+            v = tl.where(n_mask[:, None], v, 0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -373,6 +440,7 @@ def _decode_kernel(
     TMA: tl.constexpr = False,
     PDL: tl.constexpr = False,
     WIDE_MMA: tl.constexpr = 0,
+    V_PAIRS: tl.constexpr = False,
 ):
     """Program (seq, kv head, split): the group's query heads against keys of one split.
 
@@ -409,7 +477,7 @@ def _decode_kernel(
         q = q.to(tl.float16)  # FP8 tiles widen to float16 in one instruction per pair (bfloat16: four)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    acc = pairs_accumulator(BLOCK_G, BLOCK_D, V_PAIRS)
     table = block_tables_ptr + seq * stride_bt
     tile_off = kvh * stride_ch + offs_n[:, None] * stride_cs + offs_d[None, :]
     # with TMA the tiles wholly inside [start, end) run unmasked (a 16-bit V stays in shared memory
@@ -421,16 +489,17 @@ def _decode_kernel(
         m_i, l_i, acc = _decode_tile(
             q, m_i, l_i, acc, n0, end, table, kvh, k_cache_ptr, v_cache_ptr, k_desc, v_desc, tile_off, offs_n,
             offs_d, qk_scale, stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PRECISION,
-            KV_FP8, V_ASM, TILE_BLOCK, TMA, False, WIDE_MMA,
+            KV_FP8, V_ASM, TILE_BLOCK, TMA, False, WIDE_MMA, False, V_PAIRS,
         )  # fmt: skip
     if TMA:
         if full_end < end:  # the partial last tile, outside the pipelined loop
             m_i, l_i, acc = _decode_tile(
                 q, m_i, l_i, acc, full_end, end, table, kvh, k_cache_ptr, v_cache_ptr, k_desc, v_desc, tile_off,
                 offs_n, offs_d, qk_scale, stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_N, BLOCK_SIZE,
-                DOT_PRECISION, KV_FP8, V_ASM, TILE_BLOCK, TMA, True, WIDE_MMA,
+                DOT_PRECISION, KV_FP8, V_ASM, TILE_BLOCK, TMA, True, WIDE_MMA, False, V_PAIRS,
             )  # fmt: skip
 
+    acc = pairs_joined(acc, BLOCK_G, BLOCK_D, V_PAIRS)
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty range leaves acc = 0 -> zeros
     out = acc * (v_scale / l_safe)[:, None]
     mask = g_mask[:, None] & d_mask[None, :]
@@ -519,6 +588,9 @@ DECODE_TMA = os.environ.get("NANOVLLM_DECODE_TMA", "fp8")
 if DECODE_TMA not in ("fp8", "all", "1", "0"):
     raise ValueError(f"NANOVLLM_DECODE_TMA must be fp8, all, 1 or 0, got {DECODE_TMA!r}")
 TMA_MAX_BOX = 256  # a TMA box's largest dimension
+# an FP8 V read as TMA boxes of int16 dim pairs (``V_PAIRS`` in ``_decode_tile``, session 29): "1" (the
+# default) or "0" for the byte-wise V of sessions 11-28 (A/B: ``scripts/ab_engine.py vpairs=0``)
+FP8_V_PAIRS = os.environ.get("NANOVLLM_FP8_V_PAIRS", "1") == "1"
 
 
 @functools.cache
@@ -561,18 +633,22 @@ def _tma_capable(cache: torch.Tensor) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"  # CPU tensors: only the interpreter emulates boxes
 
 
-def tma_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> tuple | None:
+def tma_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int, v_pairs: bool = False) -> tuple | None:
     """Host-side TMA descriptors of the two caches' row views, boxes of ``block_n`` keys; None
     where TMA does not apply: no descriptor support, not a Hopper GPU, a layout ``cache_rows``
     refuses, a box longer than ``TMA_MAX_BOX``. Under Triton's interpreter (CPU tensors) the
-    descriptors are emulated."""
+    descriptors are emulated. ``v_pairs``: V's rows seen as int16, two dims an element (``V_PAIRS``)."""
     if block_n > TMA_MAX_BOX or not _tma_capable(k_cache):
         return None
     k_rows, v_rows = cache_rows(k_cache), cache_rows(v_cache)
     if k_rows is None or v_rows is None:
         return None
-    box = [block_n, k_cache.shape[-1]]
-    return TensorDescriptor.from_tensor(k_rows, box), TensorDescriptor.from_tensor(v_rows, box)
+    if v_pairs:
+        v_rows = v_rows.view(torch.int16)
+    return (
+        TensorDescriptor.from_tensor(k_rows, [block_n, k_rows.shape[-1]]),
+        TensorDescriptor.from_tensor(v_rows, [block_n, v_rows.shape[-1]]),
+    )
 
 
 def wants_tma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -607,14 +683,20 @@ def decode_launch_flags(
 ) -> tuple[dict[str, bool | int], tuple | None]:
     """The decode tile's flags for a launch (``decode_tile_flags``, TMA as ``wants_tma`` said,
     ``DECODE_FLAG_OVERRIDES`` last) and the TMA descriptors where the tiles are boxes (None
-    otherwise; ``TMA`` then reads False): shared by ``paged_decode`` and the stream-K decode."""
+    otherwise; ``TMA`` then reads False): shared by ``paged_decode`` and the stream-K decode.
+    ``V_PAIRS`` holds only where its tile applies, and V's descriptor is then the int16 one."""
     flags = {
         **decode_tile_flags(k_cache.shape[1], cfg.block_n, is_fp8(k_cache), q.dtype),
         "TMA": tma,
+        "V_PAIRS": FP8_V_PAIRS,
         **DECODE_FLAG_OVERRIDES,
     }
-    descriptors = tma_descriptors(k_cache, v_cache, cfg.block_n) if flags["TMA"] and flags["TILE_BLOCK"] else None
+    tiles = flags["TMA"] and flags["TILE_BLOCK"]
+    # pairs: an FP8 V widened by PTX (V_ASM) from TMA boxes, halves of at least 16 dims (an MMA's N)
+    flags["V_PAIRS"] = bool(flags["V_PAIRS"] and flags["V_ASM"] and tiles and k_cache.shape[-1] >= 32)
+    descriptors = tma_descriptors(k_cache, v_cache, cfg.block_n, bool(flags["V_PAIRS"])) if tiles else None
     flags["TMA"] = descriptors is not None
+    flags["V_PAIRS"] = flags["V_PAIRS"] and flags["TMA"]
     return flags, descriptors
 
 

@@ -221,6 +221,103 @@ def test_fp8_finite_widening_clamps_only_nan():
     assert torch.equal(finite[~nan], plain[~nan]) and torch.isfinite(finite).all()
 
 
+def test_fp8_pair_widening_splits_every_int16_into_its_two_bytes():
+    """``_fp8_pairs_to_f16_asm`` (``V_PAIRS``) on all 65,536 int16 values, in tiles shaped as the
+    decode tile's V ([keys, dim pairs]): the even output is the low byte widened by torch's e4m3
+    conversion, the odd one the high byte; ``FINITE`` changes only the NaN bytes, to finite values.
+    Control: the two outputs swapped miss (every byte pair but equal ones tells them apart)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split(x_ptr, even_ptr, odd_ptr, FINITE: tl.constexpr):
+        offs = tl.program_id(0) * 4096 + tl.arange(0, 64)[:, None] * 64 + tl.arange(0, 64)[None, :]
+        even, odd = triton_ops._fp8_pairs_to_f16_asm(tl.load(x_ptr + offs), FINITE)
+        tl.store(even_ptr + offs, even)
+        tl.store(odd_ptr + offs, odd)
+
+    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).cuda()
+    lo, hi = (x.view(torch.uint8).view(-1, 2)[:, i].contiguous().view(FP8) for i in (0, 1))
+
+    def run(finite: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        even, odd = (torch.empty(x.numel(), dtype=torch.float16, device="cuda") for _ in range(2))
+        split[(x.numel() // 4096,)](x, even, odd, FINITE=finite)
+        return even, odd
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:  # NaN where b is NaN
+        nan = torch.isnan(b)
+        return bool(torch.equal(a[~nan], b[~nan]) and torch.isnan(a[nan]).all())
+
+    even, odd = run(False)
+    assert same(even, lo.to(torch.float16)) and same(odd, hi.to(torch.float16))
+    assert not same(odd, lo.to(torch.float16)), "control: the high bytes are not the low ones"
+    f_even, f_odd = run(True)
+    for got, plain in ((f_even, even), (f_odd, odd)):
+        nan = torch.isnan(plain)
+        assert nan.any() and torch.isfinite(got).all() and torch.equal(got[~nan], plain[~nan])
+
+
+@pytest.mark.parametrize("kernel", ["shipped", "streamk"])
+@pytest.mark.parametrize("block_size,group,head_dim,splits", [(256, 2, 128, 1), (256, 2, 128, 3), (128, 8, 64, 2)])
+def test_decode_fp8_v_pairs_matches_the_byte_wise_v(kernel, block_size, group, head_dim, splits, monkeypatch):
+    """``V_PAIRS`` (the default on a Hopper GPU since session 29: V's TMA boxes read as int16 dim
+    pairs, two PV products a tile) against the reference and against the byte-wise V of sessions
+    11-28, in the shipped kernel and in stream-K (``splits``: its programs per SM there). The launches
+    are shown to take each path: V's descriptor is int16 with pairs, FP8 without. Controls: the
+    output with its even and odd dims swapped misses the reference (the mistake the halves invite),
+    and so does the wrong v_scale."""
+    from nanovllm.attention import decode_streamk
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA needs compute capability 9.0 or newer")
+    rng = random.Random(block_size + group * 7 + head_dim * 3 + splits)
+    lens = [0] + _lengths(block_size, rng, 9, 4096)  # a padding row first
+    fc = Fp8Case(
+        PagedCase([(max(n - 1, 0), 1) for n in lens], block_size, group, head_dim, seed=rng.randint(0, 1 << 30))
+    )
+    c = fc.case
+    seq_lens = c.meta.seq_lens.clone()
+    seq_lens[0] = 0
+    k, v = _head_major(fc.k_cache), _head_major(fc.v_cache)
+    assert triton_ops.wants_tma(c.q, k, v) and torch.isnan(fc.v_cache.float()).any()
+    made = []
+    real = triton_ops.tma_descriptors
+    monkeypatch.setattr(triton_ops, "tma_descriptors", lambda *a: made.append(real(*a)) or made[-1])
+
+    def run(v_pairs: bool, v_scale: float = V_SCALE) -> torch.Tensor:
+        monkeypatch.setitem(triton_ops.DECODE_FLAG_OVERRIDES, "V_PAIRS", v_pairs)
+        made.clear()
+        out = torch.full_like(c.q, float("nan"))
+        if kernel == "shipped":
+            triton_ops.paged_decode(
+                c.q, k, v, c.meta.block_tables, seq_lens, c.scale, num_splits=splits, out=out, k_scale=K_SCALE,
+                v_scale=v_scale,
+            )  # fmt: skip
+        else:
+            programs = splits * torch.cuda.get_device_properties(0).multi_processor_count
+            decode_streamk.paged_decode_streamk(
+                c.q, k, v, c.meta.block_tables, seq_lens, c.scale, programs=programs, out=out, k_scale=K_SCALE,
+                v_scale=v_scale,
+            )  # fmt: skip
+        assert made and all(d is not None for d in made), "the launch must have used TMA descriptors"
+        want = torch.int16 if v_pairs else FP8
+        assert all(d[1].base.dtype == want for d in made), [d[1].base.dtype for d in made]
+        return out
+
+    ref = fc.reference()
+    pairs, bytes_ = run(True), run(False)
+    what = f"fp8 V pairs {kernel} bs={block_size} g={group} d={head_dim} splits={splits}"
+    assert_close(pairs[1:], ref[1:], what)
+    assert_close(bytes_[1:], ref[1:], what + " (bytes)")
+    if kernel == "shipped" and splits == 1:  # the padding row's program writes zeros
+        assert torch.equal(pairs[0].cpu(), torch.zeros_like(pairs[0].cpu()))
+    diff = (pairs[1:].float() - bytes_[1:].float()).abs().max().item()
+    assert diff <= 1e-2 * bytes_[1:].float().abs().max().item(), f"{what}: pairs and bytes differ by {diff}"
+    swapped = pairs.unflatten(-1, (head_dim // 2, 2)).flip(-1).flatten(-2)
+    assert _far(swapped[1:], ref[1:]), "control: the dims of each pair swapped must miss the reference"
+    assert _far(run(True, 1.0)[1:], ref[1:]), "control: the wrong v_scale must miss the reference"
+
+
 @pytest.mark.parametrize("block_size,group,head_dim", SHAPES[1::4])
 def test_prefill_fp8_matches_reference(block_size, group, head_dim):
     rng = random.Random(block_size * 31 + group * 7 + head_dim)
