@@ -39,6 +39,7 @@ HELPERS = {
     "_fp8_to_f16_asm",
     "_fp8_to_finite_f16_asm",
     "_fp8_pairs_to_f16_asm",
+    "_finite_f16_asm",
     "pairs_accumulator",
     "pairs_joined",
     "_opaque16",

@@ -254,15 +254,7 @@ def _fp8_to_finite_f16_asm(x):
     other operand when one is NaN, and e4m3fn has no infinity and nothing above 448. For
     tiles whose rows past a sequence's end are not masked (stream-K decode, where any tile may end
     an item: masking V there moves the widened tile through shared memory, 32 KB more)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; .reg .b32 a, b, low; mov.b32 {lo, hi}, $2; mov.b32 low, 0xFBFFFBFF; "
-        "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; max.f16x2 $0, a, low; max.f16x2 $1, b, low; }",
-        "=r,=r,r",
-        [x],
-        dtype=tl.float16,
-        is_pure=True,
-        pack=4,
-    )
+    return _finite_f16_asm(_fp8_to_f16_asm(x))
 
 
 @triton.jit
@@ -272,23 +264,29 @@ def _fp8_pairs_to_f16_asm(x, FINITE: tl.constexpr):
     the MMA operand holds them (keys k and k + 1 of one dim pair): one ``prmt`` gathers the two low
     bytes and the two high bytes, one ``cvt`` widens each pair. ``FINITE``: NaN becomes -65504, as
     in ``_fp8_to_finite_f16_asm``."""
-    if FINITE:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 a, e, o, low; .reg .b16 lo, hi; prmt.b32 a, $2, 0, 0x3120; mov.b32 {lo, hi}, a; "
-            "mov.b32 low, 0xFBFFFBFF; cvt.rn.f16x2.e4m3x2 e, lo; cvt.rn.f16x2.e4m3x2 o, hi; "
-            "max.f16x2 $0, e, low; max.f16x2 $1, o, low; }",
-            "=r,=r,r",
-            [x],
-            dtype=(tl.float16, tl.float16),
-            is_pure=True,
-            pack=2,
-        )
-    return tl.inline_asm_elementwise(
+    even, odd = tl.inline_asm_elementwise(
         "{ .reg .b32 a; .reg .b16 lo, hi; prmt.b32 a, $2, 0, 0x3120; mov.b32 {lo, hi}, a; "
         "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
         "=r,=r,r",
         [x],
         dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=2,
+    )
+    if FINITE:
+        even, odd = _finite_f16_asm(even), _finite_f16_asm(odd)
+    return even, odd
+
+
+@triton.jit
+def _finite_f16_asm(x):
+    """float16 ``x`` with NaN replaced by -65504: PTX's ``max.f16x2`` returns the other operand where
+    one is NaN, and nothing a widened e4m3 byte holds is below -448."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 low; mov.b32 low, 0xFBFFFBFF; max.f16x2 $0, $1, low; }",
+        "=r,r",
+        [x],
+        dtype=tl.float16,
         is_pure=True,
         pack=2,
     )
