@@ -92,10 +92,11 @@ def test_no_tma_on_the_cpu_outside_the_interpreter(monkeypatch):
 @pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="this torch has no float8_e4m3fn")
 def test_v_pairs_only_where_its_tile_applies(monkeypatch):
     """``V_PAIRS`` (session 29) holds for an FP8 cache read as TMA boxes by a 16-bit model with a
-    head_dim of 32 or more, and then V's descriptor views the cache as int16, two dims an element,
+    head_dim of 64 or more, and then V's descriptor views the cache as int16, two dims an element,
     K's as FP8; each missing condition turns it off and leaves V's descriptor FP8 (TMA is emulated
     on the CPU under ``TRITON_INTERPRET=1``)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_ops, "FP8_V_PAIRS", True)  # the default, whatever the environment says
 
     def flags(kv=torch.float8_e4m3fn, d=128, model=torch.bfloat16, **overrides):
         monkeypatch.setattr(triton_ops, "DECODE_FLAG_OVERRIDES", overrides)
@@ -111,12 +112,16 @@ def test_v_pairs_only_where_its_tile_applies(monkeypatch):
         return got["V_PAIRS"]
 
     assert flags() is True
-    assert flags(d=32) is True
-    assert flags(d=16) is False  # halves of 8 dims: below an MMA's N
+    assert flags(d=64) is True
+    assert flags(model=torch.float16) is True
+    assert flags(d=32) is False  # halves of 16 dims: the MMA's warps over the rows (offline: 2x the loop)
+    assert flags(d=96) is False and flags(d=256) is False  # no TMA boxes: not a power of two, wider than 128
     assert flags(kv=torch.bfloat16) is False
+    assert flags(kv=torch.bfloat16, V_ASM=True) is False  # an override cannot make a 16-bit cache FP8
     assert flags(model=torch.float32) is False  # no PTX widening (V_ASM) for a float32 model
     assert flags(TMA=False) is False
     assert flags(V_PAIRS=False) is False
+    assert flags(WIDE_MMA=2) is False and flags(WIDE_MMA=1) is True  # the experiment's V bit keeps bytes
     monkeypatch.setattr(triton_ops, "FP8_V_PAIRS", False)  # NANOVLLM_FP8_V_PAIRS=0
     assert flags() is False
 

@@ -70,7 +70,12 @@ def cuobjdump():
 
 @pytest.fixture(scope="module")
 def fp8_loops(cuobjdump):
-    return {k: sass.histogram(sass.main_loop(sass.sass(sass.compile_decode(k).asm["cubin"]))) for k in sass.KERNELS}
+    """The FP8 loops as the engine builds them by default (V as int16 pairs, whatever
+    ``NANOVLLM_FP8_V_PAIRS`` says in this process)."""
+    return {
+        k: sass.histogram(sass.main_loop(sass.sass(sass.compile_decode(k, v_pairs=True).asm["cubin"])))
+        for k in sass.KERNELS
+    }
 
 
 @pytest.mark.parametrize("kernel", sass.KERNELS)
@@ -120,7 +125,7 @@ def test_v_pairs_load_fp8_v_by_ldmatrix_not_byte_by_byte(fp8_loops, fp8_byte_loo
 def test_the_fp8_kernels_fit_three_ctas_per_sm(cuobjdump, kernel):
     """The FP8 tiles' occupancy (``decode_streamk.PROGRAMS_PER_SM``): registers and shared memory
     for 3 CTAs of 128 threads, with V read as pairs."""
-    k = sass.compile_decode(kernel)
+    k = sass.compile_decode(kernel, v_pairs=True)
     res = sass.resources(k.asm["cubin"])
     assert res["REG"] * 128 * 3 <= 65536 and res.get("STACK", 0) == 0, res
     assert 3 * (k.metadata.shared + 1024) <= SM_SHARED, k.metadata.shared

@@ -690,8 +690,12 @@ def decode_launch_flags(
         **DECODE_FLAG_OVERRIDES,
     }
     tiles = flags["TMA"] and flags["TILE_BLOCK"]
-    # pairs: an FP8 V widened by PTX (V_ASM) from TMA boxes, halves of at least 16 dims (an MMA's N)
-    flags["V_PAIRS"] = bool(flags["V_PAIRS"] and flags["V_ASM"] and tiles and k_cache.shape[-1] >= 32)
+    # pairs: an FP8 V widened by PTX (V_ASM) from TMA boxes, not the WIDE_MMA experiment's V, halves
+    # of 32 dims or more (at 16, Triton lays the MMA's 4 warps over the query rows, each computing the
+    # whole tile: offline, 1,001 loop instructions against the bytes' 474)
+    wide_v = int(flags.get("WIDE_MMA", 0)) & 2
+    pairs = flags["V_PAIRS"] and flags["V_ASM"] and is_fp8(k_cache) and not wide_v and k_cache.shape[-1] >= 64
+    flags["V_PAIRS"] = bool(pairs and tiles)
     descriptors = tma_descriptors(k_cache, v_cache, cfg.block_n, bool(flags["V_PAIRS"])) if tiles else None
     flags["TMA"] = descriptors is not None
     flags["V_PAIRS"] = flags["V_PAIRS"] and flags["TMA"]
