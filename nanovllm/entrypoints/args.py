@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import re
 import textwrap
 import types
 import typing
@@ -109,7 +110,8 @@ def flag_kwargs(tp, name: str) -> dict:
 
 
 def _help(doc: str, default, repeatable: bool) -> str:
-    text = doc or ""
+    # the fields' docs speak of Python's None; on the command line that is a flag left out
+    text = re.sub(r"\(None:", "(if omitted:", doc or "").replace("or None for", "or omitted for")
     if repeatable:
         text += " (repeatable)"
     shown = "none" if default is None or default == [] else default
@@ -156,11 +158,14 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
         kw = flag_kwargs(hints[f.name], f.name)
         flag = SAMPLING_FLAG_NAMES.get(f.name, f.name.replace("_", "-"))
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
+        doc = docs.get(f.name, "")
+        if default is not None:  # the API's None (max_tokens: up to max_model_len) has no flag value
+            doc = re.sub(r"\s*\(None: [^)]*\)", "", doc)
         group.add_argument(
             "--" + flag,
             dest=f"sampling_{f.name}",
             default=default,
-            help=_help(docs.get(f.name, ""), default, kw.get("action") in ("append", "extend")),
+            help=_help(doc, default, kw.get("action") in ("append", "extend")),
             **kw,
         )
 

@@ -40,7 +40,7 @@ def resolve_model_dir(model: str | None) -> str:
         raise ValueError(f"model {str(path)!r} is neither a model directory nor a .gguf file")
     raise FileNotFoundError(
         f"model path {str(path)!r} does not exist (no model hub access: pass a "
-        f"local HF directory or .gguf file, or None for the default model)"
+        f"local HF directory or .gguf file; for the default model pass model=None, or no --model)"
     )
 
 

@@ -31,8 +31,14 @@ BAD = [
     ("min_tokens", None, TypeError, "None"),
     ("stop", [""], ValueError, "''"),
     ("stop", ["ok", 3], ValueError, "3"),
+    ("stop", 5, TypeError, "5"),
+    ("stop", b"x", TypeError, "b'x'"),
     ("stop_token_ids", [-1], ValueError, "-1"),
     ("stop_token_ids", [1.0], TypeError, "1.0"),
+    ("stop_token_ids", [7, "x"], TypeError, "stop_token_ids[1]"),
+    ("stop_token_ids", 5, TypeError, "5"),
+    ("stop_token_ids", 0, TypeError, "0"),  # not an empty list
+    ("stop_token_ids", "12", TypeError, "'12'"),
     ("logprobs", -1, ValueError, "-1"),
     ("logprobs", 2.0, TypeError, "2.0"),
     ("prompt_logprobs", -1, ValueError, "-1"),
@@ -65,6 +71,7 @@ BAD = [
     ("bad_words", ["ok", "  "], ValueError, "'  '"),
     ("bad_words", ["ok", ""], ValueError, "''"),
     ("bad_words", [3], ValueError, "3"),
+    ("bad_words", 5, TypeError, "5"),
     ("output_kind", "DELTA", TypeError, "'DELTA'"),
 ]
 
@@ -88,9 +95,9 @@ def test_type_errors_name_the_type():
         SamplingParams(logit_bias={1: "x"})
     with pytest.raises(TypeError, match=r"logit_bias key must be an int"):
         SamplingParams(logit_bias={"1": 1.0})
-    with pytest.raises(TypeError, match=r"stop_token_ids\[\] must be an int"):
+    with pytest.raises(TypeError, match=r"stop_token_ids\[0\] must be an int"):
         SamplingParams(stop_token_ids=[1.0])
-    with pytest.raises(TypeError, match=r"allowed_token_ids\[\] must be an int"):
+    with pytest.raises(TypeError, match=r"allowed_token_ids\[0\] must be an int"):
         SamplingParams(allowed_token_ids=[1.0])
 
 
