@@ -9,6 +9,7 @@ encoding, the EOS ids the engine stops on, and every tensor after dequantization
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,32 @@ def test_cache_key_follows_the_converter(converted, gguf_file, monkeypatch):
     monkeypatch.setattr(gguf_loader, "_converter_source", lambda: source + b"\n# changed\n")
     changed = gguf_loader.gguf_to_hf_dir(gguf_file)
     assert changed != converted and calls == [gguf_file], "a changed converter reused the old conversion"
+
+
+def test_a_first_conversion_is_announced_on_a_terminal_only(tmp_path, monkeypatch):
+    """At the default log level the conversion's INFO record is hidden, and a first run on a
+    terminal sat silent for 13.5 s (a user trial): a terminal gets one line, once; a pipe (tests,
+    CI, ``2>file``) gets nothing, and neither does a terminal once the model is cached."""
+    import io
+
+    class Terminal(io.StringIO):
+        def __init__(self, tty: bool):
+            super().__init__()
+            self.tty = tty
+
+        def isatty(self) -> bool:
+            return self.tty
+
+    fake = tmp_path / "tiny.gguf"
+    fake.write_bytes(b"GGUF not really")
+    monkeypatch.setattr(gguf_loader, "convert", lambda path, dest: (dest / "model.safetensors").write_bytes(b""))
+    said = {}
+    for tty in (False, True):
+        monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path / f"cache-{tty}"))
+        for run in (1, 2):
+            err = Terminal(tty)
+            monkeypatch.setattr(sys, "stderr", err)
+            gguf_loader.gguf_to_hf_dir(fake)
+            said[tty, run] = err.getvalue()
+    assert said[True, 1] == "nanovllm: converting tiny.gguf into the model cache (once)\n", said
+    assert said[True, 2] == said[False, 1] == said[False, 2] == "", said

@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -177,6 +178,10 @@ def gguf_to_hf_dir(gguf_path: str | os.PathLike) -> str:
 
     def build(tmp: Path) -> None:
         logger.info("converting %s to %s (once)", path, dest)
+        if sys.stderr.isatty() and not logger.isEnabledFor(logging.INFO):
+            # a terminal at the default log level would see 10-100 s of nothing (a user trial's
+            # first run); pipes and files (tests, CI) get the log record only
+            print(f"nanovllm: converting {path.name} into the model cache (once)", file=sys.stderr, flush=True)
         convert(path, tmp)
 
     return build_once(dest, "model.safetensors", build)
