@@ -64,7 +64,7 @@ def compile_decode(
         signature.update(tile_map_ptr="*i64", num_tiles_ptr="*i32")
     v_asm = fp8 and model == "bf16"
     if v_pairs is None:
-        v_pairs = triton_ops.FP8_V_PAIRS and v_asm and tma
+        v_pairs = triton_ops.FP8_V_PAIRS and tma and triton_ops.v_pairs_apply(v_asm, fp8, 128, wide_mma)
     if tma:
         signature["k_desc"] = signature["v_desc"] = f"tensordesc<{kv}[{block_n}, 128]>"
         if v_pairs:

@@ -164,3 +164,14 @@ def test_the_register_cap_follows_the_tiles():
     assert cap_of(torch.float32, tma=False) is None
     if hasattr(torch, "float8_e4m3fn"):
         assert cap_of(torch.float8_e4m3fn, tma=True) == cap
+
+
+@pytest.mark.parametrize("wide_mma,pairs", [(1, True), (2, False)])
+def test_the_offline_compile_reads_v_as_the_engine_would(cuobjdump, monkeypatch, wide_mma, pairs):
+    """``compile_decode``'s default ``v_pairs`` follows ``triton_ops.v_pairs_apply``, the engine's rule:
+    WIDE_MMA's V bit keeps the byte-wise V, its K bit alone does not."""
+    from nanovllm.attention import triton_ops
+
+    monkeypatch.setattr(triton_ops, "FP8_V_PAIRS", True)
+    ttgir = sass.compile_decode("shipped", wide_mma=wide_mma).asm["ttgir"]
+    assert ("xi16" in ttgir) is pairs

@@ -690,16 +690,21 @@ def decode_launch_flags(
         **DECODE_FLAG_OVERRIDES,
     }
     tiles = flags["TMA"] and flags["TILE_BLOCK"]
-    # pairs: an FP8 V widened by PTX (V_ASM) from TMA boxes, not the WIDE_MMA experiment's V, halves
-    # of 32 dims or more (at 16, Triton lays the MMA's 4 warps over the query rows, each computing the
-    # whole tile: offline, 1,001 loop instructions against the bytes' 474)
-    wide_v = int(flags.get("WIDE_MMA", 0)) & 2
-    pairs = flags["V_PAIRS"] and flags["V_ASM"] and is_fp8(k_cache) and not wide_v and k_cache.shape[-1] >= 64
-    flags["V_PAIRS"] = bool(pairs and tiles)
-    descriptors = tma_descriptors(k_cache, v_cache, cfg.block_n, bool(flags["V_PAIRS"])) if tiles else None
+    pairs = bool(flags["V_PAIRS"]) and v_pairs_apply(
+        bool(flags["V_ASM"]), is_fp8(k_cache), k_cache.shape[-1], int(flags.get("WIDE_MMA", 0))
+    )
+    descriptors = tma_descriptors(k_cache, v_cache, cfg.block_n, pairs) if tiles else None
     flags["TMA"] = descriptors is not None
-    flags["V_PAIRS"] = flags["V_PAIRS"] and flags["TMA"]
+    flags["V_PAIRS"] = pairs and flags["TMA"]  # the boxes are what V_PAIRS reads
     return flags, descriptors
+
+
+def v_pairs_apply(v_asm: bool, kv_fp8: bool, head_dim: int, wide_mma: int = 0) -> bool:
+    """Whether an FP8 V read as TMA boxes can be read as int16 dim pairs (``V_PAIRS``): widened by PTX
+    (``V_ASM``), not the WIDE_MMA experiment's V, halves of 32 dims or more (at 16, Triton lays the
+    MMA's 4 warps over the query rows, each computing the whole tile: offline, 1,001 loop
+    instructions against the bytes' 474). ``scripts/sass.py`` compiles offline by the same rule."""
+    return v_asm and kv_fp8 and not wide_mma & 2 and head_dim >= 64
 
 
 def paged_decode(

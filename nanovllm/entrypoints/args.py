@@ -111,7 +111,7 @@ def flag_kwargs(tp, name: str) -> dict:
 
 def _help(doc: str, default, repeatable: bool) -> str:
     # the fields' docs speak of Python's None; on the command line that is a flag left out
-    text = re.sub(r"\(None:", "(if omitted:", doc or "").replace("or None for", "or omitted for")
+    text = (doc or "").replace("(None:", "(if omitted:").replace("or None for", "or omitted for")
     if repeatable:
         text += " (repeatable)"
     shown = "none" if default is None or default == [] else default
