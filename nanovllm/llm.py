@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import sys
 import time
 from collections.abc import Generator
 from collections.abc import Sequence as SequenceOf
@@ -17,6 +18,29 @@ from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# where the bar's stream is not a terminal (a log file, a CI pipe), tqdm still redraws it with a
+# carriage return at every refresh: at most one redraw this often there, not ten a second
+NON_TTY_BAR_INTERVAL_S = 10.0
+
+
+def progress_bar(total: int, enabled: bool, file=None) -> tqdm:
+    """The "Generating" bar on ``file`` (stderr): a terminal's redraws every 0.1 s (tqdm's
+    default), a pipe's or file's every NON_TTY_BAR_INTERVAL_S (its first and last states always)."""
+    file = sys.stderr if file is None else file
+    try:
+        tty = file.isatty()
+    except (AttributeError, ValueError):  # no isatty, a closed stream
+        tty = False
+    return tqdm(
+        total=total,
+        desc="Generating",
+        unit="req",
+        dynamic_ncols=True,
+        disable=not enabled,
+        file=file,
+        mininterval=0.1 if tty else NON_TTY_BAR_INTERVAL_S,
+    )
 
 
 class LLM:
@@ -115,7 +139,7 @@ class LLM:
     def _run(self, order: dict[str, int], use_tqdm: bool) -> Generator[tuple[int, RequestOutput], None, None]:
         engine = self.llm_engine
         left = set(order)
-        bar = tqdm(total=len(order), desc="Generating", unit="req", dynamic_ncols=True, disable=not use_tqdm)
+        bar = progress_bar(len(order), use_tqdm)
         start = time.perf_counter()
         interrupts = DeferredInterrupts()  # Ctrl-C lands between steps, never inside one
         try:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -278,3 +280,29 @@ def test_close_frees_the_weights_without_waiting_for_the_garbage_collector(monke
     finally:
         if enabled:
             gc.enable()
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("stream, most", [(io.StringIO, 2), (_Terminal, None)])
+def test_progress_bar_redraws_a_pipe_rarely(stream, most):
+    """A user trial found the bar's carriage-return redraws filling a log file. Into a stream that is
+    not a terminal the bar draws its first and last states (and one every NON_TTY_BAR_INTERVAL_S);
+    on a terminal it redraws as tqdm does (the control: the same updates give many redraws)."""
+    from nanovllm.llm import progress_bar
+
+    out = stream()
+    bar = progress_bar(40, True, file=out)
+    for _ in range(40):
+        time.sleep(0.01)
+        bar.update(1)
+    bar.close()
+    draws = out.getvalue().count("\r")
+    assert "40/40" in out.getvalue()
+    if most is None:
+        assert draws >= 5, out.getvalue()
+    else:
+        assert draws <= most, out.getvalue()

@@ -249,6 +249,45 @@ def test_bad_dataset_is_refused_naming_flag_and_value(model, capsys, tmp_path):
         assert rc == 2 and message in err, (argv, err)
 
 
+class _Loaded(Exception):
+    """Raised by a stand-in for the model load: the command got that far."""
+
+
+def test_requests_that_do_not_fit_are_refused_before_the_model_loads(model, capsys, tmp_path, monkeypatch):
+    """A user trial's `bench latency --input-len 9000` failed only after the model had loaded. Now
+    every length is checked against the engine's own max_model_len first; the boundary (prompt +
+    output == max_model_len) still reaches the load, so the rule is not "refuse everything"."""
+    import nanovllm
+    from nanovllm.bench import run
+
+    def load(*a, **k):
+        raise _Loaded
+
+    monkeypatch.setattr(nanovllm, "LLM", load)  # bench latency's engine
+    monkeypatch.setattr(run, "run_ours", load)  # bench's first engine
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt_token_ids": list(range(1, 71)), "max_tokens": 4}) + "\n")
+    lat = ["bench", "latency", "--model", model, "--max-model-len", "64", "--batch-size", "1"]
+    cases = [
+        ([*lat, "--input-len", "60", "--output-len", "8"], "--input-len 60 --output-len 8: 60 prompt tokens + 8"),
+        ([*lat, "--input-len", "60", "--output-len", "4"], None),
+        (
+            ["bench", "--model", model, "--max-model-len", "64", "--input-len", "60", "--output-len", "8"],
+            "68 positions",
+        ),
+        (["bench", "--model", model, "--max-model-len", "64", "--input-len", "60", "--output-len", "4"], None),
+        (["bench", "--model", model, "--max-model-len", "64", "--dataset", str(long)], "a 70-token prompt need 71"),
+    ]
+    for argv, message in cases:
+        if message is None:
+            with pytest.raises(_Loaded):
+                cli.main(argv)
+            continue
+        rc = cli.main(argv)
+        err = capsys.readouterr().err
+        assert rc == 2 and message in err and "max_model_len=64" in err, (argv, err)
+
+
 def test_random_dataset():
     w = datasets.build_workload("random", 5, 7, 3, vocab_size=50)
     assert len(w.prompts) == 5 and {len(p) for p in w.prompts} == {7} and w.max_tokens == [3] * 5

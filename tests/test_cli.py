@@ -114,6 +114,29 @@ def test_python_dash_m_nanovllm_is_the_command():
     assert r.returncode == 2 and "nanovllm: error:" in r.stderr and said in r.stderr, (r.returncode, r.stderr[-500:])
 
 
+@pytest.mark.parametrize(
+    "argv, prog, said",
+    [
+        (["generate", "--max-tokens", "abc"], "nanovllm generate", "argument --max-tokens: invalid int value: 'abc'"),
+        (["serve", "--port", "x"], "nanovllm serve", "argument --port: invalid int value: 'x'"),
+        (["bench", "latency", "--input-len", "0"], "nanovllm bench latency", "argument --input-len"),
+        (["bench", "--no-such-flag"], "nanovllm", "unrecognized arguments: --no-such-flag"),  # the top parser's
+        ([], "nanovllm", "required: COMMAND"),
+    ],
+)
+def test_a_bad_flag_is_one_line_naming_it(argv, prog, said, capsys):
+    """argparse's errors are one line, as the engine's value errors are (a user trial found a type
+    error's message under a ~25-line usage block), and point to the subcommand's --help."""
+    from nanovllm.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert err.count("\n") == 1 and said in err and "usage:" not in err, err
+    assert err.startswith(f"{prog}: error: ") and f"(see '{prog} --help')" in err, err
+
+
 @pytest.mark.parametrize("command", ["generate", "serve", "bench"])
 def test_help_speaks_of_flags_left_out_not_of_none(command):
     """The fields' docs say what Python's None means; a command line cannot pass None, so its help

@@ -9,6 +9,7 @@ choice; bad values get a 400 naming the field and the server keeps serving.
 
 from __future__ import annotations
 
+import logging
 import re
 
 import pytest
@@ -333,3 +334,25 @@ def test_serve_passes_the_engine_process_choice_to_the_engine(monkeypatch, flags
         asyncio.run(api_server.serve(args, engine_kwargs(args)))
     assert seen["engine_process"] is expected and seen["max_model_len"] == 64
     assert "process" not in engine_kwargs(args) and "core_process" not in engine_kwargs(args)
+
+
+def test_unused_request_fields_and_unknown_roles_are_named_in_a_warning(caplog):
+    """A user trial found fields the server does not know (a typo: "max_token") and unknown chat
+    roles accepted silently. They are still accepted (clients send fields a server may not know, as
+    with vLLM) but each is named in the server's log; a request of known fields and roles logs
+    nothing (the control)."""
+    from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    caplog.set_level(logging.WARNING, logger="nanovllm.entrypoints.openai.protocol")
+    CompletionRequest.model_validate({"prompt": "w5", "max_tokens": 2, "stream_options": {"include_usage": True}})
+    ChatCompletionRequest.model_validate({"messages": [{"role": "developer", "content": "w5", "name": "x"}]})
+    assert caplog.records == []
+    r = CompletionRequest.model_validate({"prompt": "w5", "max_token": 2, "stream_options": {"usage": True}})
+    assert r.max_tokens is None  # not taken for max_tokens
+    said = [rec.getMessage() for rec in caplog.records]
+    assert any("CompletionRequest" in m and "'max_token'" in m for m in said), said
+    assert any("StreamOptions" in m and "'usage'" in m for m in said), said
+    caplog.clear()
+    ChatCompletionRequest.model_validate({"messages": [{"role": "robot", "content": "w5"}], "foo": 1})
+    said = [rec.getMessage() for rec in caplog.records]
+    assert any("'robot'" in m for m in said) and any("'foo'" in m for m in said), said

@@ -91,12 +91,17 @@ def measure_batch_size(
 
 def run_latency(args: argparse.Namespace) -> int:
     from nanovllm import LLM
+    from nanovllm.bench.lengths import check_fits, max_model_len
     from nanovllm.entrypoints.args import engine_kwargs
+    from nanovllm.loader.model_loader import resolve_model_dir
 
     sizes = args.batch_size or list(DEFAULT_BATCH_SIZES)
     input_len = args.input_len or DEFAULT_INPUT_LEN
     output_len = args.output_len or DEFAULT_OUTPUT_LEN
     eargs = engine_kwargs(args)
+    # before the weights load: a batch that does not fit would fail (or time fewer tokens) after it
+    limit = max_model_len(resolve_model_dir(args.model), eargs)
+    check_fits(limit, input_len, output_len, f"--input-len {input_len} --output-len {output_len}")
     llm = LLM(args.model, **eargs)
     try:
         vocab_size = llm.llm_engine.vocab_size

@@ -24,6 +24,7 @@ import torch
 from nanovllm.bench import peers
 from nanovllm.bench.args import PEERS, SELF_PEER, add_bench_args  # noqa: F401  (re-exported)
 from nanovllm.bench.datasets import build_workload, resolve_name
+from nanovllm.bench.lengths import check_fits, max_model_len
 from nanovllm.bench.roofline import KNOWN_DEVICES, Roofline, device_limits, roofline
 from nanovllm.bench.workloads import SHAPES, Workload, shape_config_dir
 
@@ -229,8 +230,27 @@ def one_line(text: str) -> str:
     return lines[0] if len(lines) <= 1 else f"{lines[0]} ... {lines[-1]}"
 
 
+def check_workload_fits(target: Target, args: argparse.Namespace) -> None:
+    """Every prompt fits the engine's max_model_len, and with --input-len or --output-len (lengths
+    the user fixed) its whole output too; before any engine loads the model (bench/lengths.py)."""
+    w = target.workload
+    if not w.prompts:
+        return
+    whole = args.input_len is not None or args.output_len is not None
+    i = max(range(len(w.prompts)), key=lambda i: len(w.prompts[i]) + (w.max_tokens[i] if whole else 0))
+    flags = "--input-len/--output-len" if whole else f"--dataset {w.name}"
+    check_fits(
+        max_model_len(target.model_dir, target.engine_args),
+        len(w.prompts[i]),
+        w.max_tokens[i],
+        f"request {i} of workload {w.name!r} ({flags})",
+        whole,
+    )
+
+
 def run_bench(args: argparse.Namespace) -> int:
     target = setup_target(args)
+    check_workload_fits(target, args)
     w = target.workload
     print(
         f"workload {w.name}: {len(w.prompts)} requests, {w.num_prompt_tokens} prompt tokens, "

@@ -25,7 +25,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import nanovllm
 from nanovllm.engine.interrupts import deferred_interrupts
@@ -44,6 +44,15 @@ __all__ = [
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 STDIN = "-"
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, as the engine's own value errors are: what was wrong and
+    where to look, not the whole usage block (~25 lines for ``generate``) above it. Subcommands'
+    parsers are of this class too (argparse makes them of their parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
 class Subcommand(NamedTuple):
@@ -306,7 +315,7 @@ def add_global_args(parser: argparse.ArgumentParser, top: bool) -> None:
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole command line; ``only="generate"``: that subcommand alone (what ``main`` builds
     when the first argument names it: the other subcommands' flags import their modules, ~0.04 s)."""
-    parser = argparse.ArgumentParser(prog="nanovllm", description="nanovllm: a compact LLM inference engine")
+    parser = CommandParser(prog="nanovllm", description="nanovllm: a compact LLM inference engine")
     parser.add_argument("--version", action="version", version=f"nanovllm {nanovllm.__version__}")
     add_global_args(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

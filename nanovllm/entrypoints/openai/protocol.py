@@ -1,15 +1,23 @@
 """The OpenAI-compatible request bodies (with vLLM's extra sampling fields) and error objects.
 
 Requests are pydantic models in strict mode: a wrong type ("max_tokens": "5") is refused, not
-coerced, and the error names the field. Unknown fields are ignored (as OpenAI and vLLM do).
+coerced, and the error names the field. Unknown fields are accepted and not used (a client may
+send fields this server does not know, as with vLLM); each request that has some names them in a
+warning of the server's log, as vLLM does. So does a chat message whose role is none of OpenAI's
+(it still reaches the chat template, which decides what it means).
 Responses are built as plain dicts in the serving modules (their shapes are OpenAI's).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+logger = logging.getLogger(__name__)
+
+OPENAI_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 NonEmptyIds = Annotated[list[int], Field(min_length=1)]
 
@@ -40,16 +48,31 @@ class OpenAIError(Exception):
         }
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True)
+class RequestModel(BaseModel):
+    """A request body or one of its objects: strict types; fields it does not declare are accepted,
+    not used, and named in a warning."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    @model_validator(mode="after")
+    def _warn_unused_fields(self):
+        if self.model_extra:
+            logger.warning(
+                "%s: field(s) %s not used by this server (ignored)",
+                type(self).__name__,
+                ", ".join(map(repr, sorted(self.model_extra))),
+            )
+        return self
+
+
+class StreamOptions(RequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestModel):
     """Fields shared by both endpoints: OpenAI's, then vLLM's extras (same names as SamplingParams)."""
 
-    model_config = ConfigDict(strict=True)
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -88,9 +111,19 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(BaseModel):
+    """One message; its other fields (name, tool_calls, ...) go to the chat template as given."""
+
     model_config = ConfigDict(strict=True, extra="allow")
     role: str
     content: str | list[dict] | None = None
+
+    @model_validator(mode="after")
+    def _warn_unknown_role(self):
+        if self.role not in OPENAI_ROLES:
+            logger.warning(
+                "a chat message's role %r is none of OpenAI's (%s)", self.role, ", ".join(sorted(OPENAI_ROLES))
+            )
+        return self
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -102,8 +135,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict | None = None
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(strict=True)
+class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -111,7 +143,6 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(strict=True)
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
