@@ -356,3 +356,34 @@ def test_unused_request_fields_and_unknown_roles_are_named_in_a_warning(caplog):
     ChatCompletionRequest.model_validate({"messages": [{"role": "robot", "content": "w5"}], "foo": 1})
     said = [rec.getMessage() for rec in caplog.records]
     assert any("'robot'" in m for m in said) and any("'foo'" in m for m in said), said
+
+
+def test_server_sampling_defaults_reach_requests_that_leave_the_fields_out(offline):
+    """`--override-generation-config` (vLLM's flag): a request without temperature or max_tokens
+    gets the server's (greedy, 3 tokens: offline's greedy tokens); one that sets them keeps its own."""
+    cmd = nanovllm_serve_command(
+        zoo_model(MODEL),
+        *zoo_serve_flags(MAX_MODEL_LEN),
+        "--override-generation-config",
+        '{"temperature": 0, "max_new_tokens": 3}',
+        "--uvicorn-log-level",
+        "warning",
+    )
+    with server(cmd, env={"OMP_NUM_THREADS": "1"}, ready_timeout=180) as base:
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "w10 w11 w12", **IDS}, timeout=60).json()
+        assert [ids_of_json(r["choices"][0])] == offline_ids(offline, "w10 w11 w12", temperature=0.0, max_tokens=3)
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "w10 w11", "max_tokens": 5, **IDS}, timeout=60).json()
+        assert r["usage"]["completion_tokens"] == 5 or r["choices"][0]["finish_reason"] == "stop", r
+
+
+def ids_of_json(choice: dict) -> list[int]:
+    return [int(re.fullmatch(r"token_id:(\d+)", t).group(1)) for t in choice["logprobs"]["tokens"]]
+
+
+def test_a_bad_server_default_stops_serve_before_the_model_loads(capsys):
+    from nanovllm.entrypoints import cli
+
+    argv = ["serve", "--model", zoo_model(MODEL), "--override-generation-config", '{"temprature": 0.5}']
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--override-generation-config: unknown key(s) 'temprature'" in err, err

@@ -144,12 +144,15 @@ def build_app(
     api_key: str | None = None,
     dev_mode: bool | None = None,
     metrics_dir: str | None = None,
+    sampling_defaults: dict | None = None,
 ) -> FastAPI:
     """The app over ``engine``; ``metrics_dir``: a Prometheus multiprocess directory shared with
-    the server's other front-end processes (``api_server_pool.py``)."""
+    the server's other front-end processes (``api_server_pool.py``); ``sampling_defaults``: what a
+    request gets for a sampling field it leaves out (``generation_defaults.py``)."""
     app = FastAPI(title="nanovllm OpenAI-compatible server", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine, served_model_names[0], multiprocess_dir=metrics_dir)
     max_model_len = engine.max_model_len
+    defaults = dict(sampling_defaults or {})
     created = int(time.time())
     dev_mode = os.environ.get(DEV_MODE_ENV) == "1" if dev_mode is None else dev_mode
     app.state.engine, app.state.metrics = engine, metrics
@@ -187,13 +190,13 @@ def build_app(
     @with_cancellation
     async def completions(body: CompletionRequest, raw_request: Request):
         _check_alive()
-        return _respond(await create_completion(engine, body, served_model_names, max_model_len))
+        return _respond(await create_completion(engine, body, served_model_names, max_model_len, defaults))
 
     @app.post("/v1/chat/completions")
     @with_cancellation
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request):
         _check_alive()
-        return _respond(await create_chat_completion(engine, body, served_model_names, max_model_len))
+        return _respond(await create_chat_completion(engine, body, served_model_names, max_model_len, defaults))
 
     @app.get("/v1/models")
     async def models():
@@ -298,7 +301,9 @@ async def serve(args, engine_kwargs: dict) -> None:
     # left on their own, on a closed pipe). This handler makes the re-raise an exit instead.
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        app = build_app(engine, served_names(args), api_key=args.api_key)
+        app = build_app(
+            engine, served_names(args), api_key=args.api_key, sampling_defaults=getattr(args, "sampling_defaults", None)
+        )
         config = uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5
         )

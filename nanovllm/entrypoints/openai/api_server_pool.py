@@ -188,6 +188,7 @@ def _front_end_settings(args, metrics_dir: str, sock: socket.socket) -> dict:
     return {
         "served_model_names": served_names(args),
         "api_key": args.api_key,
+        "sampling_defaults": getattr(args, "sampling_defaults", None),
         "uvicorn_log_level": args.uvicorn_log_level,
         "log_level": logging.getLogger().getEffectiveLevel(),
         "metrics_dir": metrics_dir,
@@ -230,6 +231,7 @@ async def _serve_front_end(sock: socket.socket, conn, core_pid: int, settings: d
             settings["served_model_names"],
             api_key=settings["api_key"],
             metrics_dir=settings["metrics_dir"],
+            sampling_defaults=settings["sampling_defaults"],
         )
         config = uvicorn.Config(app, log_level=settings["uvicorn_log_level"], timeout_graceful_shutdown=5)
         await uvicorn.Server(config).serve(sockets=[sock])

@@ -56,6 +56,20 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         "than 1 when one front end cannot keep up with the engine (a fast GPU, many streams)",
     )
     p.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|FOLDER",
+        help="sampling defaults for fields a request leaves out: auto (default), the model's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens); vllm, the engine's own; or a folder's generation_config.json",
+    )
+    p.add_argument(
+        "--override-generation-config",
+        default=None,
+        metavar="JSON",
+        help="sampling defaults over --generation-config's, e.g. '{\"temperature\": 0.5}' (the same keys)",
+    )
+    p.add_argument(
         "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]
     )
     add_engine_args(p)
@@ -75,6 +89,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    from nanovllm.entrypoints.openai.generation_defaults import sampling_defaults
+    from nanovllm.loader.model_loader import resolve_model_dir
+
+    # before the model loads: a bad flag stops the server at once, naming it
+    args.sampling_defaults = sampling_defaults(
+        args.generation_config, args.override_generation_config, resolve_model_dir(args.model)
+    )
     if args.api_server_count > 1:
         if not args.core_process:
             raise ValueError(

@@ -99,7 +99,9 @@ def chat_logprobs(c: CompletionOutput, top: int, as_ids: bool = False) -> dict |
     return {"content": content}
 
 
-async def create_chat_completion(engine: AsyncLLM, req: ChatCompletionRequest, served: list[str], max_model_len: int):
+async def create_chat_completion(
+    engine: AsyncLLM, req: ChatCompletionRequest, served: list[str], max_model_len: int, defaults: dict | None = None
+):
     """The JSON response (a dict) or an async iterator of SSE lines."""
     check_model(req.model, served)
     top = req.top_logprobs
@@ -118,6 +120,7 @@ async def create_chat_completion(engine: AsyncLLM, req: ChatCompletionRequest, s
         default_max_tokens=None,
         stream=req.stream,
         prompt_param="messages",
+        defaults=defaults,
     )
     request_id = random_id("chatcmpl")
     started = await start(engine, [prompt] * req.n, choices(params, req.n), request_id, "messages")

@@ -68,9 +68,12 @@ def sampling_params(
     default_max_tokens: int | None,
     stream: bool,
     prompt_param: str,
+    defaults: dict | None = None,
 ) -> SamplingParams:
     """SamplingParams for one prompt (with n = 1: ``choices`` fans out n), or OpenAIError(400)
-    naming the field."""
+    naming the field. ``defaults``: the server's values for sampling fields the request leaves out
+    (``generation_defaults.py``); they come before the endpoint's ``default_max_tokens``."""
+    defaults = defaults or {}
     check_n(req.n)
     if prompt_len >= max_model_len:
         raise OpenAIError(
@@ -80,7 +83,11 @@ def sampling_params(
             prompt_param,
         )
     if max_tokens is None:
-        max_tokens = default_max_tokens if default_max_tokens is not None else max_model_len - prompt_len
+        room = max_model_len - prompt_len
+        if "max_tokens" in defaults:  # the server's default, within the context (as vLLM takes it)
+            max_tokens = min(defaults["max_tokens"], room)
+        else:
+            max_tokens = default_max_tokens if default_max_tokens is not None else room
     elif isinstance(max_tokens, int) and max_tokens >= 1 and prompt_len + max_tokens > max_model_len:
         raise OpenAIError(
             400,
@@ -106,10 +113,13 @@ def sampling_params(
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
     )
     for name in ("temperature", "top_p", "top_k", "min_p"):
-        if getattr(req, name) is not None:
-            kwargs[name] = getattr(req, name)
+        value = getattr(req, name)
+        value = defaults.get(name) if value is None else value
+        if value is not None:
+            kwargs[name] = value
     for name, off in _PENALTIES.items():
         value = getattr(req, name)
+        value = defaults.get(name) if value is None else value
         if value is None:
             continue
         if name in _SAMPLING_FIELDS:

@@ -66,7 +66,9 @@ def completion_logprobs(c: CompletionOutput, offset: int, as_ids: bool = False) 
     return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top}
 
 
-async def create_completion(engine: AsyncLLM, req: CompletionRequest, served: list[str], max_model_len: int):
+async def create_completion(
+    engine: AsyncLLM, req: CompletionRequest, served: list[str], max_model_len: int, defaults: dict | None = None
+):
     """The JSON response (a dict) or an async iterator of SSE lines."""
     check_model(req.model, served)
     check_n(req.n)
@@ -99,6 +101,7 @@ async def create_completion(engine: AsyncLLM, req: CompletionRequest, served: li
             default_max_tokens=16,
             stream=req.stream,
             prompt_param="prompt",
+            defaults=defaults,
         )
         for n in lens
     ]
