@@ -55,10 +55,11 @@ test-slow: setup
 conformance: setup
 	$(VENV)/bin/tox -e conformance
 
-# mutation testing of the torch-free core with mutmut (not part of `make test`: minutes of CPU):
-# every mutant of nanovllm/core/ and sampling_params.py against the fast tests of tests/core/, from
-# a clean mutants/ copy; then the summary, failing below a 90 % kill rate of non-equivalent mutants
-# (docs/conformance/mutation.md, the triage in docs/conformance/mutation_equivalent.txt)
+# mutation testing of the torch-free core with mutmut (not part of `make test`; .ci/run runs it, ~2
+# minutes): every mutant of nanovllm/core/ and sampling_params.py against the fast tests of
+# tests/core/, from a clean mutants/ copy; then the summary, failing on any survivor not triaged as
+# equivalent, a stale triage entry, or a kill rate below 90 % (docs/conformance/mutation.md, the
+# triage in docs/conformance/mutation_equivalent.txt)
 MUTATION_JOBS ?= 2
 mutation: setup
 	rm -rf mutants

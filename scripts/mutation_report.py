@@ -164,11 +164,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mutants", default="mutants", help="mutmut's working copy (default: mutants)")
     ap.add_argument("--equivalent", default=DEFAULT_EQUIVALENT, help="the triage file of equivalent mutants")
     ap.add_argument("--min-kill-rate", type=float, default=0.90)
+    ap.add_argument(
+        "--max-survivors",
+        type=int,
+        default=0,
+        help="survivors not triaged as equivalent that --check lets pass (default 0: each new survivor is "
+        "killed by a test or triaged, so none goes unseen under a kill rate that still clears the minimum)",
+    )
     ap.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     ap.add_argument(
         "--check",
         action="store_true",
-        help="exit 1 below --min-kill-rate, on unchecked mutants, or on a stale triage file",
+        help="exit 1 below --min-kill-rate, above --max-survivors, on unchecked mutants, or on a stale triage file",
     )
     args = ap.parse_args(argv)
 
@@ -199,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     failures = []
     if rate is None or rate < args.min_kill_rate:
         failures.append("kill rate below the minimum")
+    if len(total.survivors) > args.max_survivors:
+        failures.append(f"{len(total.survivors)} survivors not triaged (at most {args.max_survivors})")
     if total.not_checked:
         failures.append(f"{total.not_checked} mutants not checked (a partial run)")
     if stale:

@@ -1,5 +1,6 @@
 """scripts/mutation_report.py: counts from mutmut's .meta files, the triage of equivalent
-mutants, and --check failing below the kill rate, on a partial run, or on a stale triage list."""
+mutants, and --check failing below the kill rate, on an untriaged survivor, on a partial run, or on a
+stale triage list."""
 
 from __future__ import annotations
 
@@ -53,14 +54,24 @@ def test_counts(tmp_path):
 
 
 def test_check_passes_at_the_minimum_and_fails_below(tmp_path):
-    assert report["main"](write_run(tmp_path / "a", codes(9, 1))) == 0  # 90 %
-    assert report["main"](write_run(tmp_path / "b", codes(8, 1, 0, {"pkg.mod.x_n__mutmut_1": 5}))) == 1
+    some = ["--max-survivors", "5"]
+    assert report["main"](write_run(tmp_path / "a", codes(9, 1)) + some) == 0  # 90 %
+    assert report["main"](write_run(tmp_path / "b", codes(8, 1, 0, {"pkg.mod.x_n__mutmut_1": 5})) + some) == 1
+
+
+def test_an_untriaged_survivor_fails_whatever_the_rate(tmp_path):
+    """99 % killed still fails with one survivor nobody looked at (session 30 found six that had
+    accumulated under a passing rate); triaged, the same run passes (the control)."""
+    assert report["main"](write_run(tmp_path / "a", codes(99, 1))) == 1
+    assert report["main"](write_run(tmp_path / "b", codes(99, 1), "pkg.mod.x_g__mutmut_0 a reason\n")) == 0
+    assert report["main"](write_run(tmp_path / "c", codes(99, 1)) + ["--max-survivors", "1"]) == 0
 
 
 def test_equivalent_mutants_leave_the_denominator(tmp_path):
     eq = "".join(f"pkg.mod.x_g__mutmut_{i} reason {i}\n" for i in range(3))
-    assert report["main"](write_run(tmp_path / "a", codes(9, 4), eq)) == 0  # 9 / 10
-    assert report["main"](write_run(tmp_path / "b", codes(9, 4))) == 1  # 9 / 13
+    some = ["--max-survivors", "5"]
+    assert report["main"](write_run(tmp_path / "a", codes(9, 4), eq) + some) == 0  # 9 / 10
+    assert report["main"](write_run(tmp_path / "b", codes(9, 4)) + some) == 1  # 9 / 13
 
 
 def test_stale_triage_and_partial_runs_fail(tmp_path):

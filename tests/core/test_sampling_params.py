@@ -31,8 +31,8 @@ BAD = [
     ("min_tokens", None, TypeError, "None"),
     ("stop", [""], ValueError, "''"),
     ("stop", ["ok", 3], ValueError, "3"),
-    ("stop", 5, TypeError, "5"),
-    ("stop", b"x", TypeError, "b'x'"),
+    ("stop", 5, TypeError, "got 5 (int)"),  # the value's type named
+    ("stop", b"x", TypeError, "b'x' (bytes)"),
     ("stop_token_ids", [-1], ValueError, "-1"),
     ("stop_token_ids", [1.0], TypeError, "1.0"),
     ("stop_token_ids", [7, "x"], TypeError, "stop_token_ids[1]"),
