@@ -29,7 +29,7 @@ def progress_bar(total: int, enabled: bool, file=None) -> tqdm:
     default), a pipe's or file's every NON_TTY_BAR_INTERVAL_S (its first and last states always)."""
     file = sys.stderr if file is None else file
     try:
-        tty = file.isatty()
+        tty = file.isatty() or "ipykernel" in sys.modules  # a notebook: tqdm.auto's widget, redrawn live
     except (AttributeError, ValueError):  # no isatty, a closed stream
         tty = False
     return tqdm(

@@ -267,6 +267,8 @@ def test_requests_that_do_not_fit_are_refused_before_the_model_loads(model, caps
     monkeypatch.setattr(run, "run_ours", load)  # bench's first engine
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"prompt_token_ids": list(range(1, 71)), "max_tokens": 4}) + "\n")
+    fits = tmp_path / "fits.jsonl"  # the prompt fits, its max_tokens does not: runs (the engine stops at the limit)
+    fits.write_text(json.dumps({"prompt_token_ids": list(range(1, 61)), "max_tokens": 30}) + "\n")
     lat = ["bench", "latency", "--model", model, "--max-model-len", "64", "--batch-size", "1"]
     cases = [
         ([*lat, "--input-len", "60", "--output-len", "8"], "--input-len 60 --output-len 8: 60 prompt tokens + 8"),
@@ -277,6 +279,11 @@ def test_requests_that_do_not_fit_are_refused_before_the_model_loads(model, caps
         ),
         (["bench", "--model", model, "--max-model-len", "64", "--input-len", "60", "--output-len", "4"], None),
         (["bench", "--model", model, "--max-model-len", "64", "--dataset", str(long)], "a 70-token prompt need 71"),
+        (["bench", "--model", model, "--max-model-len", "64", "--dataset", str(fits)], None),
+        (
+            ["bench", "--model", model, "--max-model-len", "64", "--dataset", str(fits), "--output-len", "8"],
+            "(--output-len 8)",
+        ),
     ]
     for argv, message in cases:
         if message is None:

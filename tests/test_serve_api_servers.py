@@ -43,7 +43,14 @@ class Pool:
         self.port = free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log")
-        flags = [*zoo_serve_flags(MAX_MODEL_LEN), "--api-server-count", "2"]
+        # greedy by the server's default (each front end must apply it: the requests leave temperature out)
+        flags = [
+            *zoo_serve_flags(MAX_MODEL_LEN),
+            "--api-server-count",
+            "2",
+            "--override-generation-config",
+            '{"temperature": 0}',
+        ]
         self.proc = start_server(self.log, self.port, flags, env={"NANOVLLM_SERVER_DEV_MODE": "1"})
         _wait_healthy(self.proc, self.url, self.log.name)
 
@@ -81,7 +88,7 @@ async def _fresh(method: str, url: str, **kw) -> httpx.Response:
 
 
 async def _completion(url: str, prompt: list[int], stream: bool) -> str:
-    body = {"model": "zoo", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    body = {"model": "zoo", "prompt": prompt, "max_tokens": 10, "ignore_eos": True}  # greedy: the server's default
     if not stream:
         r = await _fresh("POST", f"{url}/v1/completions", json=body)
         assert r.status_code == 200, r.text

@@ -359,8 +359,9 @@ def test_unused_request_fields_and_unknown_roles_are_named_in_a_warning(caplog):
 
 
 def test_server_sampling_defaults_reach_requests_that_leave_the_fields_out(offline):
-    """`--override-generation-config` (vLLM's flag): a request without temperature or max_tokens
-    gets the server's (greedy, 3 tokens: offline's greedy tokens); one that sets them keeps its own."""
+    """`--override-generation-config` (vLLM's flag): a request without temperature gets the
+    server's (greedy: offline's greedy tokens), and max_new_tokens limits every request (3 tokens,
+    also for one asking 5); a request's own temperature wins (seeded sampling, not greedy)."""
     cmd = nanovllm_serve_command(
         zoo_model(MODEL),
         *zoo_serve_flags(MAX_MODEL_LEN),
@@ -373,7 +374,12 @@ def test_server_sampling_defaults_reach_requests_that_leave_the_fields_out(offli
         r = httpx.post(f"{base}/v1/completions", json={"prompt": "w10 w11 w12", **IDS}, timeout=60).json()
         assert [ids_of_json(r["choices"][0])] == offline_ids(offline, "w10 w11 w12", temperature=0.0, max_tokens=3)
         r = httpx.post(f"{base}/v1/completions", json={"prompt": "w10 w11", "max_tokens": 5, **IDS}, timeout=60).json()
-        assert r["usage"]["completion_tokens"] == 5 or r["choices"][0]["finish_reason"] == "stop", r
+        assert r["usage"]["completion_tokens"] <= 3, r
+        body = {"prompt": "w10 w11 w12", "temperature": 1.0, "seed": 7, **IDS}
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
+        assert [ids_of_json(r["choices"][0])] == offline_ids(
+            offline, "w10 w11 w12", temperature=1.0, seed=7, max_tokens=3
+        )
 
 
 def ids_of_json(choice: dict) -> list[int]:

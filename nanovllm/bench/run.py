@@ -238,7 +238,10 @@ def check_workload_fits(target: Target, args: argparse.Namespace) -> None:
         return
     whole = args.input_len is not None or args.output_len is not None
     i = max(range(len(w.prompts)), key=lambda i: len(w.prompts[i]) + (w.max_tokens[i] if whole else 0))
-    flags = "--input-len/--output-len" if whole else f"--dataset {w.name}"
+    fixed = (("--input-len", args.input_len), ("--output-len", args.output_len))
+    flags = (
+        " ".join(f"{flag} {value}" for flag, value in fixed if value is not None) if whole else f"--dataset {w.name}"
+    )
     check_fits(
         max_model_len(target.model_dir, target.engine_args),
         len(w.prompts[i]),

@@ -2,14 +2,19 @@
 
 vLLM's two flags, with its meanings:
 - ``--generation-config auto`` (the default): the model's ``generation_config.json`` (its
-  creator's recommended temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens);
-  ``vllm``: none of it, the engine's own defaults; a folder: that folder's ``generation_config.json``.
-- ``--override-generation-config JSON``: the same keys, over what the first flag gave.
+  creator's recommended temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens),
+  as vLLM reads it: only the values that differ from transformers' own defaults (a file that
+  spells out ``"top_k": 50`` sets nothing); ``vllm``: none of it, the engine's own defaults; a
+  folder: that folder's ``generation_config.json``.
+- ``--override-generation-config JSON``: the same keys, over what the first flag gave; a key set
+  to null removes the file's value.
 
-A request's own value always wins; then these defaults; then the endpoint's (``max_tokens``: 16
-for /v1/completions as OpenAI's, the rest of the context for chat). ``max_new_tokens`` is
-transformers' name for ``max_tokens``. The defaults are checked once, at start-up, by building
-SamplingParams from them: a bad value stops the server with the key named.
+temperature, top_p, top_k, min_p and repetition_penalty are defaults: a request's own value wins.
+``max_new_tokens`` is a server-wide *limit* (vLLM's documented meaning): a request gets at most
+that many tokens, whatever its ``max_tokens`` (so an operator's limit holds), and within it the
+endpoint's default (16 for /v1/completions, OpenAI's; the rest of the context for chat). The
+defaults are checked once, at start-up, by building SamplingParams from them: a bad value stops
+the server with the key named.
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ KEYS = {
     "max_new_tokens": "max_tokens",
 }
 MODES = ("auto", "vllm")
+# transformers' GenerationConfig defaults of those keys: a file's value equal to one is not a
+# recommendation (vLLM reads the file's difference from these, ``to_diff_dict``)
+TRANSFORMERS_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
+HINT = "--generation-config vllm leaves the model's file out"
 
 
 def _from_file(path: Path) -> dict:
@@ -42,10 +51,14 @@ def _from_file(path: Path) -> dict:
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise ValueError(f"--generation-config: {str(path)!r} is not readable JSON: {e}") from None
+        raise ValueError(f"--generation-config: {str(path)!r} is not readable JSON: {e} ({HINT})") from None
     if not isinstance(raw, dict):
-        raise ValueError(f"--generation-config: {str(path)!r} holds {type(raw).__name__}, not a JSON object")
-    return {KEYS[k]: v for k, v in raw.items() if k in KEYS and v is not None}
+        raise ValueError(f"--generation-config: {str(path)!r} holds {type(raw).__name__}, not a JSON object ({HINT})")
+    return {
+        KEYS[k]: v
+        for k, v in raw.items()
+        if k in KEYS and v is not None and not (k in TRANSFORMERS_DEFAULTS and v == TRANSFORMERS_DEFAULTS[k])
+    }
 
 
 def sampling_defaults(generation_config: str, override: str | None, model_dir: str) -> dict:
@@ -57,6 +70,8 @@ def sampling_defaults(generation_config: str, override: str | None, model_dir: s
         defaults = {}
     else:
         folder = Path(generation_config).expanduser()
+        if folder.is_file() and folder.name == "generation_config.json":  # the file itself: its folder
+            folder = folder.parent
         if not folder.is_dir():
             raise ValueError(
                 f"--generation-config must be one of {', '.join(MODES)} or a folder, got {generation_config!r}"
@@ -77,23 +92,33 @@ def sampling_defaults(generation_config: str, override: str | None, model_dir: s
                 f"--override-generation-config: unknown key(s) {', '.join(map(repr, unknown))}; "
                 f"known: {', '.join(KEYS)}"
             )
-        defaults.update({KEYS[k]: v for k, v in extra.items()})
+        for k, v in extra.items():
+            if v is None:  # null: no value for this key (the file's removed)
+                defaults.pop(KEYS[k], None)
+            else:
+                defaults[KEYS[k]] = v
     try:
         SamplingParams(**defaults)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"server sampling defaults ({_source(generation_config, override)}): {e}") from None
+        names = {v: k for k, v in KEYS.items()}  # the message in the file's names (max_new_tokens)
+        message = " ".join(names.get(w, w) for w in str(e).split(" "))
+        hint = f"; {HINT}" if generation_config != "vllm" else ""
+        raise ValueError(
+            f"server sampling defaults ({_source(generation_config, override)}): {message}{hint}"
+        ) from None
     if defaults:
         logger.warning(
-            "requests that leave these sampling fields out get %s (%s; --generation-config vllm for the "
-            "engine's defaults)",
+            "sampling defaults for requests that leave the field out (max_tokens: a limit on every request): "
+            "%s, from %s%s",
             defaults,
             _source(generation_config, override),
+            f" ({HINT})" if generation_config != "vllm" else "",
         )
     return defaults
 
 
 def _source(generation_config: str, override: str | None) -> str:
-    where = {"auto": "the model's generation_config.json", "vllm": "the engine's defaults"}.get(
-        generation_config, f"{generation_config}/generation_config.json"
-    )
+    if generation_config == "vllm":
+        return "--override-generation-config" if override else "the engine's defaults"
+    where = "the model's generation_config.json" if generation_config == "auto" else f"{generation_config}"
     return where + (" and --override-generation-config" if override else "")

@@ -71,8 +71,8 @@ def sampling_params(
     defaults: dict | None = None,
 ) -> SamplingParams:
     """SamplingParams for one prompt (with n = 1: ``choices`` fans out n), or OpenAIError(400)
-    naming the field. ``defaults``: the server's values for sampling fields the request leaves out
-    (``generation_defaults.py``); they come before the endpoint's ``default_max_tokens``."""
+    naming the field. ``defaults``: the server's values for sampling fields the request leaves out,
+    and its ``max_tokens``, a limit on every request (``generation_defaults.py``)."""
     defaults = defaults or {}
     check_n(req.n)
     if prompt_len >= max_model_len:
@@ -83,11 +83,7 @@ def sampling_params(
             prompt_param,
         )
     if max_tokens is None:
-        room = max_model_len - prompt_len
-        if "max_tokens" in defaults:  # the server's default, within the context (as vLLM takes it)
-            max_tokens = min(defaults["max_tokens"], room)
-        else:
-            max_tokens = default_max_tokens if default_max_tokens is not None else room
+        max_tokens = default_max_tokens if default_max_tokens is not None else max_model_len - prompt_len
     elif isinstance(max_tokens, int) and max_tokens >= 1 and prompt_len + max_tokens > max_model_len:
         raise OpenAIError(
             400,
@@ -96,6 +92,9 @@ def sampling_params(
             f"({prompt_len + max_tokens} > {max_model_len})",
             "max_tokens",
         )
+    limit = defaults.get("max_tokens")
+    if limit is not None and isinstance(max_tokens, int) and max_tokens > limit:
+        max_tokens = limit  # the server's limit (max_new_tokens), as vLLM applies it
     kwargs: dict = dict(
         max_tokens=max_tokens,
         logprobs=logprobs,
@@ -112,20 +111,15 @@ def sampling_params(
         allowed_token_ids=req.allowed_token_ids,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
     )
-    for name in ("temperature", "top_p", "top_k", "min_p"):
-        value = getattr(req, name)
-        value = defaults.get(name) if value is None else value
-        if value is not None:
-            kwargs[name] = value
-    for name, off in _PENALTIES.items():
+    for name in ("temperature", "top_p", "top_k", "min_p", *_PENALTIES):
         value = getattr(req, name)
         value = defaults.get(name) if value is None else value
         if value is None:
             continue
         if name in _SAMPLING_FIELDS:
             kwargs[name] = value
-        elif value != off:
-            raise OpenAIError(400, f"{name}={value} is not supported by this engine (only {off})", name)
+        elif value != _PENALTIES[name]:  # a penalty the engine lacks takes only its "off" value
+            raise OpenAIError(400, f"{name}={value} is not supported by this engine (only {_PENALTIES[name]})", name)
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
