@@ -63,7 +63,11 @@ conformance: setup
 MUTATION_JOBS ?= 2
 mutation: setup
 	rm -rf mutants
-	HYPOTHESIS_PROFILE=mutation $(VENV)/bin/mutmut run --max-children $(MUTATION_JOBS)
+	@# mutmut redraws a spinner line per mutant (~160 KB in a CI log): its output goes to a file,
+	@# of which the last lines are shown (the last 100 when it fails)
+	HYPOTHESIS_PROFILE=mutation $(VENV)/bin/mutmut run --max-children $(MUTATION_JOBS) > mutmut.log 2>&1 \
+		|| { tr '\r' '\n' < mutmut.log | tail -100; exit 1; }
+	tr '\r' '\n' < mutmut.log | tail -3
 	$(PY) scripts/mutation_report.py --check
 
 # the injected-bug table on the CPU (tests/mutants/runner.py): every engine mutant must be caught by
