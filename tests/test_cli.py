@@ -120,7 +120,9 @@ def test_python_dash_m_nanovllm_is_the_command():
         (["generate", "--max-tokens", "abc"], "nanovllm generate", "argument --max-tokens: invalid int value: 'abc'"),
         (["serve", "--port", "x"], "nanovllm serve", "argument --port: invalid int value: 'x'"),
         (["bench", "latency", "--input-len", "0"], "nanovllm bench latency", "argument --input-len"),
-        (["bench", "--no-such-flag"], "nanovllm", "unrecognized arguments: --no-such-flag"),  # the top parser's
+        (["bench", "--no-such-flag"], "nanovllm bench", "unrecognized arguments: --no-such-flag"),
+        (["bench", "latency", "--bogus", "1"], "nanovllm bench latency", "unrecognized arguments: --bogus 1"),
+        (["--bogus"], "nanovllm", "required: COMMAND"),
         ([], "nanovllm", "required: COMMAND"),
     ],
 )

@@ -54,6 +54,21 @@ class CommandParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extras = super().parse_known_args(args, namespace)
+        if not hasattr(ns, "_deepest_parser"):  # the innermost subcommand's parser sets it first
+            ns._deepest_parser = self
+        return ns, extras
+
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, except that unknown flags are reported by the subcommand they were given
+        to (``nanovllm generate --bogus`` points to ``nanovllm generate --help``), not the top."""
+        ns, extras = self.parse_known_args(args, namespace)
+        parser = vars(ns).pop("_deepest_parser", self)
+        if extras:
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns
+
 
 class Subcommand(NamedTuple):
     name: str
