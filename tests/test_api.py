@@ -295,14 +295,14 @@ def test_progress_bar_redraws_a_pipe_rarely(stream, most):
     from nanovllm.llm import progress_bar
 
     out = stream()
-    bar = progress_bar(40, True, file=out)
-    for _ in range(40):
+    bar = progress_bar(60, True, file=out)
+    for _ in range(60):  # >= 0.6 s: a terminal's bar redraws ~6 times (every 0.1 s), a pipe's not once
         time.sleep(0.01)
         bar.update(1)
     bar.close()
     draws = out.getvalue().count("\r")
-    assert "40/40" in out.getvalue()
+    assert "60/60" in out.getvalue()
     if most is None:
-        assert draws >= 5, out.getvalue()
+        assert draws >= 4, out.getvalue()
     else:
         assert draws <= most, out.getvalue()
