@@ -118,7 +118,8 @@ def sampling_defaults(generation_config: str, override: str | None, model_dir: s
 
 
 def _source(generation_config: str, override: str | None) -> str:
+    """Where the defaults came from (there are some: with ``vllm``, only the override gives any)."""
     if generation_config == "vllm":
-        return "--override-generation-config" if override else "the engine's defaults"
+        return "--override-generation-config"
     where = "the model's generation_config.json" if generation_config == "auto" else f"{generation_config}"
     return where + (" and --override-generation-config" if override else "")
