@@ -144,3 +144,19 @@ def test_the_start_up_log_says_what_is_applied_and_from_where(tmp_path, caplog):
         head + "{'temperature': 0.6}, from the model's generation_config.json "
         "(--generation-config vllm leaves the model's file out)",
     ]
+
+
+def test_a_file_that_gives_nothing_is_not_named_as_a_source(tmp_path, caplog):
+    """A model file with no sampling keys (the default model's) is no source of the defaults: the
+    log and the errors name the override alone, without the way out of the file (a user's trial saw
+    "from the model's generation_config.json" for an override-only default)."""
+    caplog.set_level(logging.WARNING, logger="nanovllm.entrypoints.openai.generation_defaults")
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 2, "top_k": 50}')
+    sampling_defaults("auto", '{"temperature": 0}', str(tmp_path))
+    assert [r.getMessage() for r in caplog.records] == [
+        "sampling defaults for requests that leave the field out (max_tokens: a limit on every request): "
+        "{'temperature': 0}, from --override-generation-config"
+    ]
+    assert _error("auto", '{"temperature": -1}', str(tmp_path)) == (
+        f"server sampling defaults (--override-generation-config): {_sampling_params_error(temperature=-1)}"
+    )

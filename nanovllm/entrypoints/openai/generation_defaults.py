@@ -79,6 +79,10 @@ def sampling_defaults(generation_config: str, override: str | None, model_dir: s
         if not (folder / "generation_config.json").is_file():
             raise ValueError(f"--generation-config: {str(folder)!r} has no generation_config.json")
         defaults = _from_file(folder / "generation_config.json")
+    file = None  # the file, named as a source (and with the way out of it) only where it gave some
+    if defaults:
+        file = "the model's generation_config.json" if generation_config == "auto" else generation_config
+    source = " and ".join(x for x in (file, "--override-generation-config" if override else None) if x)
     if override:
         try:
             extra = json.loads(override)
@@ -102,24 +106,13 @@ def sampling_defaults(generation_config: str, override: str | None, model_dir: s
     except (ValueError, TypeError) as e:
         names = {v: k for k, v in KEYS.items()}  # the message in the file's names (max_new_tokens)
         message = " ".join(names.get(w, w) for w in str(e).split(" "))
-        hint = f"; {HINT}" if generation_config != "vllm" else ""
-        raise ValueError(
-            f"server sampling defaults ({_source(generation_config, override)}): {message}{hint}"
-        ) from None
+        raise ValueError(f"server sampling defaults ({source}): {message}{f'; {HINT}' if file else ''}") from None
     if defaults:
         logger.warning(
             "sampling defaults for requests that leave the field out (max_tokens: a limit on every request): "
             "%s, from %s%s",
             defaults,
-            _source(generation_config, override),
-            f" ({HINT})" if generation_config != "vllm" else "",
+            source,
+            f" ({HINT})" if file else "",
         )
     return defaults
-
-
-def _source(generation_config: str, override: str | None) -> str:
-    """Where the defaults came from (there are some: with ``vllm``, only the override gives any)."""
-    if generation_config == "vllm":
-        return "--override-generation-config"
-    where = "the model's generation_config.json" if generation_config == "auto" else f"{generation_config}"
-    return where + (" and --override-generation-config" if override else "")
