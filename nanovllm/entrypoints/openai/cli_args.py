@@ -21,7 +21,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct); same as --model",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000; 0: any free port)")
     p.add_argument(
         "--api-key",
         default=os.environ.get("NANOVLLM_API_KEY"),
@@ -70,7 +70,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         help="sampling defaults over --generation-config's, e.g. '{\"temperature\": 0.5}' (the same keys)",
     )
     p.add_argument(
-        "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="log level of uvicorn, the HTTP server (default: info)",
     )
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
@@ -89,23 +92,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    if args.api_server_count > 1 and not args.core_process:
+        raise ValueError(
+            f"--api-server-count {args.api_server_count} needs the engine core in its own process: "
+            "drop --no-engine-process"
+        )
+    # the flags first, then what they name (the model, the port), then the model loads: a bad
+    # flag or a busy port stops the server at once, naming it, whatever the machine has installed
     from nanovllm.entrypoints.openai.generation_defaults import sampling_defaults
     from nanovllm.loader.model_loader import resolve_model_dir
 
-    # before the model loads: a bad flag stops the server at once, naming it
     args.sampling_defaults = sampling_defaults(
         args.generation_config, args.override_generation_config, resolve_model_dir(args.model)
     )
     if args.api_server_count > 1:
-        if not args.core_process:
-            raise ValueError(
-                f"--api-server-count {args.api_server_count} needs the engine core in its own process: "
-                "drop --no-engine-process"
-            )
         from nanovllm.entrypoints.openai.api_server_pool import serve_pool
 
         return serve_pool(args, engine_kwargs(args))
-    run_event_loop()(serve(args, engine_kwargs(args)))
+    from nanovllm.entrypoints.openai.server_socket import bind_socket
+
+    sock = bind_socket(args.host, args.port, reuse_port=False)
+    try:
+        run_event_loop()(serve(args, engine_kwargs(args), sock))
+    finally:
+        sock.close()
     return 0
 
 
