@@ -44,10 +44,11 @@ def _check_token_ids(name: str, ids) -> list[int]:
     return ids
 
 
-def _as_strings(name: str, value) -> list:
-    """``value`` (a list or other iterable of strings; a lone string is the caller's case) as a list."""
+def _as_strings(name: str, value, expected: str = "a list of strings") -> list:
+    """``value`` (a list or other iterable of strings; a lone string is the caller's case) as a list;
+    ``expected`` says what the field takes."""
     if isinstance(value, (bytes, dict)) or not hasattr(value, "__iter__"):
-        raise TypeError(f"{name} must be a list of strings, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
     return list(value)
 
 
@@ -150,9 +151,11 @@ class SamplingParams:
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
         else:
-            self.stop = _as_strings("stop", self.stop)
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
+            self.stop = _as_strings("stop", self.stop, "a string or a list of strings")
+        for i, s in enumerate(self.stop):
+            if not isinstance(s, str):
+                raise TypeError(f"stop[{i}] must be a string, got {s!r} ({type(s).__name__})")
+            if not s:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")
         if self.stop_token_ids is None:
             self.stop_token_ids = []

@@ -96,7 +96,7 @@ SAMPLING_CASES = [
         "sampling-min_tokens-over-max", _sampling(min_tokens=5, max_tokens=2), ValueError, "min_tokens.*5.*max_tokens=2"
     ),
     Case("sampling-stop-empty-string", _sampling(stop=[""]), ValueError, "stop.*''"),
-    Case("sampling-stop-int", _sampling(stop=[3]), ValueError, "stop.*3"),
+    Case("sampling-stop-int", _sampling(stop=[3]), TypeError, r"stop\[0\] must be a string, got 3 \(int\)"),
     Case("sampling-stop_token_ids-negative", _sampling(stop_token_ids=[-1]), ValueError, "stop_token_ids.*-1"),
     Case("sampling-logprobs-negative", _sampling(logprobs=-1), ValueError, "logprobs.*-1"),
     Case("sampling-prompt_logprobs-negative", _sampling(prompt_logprobs=-2), ValueError, "prompt_logprobs.*-2"),
@@ -326,6 +326,12 @@ PROMPT_CASES = [
         _prompt(prompts_for(VOCAB, (3,)), allowed_token_ids=[5, VOCAB + 3]),
         ValueError,
         rf"allowed_token_ids holds token id\(s\) \[{VOCAB + 3}\] outside the vocabulary",
+    ),
+    Case(
+        "prompt-stop_token_ids-over-vocab",
+        _prompt(prompts_for(VOCAB, (3,)), stop_token_ids=[2, VOCAB]),
+        ValueError,
+        rf"stop_token_ids holds token id\(s\) \[{VOCAB}\] outside the vocabulary \[0, {VOCAB}\)",
     ),
     Case(
         "prompt-n-over-the-cache",

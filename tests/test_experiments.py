@@ -122,12 +122,34 @@ def test_experiment_writes_consistent_csv_and_png(number, tmp_path, device):
         by_blocks = {int(r["num_blocks"]): int(r["preemptions"]) for r in rows}
         # 3 requests of 2 blocks each: 2 blocks cannot hold two growing sequences; 6 hold all three
         assert by_blocks[2] > 0 and by_blocks[6] == 0, by_blocks
+    if number in ("04", "07"):  # 07 warms its engine up first: its steps still count from 0
+        steps = _rows(out / ("steps.csv" if number == "04" else "mixed_batch_steps.csv"))
+        assert [int(r["step"]) for r in steps] == list(range(len(steps)))
+        assert min(int(r["first_step"]) for r in rows) == 0
     if number == "04":
+        assert all((int(r["preemptions"]) > 0) == (int(r["recompute_steps"]) > 0) for r in rows)
+        assert any(r.startswith("prefill: ") and "recompute step" in r for r in report.results), report.results
         steps = _rows(out / "steps.csv")
         assert any(r["preempted"] for r in steps), "the scheduler watch shows no preemption"
         assert any(int(r["cache_hit_tokens"]) == shape.shared_prefix for r in rows), "no prefix-cache hit"
         html = (out / "trace.html").read_text()
         assert '"format":"nanovllm-trace/1"' in html
+
+
+def test_run_steps_count_from_zero_after_a_warm_up():
+    from nanovllm import LLM
+    from nanovllm.experiments.workload import random_prompts, run_workload, warm_up
+
+    llm = LLM(zoo_model(MODEL), device="cpu", trace=True)
+    try:
+        warm_up(llm)
+        run = run_workload(llm, random_prompts(llm.llm_engine.vocab_size, [5, 9]), 3)
+        assert [e.step for e in run.events] == list(range(len(run.events)))
+        assert min(r.summary.first_step for r in run.requests) == 0
+        # negative control: the engine's own numbers (what the run reported before) start after the warm-up
+        assert llm.llm_engine.tracer.events[0].step > 0
+    finally:
+        llm.close()
 
 
 def test_engine_variant_refuses_larger_buffers():

@@ -55,6 +55,27 @@ def test_events_are_timed_and_summaries_match_outputs(run):
         check_summaries(gap, outs)
 
 
+def test_recomputes_are_the_prefills_after_a_preemption(run):
+    """On a real run: a prefill is marked a recompute exactly when its request was preempted at an
+    earlier step (the viewer's rule), and the summaries split the prefill steps the same way."""
+    _, events, _, _ = run
+    preempted: set[str] = set()
+    marks = []
+    for e in events:
+        for s in e.seqs:
+            assert s.recompute == (s.phase == "prefill" and s.request_id in preempted), (e.step, s)
+            marks.append(s.recompute)
+            label = "recompute" if s.recompute else s.phase
+            assert any(line.split()[:2] == [s.request_id, label] for line in e.format().splitlines()), e.format()
+        preempted.update(e.preempted)
+    assert any(marks), "the run recomputes nothing (weak check)"
+    summary = summarize_requests(events)
+    for rid, r in summary.items():
+        prefills = [s for e in events for s in e.seqs if s.request_id == rid and s.phase == "prefill"]
+        assert r.num_prefill_chunks + r.num_recompute_steps == len(prefills)
+        assert (r.num_recompute_steps > 0) == (r.num_preemptions > 0), r
+
+
 def test_text_format_unchanged_by_timestamps(run):
     _, events, _, _ = run
     head = events[0].format().splitlines()[0]
@@ -146,3 +167,23 @@ def test_cli_trace_demo_workload(tmp_path, capsys):
         q["num_cached_tokens"] for s in doc["steps"] for q in s["seqs"]
     )
     assert doc["config"]["num_kvcache_blocks"] == 8 and doc["config"]["max_num_batched_tokens"] == 32
+
+
+def test_cli_trace_checks_its_output_paths_before_the_run(tmp_path, capsys, monkeypatch):
+    """A path that cannot be written fails at once, naming its flag and the path (the model is not
+    loaded: the run would be lost)."""
+    import nanovllm.llm
+
+    def no_load(*args, **kwargs):
+        raise RuntimeError("the model was loaded")
+
+    monkeypatch.setattr(nanovllm.llm, "LLM", no_load)
+    missing = tmp_path / "no-such-folder" / "x.html"
+    code, _, err = _cli(capsys, "trace", "w1", "--html", str(missing))
+    assert code == 2
+    assert err == f"nanovllm: error: --html {str(missing)!r}: the folder {str(missing.parent)!r} does not exist\n"
+    code, _, err = _cli(capsys, "trace", "w1", "--html", str(tmp_path / "ok.html"), "--json", str(tmp_path))
+    assert code == 2 and err == f"nanovllm: error: --json {str(tmp_path)!r} is a folder; give a file name\n"
+    # negative control: with paths that can be written the command goes on to load the model
+    with pytest.raises(RuntimeError, match="the model was loaded"):
+        _cli(capsys, "trace", "w1", "--html", str(tmp_path / "ok.html"))

@@ -263,6 +263,7 @@ class LLMEngine:
         for name, ids in (
             ("logit_bias", list(params.logit_bias or ())),
             ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("stop_token_ids", params.stop_token_ids or ()),  # never sampled: the request would not stop
         ):
             outside = [t for t in ids if t >= self.vocab_size]
             if outside:

@@ -26,6 +26,7 @@ class SeqStep:
     num_tokens: int  # prompt + generated so far
     block_ids: list[int]
     num_cached_tokens: int | None = None  # prefix-cache hit, set when admitted this step
+    recompute: bool = False  # a prefill of a request preempted at an earlier step (set by Tracer.record)
 
     @property
     def samples(self) -> bool:
@@ -70,8 +71,9 @@ class StepEvent:
         for s in self.seqs:
             hit = f" cache_hit={s.num_cached_tokens}" if s.num_cached_tokens else ""
             span = f"[{s.num_computed_before}:{s.num_computed_before + s.num_new_tokens})"
+            phase = "recompute" if s.recompute else s.phase
             lines.append(
-                f"    {s.request_id:<10} {s.phase:<7} {span:<13} of {s.num_tokens:<5} blocks={_short(s.block_ids)}{hit}"
+                f"    {s.request_id:<10} {phase:<9} {span:<13} of {s.num_tokens:<5} blocks={_short(s.block_ids)}{hit}"
             )
         if self.preempted:
             lines.append(f"    preempted: {', '.join(self.preempted)}")
@@ -102,7 +104,8 @@ class RequestSummary:
     finish_step: int | None
     finish_reason: str | None
     num_sampled: int  # steps that sampled a token for it
-    num_prefill_chunks: int  # prefill steps (chunks and recomputes)
+    num_prefill_chunks: int  # prefill steps before its first preemption
+    num_recompute_steps: int  # prefill steps after a preemption
     num_preemptions: int
     num_cached_tokens: int  # prefix-cache hit tokens at its first admission
     t_first_scheduled: float
@@ -121,9 +124,23 @@ def summarize_requests(events: list[StepEvent]) -> dict[str, RequestSummary]:
             r = out.get(s.request_id)
             if r is None:
                 r = out[s.request_id] = RequestSummary(
-                    s.request_id, ev.step, None, None, None, 0, 0, 0, s.num_cached_tokens or 0, ev.t_start, None, None
+                    s.request_id,
+                    ev.step,
+                    None,
+                    None,
+                    None,
+                    0,
+                    0,
+                    0,
+                    0,
+                    s.num_cached_tokens or 0,
+                    ev.t_start,
+                    None,
+                    None,
                 )
-            if s.phase == "prefill":
+            if s.recompute:
+                r.num_recompute_steps += 1
+            elif s.phase == "prefill":
                 r.num_prefill_chunks += 1
             if s.samples:
                 r.num_sampled += 1
@@ -139,17 +156,23 @@ def summarize_requests(events: list[StepEvent]) -> dict[str, RequestSummary]:
 
 
 class Tracer:
-    """Collects StepEvents when enabled; an optional callback sees each one."""
+    """Collects StepEvents when enabled; an optional callback sees each one. It marks each
+    prefill of a request preempted at an earlier step as a recompute (``SeqStep.recompute``)."""
 
     def __init__(self, enabled: bool = False, callback=None, max_events: int | None = None):
         self.enabled = enabled or callback is not None
         self.callback = callback
         self.max_events = max_events
         self.events: list[StepEvent] = []
+        self._preempted: set[str] = set()  # requests preempted and not finished yet
 
     def record(self, event: StepEvent) -> None:
         if event.t_end is None:
             event.t_end = time.perf_counter()
+        for s in event.seqs:
+            s.recompute = s.phase == "prefill" and s.request_id in self._preempted
+        self._preempted.update(event.preempted)
+        self._preempted.difference_update(rid for rid, _ in event.finished)
         if self.callback is not None:
             self.callback(event)
         self.events.append(event)

@@ -61,7 +61,7 @@ def prompts(shape: Shape, vocab_size: int) -> list[list[int]]:
 
 
 def run(llm, shape: Shape, report: Report) -> list[dict]:
-    engine = llm.llm_engine  # no warm-up: step numbers start at 0 and the cache starts empty
+    engine = llm.llm_engine  # no warm-up: the KV cache and the prefix cache start empty
     ps = prompts(shape, engine.vocab_size)
     run = run_workload(llm, ps, list(shape.max_tokens))
     text = []
@@ -90,8 +90,9 @@ def run(llm, shape: Shape, report: Report) -> list[dict]:
             "first_step": r.summary.first_step,
             "first_token_step": r.summary.first_token_step,
             "finish_step": r.summary.finish_step,
-            "prefill_steps": r.summary.num_prefill_chunks,
+            "prefill_chunks": r.summary.num_prefill_chunks,
             "preemptions": r.summary.num_preemptions,
+            "recompute_steps": r.summary.num_recompute_steps,
             "cache_hit_tokens": r.summary.num_cached_tokens,
             "ttft_s": r.ttft_s,
             "latency_s": r.latency_s,
@@ -117,15 +118,7 @@ def _results(report: Report, run) -> None:
         f"{len(run.events)} steps: {kinds['prefill']} prefill-only, {kinds['decode']} decode-only, "
         f"{kinds['mixed']} mixed (prefill chunks and decodes in one step)"
     )
-    chunked = [r for r in run.requests if r.summary.num_prefill_chunks > 1 + r.summary.num_preemptions]
-    if chunked:
-        report.result(
-            "prefilled in several chunks: "
-            + ", ".join(
-                f"request {r.request_id} ({r.num_prompt_tokens} tokens, {r.summary.num_prefill_chunks} prefill steps)"
-                for r in chunked
-            )
-        )
+    report.result(prefill_line(run.requests))
     order = sorted((r for r in run.requests), key=lambda r: r.summary.finish_step)
     report.result(
         "finishing order: "
@@ -147,18 +140,37 @@ def _results(report: Report, run) -> None:
     )
 
 
+def prefill_line(requests) -> str:
+    """The chunks of each request's first prefill, apart from the steps that recomputed it
+    after a preemption; requests prefilled in one step and never preempted are left out."""
+    parts = []
+    for r in requests:
+        s = r.summary
+        if s.num_prefill_chunks > 1 or s.num_preemptions:
+            part = f"request {r.request_id} ({r.num_prompt_tokens} tokens): {_count(s.num_prefill_chunks, 'chunk')}"
+            if s.num_preemptions:
+                part += (
+                    f", then {_count(s.num_recompute_steps, 'recompute step')} "
+                    f"after {_count(s.num_preemptions, 'preemption')}"
+                )
+            parts.append(part)
+    return "prefill: " + ("; ".join(parts) if parts else "every request in one step, none preempted")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _plot(report: Report, run) -> None:
     colors = {"prefill": "#f0a030", "recompute": "#c05621", "decode": "#3b82c4"}
     ids = [r.request_id for r in run.requests]
     fig, ax = report.figure(nrows=2, size=(9, 2.4))
     a, b = ax[0][0], ax[1][0]
-    preempted = set()
     for ev in run.events:
         for s in ev.seqs:
-            kind = "decode" if s.phase == "decode" else "recompute" if s.request_id in preempted else "prefill"
+            kind = "recompute" if s.recompute else s.phase
             a.barh(ids.index(s.request_id), 1, left=ev.step, color=colors[kind], edgecolor="white", linewidth=0.3)
         for rid in ev.preempted:
-            preempted.add(rid)
             a.plot(ev.step + 0.5, ids.index(rid), "v", color="#d62728", markersize=8)
         for s in ev.seqs:
             if s.num_cached_tokens:

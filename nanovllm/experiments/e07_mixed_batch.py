@@ -60,8 +60,9 @@ def run(llm, shape: Shape, report: Report) -> list[dict]:
                 "ttft_s": r.ttft_s,
                 "latency_s": r.latency_s,
                 "finish_rank": rank[r.request_id],
-                "prefill_steps": s.num_prefill_chunks,
+                "prefill_chunks": s.num_prefill_chunks,
                 "preemptions": s.num_preemptions,
+                "recompute_steps": s.num_recompute_steps,
                 "first_step": s.first_step,
                 "finish_step": s.finish_step,
             }

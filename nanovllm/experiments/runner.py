@@ -104,9 +104,14 @@ def run_experiment(
 
 def add_experiment_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("experiment", help=f"an experiment number ({', '.join(MODULES)}), its name, 'all', or 'list'")
-    parser.add_argument("--out", default=DEFAULT_OUT, help="output folder (one subfolder per experiment)")
     parser.add_argument(
-        "--shape", choices=("auto", "cpu", "gpu"), default="auto", help="workload size: auto = gpu on CUDA, else cpu"
+        "--out", default=DEFAULT_OUT, help=f"output folder, one subfolder per experiment (default: {DEFAULT_OUT}/)"
+    )
+    parser.add_argument(
+        "--shape",
+        choices=("auto", "cpu", "gpu"),
+        default="auto",
+        help="workload size: auto = gpu on CUDA, else cpu (default: auto)",
     )
 
 

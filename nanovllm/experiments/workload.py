@@ -90,7 +90,8 @@ _COUNTERS = (
 
 def run_workload(llm, prompts: list[list[int]], max_tokens, check: bool = True) -> Run:
     """Generate greedily for ``prompts`` (``max_tokens``: one int or one per prompt) with the
-    engine's tracer on; return times and per-request summaries. ``check``: the engine's
+    engine's tracer on; return times and per-request summaries (steps numbered from 0 at the
+    run's first step). ``check``: the engine's
     invariants hold afterwards and every request produced exactly its ``max_tokens``."""
     engine = llm.llm_engine
     if not engine.tracer.enabled:
@@ -104,7 +105,7 @@ def run_workload(llm, prompts: list[list[int]], max_tokens, check: bool = True) 
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
     after = engine.stats()
-    events = list(engine.tracer.events)
+    events = _numbered_from_zero(engine.tracer.events)
     summaries = summarize_requests(events)
     requests = []
     for out in outputs:
@@ -127,6 +128,13 @@ def run_workload(llm, prompts: list[list[int]], max_tokens, check: bool = True) 
         if got != list(max_tokens):
             raise RuntimeError(f"output lengths {got} differ from the workload's max_tokens {list(max_tokens)}")
     return run
+
+
+def _numbered_from_zero(events: list[StepEvent]) -> list[StepEvent]:
+    """Copies of a run's events with step numbers counted from the run's first step (the
+    engine counts from its start, so a warm-up on the same engine would shift them)."""
+    first = events[0].step if events else 0
+    return [dataclasses.replace(e, step=e.step - first) for e in events]
 
 
 def warm_up(llm) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -38,6 +39,17 @@ def _prompts(args) -> list[str]:
     return prompts
 
 
+def check_output(flag: str, path: str) -> None:
+    """Refuse an output path that cannot be written before the run, not after it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a folder; give a file name")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path!r}: the folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag} {path!r}: not writable")
+
+
 def _print_event(event) -> None:
     print(event.format(), file=sys.stderr, flush=True)
 
@@ -50,6 +62,9 @@ def cmd_trace(args: argparse.Namespace, engine_args: dict, params) -> int:
 
     if not args.html and not args.json_out:
         raise ValueError("nanovllm trace needs --html FILE and/or --json FILE (where to write the trace)")
+    for flag, path in (("--html", args.html), ("--json", args.json_out)):
+        if path:
+            check_output(flag, path)
     prompts = _prompts(args)
     demo = not prompts
     if demo:

@@ -188,8 +188,8 @@
   // ------------------------------------------------------------------ requests
   const COLS = [["request_id", "request"], ["num_prompt_tokens", "prompt"], ["num_output_tokens", "output"],
     ["first_step", "first step"], ["first_token_step", "first token step"], ["finish_step", "finish step"],
-    ["finish_reason", "reason"], ["num_prefill_chunks", "prefill steps"], ["num_preemptions", "preemptions"],
-    ["num_cached_tokens", "cache-hit tokens"], ["t_first_token", "first token (ms)"], ["t_finish", "finished (ms)"], ["text", "text"]];
+    ["finish_reason", "reason"], ["num_prefill_chunks", "prefill chunks"], ["num_preemptions", "preemptions"],
+    ["num_recompute_steps", "recompute steps"], ["num_cached_tokens", "cache-hit tokens"], ["t_first_token", "first token (ms)"], ["t_finish", "finished (ms)"], ["text", "text"]];
   const stepNo = (i) => (i === null || i === undefined ? "-" : String(i));
   function drawRequests() {
     const table = document.getElementById("requests");

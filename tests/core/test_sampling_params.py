@@ -30,7 +30,7 @@ BAD = [
     ("min_tokens", -1, ValueError, "-1"),
     ("min_tokens", None, TypeError, "None"),
     ("stop", [""], ValueError, "''"),
-    ("stop", ["ok", 3], ValueError, "3"),
+    ("stop", ["ok", 3], TypeError, "stop[1]"),
     ("stop", 5, TypeError, "got 5 (int)"),  # the value's type named
     ("stop", b"x", TypeError, "b'x' (bytes)"),
     ("stop_token_ids", [-1], ValueError, "-1"),
@@ -99,6 +99,24 @@ def test_type_errors_name_the_type():
         SamplingParams(stop_token_ids=[1.0])
     with pytest.raises(TypeError, match=r"allowed_token_ids\[0\] must be an int"):
         SamplingParams(allowed_token_ids=[1.0])
+
+
+def test_stop_messages():
+    """Whole messages: the field takes a string or a list of strings; a wrong element is a
+    TypeError naming its index and type, an empty one a ValueError."""
+    cases = [
+        (5, TypeError, "stop must be a string or a list of strings, got 5 (int)"),
+        (b"x", TypeError, "stop must be a string or a list of strings, got b'x' (bytes)"),
+        ([5], TypeError, "stop[0] must be a string, got 5 (int)"),
+        (["ok", None], TypeError, "stop[1] must be a string, got None (NoneType)"),
+        (["ok", ""], ValueError, "stop must hold non-empty strings, got ''"),
+    ]
+    for value, exc, message in cases:
+        with pytest.raises(exc, match=f"^{re.escape(message)}$"):
+            SamplingParams(stop=value)
+    # bad_words takes no lone string: its message stays "a list of strings"
+    with pytest.raises(TypeError, match=r"^bad_words must be a list of strings, got 5 \(int\)$"):
+        SamplingParams(bad_words=5)
 
 
 def test_empty_allowed_token_ids_message():
