@@ -199,9 +199,13 @@ class SamplingParams:
         elif isinstance(self.bad_words, str):
             raise TypeError(f"bad_words must be a list of strings, got the string {self.bad_words!r}")
         else:
-            self.bad_words = list(dict.fromkeys(_as_strings("bad_words", self.bad_words)))
+            words = _as_strings("bad_words", self.bad_words)
+            for i, w in enumerate(words):
+                if not isinstance(w, str):
+                    raise TypeError(f"bad_words[{i}] must be a string, got {w!r} ({type(w).__name__})")
+            self.bad_words = list(dict.fromkeys(words))
         for w in self.bad_words:
-            if not isinstance(w, str) or not w.strip():
+            if not w.strip():
                 raise ValueError(f"bad_words must hold non-empty strings, got {w!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise TypeError(

@@ -212,7 +212,10 @@ SAMPLING_CASES = [
         "bad_words must hold non-empty strings, got ' '",
     ),
     Case(
-        "sampling-bad_words-int", _sampling(bad_words=[7]), ValueError, "bad_words must hold non-empty strings, got 7"
+        "sampling-bad_words-int",
+        _sampling(bad_words=["x", 7]),
+        TypeError,
+        r"bad_words\[1\] must be a string, got 7 \(int\)",
     ),
 ]
 

@@ -70,7 +70,7 @@ BAD = [
     ("bad_words", "word", TypeError, "'word'"),
     ("bad_words", ["ok", "  "], ValueError, "'  '"),
     ("bad_words", ["ok", ""], ValueError, "''"),
-    ("bad_words", [3], ValueError, "3"),
+    ("bad_words", [3], TypeError, "3"),
     ("bad_words", 5, TypeError, "5"),
     ("output_kind", "DELTA", TypeError, "'DELTA'"),
 ]
@@ -117,6 +117,13 @@ def test_stop_messages():
     # bad_words takes no lone string: its message stays "a list of strings"
     with pytest.raises(TypeError, match=r"^bad_words must be a list of strings, got 5 \(int\)$"):
         SamplingParams(bad_words=5)
+    for value, exc, message in [
+        (["ok", [1]], TypeError, "bad_words[1] must be a string, got [1] (list)"),  # was a bare "unhashable"
+        ([3], TypeError, "bad_words[0] must be a string, got 3 (int)"),
+        (["ok", " "], ValueError, "bad_words must hold non-empty strings, got ' '"),
+    ]:
+        with pytest.raises(exc, match=f"^{re.escape(message)}$"):
+            SamplingParams(bad_words=value)
 
 
 def test_empty_allowed_token_ids_message():
