@@ -161,6 +161,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"needs 2 CUDA GPUs, {n_gpu} visible"))
 
 
-# the conformance suite's pytest plugin (options such as --engine, fixtures, the honest exit);
-# an installed nanovllm registers it through its pytest11 entry point under the same name
+# the conformance suite's pytest plugin (options such as --engine, fixtures, the honest exit) for the
+# repository's own pytest runs; an installed nanovllm's pytest11 entry point (conformance/autoload.py)
+# loads it under the same name only into runs of the suite
 pytest_plugins = ["conformance.plugin"]

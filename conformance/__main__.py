@@ -26,7 +26,7 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
-from conformance.plugin import STATUS, list_engines
+from conformance.plugin import STATUS, add_options, list_engines, spec_error
 
 PACKAGE_PARENT = Path(__file__).resolve().parent.parent
 
@@ -34,7 +34,10 @@ EPILOG = """\
 examples:
   python -m conformance --list-engines
   python -m conformance --engine hf-cb --report hf-cb.md
-  python -m conformance --engine openai --report server.md        # $OPENAI_BASE_URL, $CONFORMANCE_OPENAI_MODEL
+  python -m conformance --engine openai --report server.md
+      # $OPENAI_BASE_URL (ending in /v1), $CONFORMANCE_OPENAI_MODEL (the served name), and for checks
+      # against golden files $CONFORMANCE_OPENAI_MODEL_PATH (the served model's directory or golden:NAME);
+      # $CONFORMANCE_OPENAI_SERVER names the server (docs: conformance/adapters/openai_adapter.py)
   python -m conformance --adapter mypkg.engine:MyAdapter -k greedy
   python -m conformance --engine vllm --report vllm.md -- -x --durations=10
 
@@ -87,13 +90,20 @@ def _one_line(text: str, limit: int = 300) -> str:
 
 
 def tally(rows: list[dict]) -> dict:
-    """checked / failed / unchecked by capability / skipped for reasons that are not the engine's."""
-    unchecked = Counter(r["status"].split(":", 1)[1] for r in rows if (r["status"] or "").startswith("unchecked:"))
+    """checked / failed / unchecked by capability / skipped for reasons that are not the engine's,
+    of the checks that run the engine; the suite's self-tests (no engine) apart."""
+    engine_rows = [r for r in rows if not (r["status"] or "").startswith("self-test:")]
+    unchecked = Counter(
+        r["status"].split(":", 1)[1] for r in engine_rows if (r["status"] or "").startswith("unchecked:")
+    )
     return {
-        "passed": sum(r["result"] == "pass" for r in rows),
-        "failed": sum(r["result"] in ("FAIL", "ERROR") for r in rows),
+        "passed": sum(r["result"] == "pass" for r in engine_rows),
+        "failed": sum(r["result"] in ("FAIL", "ERROR") for r in engine_rows),
         "unchecked": unchecked,
-        "other_skips": sum(r["result"] == "skip" and not (r["status"] or "").startswith("unchecked:") for r in rows),
+        "other_skips": sum(
+            r["result"] == "skip" and not (r["status"] or "").startswith("unchecked:") for r in engine_rows
+        ),
+        "self_tests": Counter(r["result"] for r in rows if (r["status"] or "").startswith("self-test:")),
     }
 
 
@@ -108,6 +118,7 @@ def write_report(
     t = tally(rows)
     n_un = sum(t["unchecked"].values())
     by_cap = ", ".join(f"`{cap}` x{n}" for cap, n in sorted(t["unchecked"].items(), key=lambda kv: -kv[1]))
+    self_tests = ", ".join(f"{n} {result}" for result, n in sorted(t["self_tests"].items()))
     lines = [
         f"# Conformance report: `{engine}`",
         "",
@@ -117,7 +128,8 @@ def write_report(
         f"- command: `{command_line(argv)}`",
         f"- result: {t['passed']} checked and passed, {t['failed']} failed, {n_un} unchecked "
         f"(skipped for a missing capability{': ' + by_cap if by_cap else ''}), "
-        f"{t['other_skips']} skipped for reasons that are not the engine's (slow, GPU); "
+        f"{t['other_skips']} skipped for reasons that are not the engine's (see the skipped rows); "
+        f"rule self-tests (no engine): {self_tests or 'none ran'}; "
         f"exit status {exit_status}; wall time {wall:.0f} s",
         "",
         "| check | result | key figure | seconds |",
@@ -161,7 +173,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit 0 even when the engine is unavailable or most checks were skipped for missing capabilities",
     )
     ap.add_argument("--list-engines", action="store_true", help="list the known engines and exit")
+    add_options(ap.add_argument)
     return ap
+
+
+def report_error(report: Path) -> str | None:
+    """Why --report cannot be written (found before the run, not after it), or None."""
+    existed = report.exists()
+    try:
+        report.parent.mkdir(parents=True, exist_ok=True)
+        with open(report, "a"):
+            pass
+    except OSError as e:
+        return f"--report {report}: cannot write there ({e.strerror or e}); give a writable path"
+    if not existed:
+        report.unlink()
+    return None
 
 
 def main(argv=None) -> int:
@@ -173,8 +200,13 @@ def main(argv=None) -> int:
         print(list_engines())
         return 0
     spec = args.adapter or args.engine
+    problem = spec_error(args.engine, args.adapter)
     if args.notes and not args.notes.is_file():
-        print(f"--notes {args.notes}: no such file", file=sys.stderr)
+        problem = f"--notes {args.notes}: no such file"
+    elif args.report and not problem:
+        problem = report_error(args.report)
+    if problem:
+        print(f"python -m conformance: {problem}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="conformance-report-") as tmp:
         xml = Path(tmp) / "junit.xml"
@@ -195,6 +227,9 @@ def main(argv=None) -> int:
             "no:cacheprovider",
             "-q",
             *(["--allow-skips"] if args.allow_skips else []),
+            *(["--block-size", str(args.block_size)] if args.block_size else []),
+            f"--device={args.device}",
+            f"--check-timeout={args.check_timeout:g}",
             *pytest_args,
         ]
         env = dict(os.environ)

@@ -58,11 +58,18 @@ class Divergence:
     step: int
     ref_token: int
     got_token: int
-    margin: float | None  # reference logprob(ref token) - logprob(engine token); None if unknown
+    # the reference's logprob of its own token minus its logprob of the engine's token: how close the
+    # reference itself was to choosing the engine's token (small: a near tie); None when the engine's
+    # token is not in the reference's top-k at that step
+    margin: float | None
 
     def __str__(self) -> str:
-        m = "?" if self.margin is None else f"{self.margin:.3g}"
-        return f"seq {self.seq} step {self.step}: ref {self.ref_token} vs got {self.got_token} (margin {m})"
+        m = (
+            f"margin {self.margin:.3g}"
+            if self.margin is not None
+            else "margin unknown: the engine's token is not in the reference's top-k there"
+        )
+        return f"seq {self.seq} step {self.step}: ref {self.ref_token} vs got {self.got_token} ({m})"
 
 
 @dataclass

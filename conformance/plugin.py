@@ -22,6 +22,7 @@ Fixtures: ``engines`` (an EnginePool of the chosen engine), ``engine_name``, ``f
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import signal
@@ -33,7 +34,73 @@ import pytest
 SUITE_DIR = Path(__file__).resolve().parent
 STATUS = "conformance_status"  # the user property that carries a check's outcome to the report
 UNCHECKED_RE = re.compile(r"engine \S+ (?:lacks capability '?(\w+)'?|is not available here)")
-_state: dict = {"status": {}, "verdict": None}  # this process's outcomes (the controller's under xdist)
+_state: dict = {"status": {}, "skips": {}, "verdict": None}  # this process's outcomes (the controller's under xdist)
+
+
+def positive_int(text: str) -> int:
+    """--block-size: a whole number of tokens, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a block size: give a whole number of tokens >= 1 (e.g. 16)")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """--check-timeout: seconds, more than 0 (fractions are kept: 0.5 is half a second)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a timeout: give the seconds a check may run, a number > 0 (e.g. 900; "
+            "env CONFORMANCE_CHECK_TIMEOUT)"
+        )
+    return value
+
+
+def add_options(add) -> None:
+    """The options the plugin and ``python -m conformance`` share, with one validation: ``add`` is
+    pytest's ``group.addoption`` or argparse's ``add_argument``."""
+    add(
+        "--block-size",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="KV block size of every engine, >= 1 (default 16, or the engine's smallest)",
+    )
+    add(
+        "--device",
+        default=os.environ.get("CONFORMANCE_DEVICE", "all"),
+        choices=("all", "cpu", "cuda"),
+        help="device the engine runs on: cpu, cuda, or all (cpu, plus cuda where torch sees a GPU: "
+        "each check runs on every one; env CONFORMANCE_DEVICE)",
+    )
+    add(
+        "--check-timeout",
+        type=positive_seconds,
+        default=os.environ.get("CONFORMANCE_CHECK_TIMEOUT", "900"),
+        metavar="S",
+        help="seconds (> 0, fractions allowed) after which a running check fails instead of hanging "
+        "the suite (default 900, env CONFORMANCE_CHECK_TIMEOUT)",
+    )
+
+
+def spec_error(engine: str, adapter: str | None) -> str | None:
+    """One line saying what is wrong with --engine / --adapter (unknown name, module that does not
+    import, not an EngineAdapter, a capability typo in the class), or None when the class loads."""
+    from conformance.adapters import adapter_class, load_spec
+
+    try:
+        load_spec(adapter) if adapter else adapter_class(engine)
+    except (KeyError, ValueError) as e:
+        if adapter:
+            return f"--adapter {adapter}: {e.args[0].removeprefix(f'adapter {adapter!r}: ')}"
+        return f"--engine {engine}: {e.args[0]}"
+    return None
 
 
 def pytest_addoption(parser):
@@ -63,25 +130,7 @@ def pytest_addoption(parser):
         help="accept a run in which the engine was unavailable or more than half of the checks "
         "were skipped for missing capabilities (the default fails it)",
     )
-    group.addoption(
-        "--block-size",
-        type=int,
-        default=None,
-        help="KV block size of every engine (default 16, or the engine's smallest)",
-    )
-    group.addoption(
-        "--device",
-        default=os.environ.get("CONFORMANCE_DEVICE", "all"),
-        choices=("all", "cpu", "cuda"),
-        help="device the engine runs on: cpu, cuda, or all (cpu, plus cuda where torch sees a GPU: "
-        "each check runs on every one)",
-    )
-    group.addoption(
-        "--check-timeout",
-        type=float,
-        default=float(os.environ.get("CONFORMANCE_CHECK_TIMEOUT", "900")),
-        help="seconds after which a running check fails (hang protection)",
-    )
+    add_options(group.addoption)
 
 
 def engine_spec(config) -> str:
@@ -147,7 +196,7 @@ def pytest_configure(config):
         "pinned_device: the check chooses its devices itself (run once)",
     ):
         config.addinivalue_line("markers", line)
-    _state.update(status={}, verdict=None)
+    _state.update(status={}, skips={}, verdict=None)
 
 
 def in_suite(item) -> bool:
@@ -175,6 +224,9 @@ def pytest_collection_modifyitems(config, items):
     suite = [it for it in items if in_suite(it)]
     if not suite:
         return
+    problem = spec_error(config.getoption("--engine"), config.getoption("--adapter"))
+    if problem:
+        raise pytest.UsageError(problem)
     _group_by_model(items)
     # the suite's slow checks (regenerating golden files) take many minutes: they run when asked
     # for (-m slow, or CONFORMANCE_SLOW=1), not in every pytest run
@@ -210,10 +262,23 @@ def _classify(call) -> str | None:
     return "failed"
 
 
+def uses_engine(item) -> bool:
+    """Whether a check runs the engine (asks for the ``engines`` fixture, directly or through another
+    fixture); the others are self-tests of the suite's rules and files, the same for every engine."""
+    return "engines" in getattr(item, "fixturenames", ())
+
+
+def _self_test_status(call) -> str | None:
+    """self-test:passed | self-test:failed | self-test:skipped: never counted as checks of the engine."""
+    if call.excinfo is None:
+        return "self-test:passed" if call.when == "call" else None
+    return "self-test:skipped" if isinstance(call.excinfo.value, pytest.skip.Exception) else "self-test:failed"
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     if in_suite(item) and call.when in ("setup", "call"):
-        status = _classify(call)
+        status = _classify(call) if uses_engine(item) else _self_test_status(call)
         if status:
             item.user_properties[:] = [p for p in item.user_properties if p[0] != STATUS]
             item.user_properties.append((STATUS, status))
@@ -221,16 +286,21 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_runtest_logreport(report):
-    """Runs where results arrive (the controller under xdist): keep each check's last status."""
+    """Runs where results arrive (the controller under xdist): keep each check's last status, and
+    why it was skipped."""
     statuses = [v for k, v in report.user_properties if k == STATUS]
     if statuses and report.when in ("setup", "call"):
         _state["status"][report.nodeid] = statuses[-1]
+        if report.skipped and isinstance(report.longrepr, tuple):
+            _state["skips"][report.nodeid] = str(report.longrepr[2]).removeprefix("Skipped: ")
 
 
 def verdict(statuses: dict[str, str], allow_skips: bool) -> tuple[bool, str]:
     """(ok, summary): the run fails when the engine was unavailable or more than half of the checks
-    that could run here were skipped for a missing capability, unless skips are allowed."""
-    counted = {k: v for k, v in statuses.items() if v != "skipped"}
+    that could run here were skipped for a missing capability, unless skips are allowed. Self-tests
+    (checks that never run the engine) are counted apart: they check the suite, not the engine."""
+    counted = {k: v for k, v in statuses.items() if v != "skipped" and not v.startswith("self-test:")}
+    selftests = Counter(v.split(":", 1)[1] for v in statuses.values() if v.startswith("self-test:"))
     unchecked = Counter(v.split(":", 1)[1] for v in counted.values() if v.startswith("unchecked:"))
     n_un = sum(unchecked.values())
     checked = sum(v == "checked" for v in counted.values())
@@ -241,6 +311,8 @@ def verdict(statuses: dict[str, str], allow_skips: bool) -> tuple[bool, str]:
         + (f" (by capability: {by_cap})" if by_cap else "")
         + f", of {len(counted)} checks that could run here"
     )
+    if selftests:
+        summary += "; rule self-tests (no engine): " + ", ".join(f"{n} {how}" for how, n in sorted(selftests.items()))
     unavailable = unchecked.get("engine unavailable", 0) > 0
     too_many = n_un * 2 > len(counted)
     if (unavailable or too_many) and not allow_skips:
@@ -264,8 +336,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     v = _state["verdict"]
     if v:
         ok, summary = v
-        terminalreporter.section(f"conformance: engine {engine_spec(config)}", bold=True, red=not ok, green=ok)
-        terminalreporter.line(summary)
+        # a run in which no check ran the engine is not green, whatever its self-tests did
+        engine_ran = any(s != "skipped" and not s.startswith("self-test:") for s in _state["status"].values())
+        colour = {"red": True} if not ok else {"green": True} if engine_ran else {"yellow": True}
+        terminalreporter.section(f"conformance: engine {engine_spec(config)}", bold=True, **colour)
+        terminalreporter.line(summary if engine_ran else f"{summary}: no check ran the engine")
+        reasons = Counter(_state["skips"].values())
+        if reasons:
+            terminalreporter.line("skipped, by reason:")
+            for reason, n in reasons.most_common():
+                terminalreporter.line(f"  {n} x {reason}")
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -329,22 +409,22 @@ class CheckTimeout(Exception):
 @pytest.fixture(autouse=True)
 def _check_timeout(request):
     """Fail a check that runs too long instead of hanging the suite (main thread only)."""
-    seconds = int(request.config.getoption("--check-timeout") or 0)
-    if not in_suite(request.node) or seconds <= 0 or not hasattr(signal, "SIGALRM"):
+    seconds = request.config.getoption("--check-timeout")
+    if not in_suite(request.node) or not hasattr(signal, "setitimer"):
         yield
         return
 
     def on_alarm(signum, frame):
-        raise CheckTimeout(f"check exceeded --check-timeout={seconds} s")
+        raise CheckTimeout(f"check exceeded --check-timeout={seconds:g} s")
 
     try:
         previous = signal.signal(signal.SIGALRM, on_alarm)
     except ValueError:  # not the main thread
         yield
         return
-    signal.alarm(seconds)
+    signal.setitimer(signal.ITIMER_REAL, seconds)  # fractions of a second too (signal.alarm rounds down to 0)
     try:
         yield
     finally:
-        signal.alarm(0)
+        signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)

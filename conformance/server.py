@@ -6,14 +6,15 @@
 
 ``--model-path`` is a path, ``golden:NAME`` (the HF directory of a golden file's model, built on
 first use) or ``golden-source:NAME`` (what the reference loaded: the GGUF file of the default
-model). ``{model}`` and ``{port}`` in the server command are replaced by the resolved path and
-the port.
+model). In the server command, ``{model}`` is replaced by that resolved path, ``{port}`` by
+``--port`` and ``{python}`` by this Python interpreter (e.g. ``{python} -m nanovllm.serve``).
 
 The server command runs in its own process group on this machine (bind it to 127.0.0.1); the
 run waits for ``/v1/models`` to answer (``--ready-timeout``), sets CONFORMANCE_OPENAI_BASE_URL
 and CONFORMANCE_OPENAI_MODEL_PATH, runs ``python -m conformance --engine openai ARGS``, and stops
 the whole process group (SIGTERM, then SIGKILL) however the run ends. The server's output goes
-to ``--log`` (a temporary file by default; its tail is printed when the server fails to start).
+to ``--log`` (by default a temporary file, removed after a run that passed and kept, with its
+path printed, otherwise; its tail is printed when the server fails to start).
 """
 
 from __future__ import annotations
@@ -62,8 +63,14 @@ def stop(proc: subprocess.Popen, grace: float = 30) -> None:
 
 @contextmanager
 def served(command: str, base_url: str, log: Path, ready_timeout: float = 600):
+    argv = shlex.split(command)
     with open(log, "ab") as out:
-        proc = subprocess.Popen(shlex.split(command), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as e:  # no such program, not executable
+            raise SystemExit(
+                f"--serve: cannot start {argv[0]!r}: {e.strerror} (is it installed and on PATH?)"
+            ) from None
     try:
         try:
             wait_ready(base_url, proc, ready_timeout)
@@ -79,9 +86,15 @@ def resolve_model(spec: str) -> str:
     """A local model path from a path, golden:NAME or golden-source:NAME."""
     kind, sep, name = spec.partition(":")
     if not sep or kind not in ("golden", "golden-source"):
+        if not Path(spec).exists():
+            raise SystemExit(
+                f"--model-path {spec}: no such file or directory (a model directory, a .gguf, or golden:NAME)"
+            )
         return spec
     import golden
 
+    if name not in golden.NAMES:
+        raise SystemExit(f"--model-path {spec}: {name!r} is not a golden model; known: {', '.join(golden.NAMES)}")
     g = golden.load(name)
     return golden.model_dir(g) if kind == "golden" else golden.source_path(g)
 
@@ -89,8 +102,9 @@ def resolve_model(spec: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m conformance.server",
-        description=__doc__.split("\n\n")[0],
+        description=__doc__,
         epilog="Arguments after -- go to python -m conformance.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--serve", required=True, help="the command that starts the server (one string)")
     ap.add_argument("--port", type=int, required=True, help="the port the command binds on 127.0.0.1")
@@ -106,7 +120,6 @@ def main(argv=None) -> int:
     args, rest = ap.parse_known_args(argv)
     rest = rest[1:] if rest[:1] == ["--"] else rest
     base_url = f"http://127.0.0.1:{args.port}/v1"
-    log = args.log or Path(tempfile.mkstemp(prefix="conformance-server-", suffix=".log")[1])
     argv = sys.argv[1:] if argv is None else list(argv)
     model = resolve_model(args.model_path)
     command = args.serve.format(model=model, port=args.port, python=sys.executable)
@@ -121,10 +134,20 @@ def main(argv=None) -> int:
         env["CONFORMANCE_OPENAI_MODEL"] = args.model
     if args.server_kind:
         env["CONFORMANCE_OPENAI_SERVER"] = args.server_kind
+    log = args.log or Path(tempfile.mkstemp(prefix="conformance-server-", suffix=".log")[1])
     print(f"starting: {command}", flush=True)
-    with served(command, base_url, log, args.ready_timeout):
-        print(f"server ready at {base_url} (log: {log})", flush=True)
-        return subprocess.run([sys.executable, "-m", "conformance", "--engine", "openai", *rest], env=env).returncode
+    status = 1
+    try:
+        with served(command, base_url, log, args.ready_timeout):
+            print(f"server ready at {base_url}", flush=True)
+            run = [sys.executable, "-m", "conformance", "--engine", "openai", *rest]
+            status = subprocess.run(run, env=env).returncode
+    finally:
+        if args.log is None and status == 0:
+            log.unlink(missing_ok=True)
+        else:
+            print(f"server log: {log}", file=sys.stderr, flush=True)
+    return status
 
 
 if __name__ == "__main__":

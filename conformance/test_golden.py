@@ -30,12 +30,19 @@ MAX_TOTAL_BYTES = 600_000
 
 
 def test_golden_files_present_and_current():
+    """Every file well formed; each one's model (where installed here) the one it was made from. A
+    model that is not installed skips only its own comparison, named at the end, after every
+    other file was checked (CONFORMANCE_REQUIRE_ASSETS=1 fails instead)."""
     total = 0
+    unmatched = {}  # name -> why its model could not be compared
     for name in golden.NAMES:
         g = golden.load(name)
         total += golden.path_of(name).stat().st_size
         assert g["dtype"] == "float32" and g["reference"]["name"] == "transformers"
-        golden.require(g)
+        try:
+            golden.require(g)
+        except pytest.skip.Exception as e:
+            unmatched[name] = str(e.msg)
         lengths = {len(c["prompt"]) for c in g["cases"]}
         bs = g["block_size"]
         assert {1, bs - 1, bs, bs + 1, 2 * bs, 5 * bs + 3} <= lengths, sorted(lengths)
@@ -44,6 +51,12 @@ def test_golden_files_present_and_current():
             assert len(c["prompt_lps"]) == len(c["prompt"]) - 1
             assert all(tok == ids[0] for tok, ids in zip(c["greedy"], c["top_ids"])), c["id"]
     assert total <= MAX_TOTAL_BYTES, f"golden files total {total} bytes"
+    if unmatched:
+        pytest.skip(
+            f"all {len(golden.NAMES)} golden files are well formed; {len(golden.NAMES) - len(unmatched)} match their "
+            f"model here; not compared with their model: "
+            + "; ".join(f"{name} ({why})" for name, why in unmatched.items())
+        )
 
 
 def _tie(lps: list[float], j: int, tol: float) -> bool:

@@ -88,6 +88,8 @@ def test_batch_invariance_of_logprobs(engines, figure):
     params = Sampling.greedy(16, logprobs=1)
 
     def chosen(result) -> list[tuple[int, float]]:
+        for step, (t, d) in enumerate(zip(result.token_ids, result.logprobs)):
+            assert t in d, f"step {step}: the sampled token {t} is missing from its logprobs entry (ids {sorted(d)})"
         return [(t, d[t].logprob) for t, d in zip(result.token_ids, result.logprobs)]
 
     alone = chosen(generate(engine, [needle], params)[0])

@@ -19,6 +19,7 @@ An engine is named in three ways, looked up in this order:
 from __future__ import annotations
 
 import importlib
+import warnings
 from importlib.metadata import entry_points
 
 from conformance.adapters.base import (  # noqa: F401
@@ -46,8 +47,16 @@ ADAPTERS = BUILTIN  # the name older code used
 
 
 def registered() -> dict[str, str]:
-    """Every engine name known here -> "module:Class" (entry points override no built-in)."""
+    """Every engine name known here -> "module:Class" (entry points override no built-in: one that
+    tries is named in a warning, with the way to run it)."""
     found = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    for name in sorted(found.keys() & BUILTIN.keys()):
+        if found[name] != BUILTIN[name]:
+            warnings.warn(
+                f"entry point {name!r} = {found[name]!r} (group {ENTRY_POINT_GROUP!r}) is ignored: {name!r} is a "
+                f"built-in engine; register it under another name or pass --adapter {found[name]}",
+                stacklevel=2,
+            )
     return {**found, **BUILTIN}
 
 
@@ -55,11 +64,16 @@ def load_spec(spec: str) -> type[EngineAdapter]:
     """The adapter class of "module:Class"; errors name the spec and what was wrong with it."""
     module, sep, attr = spec.partition(":")
     if not sep or not module or not attr:
-        raise ValueError(f"adapter {spec!r} is not of the form module:Class")
+        raise ValueError(
+            f"adapter {spec!r} is not of the form module:Class (a registered engine's name goes to --engine; "
+            "see --list-engines)"
+        )
     try:
         obj = importlib.import_module(module)
     except ImportError as e:
         raise ValueError(f"adapter {spec!r}: cannot import {module!r}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - e.g. a capability typo in the class body: one line, not a traceback
+        raise ValueError(f"adapter {spec!r}: importing {module!r} failed: {type(e).__name__}: {e}") from None
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)

@@ -3,10 +3,11 @@
 Configuration (environment, so that tox envs and CI can set it):
 
   CONFORMANCE_OPENAI_BASE_URL    the API root, e.g. http://127.0.0.1:8000/v1 (else $OPENAI_BASE_URL)
-  CONFORMANCE_OPENAI_MODEL       the served model name (default: the first one /models lists)
+  CONFORMANCE_OPENAI_MODEL       the served model name (default: the first one /models lists; a
+                                 name /models does not list makes the engine unavailable, naming those it does)
   CONFORMANCE_OPENAI_MODEL_PATH  the local model (HF directory or .gguf) the server was started from;
                                  a check that names another model is skipped (capability any_model)
-  CONFORMANCE_OPENAI_SERVER      vllm | nanovllm | llama-cpp | generic (default: probed)
+  CONFORMANCE_OPENAI_SERVER      vllm | nanovllm | llama-cpp | generic, any case (default: probed)
   OPENAI_API_KEY                 sent as a bearer token when set
 
 One server serves one model with its launch-time settings, so the engine knobs (block size,
@@ -92,14 +93,19 @@ def _client():
 def probe_server(client) -> tuple[str, str, str]:
     """(server kind, model name, description) from /models and the server's version endpoint."""
     models = client.get("/models")
-    models.raise_for_status()
+    if models.status_code != 200:
+        hint = "; does the URL end in /v1? (CONFORMANCE_OPENAI_BASE_URL)" if models.status_code == 404 else ""
+        raise ServerError(f"GET {base_url()}/models answered {models.status_code}{hint}")
     data = models.json().get("data") or []
     if not data:
         raise ServerError(f"{base_url()}/models lists no model")
-    name = _env("CONFORMANCE_OPENAI_MODEL") or data[0]["id"]
-    entry = next((m for m in data if m.get("id") == name), data[0])
+    served = [str(m.get("id")) for m in data]
+    name = _env("CONFORMANCE_OPENAI_MODEL") or served[0]
+    if name not in served:
+        raise ServerError(f"model {name!r} (CONFORMANCE_OPENAI_MODEL) not served; the server has: {', '.join(served)}")
+    entry = data[served.index(name)]
     owner = str(entry.get("owned_by", ""))
-    kind = _env("CONFORMANCE_OPENAI_SERVER")
+    kind = (_env("CONFORMANCE_OPENAI_SERVER") or "").lower() or None
     version = ""
     root = base_url().removesuffix("/v1")
     try:
@@ -119,7 +125,10 @@ def probe_server(client) -> tuple[str, str, str]:
             else "generic"
         )
     if kind not in SERVER_CAPABILITIES:
-        raise ValueError(f"CONFORMANCE_OPENAI_SERVER={kind!r}; known: {', '.join(SERVER_CAPABILITIES)}")
+        raise ServerError(
+            f"CONFORMANCE_OPENAI_SERVER={kind!r} is not a kind of server this adapter knows: set it to one "
+            f"of {', '.join(SERVER_CAPABILITIES)}, or unset it to probe the server"
+        )
     desc = f"{kind} server{' ' + version if version else ''} at {base_url()}, model {name!r} (owned_by {owner!r})"
     return kind, name, desc
 
@@ -162,9 +171,12 @@ class OpenAIAdapter(EngineAdapter):
         try:
             with _client() as client:
                 probe_server(client)
-        except Exception as e:  # noqa: BLE001 - any failure means: no server to check
+        except ServerError as e:  # a server answered: the message says what to change
+            return str(e)
+        except Exception as e:  # noqa: BLE001 - any other failure means: no server to check
+            first_line = (str(e).strip().splitlines() or [""])[0]  # httpx's messages run over lines
             return (
-                f"no OpenAI-compatible server at {base_url()} ({type(e).__name__}: {e}); "
+                f"no OpenAI-compatible server at {base_url()} ({type(e).__name__}: {first_line}); "
                 f"set CONFORMANCE_OPENAI_BASE_URL"
             )
         return None
