@@ -287,3 +287,30 @@ def zoo_model(name: str) -> str:
     spec = ZOO[name]
     dest = cache_root() / "zoo" / f"{name}-{spec_key(spec)}"
     return build_once(dest, "zoo_spec.json", lambda tmp: build(spec, tmp))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m conformance.zoo``: the zoo's models; ``python -m conformance.zoo NAME...``: build
+    each (once; cached) and print its folder, which ``--model`` / ``LLM(model=...)`` take."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m conformance.zoo", description=main.__doc__)
+    parser.add_argument("names", nargs="*", metavar="NAME", help="zoo models to build (default: list them all)")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in ZOO]
+    if unknown:
+        parser.error(f"unknown zoo model(s) {', '.join(map(repr, unknown))}; known: {', '.join(ZOO)}")
+    if not args.names:
+        for name, spec in ZOO.items():
+            print(
+                f"{name:<24} {spec.arch:<6} hidden {spec.hidden_size}, {spec.num_layers} layers, "
+                f"{spec.num_heads} heads / {spec.num_kv_heads} KV, vocabulary {spec.vocab_size}"
+            )
+        return 0
+    for name in args.names:
+        print(zoo_model(name))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
