@@ -19,6 +19,20 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2
 
 
+# completions per request: each is a child request, made before any runs (n = 2**31 never returned)
+MAX_N = 4096
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a seed is a 64-bit integer (vLLM's range); torch's generators take it
+
+
+def child_seed(seed: int | None, index: int) -> int | None:
+    """The seed of completion ``index`` of a request with ``seed`` and n > 1: ``seed + index``,
+    wrapped around into the 64-bit range (``SEED_MAX + 1`` is ``SEED_MIN``), so every child's seed
+    is one a SamplingParams and the engine's generators take."""
+    if seed is None:
+        return None
+    return (seed + index - SEED_MIN) % 2**64 + SEED_MIN
+
+
 def _check_int(name: str, value, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -136,6 +150,8 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         _check_int("seed", self.seed, allow_none=True)
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be a 64-bit integer, in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
         _check_int("max_tokens", self.max_tokens, allow_none=True)
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
@@ -167,8 +183,8 @@ class SamplingParams:
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         _check_int("n", self.n)
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.n > 1 and self.temperature < 1e-5:
             raise ValueError(f"n must be 1 when using greedy sampling (temperature 0), got {self.n}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -360,6 +360,8 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "w5", "top_p": 0}, 400, "top_p"),
     ("completions", {"prompt": "w5", "max_tokens": 0}, 400, "max_tokens"),
     ("completions", {"prompt": "w5", "n": 0}, 400, "n"),
+    # beyond 64 bits: the engine core's generator refused it, and the engine served no more requests
+    ("completions", {"prompt": "w5", "seed": 2**64}, 400, "seed"),
     ("completions", {"prompt": "w5", "logprobs": -1}, 400, "logprobs"),
     ("completions", {"prompt": "w5", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ("completions", {"prompt": "w5", "min_tokens": 9, "max_tokens": 3}, 400, "min_tokens"),

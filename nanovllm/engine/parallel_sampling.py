@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from nanovllm.sampling_params import RequestOutputKind, SamplingParams
+from nanovllm.sampling_params import RequestOutputKind, SamplingParams, child_seed
 
 
 def _merge_metrics(metrics: list[RequestMetrics | None]) -> RequestMetrics | None:
@@ -57,8 +57,7 @@ class ParentRequest:
         self._latest: list[tuple[RequestOutput, CompletionOutput] | None] = [None] * params.n
 
     def child_params(self, index: int) -> SamplingParams:
-        seed = self.params.seed
-        return dataclasses.replace(self.params, n=1, seed=None if seed is None else seed + index)
+        return dataclasses.replace(self.params, n=1, seed=child_seed(self.params.seed, index))
 
     @property
     def num_unfinished(self) -> int:

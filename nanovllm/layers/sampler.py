@@ -187,7 +187,9 @@ class Sampler:
         min_ps = [meta.min_ps[r] for r in rows]
         if any(p > 0 for p in min_ps):
             logits = apply_min_p(logits, torch.tensor(min_ps, device=device))
-        top_ks = [meta.top_ks[r] for r in rows]
+        top_ks = [
+            min(meta.top_ks[r], logits.shape[-1]) for r in rows
+        ]  # k >= the vocabulary keeps all (2**63 overflowed)
         top_ps = [meta.top_ps[r] for r in rows]
         if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
             logits = apply_top_k_top_p(

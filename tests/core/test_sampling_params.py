@@ -44,6 +44,7 @@ BAD = [
     ("prompt_logprobs", -1, ValueError, "-1"),
     ("prompt_logprobs", "3", TypeError, "'3'"),
     ("n", 0, ValueError, "0"),
+    ("n", 4097, ValueError, "4097"),
     ("n", 2.0, TypeError, "2.0"),
     ("presence_penalty", 2.01, ValueError, "2.01"),
     ("presence_penalty", -2.01, ValueError, "-2.01"),
@@ -237,3 +238,39 @@ def test_penalty_and_processing_flags(kwargs, penalties, processing):
     p = SamplingParams(**kwargs)
     assert p.has_penalties is penalties
     assert p.has_logits_processing is processing
+
+
+def test_seed_is_a_64_bit_integer():
+    """A seed beyond 64 bits reached the engine core's generator, which refused it and took the
+    server down (a user trial). The boundaries are accepted; one past each is refused, by name."""
+    from nanovllm.sampling_params import SEED_MAX, SEED_MIN
+
+    assert (SEED_MIN, SEED_MAX) == (-(2**63), 2**63 - 1)
+    for ok in (SEED_MIN, -1, 0, SEED_MAX):
+        assert SamplingParams(seed=ok).seed == ok
+    for bad in (SEED_MIN - 1, SEED_MAX + 1, 2**64):
+        message = f"seed must be a 64-bit integer, in [-9223372036854775808, 9223372036854775807], got {bad}"
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            SamplingParams(seed=bad)
+
+
+def test_child_seeds_wrap_around_within_64_bits():
+    """Completion i of an n > 1 request draws with seed + i, wrapped into the 64-bit range, so the
+    largest seed with n = 2 gives children the engine takes (seed + 1 overflowed before)."""
+    from nanovllm.sampling_params import SEED_MAX, SEED_MIN, child_seed
+
+    assert [child_seed(5, i) for i in range(3)] == [5, 6, 7]
+    assert child_seed(None, 2) is None
+    assert child_seed(-1, 1) == 0
+    assert child_seed(SEED_MAX, 1) == SEED_MIN and child_seed(SEED_MAX, 2) == SEED_MIN + 1
+    assert child_seed(SEED_MIN, 0) == SEED_MIN and child_seed(SEED_MAX, 0) == SEED_MAX
+    for seed in (SEED_MIN, SEED_MAX):
+        for i in range(4):
+            SamplingParams(seed=child_seed(seed, i))  # each child a valid seed
+
+
+def test_n_bounds_whole_message():
+    assert SamplingParams(n=4096, temperature=1.0).n == 4096
+    for bad in (0, 4097, 2**31):
+        with pytest.raises(ValueError, match=f"^{re.escape(f'n must be in [1, 4096], got {bad}')}$"):
+            SamplingParams(n=bad, temperature=1.0)

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from nanovllm.engine.async_llm import AsyncLLM, EngineDeadError
 from nanovllm.entrypoints.openai.protocol import OpenAIError, SamplingFields
 from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import RequestOutputKind, SamplingParams
+from nanovllm.sampling_params import RequestOutputKind, SamplingParams, child_seed
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 # OpenAI's and vLLM's names -> the value that means "off" (passed through once SamplingParams has them)
@@ -153,7 +153,7 @@ def choices(params: SamplingParams, n: int) -> list[SamplingParams]:
     """One prompt's n choices: completion j draws with ``seed + j`` (the engine's rule for n > 1)."""
     if n == 1:
         return [params]
-    return [dataclasses.replace(params, seed=None if params.seed is None else params.seed + j) for j in range(n)]
+    return [dataclasses.replace(params, seed=child_seed(params.seed, j)) for j in range(n)]
 
 
 async def start(
