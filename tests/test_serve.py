@@ -369,6 +369,38 @@ BAD_REQUESTS = [
     ("completions", {"prompt": TOO_LONG}, 400, "prompt"),
     ("completions", {"prompt": TOO_LONG, "stream": True}, 400, "prompt"),
     ("completions", {"prompt": "w5", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "w5"}], "max_tokens": MAX_MODEL_LEN},
+        400,
+        "max_tokens",
+    ),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "w5"}], "max_completion_tokens": MAX_MODEL_LEN},
+        400,
+        "max_completion_tokens",
+    ),
+    # constraints the server cannot honour: refused, never answered with free text as if honoured
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "w5"}], "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+    ),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "w5"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        "tools",
+    ),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "w5"}], "tool_choice": "required"},
+        400,
+        "tool_choice",
+    ),
+    ("completions", {"prompt": "w5", "guided_json": {"type": "object"}}, 400, "guided_json"),
     ("chat/completions", {"messages": "hi"}, 400, "messages"),
     ("chat/completions", {"messages": []}, 400, "messages"),
     ("chat/completions", {"messages": [{"content": "w5"}]}, 400, "messages[0].role"),
@@ -397,6 +429,12 @@ def test_bad_requests_get_4xx_naming_the_field_and_the_server_keeps_serving(url,
         assert err["message"] and "Traceback" not in r.text
         ok = client.completions.create(model="zoo", prompt="w10 w11", max_tokens=2, temperature=0)
         assert ok.choices[0].finish_reason in ("length", "stop"), body
+    # the control: values that ask for nothing are served
+    ok = client.chat.completions.create(
+        model="zoo", messages=[{"role": "user", "content": "w5"}], max_tokens=2, temperature=0,
+        response_format={"type": "text"}, tool_choice="none", tools=[],
+    )  # fmt: skip
+    assert ok.choices[0].finish_reason in ("length", "stop")
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="w10", max_tokens=2)
     assert_all_blocks_free(url)

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import platform
 import random
 import sys
 import time
 from dataclasses import dataclass, field
 
+from nanovllm.bench.json_out import write_json
 from nanovllm.bench.serve import percentile
 
 DEFAULT_BATCH_SIZES = (1, 8)
@@ -119,20 +119,18 @@ def run_latency(args: argparse.Namespace) -> int:
         llm.close()
     print_table([r.summary() for r in results])
     if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(
-                {
-                    "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                    "host": platform.node(),
-                    "argv": sys.argv,
-                    "input_len": input_len,
-                    "output_len": output_len,
-                    "engine_args": eargs,
-                    "results": [r.summary() for r in results],
-                },
-                f,
-                indent=1,
-            )
+        write_json(
+            args.json_out,
+            {
+                "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                "host": platform.node(),
+                "argv": sys.argv,
+                "input_len": input_len,
+                "output_len": output_len,
+                "engine_args": eargs,
+                "results": [r.summary() for r in results],
+            },
+        )
     return 0
 
 

@@ -24,6 +24,7 @@ import torch
 from nanovllm.bench import peers
 from nanovllm.bench.args import PEERS, SELF_PEER, add_bench_args  # noqa: F401  (re-exported)
 from nanovllm.bench.datasets import build_workload, resolve_name
+from nanovllm.bench.json_out import write_json as write_strict_json
 from nanovllm.bench.lengths import check_fits, max_model_len
 from nanovllm.bench.roofline import KNOWN_DEVICES, Roofline, device_limits, roofline
 from nanovllm.bench.workloads import SHAPES, Workload, shape_config_dir
@@ -335,14 +336,12 @@ def write_json(
         for m in results
     ]
     rows += [{"engine": o.peer, "failed": o.failed, "skipped": o.skipped} for o in outcomes if not o.measurements]
-    with open(path, "w") as f:
-        json.dump(
-            {
-                "meta": meta,
-                "results": rows,
-                "roofline_tokens_per_s": limit.output_tokens_per_s if limit else None,
-                "roofline_device": asdict(limit.device) if limit else None,
-            },
-            f,
-            indent=1,
-        )
+    write_strict_json(
+        path,
+        {
+            "meta": meta,
+            "results": rows,
+            "roofline_tokens_per_s": limit.output_tokens_per_s if limit else None,
+            "roofline_device": asdict(limit.device) if limit else None,
+        },
+    )

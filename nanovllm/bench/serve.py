@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from nanovllm.bench.datasets import build_workload
+from nanovllm.bench.json_out import write_json
 from nanovllm.bench.server_process import nanovllm_serve_command, server
 from nanovllm.bench.workloads import Workload, shape_config_dir
 from nanovllm.cpu_threads import own_cpu_seconds
@@ -151,6 +152,7 @@ async def one_request(
         async with session.post(f"{url}/v1/completions", json=body) as r:
             if r.status != 200:
                 result.error = f"HTTP {r.status}: {(await r.read())[:300]!r}"
+                result.done_at = time.perf_counter()  # a failed request's end too (the timeline's last byte)
                 return result
             # The client must not be what limits the measurement: one Python process reads every
             # stream. So events are split from the raw bytes and only the usage event is parsed
@@ -423,20 +425,18 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             print(f"  vllm: failed: {type(e).__name__}: {e}", file=sys.stderr)
     print_table(rows, offline)
     if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(
-                {
-                    "argv": sys.argv,
-                    "workload": w.name,
-                    "request_rate": args.request_rate,
-                    "max_concurrency": args.max_concurrency,
-                    "engine_args": eargs,
-                    "offline_tokens_per_s": offline.tokens_per_s if offline else None,
-                    "results": [m.summary() for m in rows],
-                },
-                f,
-                indent=1,
-            )
+        write_json(
+            args.json_out,
+            {
+                "argv": sys.argv,
+                "workload": w.name,
+                "request_rate": args.request_rate,
+                "max_concurrency": args.max_concurrency,
+                "engine_args": eargs,
+                "offline_tokens_per_s": offline.tokens_per_s if offline else None,
+                "results": [m.summary() for m in rows],
+            },
+        )
     return 0 if all(not m.summary()["failed"] for m in rows) else 1
 
 

@@ -16,6 +16,7 @@ from nanovllm.entrypoints.openai.serving_common import (
     now,
     prompt_logprobs_json,
     random_id,
+    refuse_constraints,
     sampling_params,
     sse,
     start,
@@ -104,6 +105,7 @@ async def create_chat_completion(
 ):
     """The JSON response (a dict) or an async iterator of SSE lines."""
     check_model(req.model, served)
+    refuse_constraints(req)
     top = req.top_logprobs
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise OpenAIError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
@@ -117,6 +119,7 @@ async def create_chat_completion(
         max_model_len=max_model_len,
         logprobs=(top or 0) if req.logprobs else None,
         max_tokens=max_tokens,
+        max_tokens_param="max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
         default_max_tokens=None,
         stream=req.stream,
         prompt_param="messages",

@@ -69,10 +69,13 @@ def sampling_params(
     stream: bool,
     prompt_param: str,
     defaults: dict | None = None,
+    max_tokens_param: str = "max_tokens",
 ) -> SamplingParams:
     """SamplingParams for one prompt (with n = 1: ``choices`` fans out n), or OpenAIError(400)
     naming the field. ``defaults``: the server's values for sampling fields the request leaves out,
-    and its ``max_tokens``, a limit on every request (``generation_defaults.py``)."""
+    and its ``max_tokens``, a limit on every request (``generation_defaults.py``).
+    ``max_tokens_param``: the request's field that gave ``max_tokens`` (chat: max_completion_tokens
+    wins over max_tokens), which its errors name."""
     defaults = defaults or {}
     check_n(req.n)
     if prompt_len >= max_model_len:
@@ -87,10 +90,10 @@ def sampling_params(
     elif isinstance(max_tokens, int) and max_tokens >= 1 and prompt_len + max_tokens > max_model_len:
         raise OpenAIError(
             400,
-            f"max_tokens={max_tokens} is too large: this model's maximum context length is "
+            f"{max_tokens_param}={max_tokens} is too large: this model's maximum context length is "
             f"{max_model_len} tokens and your request has {prompt_len} input tokens "
             f"({prompt_len + max_tokens} > {max_model_len})",
-            "max_tokens",
+            max_tokens_param,
         )
     limit = defaults.get("max_tokens")
     if limit is not None and isinstance(max_tokens, int) and max_tokens > limit:
@@ -124,6 +127,41 @@ def sampling_params(
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
         raise OpenAIError(400, str(e), param_of(str(e), None)) from None
+
+
+# Fields that constrain what the answer must be (a JSON object, a tool call, a grammar): the server
+# cannot honour them, and answering with free text as if it had would break the client. A value
+# that asks for nothing (response_format "text", no tools, tool_choice "none") is accepted.
+_HARMLESS = {
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "tools": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none"),
+    "functions": lambda v: not v,
+    "function_call": lambda v: v in (None, "none"),
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "guided_grammar": lambda v: v is None,
+    "structured_outputs": lambda v: v is None,
+}
+
+
+def refuse_constraints(req) -> None:
+    """400 naming the first field of ``_HARMLESS`` the request sets to a constraint (vLLM honours
+    them; this server has no structured output or tool calling)."""
+    for name, value in (req.model_extra or {}).items():
+        if name in _HARMLESS and not _HARMLESS[name](value):
+            raise OpenAIError(
+                400,
+                f"{name}={_short(value)} is not supported by this server (no structured output or tool "
+                "calling): leave it out",
+                name,
+            )
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def check_n(n: int) -> None:

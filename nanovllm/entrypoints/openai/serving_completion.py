@@ -16,6 +16,7 @@ from nanovllm.entrypoints.openai.serving_common import (
     now,
     prompt_logprobs_json,
     random_id,
+    refuse_constraints,
     sampling_params,
     sse,
     start,
@@ -71,6 +72,7 @@ async def create_completion(
 ):
     """The JSON response (a dict) or an async iterator of SSE lines."""
     check_model(req.model, served)
+    refuse_constraints(req)
     check_n(req.n)
     if req.best_of is not None and req.best_of < req.n:
         raise OpenAIError(400, f"best_of must be >= n, got best_of={req.best_of}, n={req.n}", "best_of")
