@@ -17,6 +17,8 @@ import time
 
 import pytest
 
+import nanovllm
+
 httpx = pytest.importorskip("httpx", reason="the serve extra (httpx) is not installed")
 openai = pytest.importorskip("openai", reason="the serve extra (openai) is not installed")
 pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
@@ -413,6 +415,25 @@ BAD_REQUESTS = [
         "messages",
     ),
 ]
+
+
+def test_a_body_that_is_not_json_by_its_content_type_is_a_415(url):
+    """As vLLM: a POST whose Content-Type is not JSON (curl -d sends a form) is a 415 saying what to
+    send, not a 400 about a dictionary; JSON with a charset is JSON (the control)."""
+    body = b'{"model": "zoo", "prompt": "w5", "max_tokens": 2, "temperature": 0}'
+    for kind in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {**AUTH, **({"Content-Type": kind} if kind else {})}
+        r = httpx.post(f"{url}/v1/completions", content=body, headers=headers, timeout=30)
+        assert r.status_code == 415, (kind, r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["param"] == "Content-Type" and err["type"] == "invalid_request_error", err
+        assert err["message"].startswith(f"Content-Type must be application/json, got {kind or 'none'!r}"), err
+    headers = {**AUTH, "Content-Type": "application/json; charset=utf-8"}
+    assert httpx.post(f"{url}/v1/completions", content=body, headers=headers, timeout=30).status_code == 200
+    r = httpx.get(f"{url}/v1/completions", headers=AUTH, timeout=30)
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    r = httpx.get(f"{url}/version", headers=AUTH, timeout=30)
+    assert r.status_code == 200 and r.json() == {"version": nanovllm.__version__}, r.text
 
 
 def test_bad_requests_get_4xx_naming_the_field_and_the_server_keeps_serving(url, client):

@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from nanovllm import __version__ as nanovllm_version
 from nanovllm.engine.async_llm import AsyncLLM
 from nanovllm.entrypoints.openai.metrics import ServerMetrics
 from nanovllm.entrypoints.openai.protocol import (
@@ -162,7 +163,17 @@ def build_app(
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_, exc: RequestValidationError):
+    async def _invalid(request: Request, exc: RequestValidationError):
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if request.method == "POST" and kind != "application/json":  # as vLLM: 415, saying what to send
+            return error_response(
+                OpenAIError(
+                    415,
+                    f"Content-Type must be application/json, got {kind or 'none'!r} "
+                    "(curl: -H 'Content-Type: application/json')",
+                    "Content-Type",
+                )
+            )
         return error_response(_validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
@@ -214,6 +225,10 @@ def build_app(
                 for name in served_model_names
             ],
         }
+
+    @app.get("/version")
+    async def version():
+        return {"version": nanovllm_version}
 
     @app.get("/health")
     async def health():

@@ -29,6 +29,8 @@ class OpenAIError(Exception):
         400: "invalid_request_error",
         401: "invalid_request_error",
         404: "invalid_request_error",
+        405: "invalid_request_error",
+        415: "invalid_request_error",
         422: "invalid_request_error",
         503: "service_unavailable_error",
     }
