@@ -48,12 +48,14 @@ def non_negative_int(text: str) -> int:
 def add_length_args(p: argparse.ArgumentParser, input_default: str, output_default: str) -> None:
     p.add_argument(
         "--input-len",
+        "--random-input-len",  # vLLM's name for the random dataset's
         type=positive_int,
         default=None,
         help=f"prompt length in tokens (random token ids) (default: {input_default})",
     )
     p.add_argument(
         "--output-len",
+        "--random-output-len",
         type=positive_int,
         default=None,
         help=f"output tokens of every request (ignore_eos: exactly that many) (default: {output_default})",
@@ -64,6 +66,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dataset",
         "--workload",
+        "--dataset-name",  # vLLM's name
         dest="dataset",
         default="auto",
         metavar="NAME|FILE.jsonl",
@@ -113,7 +116,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="python of a virtual env with vllm(-cpu) installed (default: $NANOVLLM_VLLM_PYTHON or ./.venv-vllm)",
     )
-    p.add_argument("--json-out", default=None, help="write the measurements as JSON here (default: none)")
+    p.add_argument(
+        "--json-out", "--output-json", default=None, help="write the measurements as JSON here (default: none)"
+    )
     p.add_argument(
         "--profile-steps",
         action="store_true",
@@ -134,7 +139,9 @@ def add_bench_latency_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--num-iters-warmup", type=non_negative_int, default=1, help="untimed batches per batch size first (default: 1)"
     )
-    p.add_argument("--json-out", default=None, help="write the measurements as JSON here (default: none)")
+    p.add_argument(
+        "--json-out", "--output-json", default=None, help="write the measurements as JSON here (default: none)"
+    )
 
 
 def _run_latency(args: argparse.Namespace) -> int:
@@ -154,6 +161,7 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--workload",
         "--dataset",
+        "--dataset-name",  # vLLM's name
         dest="workload",
         choices=("cpu", "gpu", "random"),
         default="cpu",
