@@ -185,7 +185,12 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
         "together), so the client is not what limits the measurement (default: 1 on up to 4 CPUs, else "
         "min(4, CPUs / 4))",
     )
-    p.add_argument("--base-url", default=None, help="benchmark this running server instead of starting one")
+    p.add_argument(
+        "--base-url",
+        default=None,
+        help="benchmark this running server instead of starting one (random prompts: the vocabulary of "
+        "the model it serves, read from its /v1/models root, or of --model)",
+    )
     p.add_argument("--api-key", default=None, help="API key of the --base-url server")
     p.add_argument(
         "--peer", action="append", choices=("vllm",), default=[], help="also start and measure vllm serve (repeatable)"

@@ -341,6 +341,27 @@ def _vocab_size(model_dir: str) -> int | None:
     return getattr(read_hf_config(model_dir), "vocab_size", None)
 
 
+def served_model_dir(base_url: str, api_key: str | None = None) -> str:
+    """The folder of the model a running server serves (its /v1/models' ``root``), when that is on
+    this machine: the random prompts are drawn from its vocabulary, not the local default model's
+    (whose ids the server refused)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(f"{base_url.rstrip('/')}/v1/models", headers=headers, timeout=30)
+        r.raise_for_status()
+        root = r.json()["data"][0].get("root")
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        raise ValueError(f"--base-url {base_url}: cannot read its /v1/models ({type(e).__name__}: {e})") from None
+    if not root or not os.path.exists(root):
+        raise ValueError(
+            f"--base-url {base_url} serves {root!r}, which is not a folder or file on this machine: pass "
+            "--model with the served model (its vocabulary gives the random prompts' token ids)"
+        )
+    return root
+
+
 def run_bench_serve(args: argparse.Namespace) -> int:
     from nanovllm.entrypoints.args import engine_kwargs
     from nanovllm.loader.model_loader import resolve_model_dir
@@ -351,6 +372,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
     eargs = engine_kwargs(args)
     dummy = args.workload == "gpu" and not args.model
+    if args.base_url and not args.model and not dummy:
+        args.model = served_model_dir(args.base_url, args.api_key)
     model_dir = shape_config_dir(args.shape) if dummy else resolve_model_dir(args.model)
     w = build_workload(args.workload, args.num_prompts, args.input_len, args.output_len, _vocab_size(model_dir))
     print(
