@@ -58,12 +58,16 @@ def _check_token_ids(name: str, ids) -> list[int]:
     return ids
 
 
-def _as_strings(name: str, value, expected: str = "a list of strings") -> list:
+def _as_strings(name: str, value, expected: str = "a list of strings") -> list[str]:
     """``value`` (a list or other iterable of strings; a lone string is the caller's case) as a list;
-    ``expected`` says what the field takes."""
+    ``expected`` says what the field takes. An element that is not a string is named by its index."""
     if isinstance(value, (bytes, dict)) or not hasattr(value, "__iter__"):
         raise TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
-    return list(value)
+    strings = list(value)
+    for i, s in enumerate(strings):
+        if not isinstance(s, str):
+            raise TypeError(f"{name}[{i}] must be a string, got {s!r} ({type(s).__name__})")
+    return strings
 
 
 @dataclass
@@ -168,9 +172,7 @@ class SamplingParams:
             self.stop = [self.stop]
         else:
             self.stop = _as_strings("stop", self.stop, "a string or a list of strings")
-        for i, s in enumerate(self.stop):
-            if not isinstance(s, str):
-                raise TypeError(f"stop[{i}] must be a string, got {s!r} ({type(s).__name__})")
+        for s in self.stop:
             if not s:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")
         if self.stop_token_ids is None:
@@ -215,11 +217,7 @@ class SamplingParams:
         elif isinstance(self.bad_words, str):
             raise TypeError(f"bad_words must be a list of strings, got the string {self.bad_words!r}")
         else:
-            words = _as_strings("bad_words", self.bad_words)
-            for i, w in enumerate(words):
-                if not isinstance(w, str):
-                    raise TypeError(f"bad_words[{i}] must be a string, got {w!r} ({type(w).__name__})")
-            self.bad_words = list(dict.fromkeys(words))
+            self.bad_words = list(dict.fromkeys(_as_strings("bad_words", self.bad_words)))
         for w in self.bad_words:
             if not w.strip():
                 raise ValueError(f"bad_words must hold non-empty strings, got {w!r}")
