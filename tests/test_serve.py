@@ -204,6 +204,74 @@ def test_logprobs(client, offline):
     assert [c.token for c in streamed] == [c.token for c in content]
 
 
+def _streamed_logprobs(url, body: dict) -> tuple[str, dict, list]:
+    """A streamed completion's text, its logprobs lists joined, and its finish reasons."""
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, headers=AUTH, timeout=30) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line and line != "data: [DONE]"]
+    text, joined, reasons = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}, []
+    for ch in chunks:
+        for choice in ch["choices"]:
+            text += choice["text"]
+            for key, values in (choice["logprobs"] or {}).items():
+                joined[key] += values
+            reasons.append(choice["finish_reason"])
+    return text, joined, reasons
+
+
+def test_echo_with_logprobs_scores_the_prompt(url, client, offline):
+    """echo with logprobs: the prompt's tokens and their logprobs, then the completion's (the
+    first prompt token has none); with max_tokens=0 the prompt's alone. What a log-likelihood
+    evaluation reads (lm-eval: echo=true, max_tokens 0 or 1, logprobs=1, token-id prompts), equal
+    to the offline engine's prompt logprobs, plain and streamed."""
+    vocab = ZOO[MODEL].vocab_size
+    prompt = words(vocab, 9, seed=11)
+    want = offline.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=2), use_tqdm=False
+    )[0]
+    ids, n_prompt = want.prompt_token_ids, len(want.prompt_token_ids)
+    r = client.completions.create(model="zoo", prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True)
+    choice, lp = r.choices[0], r.choices[0].logprobs
+    assert choice.text == prompt + want.outputs[0].text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n_prompt + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for pos in range(1, n_prompt):
+        own = want.prompt_logprobs[pos][ids[pos]]
+        assert lp.tokens[pos] == own.decoded_token
+        assert lp.token_logprobs[pos] == pytest.approx(own.logprob, abs=1e-4)
+        assert lp.top_logprobs[pos][own.decoded_token] == lp.token_logprobs[pos]
+        assert 2 <= len(lp.top_logprobs[pos]) <= 3  # the 2 most likely and the prompt's own token
+    for j, (tok, entry) in enumerate(zip(want.outputs[0].token_ids, want.outputs[0].logprobs)):
+        assert lp.token_logprobs[n_prompt + j] == pytest.approx(entry[tok].logprob, abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n_prompt + 3)]
+    assert r.usage.prompt_tokens == n_prompt and r.usage.completion_tokens == 3
+    assert choice.model_extra.get("prompt_logprobs") is None  # not asked for
+
+    # lm-eval's request: token ids, max_tokens=0, logprobs=1
+    body = {"model": "zoo", "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
+    r = httpx.post(f"{url}/v1/completions", headers=AUTH, json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    only = r.json()["choices"][0]
+    assert only["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 0
+    assert len(only["logprobs"]["tokens"]) == n_prompt and only["text"] == prompt
+    assert only["logprobs"]["token_logprobs"][1:] == pytest.approx(lp.token_logprobs[1:n_prompt], abs=1e-5)
+    assert all(len(top) <= 2 for top in only["logprobs"]["top_logprobs"][1:])  # k=1, and the prompt's own
+    # the same, streamed: one chunk with the prompt, nothing generated
+    text, streamed, reasons = _streamed_logprobs(url, body)
+    assert text == only["text"] and streamed == only["logprobs"] and reasons[-1] == "length"
+    body = {"model": "zoo", "prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 2, "temperature": 0}
+    text, streamed, _ = _streamed_logprobs(url, body)
+    assert text == choice.text and streamed["tokens"] == lp.tokens and streamed["text_offset"] == lp.text_offset
+    assert streamed["token_logprobs"] == pytest.approx(lp.token_logprobs, abs=1e-6)
+
+    # echo's k and the request's own prompt_logprobs each keep their own size
+    body = {"model": "zoo", "prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 1, "prompt_logprobs": 4}
+    both = httpx.post(f"{url}/v1/completions", headers=AUTH, json=body, timeout=30).json()["choices"][0]
+    assert max(len(top) for top in both["logprobs"]["top_logprobs"][1:n_prompt]) <= 2
+    assert min(len(d) for d in both["prompt_logprobs"][1:]) >= 4
+    assert_all_blocks_free(url)
+
+
 def test_sse_chunk_shapes_and_usage(url):
     body = {
         "model": "zoo",
@@ -367,6 +435,11 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "w5", "logprobs": -1}, 400, "logprobs"),
     ("completions", {"prompt": "w5", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ("completions", {"prompt": "w5", "min_tokens": 9, "max_tokens": 3}, 400, "min_tokens"),
+    ("completions", {"prompt": "w5", "echo": True, "max_tokens": 0, "min_tokens": 2}, 400, "min_tokens"),
+    # echo asks the engine for at least `logprobs` prompt logprobs: a bad value of either is still named
+    ("completions", {"prompt": "w5", "echo": True, "logprobs": 1, "prompt_logprobs": -1}, 400, "prompt_logprobs"),
+    ("completions", {"prompt": "w5", "echo": True, "logprobs": -1, "prompt_logprobs": 2}, 400, "logprobs"),
+    ("completions", {"prompt": "w5", "suffix": "w6"}, 400, "suffix"),
     ("completions", {"prompt": [10**6]}, 400, "prompt"),
     ("completions", {"prompt": TOO_LONG}, 400, "prompt"),
     ("completions", {"prompt": TOO_LONG, "stream": True}, 400, "prompt"),

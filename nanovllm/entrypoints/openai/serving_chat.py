@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from nanovllm.engine.async_llm import AsyncLLM
+from nanovllm.entrypoints.openai.completion_logprobs import LOGPROB_FLOOR, token_name
 from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
 from nanovllm.entrypoints.openai.serving_common import (
     check_model,
@@ -23,7 +24,6 @@ from nanovllm.entrypoints.openai.serving_common import (
     stream_error,
     usage,
 )
-from nanovllm.entrypoints.openai.serving_completion import LOGPROB_FLOOR, token_name
 from nanovllm.entrypoints.openai.stream_chunks import StreamChunks
 from nanovllm.outputs import CompletionOutput
 

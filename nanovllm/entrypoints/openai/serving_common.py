@@ -24,6 +24,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from nanovllm.engine.async_llm import AsyncLLM, EngineDeadError
+from nanovllm.entrypoints.openai.completion_logprobs import most_likely
 from nanovllm.entrypoints.openai.protocol import OpenAIError, SamplingFields
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams, child_seed
@@ -280,15 +281,17 @@ def stream_error(e: BaseException) -> str:
     return sse(OpenAIError(status, f"{type(e).__name__}: {e}").body())
 
 
-def prompt_logprobs_json(out: RequestOutput) -> list | None:
-    """vLLM's ``prompt_logprobs``: per prompt position, {token id: {logprob, rank, decoded_token}}."""
+def prompt_logprobs_json(out: RequestOutput, k: int | None = None) -> list | None:
+    """vLLM's ``prompt_logprobs``: per prompt position, {token id: {logprob, rank, decoded_token}};
+    ``k``: each position kept to its k most likely tokens and the prompt's own."""
     if out.prompt_logprobs is None:
         return None
     return [
         None
         if d is None
         else {
-            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token} for t, lp in d.items()
+            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in most_likely(d, token_id, k).items()
         }
-        for d in out.prompt_logprobs
+        for token_id, d in zip(out.prompt_token_ids, out.prompt_logprobs)
     ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from nanovllm.engine.async_llm import AsyncLLM
+from nanovllm.entrypoints.openai.completion_logprobs import completion_logprobs, joined, prompt_logprobs_legacy
 from nanovllm.entrypoints.openai.protocol import CompletionRequest, OpenAIError
 from nanovllm.entrypoints.openai.serving_common import (
     check_model,
@@ -24,9 +25,13 @@ from nanovllm.entrypoints.openai.serving_common import (
     usage,
 )
 from nanovllm.entrypoints.openai.stream_chunks import StreamChunks
-from nanovllm.outputs import CompletionOutput
+from nanovllm.outputs import CompletionOutput, RequestOutput
 
-LOGPROB_FLOOR = -9999.0  # -inf is not JSON: vLLM's floor
+
+def _nothing_generated(c: CompletionOutput) -> CompletionOutput:
+    """``c`` as the answer of echo with max_tokens=0: no text, no tokens, finished by length."""
+    reason = "length" if c.finish_reason in ("stop", "length") else c.finish_reason  # abort, error stay
+    return CompletionOutput(c.index, "", [], None, [] if c.logprobs is not None else None, reason, None)
 
 
 def _prompts(req: CompletionRequest) -> list:
@@ -40,31 +45,36 @@ def _prompts(req: CompletionRequest) -> list:
     return list(p)
 
 
-def token_name(token_id: int, decoded: str | None, as_id: bool) -> str:
-    """A logprob entry's token: its text, or vLLM's ``token_id:N`` (return_tokens_as_token_ids)."""
-    return f"token_id:{token_id}" if as_id else (decoded or "")
+def _engine_prompt_logprobs(req: CompletionRequest) -> int | None:
+    """How many prompt logprobs the engine computes: the request's ``prompt_logprobs``, and with
+    ``echo`` and ``logprobs`` at least ``logprobs`` (the echoed prompt's logprobs are the engine's
+    prompt logprobs). A negative value goes through as given, to be refused by its name."""
+    mine, echoed = req.prompt_logprobs, (req.logprobs if req.echo else None)
+    if echoed is None or (mine is not None and (mine < 0 or echoed < 0)):
+        return mine
+    return echoed if mine is None else max(mine, echoed)
 
 
-def completion_logprobs(c: CompletionOutput, offset: int, as_ids: bool = False) -> dict | None:
-    """OpenAI's legacy logprobs object for the tokens of ``c`` (text offsets from ``offset``);
-    ``as_ids``: tokens (and top_logprobs keys) as ``token_id:N``."""
-    if c.logprobs is None:
-        return None
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    for token_id, entry in zip(c.token_ids, c.logprobs):
-        sampled = entry[token_id]
-        text = sampled.decoded_token or ""
-        tokens.append(token_name(token_id, text, as_ids))
-        token_logprobs.append(max(sampled.logprob, LOGPROB_FLOOR))
-        top.append(
-            {
-                token_name(t, lp.decoded_token, as_ids): max(lp.logprob, LOGPROB_FLOOR)
-                for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)
-            }
-        )
-        offsets.append(offset)
-        offset += len(text)
-    return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top}
+def _text_and_logprobs(
+    req: CompletionRequest, out: RequestOutput, c: CompletionOutput, offset: int, echo: bool, tokenizer
+) -> tuple[str, dict | None, int]:
+    """A choice's text and legacy logprobs (text offsets from ``offset``), the prompt's first
+    where ``echo`` (an echoing request's first answer), and the offset after them."""
+    text, logprobs = c.text, None
+    if echo:
+        prompt = out.prompt or tokenizer.decode(out.prompt_token_ids)
+        text, offset = prompt + text, offset + len(prompt)
+        if req.logprobs is not None:  # offsets then add up the tokens' own texts, as vLLM's do
+            logprobs, offset = prompt_logprobs_legacy(
+                out, req.logprobs, req.return_tokens_as_token_ids, lambda t: tokenizer.decode([t])
+            )
+    completion, offset = completion_logprobs(c, offset, req.return_tokens_as_token_ids)
+    return text, (completion if logprobs is None else joined(logprobs, completion)), offset
+
+
+def _prompt_logprobs(req: CompletionRequest, out: RequestOutput) -> list | None:
+    """The answer's ``prompt_logprobs``: only where the request asked for them, kept to its k."""
+    return None if req.prompt_logprobs is None else prompt_logprobs_json(out, req.prompt_logprobs)
 
 
 async def create_completion(
@@ -83,23 +93,29 @@ async def create_completion(
             f"completions (best_of = n, or no best_of, returns every completion)",
             "best_of",
         )
-    for name, ok in (("suffix", req.suffix is None), ("echo", not (req.echo and req.logprobs is not None))):
-        if not ok:
-            raise OpenAIError(
-                400,
-                f"{name}={getattr(req, name)!r} is not supported"
-                + (" together with logprobs" if name == "echo" else ""),
-                name,
-            )
+    if req.suffix is not None:
+        raise OpenAIError(400, f"suffix={req.suffix!r} is not supported", "suffix")
+    # echo with max_tokens=0 scores the prompt and generates nothing: the engine runs the prompt
+    # and one token, which the answer leaves out (as vLLM does)
+    prompt_only = req.echo and req.max_tokens == 0
+    if req.max_tokens == 0 and not req.echo:
+        raise OpenAIError(
+            400, "max_tokens=0 asks for no tokens: it is served only with echo=true (the prompt scored)", "max_tokens"
+        )
+    if prompt_only and req.min_tokens:
+        raise OpenAIError(400, f"min_tokens={req.min_tokens} needs max_tokens >= {req.min_tokens}, got 0", "min_tokens")
+    engine_req = req.model_copy(
+        update={"prompt_logprobs": _engine_prompt_logprobs(req), "max_tokens": 1 if prompt_only else req.max_tokens}
+    )
     prompts = [engine.encode_prompt(p) for p in _prompts(req)]
     lens = [len(p["prompt_token_ids"]) if isinstance(p, dict) else len(p) for p in prompts]
     params = [
         sampling_params(
-            req,
+            engine_req,
             prompt_len=n,
             max_model_len=max_model_len,
             logprobs=req.logprobs,
-            max_tokens=req.max_tokens,
+            max_tokens=engine_req.max_tokens,
             default_max_tokens=16,
             stream=req.stream,
             prompt_param="prompt",
@@ -118,24 +134,24 @@ async def create_completion(
     )
     model = req.model or served[0]
     if req.stream:
-        return _stream(req, started, request_id, model, engine.tokenizer)
+        return _stream(req, started, request_id, model, engine.tokenizer, prompt_only)
     results, prompt_tokens, completion_tokens = [], 0, 0
     async with merged(started) as outputs:
         async for i, out in outputs:
             if not out.finished:
                 continue
             c = out.outputs[0]
-            text = c.text
-            if req.echo:
-                text = (out.prompt or engine.tokenizer.decode(out.prompt_token_ids)) + text
+            if prompt_only:
+                c = _nothing_generated(c)
+            text, logprobs, _ = _text_and_logprobs(req, out, c, 0, req.echo, engine.tokenizer)
             results.append(
                 {
                     "index": i,
                     "text": text,
-                    "logprobs": completion_logprobs(c, 0, req.return_tokens_as_token_ids),
+                    "logprobs": logprobs,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
-                    "prompt_logprobs": prompt_logprobs_json(out),
+                    "prompt_logprobs": _prompt_logprobs(req, out),
                 }
             )
             if i % req.n == 0:  # a prompt counts once, whatever its n
@@ -152,7 +168,9 @@ async def create_completion(
     }
 
 
-async def _stream(req: CompletionRequest, started, request_id: str, model: str, tokenizer) -> AsyncIterator[str]:
+async def _stream(
+    req: CompletionRequest, started, request_id: str, model: str, tokenizer, prompt_only: bool
+) -> AsyncIterator[str]:
     created = now()
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
@@ -167,20 +185,20 @@ async def _stream(req: CompletionRequest, started, request_id: str, model: str, 
         async with merged(started) as outputs:
             async for i, out in outputs:
                 c = out.outputs[0]
+                if prompt_only:
+                    c = _nothing_generated(c)
                 prompt_tokens[i] = len(out.prompt_token_ids)
                 completion_tokens[i] += len(c.token_ids)
-                text = c.text
-                if not echoed[i]:
-                    text, echoed[i] = (out.prompt or tokenizer.decode(out.prompt_token_ids)) + text, True
-                logprobs = completion_logprobs(c, offsets[i], req.return_tokens_as_token_ids)
-                offsets[i] += len(text)
+                text, logprobs, offsets[i] = _text_and_logprobs(req, out, c, offsets[i], not echoed[i], tokenizer)
+                echoed[i] = True
                 if not text and not c.token_ids and c.finish_reason is None:
                     continue
+                prompt_logprobs = None if out.prompt_logprobs is None else _prompt_logprobs(req, out)
                 if (
                     logprobs is None
                     and c.finish_reason is None
                     and c.stop_reason is None
-                    and out.prompt_logprobs is None
+                    and prompt_logprobs is None
                     and not continuous
                 ):
                     yield chunks.text(i, text)  # most chunks: the same bytes as sse(chunk) below, faster
@@ -200,8 +218,8 @@ async def _stream(req: CompletionRequest, started, request_id: str, model: str, 
                         }
                     ],
                 }
-                if out.prompt_logprobs is not None:
-                    chunk["choices"][0]["prompt_logprobs"] = prompt_logprobs_json(out)
+                if prompt_logprobs is not None:
+                    chunk["choices"][0]["prompt_logprobs"] = prompt_logprobs
                 if continuous:
                     chunk["usage"] = usage(prompt_tokens[i], completion_tokens[i])
                 yield sse(chunk)
