@@ -213,6 +213,7 @@ def test_a_front_end_that_dies_stops_the_server(pool):
     [
         (["--api-server-count", "0"], "--api-server-count must be >= 1, got 0"),
         (["--api-server-count", "2", "--no-engine-process"], "--api-server-count 2 needs the engine core"),
+        (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0 seconds, got -1"),
     ],
 )
 @pytest.mark.parametrize("default_model", ["installed", "hidden"])

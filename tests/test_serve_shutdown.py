@@ -7,7 +7,9 @@ and the core only left later, on a closed pipe.)
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
+import json
 import os
 import re
 import signal
@@ -136,5 +138,47 @@ def test_sigterm_to_the_whole_process_group_lets_open_streams_finish(api_servers
     assert done and '"finish_reason": "length"' in last, f"the stream was cut after {chunks} chunks:\n{text[-3000:]}"
     assert "the engine core failed" not in text, text[-3000:]
     assert status == 128 + signal.SIGTERM, f"exit status {status}:\n{text[-3000:]}"
+    core = re.search(r"engine core ready in process (\d+)", text)
+    assert core and not _alive(int(core.group(1))), "the engine core outlived the server"
+
+
+@pytest.mark.parametrize("api_servers", [1, 2])
+def test_requests_still_running_when_the_grace_period_ends_get_an_answer(api_servers):
+    """Ctrl-C while a stream and a plain request run past --shutdown-timeout (0 here: at once):
+    the stream ends with an error event and [DONE], the plain request gets a 503, both naming
+    the shutdown; the server logs no traceback, exits with 130, and its engine core is gone.
+    (Before, uvicorn cancelled them: the stream was cut mid-answer and a traceback logged.)"""
+    port = free_port("127.0.0.1")
+    flags = ["--max-model-len", "4096", "--num-kvcache-blocks", "600", "--shutdown-timeout", "0"]
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    body = {"prompt": [5, 6, 7], "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
+    with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
+        proc = start_server(log, port, [*flags, "--api-server-count", str(api_servers)])
+        try:
+            _wait_healthy(proc, f"http://127.0.0.1:{port}", log.name)
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                plain = pool.submit(httpx.post, url, json=body, timeout=60)
+                lines: list[str] = []
+                with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+                    for line in r.iter_lines():
+                        if not line:
+                            continue
+                        lines.append(line)
+                        if len(lines) == 1:  # once: a second Ctrl-C is uvicorn's "force quit"
+                            os.kill(proc.pid, signal.SIGINT)
+                answer = plain.result()
+            status = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        text = open(log.name).read()
+    assert lines[-1] == "data: [DONE]", f"the stream was cut:\n{lines[-3:]}\n{text[-3000:]}"
+    last = json.loads(lines[-2][len("data: ") :])
+    assert "shutting down" in last["error"]["message"], lines[-2]
+    assert len(lines) - 2 < 4000, "the stream ran to its end: nothing was stopped"
+    assert answer.status_code == 503 and "shutting down" in answer.json()["error"]["message"], answer.text
+    assert "Traceback" not in text, text[-3000:]
+    assert status == 128 + signal.SIGINT, f"exit status {status}:\n{text[-3000:]}"
     core = re.search(r"engine core ready in process (\d+)", text)
     assert core and not _alive(int(core.group(1))), "the engine core outlived the server"

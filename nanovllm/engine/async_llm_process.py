@@ -169,6 +169,12 @@ class ProcessAsyncLLM(AsyncLLM):
                 msg = conn.recv()
             except (EOFError, OSError) as e:
                 msg = (_PIPE_CLOSED, e)
+            except Exception as e:
+                if not self._closed:
+                    raise
+                # this side closed the connection while recv waited on it (a front end of several:
+                # multiprocessing's handle is None then, a TypeError); it is shutting down
+                msg = (_PIPE_CLOSED, e)
             with self._inbox_lock:
                 self._inbox.append(msg)
                 schedule = not self._drain_scheduled

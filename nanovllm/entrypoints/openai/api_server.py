@@ -20,7 +20,7 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm import __version__ as nanovllm_version
@@ -32,6 +32,11 @@ from nanovllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     OpenAIError,
     TokenizeRequest,
+)
+from nanovllm.entrypoints.openai.request_lifetime import (
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    DisconnectAwareStreamingResponse,
+    with_cancellation,
 )
 from nanovllm.entrypoints.openai.serving_chat import apply_chat_template, create_chat_completion
 from nanovllm.entrypoints.openai.serving_common import check_model
@@ -71,25 +76,6 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     return OpenAIError(400, f"{field}: {err.get('msg', 'invalid value')}{got}", field)
 
 
-class DisconnectAwareStreamingResponse(StreamingResponse):
-    """Streams while listening for the client's disconnect (whatever the ASGI version); either
-    way the body iterator is closed at the end, so the request behind it is aborted at once."""
-
-    async def __call__(self, scope, receive, send) -> None:
-        streamer = asyncio.ensure_future(self.stream_response(send))
-        listener = asyncio.ensure_future(self.listen_for_disconnect(receive))
-        try:
-            await asyncio.wait((streamer, listener), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (streamer, listener):
-                task.cancel()
-            await asyncio.gather(streamer, listener, return_exceptions=True)
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]  # our body is an async generator
-        if streamer.done() and not streamer.cancelled() and streamer.exception() is not None:
-            if not isinstance(streamer.exception(), OSError):  # OSError: the client went away
-                raise streamer.exception()
-
-
 class APIKeyMiddleware:
     """401 unless ``Authorization: Bearer KEY`` (plain ASGI: streamed responses pass untouched)."""
 
@@ -111,32 +97,6 @@ class APIKeyMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-def with_cancellation(handler):
-    """Run a handler while listening for the client's disconnect; cancel the handler (and so
-    abort its engine requests) if the client goes first."""
-
-    @functools.wraps(handler)
-    async def wrapper(body, raw_request: Request):
-        task = asyncio.ensure_future(handler(body, raw_request))
-
-        async def disconnected():
-            while (await raw_request.receive())["type"] != "http.disconnect":
-                pass
-
-        listener = asyncio.ensure_future(disconnected())
-        try:
-            await asyncio.wait((task, listener), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            listener.cancel()
-            if not task.done():
-                task.cancel()
-        if task.cancelled():
-            return Response(status_code=499)  # nobody reads it: the client is gone
-        return task.result()
-
-    return wrapper
 
 
 def build_app(
@@ -322,7 +282,11 @@ async def serve(args, engine_kwargs: dict, sock=None) -> None:
             engine, served_names(args), api_key=args.api_key, sampling_defaults=getattr(args, "sampling_defaults", None)
         )
         config = uvicorn.Config(
-            app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            timeout_graceful_shutdown=getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S),
         )
         await uvicorn.Server(config).serve(sockets=None if sock is None else [sock])
     finally:

@@ -41,7 +41,7 @@ from multiprocessing.connection import wait
 from nanovllm.entrypoints.openai.server_socket import REUSE_PORT, bind_socket
 
 logger = logging.getLogger(__name__)
-_STOP_TIMEOUT_S = 15.0
+_STOP_MARGIN_S = 10.0  # a front end's own stop after its --shutdown-timeout
 
 
 def serve_pool(args, engine_kwargs: dict) -> int:
@@ -103,7 +103,7 @@ def serve_pool(args, engine_kwargs: dict) -> int:
     finally:
         for s in previous:  # a second Ctrl-C or SIGTERM waits for the stop too
             signal.signal(s, _already_stopping)
-        _stop_front_ends(front_ends)
+        _stop_front_ends(front_ends, args.shutdown_timeout + _STOP_MARGIN_S)
         if client is not None:
             client.shutdown()
         sock.close()
@@ -142,16 +142,16 @@ def _wait_listening(host: str, port: int, processes: list, timeout_s: float = 12
     return False
 
 
-def _stop_front_ends(front_ends: list) -> None:
-    """SIGTERM to each (uvicorn's graceful shutdown: open requests end, are aborted), then wait;
-    SIGKILL what is left."""
+def _stop_front_ends(front_ends: list, timeout_s: float) -> None:
+    """SIGTERM to each (uvicorn's graceful shutdown: open requests run for --shutdown-timeout,
+    then are stopped), then wait up to ``timeout_s``; SIGKILL what is left."""
     for p in front_ends:
         if p.is_alive():
             os.kill(p.pid, signal.SIGTERM)
     for p in front_ends:
-        p.join(_STOP_TIMEOUT_S)
+        p.join(timeout_s)
         if p.is_alive():
-            logger.warning("API server pid %d did not stop in %.0f s; killing it", p.pid, _STOP_TIMEOUT_S)
+            logger.warning("API server pid %d did not stop in %.0f s; killing it", p.pid, timeout_s)
             p.kill()
             p.join()
 
@@ -164,6 +164,7 @@ def _front_end_settings(args, metrics_dir: str, sock: socket.socket) -> dict:
         "api_key": args.api_key,
         "sampling_defaults": getattr(args, "sampling_defaults", None),
         "uvicorn_log_level": args.uvicorn_log_level,
+        "shutdown_timeout": args.shutdown_timeout,
         "log_level": logging.getLogger().getEffectiveLevel(),
         "metrics_dir": metrics_dir,
         "address": sock.getsockname()[:2],  # port 0 given: the one this process's socket got
@@ -207,7 +208,9 @@ async def _serve_front_end(sock: socket.socket, conn, core_pid: int, settings: d
             metrics_dir=settings["metrics_dir"],
             sampling_defaults=settings["sampling_defaults"],
         )
-        config = uvicorn.Config(app, log_level=settings["uvicorn_log_level"], timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            app, log_level=settings["uvicorn_log_level"], timeout_graceful_shutdown=settings["shutdown_timeout"]
+        )
         await uvicorn.Server(config).serve(sockets=[sock])
     finally:
         engine.shutdown()

@@ -70,6 +70,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         help="sampling defaults over --generation-config's, e.g. '{\"temperature\": 0.5}' (the same keys)",
     )
     p.add_argument(
+        "--shutdown-timeout",
+        type=int,
+        default=5,
+        metavar="SECONDS",
+        help="on SIGINT or SIGTERM, how long open requests may still run (default: 5); then each "
+        "open stream ends with an error event and [DONE], and its request is stopped",
+    )
+    p.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -90,6 +98,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
     if args.api_server_count > 1 and not args.core_process:
