@@ -44,3 +44,12 @@ def test_vllm_names_mean_the_same(ours, vllms):
     a, b = vars(_parse(ours)), vars(_parse(vllms))
     assert a == b
     assert a != vars(_parse(ours[:-2])), "the control: the last flag changes what is parsed"
+
+
+def test_bench_throughput_is_plain_bench():
+    """`nanovllm bench throughput` (vllm bench's name) parses and runs as plain `nanovllm bench`."""
+    flags = ["--dataset", "random", "--num-prompts", "5", "--input-len", "8", "--max-model-len", "64"]
+    plain, named = vars(_parse(["bench", *flags])), vars(_parse(["bench", "throughput", *flags]))
+    assert named.pop("bench_command") == "throughput" and plain.pop("bench_command") is None
+    assert plain == named
+    assert vars(_parse(["bench", "throughput", *flags[:-2]])) != {**named, "bench_command": "throughput"}

@@ -220,8 +220,18 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_bench_subcommands(bench: argparse.ArgumentParser) -> None:
-    """`nanovllm bench serve ...` and `nanovllm bench latency ...` beside the offline `nanovllm bench ...`."""
-    subs = bench.add_subparsers(dest="bench_command", required=False, metavar="{serve,latency}")
+    """`nanovllm bench serve ...`, `nanovllm bench latency ...` and `nanovllm bench throughput ...`
+    (vllm bench's name for the offline `nanovllm bench ...`, which it runs) beside it."""
+    subs = bench.add_subparsers(dest="bench_command", required=False, metavar="{throughput,serve,latency}")
+    p = subs.add_parser(
+        "throughput",
+        help="the offline throughput benchmark: the same as plain `nanovllm bench` (vllm bench's name)",
+        description="Offline throughput (output tokens per second) of a workload, side by side with "
+        "peers: the same run as `nanovllm bench` with the same flags.",
+    )
+    add_bench_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=bench.get_default("func"))
     p = subs.add_parser("serve", help="serving benchmark over HTTP (TTFT, ITL, end-to-end; vs vllm serve)")
     add_bench_serve_args(p)
     add_engine_args(p)
