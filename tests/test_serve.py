@@ -255,7 +255,8 @@ def test_echo_with_logprobs_scores_the_prompt(url, client, offline):
     assert only["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 0
     assert len(only["logprobs"]["tokens"]) == n_prompt and only["text"] == prompt
     assert only["logprobs"]["token_logprobs"][1:] == pytest.approx(lp.token_logprobs[1:n_prompt], abs=1e-5)
-    assert all(len(top) <= 2 for top in only["logprobs"]["top_logprobs"][1:])  # k=1, and the prompt's own
+    tops = only["logprobs"]["top_logprobs"][1:]  # k=1, and the prompt's own token where it is not the top
+    assert all(1 <= len(top) <= 2 for top in tops) and any(len(top) == 2 for top in tops)
     # the same, streamed: one chunk with the prompt, nothing generated
     text, streamed, reasons = _streamed_logprobs(url, body)
     assert text == only["text"] and streamed == only["logprobs"] and reasons[-1] == "length"
@@ -263,6 +264,28 @@ def test_echo_with_logprobs_scores_the_prompt(url, client, offline):
     text, streamed, _ = _streamed_logprobs(url, body)
     assert text == choice.text and streamed["tokens"] == lp.tokens and streamed["text_offset"] == lp.text_offset
     assert streamed["token_logprobs"] == pytest.approx(lp.token_logprobs, abs=1e-6)
+
+    # two prompts, n=2, tokens named by id: each choice echoes its own prompt first
+    pair = [words(vocab, 5, seed=21), words(vocab, 7, seed=22)]
+    pair_ids = [offline.generate([p], SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids for p in pair]
+    body = {"model": "zoo", "prompt": pair, "n": 2, "max_tokens": 2, "echo": True, "logprobs": 1, "temperature": 0}
+    r = httpx.post(f"{url}/v1/completions", headers=AUTH, json={**body, "return_tokens_as_token_ids": True}, timeout=30)
+    assert [ch["index"] for ch in r.json()["choices"]] == [0, 1, 2, 3]
+    for ch in r.json()["choices"]:
+        ids_i = pair_ids[ch["index"] // 2]
+        assert ch["text"].startswith(pair[ch["index"] // 2]) and len(ch["logprobs"]["tokens"]) == len(ids_i) + 2
+        assert ch["logprobs"]["tokens"][: len(ids_i)] == [f"token_id:{t}" for t in ids_i]
+        assert ch["logprobs"]["token_logprobs"][0] is None and None not in ch["logprobs"]["token_logprobs"][1:]
+
+    # a prompt whose first blocks the prefix cache holds: its logprobs are still computed, the same
+    long = words(vocab, 40, seed=23)
+    client.completions.create(model="zoo", prompt=long, max_tokens=1, temperature=0)  # fills the cache
+    want_long = offline.generate([long], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    r = client.completions.create(model="zoo", prompt=long, max_tokens=0, temperature=0, logprobs=1, echo=True)
+    got = r.choices[0].logprobs.token_logprobs
+    assert len(got) == len(want_long.prompt_token_ids) == 40 and got[0] is None
+    want_lps = [want_long.prompt_logprobs[i][t].logprob for i, t in enumerate(want_long.prompt_token_ids) if i]
+    assert got[1:] == pytest.approx(want_lps, abs=1e-4)
 
     # echo's k and the request's own prompt_logprobs each keep their own size
     body = {"model": "zoo", "prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 1, "prompt_logprobs": 4}

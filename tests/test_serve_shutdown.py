@@ -142,6 +142,17 @@ def test_sigterm_to_the_whole_process_group_lets_open_streams_finish(api_servers
     assert core and not _alive(int(core.group(1))), "the engine core outlived the server"
 
 
+def _wait_running(base: str, n: int, timeout_s: float = 30.0) -> None:
+    """Until the engine runs ``n`` requests (its /metrics gauge)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = re.search(r"^nanovllm:num_requests_running\{[^}]*\} (\S+)$", httpx.get(f"{base}/metrics").text, re.M)
+        if found and float(found.group(1)) >= n:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"the engine did not run {n} requests in {timeout_s:.0f} s")
+
+
 @pytest.mark.parametrize("api_servers", [1, 2])
 def test_requests_still_running_when_the_grace_period_ends_get_an_answer(api_servers):
     """Ctrl-C while a stream and a plain request run past --shutdown-timeout (0 here: at once):
@@ -165,6 +176,7 @@ def test_requests_still_running_when_the_grace_period_ends_get_an_answer(api_ser
                             continue
                         lines.append(line)
                         if len(lines) == 1:  # once: a second Ctrl-C is uvicorn's "force quit"
+                            _wait_running(f"http://127.0.0.1:{port}", 2)  # the plain request too
                             os.kill(proc.pid, signal.SIGINT)
                 answer = plain.result()
             status = proc.wait(timeout=60)

@@ -169,11 +169,11 @@ class ProcessAsyncLLM(AsyncLLM):
                 msg = conn.recv()
             except (EOFError, OSError) as e:
                 msg = (_PIPE_CLOSED, e)
-            except Exception as e:
-                if not self._closed:
-                    raise
+            except Exception as e:  # noqa: BLE001 - the thread must end in a message, or callers wait forever
                 # this side closed the connection while recv waited on it (a front end of several:
-                # multiprocessing's handle is None then, a TypeError); it is shutting down
+                # multiprocessing's handle is None then, a TypeError), or a message did not unpickle
+                if not self._closed:
+                    logger.exception("reading the engine core's messages failed")
                 msg = (_PIPE_CLOSED, e)
             with self._inbox_lock:
                 self._inbox.append(msg)
@@ -197,7 +197,11 @@ class ProcessAsyncLLM(AsyncLLM):
             if msg[0] is _PIPE_CLOSED:
                 if not self._closed:
                     e = msg[1]
-                    self._core_died(EngineDeadError(f"the engine-core process is gone ({type(e).__name__})"))
+                    gone = isinstance(e, (EOFError, OSError))
+                    what = (
+                        "the engine-core process is gone" if gone else "a message from the engine core was unreadable"
+                    )
+                    self._core_died(EngineDeadError(f"{what} ({type(e).__name__})"))
                 return
             self._dispatch(msg)
 

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm import __version__ as nanovllm_version
 from nanovllm.engine.async_llm import AsyncLLM
+from nanovllm.entrypoints.openai.cli_args import DEFAULT_SHUTDOWN_TIMEOUT_S
 from nanovllm.entrypoints.openai.metrics import ServerMetrics
 from nanovllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -33,11 +34,7 @@ from nanovllm.entrypoints.openai.protocol import (
     OpenAIError,
     TokenizeRequest,
 )
-from nanovllm.entrypoints.openai.request_lifetime import (
-    DEFAULT_SHUTDOWN_TIMEOUT_S,
-    DisconnectAwareStreamingResponse,
-    with_cancellation,
-)
+from nanovllm.entrypoints.openai.request_lifetime import DisconnectAwareStreamingResponse, with_cancellation
 from nanovllm.entrypoints.openai.serving_chat import apply_chat_template, create_chat_completion
 from nanovllm.entrypoints.openai.serving_common import check_model
 from nanovllm.entrypoints.openai.serving_completion import create_completion

@@ -38,6 +38,7 @@ import tempfile
 import time
 from multiprocessing.connection import wait
 
+from nanovllm.entrypoints.openai.cli_args import DEFAULT_SHUTDOWN_TIMEOUT_S
 from nanovllm.entrypoints.openai.server_socket import REUSE_PORT, bind_socket
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ def serve_pool(args, engine_kwargs: dict) -> int:
     finally:
         for s in previous:  # a second Ctrl-C or SIGTERM waits for the stop too
             signal.signal(s, _already_stopping)
-        _stop_front_ends(front_ends, args.shutdown_timeout + _STOP_MARGIN_S)
+        _stop_front_ends(front_ends, getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S) + _STOP_MARGIN_S)
         if client is not None:
             client.shutdown()
         sock.close()
@@ -148,8 +149,9 @@ def _stop_front_ends(front_ends: list, timeout_s: float) -> None:
     for p in front_ends:
         if p.is_alive():
             os.kill(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s  # one grace period for all of them, stopping at once
     for p in front_ends:
-        p.join(timeout_s)
+        p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():
             logger.warning("API server pid %d did not stop in %.0f s; killing it", p.pid, timeout_s)
             p.kill()
@@ -164,7 +166,7 @@ def _front_end_settings(args, metrics_dir: str, sock: socket.socket) -> dict:
         "api_key": args.api_key,
         "sampling_defaults": getattr(args, "sampling_defaults", None),
         "uvicorn_log_level": args.uvicorn_log_level,
-        "shutdown_timeout": args.shutdown_timeout,
+        "shutdown_timeout": getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S),
         "log_level": logging.getLogger().getEffectiveLevel(),
         "metrics_dir": metrics_dir,
         "address": sock.getsockname()[:2],  # port 0 given: the one this process's socket got

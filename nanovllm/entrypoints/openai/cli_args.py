@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import os
 
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5  # --shutdown-timeout: uvicorn's graceful timeout as this server has used it
+
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     from nanovllm.entrypoints.cli import add_engine_args
@@ -72,7 +74,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--shutdown-timeout",
         type=int,
-        default=5,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
         metavar="SECONDS",
         help="on SIGINT or SIGTERM, how long open requests may still run (default: 5); then each "
         "open stream ends with an error event and [DONE], and its request is stopped",

@@ -22,7 +22,7 @@ from nanovllm.entrypoints.openai.protocol import OpenAIError
 from nanovllm.entrypoints.openai.serving_common import sse
 
 logger = logging.getLogger(__name__)
-DEFAULT_SHUTDOWN_TIMEOUT_S = 5  # uvicorn's timeout_graceful_shutdown as this server has used it
+END_TIMEOUT_S = 1.0  # at most this long for a stopped request's last words and clean-up
 
 
 def shutdown_error() -> OpenAIError:
@@ -35,11 +35,21 @@ def shutdown_error() -> OpenAIError:
 
 def _stopped_by_shutdown() -> None:
     """The running task was cancelled by the server's shutdown: take the cancellation back, so
-    the answer can still be sent, and say so once in the log."""
+    the answer can still be sent."""
     task = asyncio.current_task()
     if task is not None and hasattr(task, "uncancel"):  # Python >= 3.11 counts cancellations
         task.uncancel()
     logger.warning("shutdown: a request still running after --shutdown-timeout was stopped (answered 503)")
+
+
+async def _within(seconds: float, coro) -> None:
+    """``coro``, given up after ``seconds``, or when the client has gone or the loop closes: the
+    last words of a request stopped by the shutdown must never hold the process up (a client
+    that stopped reading would, and a second Ctrl-C's loop waits for every task)."""
+    try:
+        await asyncio.wait_for(coro, seconds)
+    except (asyncio.TimeoutError, asyncio.CancelledError, OSError):
+        pass
 
 
 class DisconnectAwareStreamingResponse(StreamingResponse):
@@ -62,25 +72,30 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
             await asyncio.wait((streamer, listener), return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:  # the server's shutdown: its grace period ran out
             stopped = True
-            _stopped_by_shutdown()
+            answered = streamer.done() and not streamer.cancelled()  # it ended as the cancel came
             for task in (streamer, listener):
                 task.cancel()  # the streamer sends nothing more: it is suspended, and wakes cancelled
-            await _end_stream(scope, receive, send, started)  # first: the event loop may close soon
+            if not answered:
+                _stopped_by_shutdown()
+                await _within(END_TIMEOUT_S, _end_stream(scope, receive, send, started))  # first: the loop may close
         finally:
             for task in (streamer, listener):
                 task.cancel()
-            try:
-                await asyncio.gather(streamer, listener, return_exceptions=True)
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]  # our body is an async generator
-            except asyncio.CancelledError:
-                if not stopped:
-                    raise
-                # cancelled again: the event loop is closing, and the engine stops with it
+            cleanup = self._close(streamer, listener)
+            if stopped:  # cancelled again meanwhile: the event loop is closing, the engine with it
+                await _within(END_TIMEOUT_S, cleanup)
+            else:
+                await cleanup
         if stopped:
             return
         error = streamer.exception() if streamer.done() and not streamer.cancelled() else None
         if error is not None and not isinstance(error, OSError):  # OSError: the client went away
             raise error
+
+    async def _close(self, *tasks: asyncio.Future) -> None:
+        """The tasks' end, then the body iterator's: the request behind it is aborted."""
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.body_iterator.aclose()  # type: ignore[attr-defined]  # our body is an async generator
 
 
 async def _end_stream(scope, receive, send, started: bool) -> None:
@@ -92,7 +107,7 @@ async def _end_stream(scope, receive, send, started: bool) -> None:
         body = (sse(shutdown_error().body()) + sse("[DONE]")).encode()
         await send({"type": "http.response.body", "body": body, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-    except (OSError, asyncio.CancelledError):  # the client went away meanwhile; the loop is closing
+    except RuntimeError:  # the server had already ended the response (the stream's end raced the cancel)
         pass
 
 
