@@ -612,6 +612,8 @@ def test_metrics(url, client):
     ):
         assert metric(url, n) >= 0
     assert metric(url, "nanovllm:prefix_cache_queries_total") > 0
+    page = httpx.get(f"{url}/metrics", timeout=30).text
+    assert "nanovllm:request_success_total" in page and "_created" not in page  # no creation-time series
 
 
 # ------------------------------------------------------------- bench serve
