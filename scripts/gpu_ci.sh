@@ -13,7 +13,8 @@
 # skips its phase (reported as skipped, and the job fails unless NANOVLLM_GPU_CI_ALLOW_SKIP=1).
 #
 # Logs and reports go to $OUT (or ./gpu_ci_logs); a summary is printed last. Exit status 0 only
-# when all three runs pass.
+# when all three runs pass. The summary names the commit: $NANOVLLM_COMMIT, else `git rev-parse`
+# here (set it where the tree was copied without its current git metadata: that names another).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
