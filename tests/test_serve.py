@@ -257,6 +257,12 @@ def test_echo_with_logprobs_scores_the_prompt(url, client, offline):
     assert only["logprobs"]["token_logprobs"][1:] == pytest.approx(lp.token_logprobs[1:n_prompt], abs=1e-5)
     tops = only["logprobs"]["top_logprobs"][1:]  # k=1, and the prompt's own token where it is not the top
     assert all(1 <= len(top) <= 2 for top in tops) and any(len(top) == 2 for top in tops)
+    # the one token the engine runs is a stop token here: the answer, which generated nothing, still ends by length
+    first = offline.generate([ids], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids
+    stopped = httpx.post(
+        f"{url}/v1/completions", headers=AUTH, json={**body, "stop_token_ids": first}, timeout=30
+    ).json()["choices"][0]
+    assert stopped["finish_reason"] == "length" and stopped["stop_reason"] is None and stopped["text"] == prompt
     # the same, streamed: one chunk with the prompt, nothing generated
     text, streamed, reasons = _streamed_logprobs(url, body)
     assert text == only["text"] and streamed == only["logprobs"] and reasons[-1] == "length"

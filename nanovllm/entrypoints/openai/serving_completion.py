@@ -193,7 +193,7 @@ async def _stream(
                 echoed[i] = True
                 if not text and not c.token_ids and c.finish_reason is None:
                     continue
-                prompt_logprobs = None if out.prompt_logprobs is None else _prompt_logprobs(req, out)
+                prompt_logprobs = _prompt_logprobs(req, out)
                 if (
                     logprobs is None
                     and c.finish_reason is None
