@@ -25,6 +25,36 @@ from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tests.conftest import cached_llm
 
 MODEL = "qwen3-gqa2-hd64-tied"  # vocabulary 1031
+
+
+def assert_json_layout(data: dict, mode: str) -> None:
+    """Every bench mode's --json-out file: ``meta`` with the same keys in every mode, the mode's
+    own settings, and ``results``, a list of rows."""
+    from nanovllm import __version__
+    from nanovllm.bench.json_out import META_KEYS
+
+    assert isinstance(data.get("meta"), dict), f"no meta block: {sorted(data)}"
+    meta = data["meta"]
+    assert tuple(meta) == META_KEYS, tuple(meta)
+    assert meta["mode"] == mode and meta["nanovllm_version"] == __version__ and meta["argv"], meta
+    assert isinstance(meta["engine_args"], dict), meta
+    assert not set(META_KEYS) & (set(data) - {"meta"}), f"meta's keys repeated at the top: {sorted(data)}"
+    assert isinstance(data.get("results"), list) and data["results"], data.get("results")
+
+
+def test_the_layout_check_refuses_the_old_layouts():
+    """The negative control of assert_json_layout: the layouts bench wrote before its files
+    shared ``meta`` (latency's settings at the top, serve's without date or host)."""
+    old_latency = {"date": "2026-12-06T00:00:00", "host": "h", "argv": ["x"], "input_len": 5, "engine_args": {}}
+    old_serve = {"argv": ["x"], "workload": "random", "engine_args": {}, "results": [{}]}
+    for old in (dict(old_latency, results=[{}]), old_serve):
+        with pytest.raises(AssertionError, match="no meta block"):
+            assert_json_layout(old, "latency")
+    new = {"meta": dict(zip(("mode", "date"), ("latency", "d"))), "results": [{}]}
+    with pytest.raises(AssertionError):  # a meta block with keys missing
+        assert_json_layout(new, "latency")
+
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "nanovllm" / "bench"
 
@@ -196,7 +226,9 @@ def test_a_failing_peer_gets_its_own_line(model, capsys, tmp_path):
     assert [line.split(":")[0] for line in figures] == ["  nanovllm run 1", "  transformers generate (padded batch)"]
     rows = [line for line in captured.out.splitlines() if line.startswith("| vllm ")]
     assert len(rows) == 1 and "failed: RuntimeError" in rows[0] and rows[0].endswith("| - | - |"), captured.out
-    saved = json.loads(out.read_text())["results"]
+    data = json.loads(out.read_text())
+    assert_json_layout(data, "throughput")
+    saved = data["results"]
     assert [r["engine"] for r in saved][-1] == "vllm" and "No module named 'vllm'" in saved[-1]["failed"]
     assert "tokens_per_s" not in saved[-1]
 
@@ -396,6 +428,8 @@ def test_bench_latency(model, capsys, tmp_path):
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     saved = json.loads(out.read_text())
+    assert_json_layout(saved, "latency")
+    assert saved["meta"]["device"] and (saved["input_len"], saved["output_len"]) == (5, 4)
     assert [r["batch_size"] for r in saved["results"]] == [1, 3]
     for r in saved["results"]:
         b = r["batch_size"]
@@ -470,6 +504,35 @@ def test_bench_serve_starts_one_server_per_variant(monkeypatch):
     assert rows == ["nanovllm serve", "nanovllm serve --no-engine-process --threads 1"]
     assert len(commands) == 2 and "--no-engine-process" not in commands[0]
     assert commands[1][-3:] == ["--no-engine-process", "--threads", "1"]
+
+
+def test_bench_serve_json_has_the_shared_layout(monkeypatch, tmp_path):
+    """`bench serve --json-out`: the same ``meta`` block as the offline modes, the device unknown
+    (the server may be on another machine), the run's settings beside it (scripted servers)."""
+    import contextlib
+
+    import nanovllm.bench.serve as serve_mod
+    from nanovllm.entrypoints.cli import build_parser
+
+    @contextlib.contextmanager
+    def fake_server(cmd, **kwargs):
+        yield "http://127.0.0.1:1"
+
+    class Row(str):
+        def summary(self):
+            return {"engine": str(self), "failed": 0}
+
+    monkeypatch.setattr(serve_mod, "server", fake_server)
+    monkeypatch.setattr(serve_mod, "_measured", lambda label, url, model, w, args: Row(label))
+    monkeypatch.setattr(serve_mod, "print_table", lambda measured, offline: None)
+    out = tmp_path / "serve.json"
+    argv = ["bench", "serve", "--model", zoo_model(MODEL), "--dataset", "random", "--num-prompts", "2"]
+    argv += ["--input-len", "4", "--output-len", "2", "--max-concurrency", "3", "--json-out", str(out)]
+    assert serve_mod.run_bench_serve(build_parser().parse_args(argv)) == 0
+    data = json.loads(out.read_text())
+    assert_json_layout(data, "serve")
+    assert data["meta"]["device"] is None and data["max_concurrency"] == 3 and data["workload"] == "random"
+    assert data["results"] == [{"engine": "nanovllm serve", "failed": 0}]
 
 
 def test_bench_serve_keeps_each_servers_log_with_server_log_dir(monkeypatch, tmp_path):

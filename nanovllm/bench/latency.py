@@ -12,14 +12,12 @@ first token time) / (output tokens - 1); per batch, its wall time. Reported: p50
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import random
 import sys
 import time
 from dataclasses import dataclass, field
 
-from nanovllm.bench.json_out import write_json
+from nanovllm.bench.json_out import run_meta, write_json
 from nanovllm.bench.serve import percentile
 
 DEFAULT_BATCH_SIZES = (1, 8)
@@ -105,10 +103,11 @@ def run_latency(args: argparse.Namespace) -> int:
     llm = LLM(args.model, **eargs)
     try:
         vocab_size = llm.llm_engine.vocab_size
+        device = llm.llm_engine.config.device
         print(
             f"latency: batch sizes {sizes}, input {input_len} tokens, output {output_len} tokens, "
             f"{args.num_iters} timed batches each (+{args.num_iters_warmup} warm-up); "
-            f"model {args.model or 'default'}, {llm.llm_engine.config.device}",
+            f"model {args.model or 'default'}, {device}",
             file=sys.stderr,
         )
         results = [
@@ -122,12 +121,9 @@ def run_latency(args: argparse.Namespace) -> int:
         write_json(
             args.json_out,
             {
-                "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                "host": platform.node(),
-                "argv": sys.argv,
+                "meta": run_meta("latency", eargs, str(device)),
                 "input_len": input_len,
                 "output_len": output_len,
-                "engine_args": eargs,
                 "results": [r.summary() for r in results],
             },
         )

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import logging
-import platform
 import statistics
 import sys
 from collections.abc import Sequence
@@ -24,6 +22,7 @@ import torch
 from nanovllm.bench import peers
 from nanovllm.bench.args import PEERS, SELF_PEER, add_bench_args  # noqa: F401  (re-exported)
 from nanovllm.bench.datasets import build_workload, resolve_name
+from nanovllm.bench.json_out import device_name, run_meta
 from nanovllm.bench.json_out import write_json as write_strict_json
 from nanovllm.bench.lengths import check_fits, max_model_len
 from nanovllm.bench.roofline import KNOWN_DEVICES, Roofline, device_limits, roofline
@@ -150,7 +149,7 @@ def run_ours(target: Target, args: argparse.Namespace) -> list[peers.Measurement
 
 
 def target_device_name(target: Target) -> str:
-    return torch.cuda.get_device_name() if target.device == "cuda" else platform.processor() or "cpu"
+    return device_name(target.device)
 
 
 def target_roofline(target: Target, engine_args: dict) -> Roofline | None:
@@ -316,14 +315,6 @@ def print_table(
 def write_json(
     path: str, target: Target, results: list[peers.Measurement], outcomes: list[PeerResult], limit: Roofline | None
 ) -> None:
-    meta = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "device": target_device_name(target),
-        "workload": target.workload.name,
-        "engine_args": target.engine_args,
-        "argv": sys.argv,
-    }
     rows = [
         {
             "engine": m.engine,
@@ -339,9 +330,10 @@ def write_json(
     write_strict_json(
         path,
         {
-            "meta": meta,
-            "results": rows,
+            "meta": run_meta("throughput", target.engine_args, target.device),
+            "workload": target.workload.name,
             "roofline_tokens_per_s": limit.output_tokens_per_s if limit else None,
             "roofline_device": asdict(limit.device) if limit else None,
+            "results": rows,
         },
     )

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from nanovllm.bench.datasets import build_workload
-from nanovllm.bench.json_out import write_json
+from nanovllm.bench.json_out import run_meta, write_json
 from nanovllm.bench.server_process import nanovllm_serve_command, server
 from nanovllm.bench.workloads import Workload, shape_config_dir
 from nanovllm.cpu_threads import own_cpu_seconds
@@ -451,11 +451,10 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         write_json(
             args.json_out,
             {
-                "argv": sys.argv,
+                "meta": run_meta("serve", eargs, None),
                 "workload": w.name,
                 "request_rate": args.request_rate,
                 "max_concurrency": args.max_concurrency,
-                "engine_args": eargs,
                 "offline_tokens_per_s": offline.tokens_per_s if offline else None,
                 "results": [m.summary() for m in rows],
             },
