@@ -50,6 +50,8 @@ class Pool:
             "2",
             "--override-generation-config",
             '{"temperature": 0}',
+            "--metrics-prefix",  # each front end names the series as vLLM does, from the shared files too
+            "vllm",
         ]
         self.proc = start_server(self.log, self.port, flags, env={"NANOVLLM_SERVER_DEV_MODE": "1"})
         _wait_healthy(self.proc, self.url, self.log.name)
@@ -167,8 +169,9 @@ def test_two_front_ends_answer_as_one_server_and_stop_on_sigterm(pool):
 
     for _ in range(4):  # whichever front end answers, it counts every request
         text = httpx.get(f"{pool.url}/metrics", timeout=30).text
-        assert _metric(text, "nanovllm:request_success_total") == total
-        assert _metric(text, "nanovllm:generation_tokens_total") == N_REQUESTS * 10 + one_front_end * 6
+        assert _metric(text, "vllm:request_success_total") == total
+        assert _metric(text, "vllm:generation_tokens_total") == N_REQUESTS * 10 + one_front_end * 6
+        assert "nanovllm:request_success" not in text
     cpu = _metric(text, "process_cpu_seconds_total")
     each = [process_cpu_seconds(pid) for pid in fronts]
     assert max(each) < cpu <= sum(each) + 0.05, (cpu, each)  # the front ends' sum, not one of them

@@ -103,12 +103,14 @@ def build_app(
     dev_mode: bool | None = None,
     metrics_dir: str | None = None,
     sampling_defaults: dict | None = None,
+    metrics_prefix: str = "nanovllm",
 ) -> FastAPI:
     """The app over ``engine``; ``metrics_dir``: a Prometheus multiprocess directory shared with
     the server's other front-end processes (``api_server_pool.py``); ``sampling_defaults``: what a
-    request gets for a sampling field it leaves out (``generation_defaults.py``)."""
+    request gets for a sampling field it leaves out (``generation_defaults.py``);
+    ``metrics_prefix``: ``vllm`` names the series vLLM also has as vLLM does (``metrics.py``)."""
     app = FastAPI(title="nanovllm OpenAI-compatible server", docs_url=None, redoc_url=None)
-    metrics = ServerMetrics(engine, served_model_names[0], multiprocess_dir=metrics_dir)
+    metrics = ServerMetrics(engine, served_model_names[0], multiprocess_dir=metrics_dir, prefix=metrics_prefix)
     max_model_len = engine.max_model_len
     defaults = dict(sampling_defaults or {})
     created = int(time.time())
@@ -276,7 +278,11 @@ async def serve(args, engine_kwargs: dict, sock=None) -> None:
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         app = build_app(
-            engine, served_names(args), api_key=args.api_key, sampling_defaults=getattr(args, "sampling_defaults", None)
+            engine,
+            served_names(args),
+            api_key=args.api_key,
+            sampling_defaults=getattr(args, "sampling_defaults", None),
+            metrics_prefix=getattr(args, "metrics_prefix", "nanovllm"),
         )
         config = uvicorn.Config(
             app,

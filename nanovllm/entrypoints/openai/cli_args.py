@@ -80,6 +80,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         "open stream ends with an error event and [DONE], and its request is stopped",
     )
     p.add_argument(
+        "--metrics-prefix",
+        default="nanovllm",
+        choices=["nanovllm", "vllm"],
+        help="name of /metrics' series: nanovllm (default), or vllm: the series vLLM also exposes get "
+        "vLLM's names (vllm:num_requests_waiting, vllm:kv_cache_usage_perc, ...), for dashboards, "
+        "autoscalers and routers written for vLLM; the others keep nanovllm:",
+    )
+    p.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],

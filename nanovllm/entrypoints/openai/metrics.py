@@ -1,5 +1,9 @@
 """GET /metrics: Prometheus metrics (``prometheus_client``), vLLM's names under ``nanovllm:``.
 
+``serve --metrics-prefix vllm`` names the series vLLM also exposes as vLLM does (``vllm:``,
+``VLLM_SERIES``), so dashboards, autoscalers and routers written for vLLM read them as they are;
+the series vLLM does not have keep ``nanovllm:`` (``series_name``).
+
 Per-request figures (TTFT, inter-token latency, end-to-end and queue time, token counts,
 finished requests by reason) are observed from every RequestOutput the engine hands the front
 end, whichever caller consumes it; engine-wide ones (running / waiting requests, KV-cache
@@ -54,6 +58,34 @@ LATENCY_BUCKETS = (
 )
 FRONT_END_PIDS_FILE = "front_end_pids"  # in the multiprocess directory: the front ends' pids, a line each
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+METRICS_PREFIXES = ("nanovllm", "vllm")  # serve --metrics-prefix
+# the series whose name and meaning vLLM's /metrics shares (its v1 PrometheusStatLogger)
+VLLM_SERIES = frozenset(
+    {
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "num_preemptions",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "request_success",
+        "prompt_tokens",
+        "generation_tokens",
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+    }
+)
+
+
+def series_name(series: str, prefix: str = "nanovllm") -> str:
+    """``prefix:series`` for a series vLLM also has, else ``nanovllm:series``."""
+    if prefix not in METRICS_PREFIXES:
+        raise ValueError(f"metrics prefix must be one of {', '.join(METRICS_PREFIXES)}, got {prefix!r}")
+    return f"{prefix}:{series}" if series in VLLM_SERIES else f"nanovllm:{series}"
 
 
 def observe_many(histogram, amount: float, count: int) -> None:
@@ -80,42 +112,42 @@ def observe_many(histogram, amount: float, count: int) -> None:
 class EngineStatsCollector:
     """Engine-wide gauges and counters from ``AsyncLLM.stats`` (the snapshot after the last step)."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str):
-        self.engine, self.labels = engine, [model_name]
+    def __init__(self, engine: AsyncLLM, model_name: str, prefix: str = "nanovllm"):
+        self.engine, self.labels, self.prefix = engine, [model_name], prefix
 
     def collect(self):
         s = self.engine.stats
         name = ["model_name"]
 
-        def gauge(metric, doc, value):
-            g = GaugeMetricFamily(metric, doc, labels=name)
+        def gauge(series, doc, value):
+            g = GaugeMetricFamily(series_name(series, self.prefix), doc, labels=name)
             g.add_metric(self.labels, value)
             return g
 
-        def counter(metric, doc, value):
-            c = CounterMetricFamily(metric, doc, labels=name)
+        def counter(series, doc, value):
+            c = CounterMetricFamily(series_name(series, self.prefix), doc, labels=name)
             c.add_metric(self.labels, value)
             return c
 
         total = s["num_kv_blocks"]
         queries, hits = s["prefix_cache_query_tokens"], s["prefix_cache_hit_tokens"]
-        yield gauge("nanovllm:num_requests_running", "Requests in the running batch.", s["running"])
-        yield gauge("nanovllm:num_requests_waiting", "Requests waiting to be scheduled.", s["waiting"])
+        yield gauge("num_requests_running", "Requests in the running batch.", s["running"])
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s["waiting"])
         yield gauge(
-            "nanovllm:kv_cache_usage_perc",
+            "kv_cache_usage_perc",
             "Fraction of KV-cache blocks in use (1 = full).",
             (total - s["num_free_kv_blocks"]) / total if total else 0.0,
         )
-        yield gauge("nanovllm:num_kv_cache_blocks", "KV-cache blocks in all.", total)
-        yield counter("nanovllm:num_preemptions", "Preemptions (recompute).", s["preemptions"])
-        yield counter("nanovllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries)
-        yield counter("nanovllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
+        yield gauge("num_kv_cache_blocks", "KV-cache blocks in all.", total)
+        yield counter("num_preemptions", "Preemptions (recompute).", s["preemptions"])
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
         yield gauge(
-            "nanovllm:prefix_cache_hit_rate",
+            "prefix_cache_hit_rate",
             "Prefix-cache hits / queries (tokens), since start.",
             hits / queries if queries else 0.0,
         )
-        yield counter("nanovllm:engine_steps", "Engine steps.", s["steps"])
+        yield counter("engine_steps", "Engine steps.", s["steps"])
 
 
 def process_cpu_seconds(pid: int) -> float:
@@ -178,10 +210,16 @@ class ServerMetrics:
     """The app's registry; ``observe`` is an AsyncLLM output observer. ``multiprocess_dir``:
     the Prometheus multiprocess directory of a server with several front-end processes."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str, multiprocess_dir: str | None = None):
+    def __init__(
+        self, engine: AsyncLLM, model_name: str, multiprocess_dir: str | None = None, prefix: str = "nanovllm"
+    ):
         # no `*_created` series (each counter's and histogram's creation time): a third of the
         # page, and dashboards read none of them (vLLM's /metrics leaves them out too)
         disable_created_metrics()
+
+        def name(series: str) -> str:
+            return series_name(series, prefix)
+
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         if multiprocess_dir is None:
@@ -201,44 +239,42 @@ class ServerMetrics:
             multiprocess.MultiProcessCollector(self.registry, path=multiprocess_dir)
             self.registry.register(FrontEndsCollector(os.path.join(multiprocess_dir, FRONT_END_PIDS_FILE)))
         self.requests = Counter(
-            "nanovllm:request_success",
+            name("request_success"),
             "Finished requests, by finish reason.",
             ["model_name", "finished_reason"],
             registry=r,
         )
-        self.prompt_tokens = Counter(
-            "nanovllm:prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r
-        )
-        self.generation_tokens = Counter("nanovllm:generation_tokens", "Generated tokens.", labels, registry=r)
+        self.prompt_tokens = Counter(name("prompt_tokens"), "Prompt tokens of finished requests.", labels, registry=r)
+        self.generation_tokens = Counter(name("generation_tokens"), "Generated tokens.", labels, registry=r)
         self.ttft = Histogram(
-            "nanovllm:time_to_first_token_seconds",
+            name("time_to_first_token_seconds"),
             "Arrival to first token.",
             labels,
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.itl = Histogram(
-            "nanovllm:inter_token_latency_seconds",
+            name("inter_token_latency_seconds"),
             "Time between consecutive output tokens.",
             labels,
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.e2e = Histogram(
-            "nanovllm:e2e_request_latency_seconds", "Arrival to finish.", labels, buckets=LATENCY_BUCKETS, registry=r
+            name("e2e_request_latency_seconds"), "Arrival to finish.", labels, buckets=LATENCY_BUCKETS, registry=r
         )
         self.queue = Histogram(
-            "nanovllm:request_queue_time_seconds",
+            name("request_queue_time_seconds"),
             "Arrival to first scheduled.",
             labels,
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.prompt_len = Histogram(
-            "nanovllm:request_prompt_tokens", "Prompt length.", labels, buckets=TOKEN_BUCKETS, registry=r
+            name("request_prompt_tokens"), "Prompt length.", labels, buckets=TOKEN_BUCKETS, registry=r
         )
         self.gen_len = Histogram(
-            "nanovllm:request_generation_tokens",
+            name("request_generation_tokens"),
             "Generated tokens per request.",
             labels,
             buckets=TOKEN_BUCKETS,
@@ -257,7 +293,7 @@ class ServerMetrics:
             self.gen_len,
         ):
             metric.labels(model_name)
-        self.registry.register(EngineStatsCollector(engine, model_name))
+        self.registry.register(EngineStatsCollector(engine, model_name, prefix))
         self.model_name = model_name
         # the series touched on every output, looked up once (labels() locks and hashes each call)
         self._ttft, self._itl = self.ttft.labels(model_name), self.itl.labels(model_name)
