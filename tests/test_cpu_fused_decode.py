@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(
     or cpu_kernels.rms_norm_lanes() is None
     or cpu_kernels.silu_lanes() is None,
     reason="the fused decode layers need every CPU kernel of the Python layers: oneDNN (weights are packed where "
-    "it is), the rows kernel (AVX-512, NANOVLLM_CPU_KERNELS and NANOVLLM_CPU_ROWS_LINEAR not 0) and the C "
+    "it is), the rows kernel (AVX-512 or AVX2, NANOVLLM_CPU_KERNELS and NANOVLLM_CPU_ROWS_LINEAR not 0) and the C "
     "RMSNorm and SiLU (torch's lane counts found)",
 )
 

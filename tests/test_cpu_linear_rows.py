@@ -207,7 +207,7 @@ def _require_the_path(path: str) -> None:
         require_onednn_batch_invariance(WIDE_MLP_SHAPES, torch.float32)
     elif not cpu_linear.rows_enabled():
         pytest.skip(
-            "the rows kernel is off here: the CPU kernels are not built with AVX-512, not built at all, "
+            "the rows kernel is off here: the CPU kernels are built with neither AVX-512 nor AVX2, not built at all, "
             f"or NANOVLLM_CPU_KERNELS / {cpu_linear.ROWS_SWITCH} is 0"
         )
 

@@ -25,7 +25,7 @@ from nanovllm.layers import cpu_linear
 
 pytestmark = pytest.mark.skipif(
     not (cpu_linear.available() and cpu_kernels.rows_linear_available()),
-    reason="the rows kernel is off here (it needs the CPU kernels built, with AVX-512, and NANOVLLM_CPU_KERNELS "
+    reason="the rows kernel is off here (it needs the CPU kernels built, with AVX-512 or AVX2, and NANOVLLM_CPU_KERNELS "
     "not 0) or oneDNN is missing to compare with",
 )
 
@@ -80,7 +80,7 @@ def require_onednns_order(n: int, k: int, bias: bool = False) -> None:
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("bias", (False, True))
 def test_the_vector_kernel_sums_in_its_documented_order(n, k, bias):
-    """Any machine: the AVX-512 kernel equals the scalar reference of its order bitwise, every row count."""
+    """Any machine: the vector kernel (AVX-512 or AVX2) equals the scalar reference of its order bitwise, every row count."""
     w = _weight(n, k, seed=n + k)
     b = torch.randn(n) if bias else None
     x = torch.randn(max(ROW_COUNTS), k, generator=torch.Generator().manual_seed(k))

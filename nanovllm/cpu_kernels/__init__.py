@@ -89,7 +89,7 @@ class Kernels(NamedTuple):
     greedy: Any
     rms_norm: Any
     silu_and_mul: Any
-    rows_linear: Any  # None where the build has no AVX-512 (rows_linear.c)
+    rows_linear: Any  # None where the build has neither AVX-512 nor AVX2 with FMA (rows_linear.c)
     rows_pack: Any
     rows_reference: Any  # the same order in scalar code, for the tests (rows_linear.c)
     rows_chunk_max_rows: int  # the most rows rows_linear takes K in chunks for (more: whole segments per tile)
@@ -403,7 +403,7 @@ ROWS_STRIP = 16  # output columns per strip of a rows-packed weight (rows_linear
 
 
 def rows_linear_available() -> bool:
-    """Whether the rows linear kernel is built (float32, AVX-512) and not switched off."""
+    """Whether the rows linear kernel is built (float32; AVX-512, or AVX2 with FMA) and not switched off."""
     kernels = load()
     return kernels is not None and kernels.rows_linear is not None
 
@@ -420,7 +420,9 @@ def rows_pack(weight: torch.Tensor) -> torch.Tensor:
     [ceil(N / 16), K, 16], zero columns past N."""
     kernels = _kernels(weight)
     if kernels.rows_pack is None:
-        raise RuntimeError("rows_pack: this build of the CPU kernels has no AVX-512 (rows_linear_available() is False)")
+        raise RuntimeError(
+            "rows_pack: this build of the CPU kernels has neither AVX-512 nor AVX2 (rows_linear_available() is False)"
+        )
     if weight.dim() != 2:
         raise ValueError(f"rows_pack: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
     weight = weight.detach().contiguous()
@@ -437,7 +439,7 @@ def rows_linear(x: torch.Tensor, strips: torch.Tensor, n: int, bias: torch.Tenso
     kernels = _kernels(x, strips, *([] if bias is None else [bias]))
     if kernels.rows_linear is None:
         raise RuntimeError(
-            "rows_linear: this build of the CPU kernels has no AVX-512 (rows_linear_available() is False)"
+            "rows_linear: this build of the CPU kernels has neither AVX-512 nor AVX2 (rows_linear_available() is False)"
         )
     if x.dim() != 2:
         x = x.reshape(-1, x.shape[-1])

@@ -20,15 +20,23 @@
  *
  * Speed (SmolLM2-135M's 121 products of a decode step, weights streamed from memory): on a 2-core AMD
  * EPYC, before the K chunks, 1.4-1.9x oneDNN at 1-4 rows, 1.1-1.3x at 8-64 rows, level at 471 and 1,024
- * rows; the K chunks then gained 10-16 % at 7-16 rows and 7.5 % at 32 on a 2-core Intel Xeon. Where
- * the compiler has no AVX-512 this file builds stubs and ``rows_linear_vectorized`` says 0.
+ * rows; the K chunks then gained 10-16 % at 7-16 rows and 7.5 % at 32 on a 2-core Intel Xeon.
+ *
+ * Without AVX-512, AVX2 with FMA (most laptops) runs the same layout and order with 8-float vectors,
+ * two per strip, in tiles sized for its 16 registers (the AVX2 section below): the same bits as the
+ * AVX-512 kernel and the scalar reference; on a 2-core AVX2 AMD EPYC, 1.4-1.7x oneDNN at 1-16 rows
+ * and 1.1-1.2x at 32-1,024 (30 layers of SmolLM2-135M's products). With neither, this file builds
+ * stubs and ``rows_linear_vectorized`` says 0.
  */
 #include <math.h>
 #include <stdint.h>
 #include "cpu_kernels.h"
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define ROWS_VECTORIZED 1
 #include <immintrin.h>
 #include <omp.h>
+#else
+#define ROWS_VECTORIZED 0
 #endif
 
 #define STRIP 16 /* output columns per strip: one float32 vector */
@@ -54,8 +62,11 @@
 /* the most rows the chunked path takes (the packing check probes it, and one row more: the other path) */
 int rows_linear_chunk_max_rows(void) { return CHUNK_MAX_ROWS; }
 
+/* 2: AVX-512, 1: AVX2 with FMA, 0: neither (stubs; the Python side keeps oneDNN) */
 int rows_linear_vectorized(void) {
 #if defined(__AVX512F__)
+    return 2;
+#elif ROWS_VECTORIZED
     return 1;
 #else
     return 0;
@@ -81,7 +92,7 @@ void rows_linear_reference_f32(const float *x, const float *w, const float *bias
         }
 }
 
-#if defined(__AVX512F__)
+#if ROWS_VECTORIZED
 
 /* Pack W [n][k] into [ceil(n/16)][k][16]: each strip's rows read in order, zero columns past n. */
 void rows_pack_f32(const float *w, float *out, int n, int k, int num_threads) {
@@ -99,6 +110,10 @@ void rows_pack_f32(const float *w, float *out, int n, int k, int num_threads) {
         }
     }
 }
+
+#endif
+
+#if defined(__AVX512F__)
 
 /* Rows [0, MR) x strips [0, NR): the k range [kc0, kc1) of one K segment. ``start``: the chain
  * starts from zero, else it goes on from the partial sums in ``acc`` (``lda`` floats a row apart).
@@ -213,7 +228,135 @@ int rows_linear_f32(const float *x, const float *w, const float *bias, float *y,
     return 0;
 }
 
-#else /* no AVX-512: the Python side keeps oneDNN (rows_linear_vectorized() == 0) */
+#elif ROWS_VECTORIZED /* AVX2 with FMA: a strip is two 8-float vectors */
+
+/* 16 vector registers (AVX-512 has 32): a tile keeps at most 12 sums, 2 x rows x strips. Rows x
+ * strips per tile by the call's row count (rows_tile_shape): 1 x 3 and 2 x 2 for one and two rows (as
+ * many weight streams in flight as the registers allow), else up to 6 x 1, the shape of the classic
+ * Haswell SGEMM kernel (12 sums, the strip's two vectors, one broadcast row value). Each output lane
+ * runs the same fused multiply-add chain as the AVX-512 kernel's, so the two give the same bits. */
+#define AVX2_TILE_ROWS 6
+#define AVX2_TILE_STRIPS 3
+
+static void rows_tile_shape(int m, int *rows, int *strips) {
+    if (m == 1)
+        *rows = 1, *strips = 3;
+    else if (m == 2)
+        *rows = 2, *strips = 2;
+    else
+        *rows = AVX2_TILE_ROWS, *strips = 1;
+}
+
+/* tail[0] / tail[1]: the lanes of the last strip's low / high vector that are columns below n */
+#define TILE2(MR, NR)                                                                                          \
+    static void tile2_##MR##_##NR(const float *restrict x, int64_t ldx, const float *restrict w, int k,        \
+                                  int kc0, int kc1, float *restrict acc_buf, int64_t lda, float *restrict y,   \
+                                  int64_t ldy, int start, int finish, int first, const __m256i *tail,          \
+                                  int full, int ahead) {                                                       \
+        __m256 acc[MR][NR][2];                                                                                 \
+        _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                                                   \
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++)                                               \
+                _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) acc[i][j][h] =                             \
+                    start ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_buf + i * lda + j * STRIP + h * 8);      \
+        const int64_t strip = (int64_t)k * STRIP;                                                              \
+        const float *wk = w + (int64_t)kc0 * STRIP;                                                            \
+        for (int kk = kc0; kk < kc1; kk++, wk += STRIP) {                                                      \
+            if (ahead)                                                                                         \
+                _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++)                                           \
+                    _mm_prefetch((const char *)(wk + (int64_t)ahead * STRIP + j * strip), _MM_HINT_T0);        \
+            __m256 wv[NR][2];                                                                                  \
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {                                             \
+                wv[j][0] = _mm256_loadu_ps(wk + j * strip);                                                    \
+                wv[j][1] = _mm256_loadu_ps(wk + j * strip + 8);                                                \
+            }                                                                                                  \
+            _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                             \
+                __m256 xv = _mm256_broadcast_ss(x + i * ldx + kk);                                             \
+                _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++)                                           \
+                    _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) acc[i][j][h] =                         \
+                        _mm256_fmadd_ps(xv, wv[j][h], acc[i][j][h]);                                           \
+            }                                                                                                  \
+        }                                                                                                      \
+        _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                                                   \
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++)                                               \
+                _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                                          \
+                    if (!finish) {                                                                             \
+                        _mm256_storeu_ps(acc_buf + i * lda + j * STRIP + h * 8, acc[i][j][h]);                 \
+                        continue;                                                                              \
+                    }                                                                                          \
+                    float *dst = y + i * ldy + j * STRIP + h * 8;                                              \
+                    if (j < NR - 1 || full) {                                                                  \
+                        __m256 v = first ? acc[i][j][h] : _mm256_add_ps(_mm256_loadu_ps(dst), acc[i][j][h]);   \
+                        _mm256_storeu_ps(dst, v);                                                              \
+                    } else {                                                                                   \
+                        __m256 v = first ? acc[i][j][h]                                                        \
+                                         : _mm256_add_ps(_mm256_maskload_ps(dst, tail[h]), acc[i][j][h]);      \
+                        _mm256_maskstore_ps(dst, tail[h], v);                                                  \
+                    }                                                                                          \
+                }                                                                                              \
+    }
+
+TILE2(1, 1) TILE2(1, 2) TILE2(1, 3) TILE2(2, 1) TILE2(2, 2) TILE2(3, 1) TILE2(4, 1) TILE2(5, 1) TILE2(6, 1)
+
+typedef void (*tile2_fn)(const float *, int64_t, const float *, int, int, int, float *, int64_t, float *, int64_t,
+                         int, int, int, const __m256i *, int, int);
+/* [rows - 1][strips - 1]: only the shapes rows_tile_shape picks (and their smaller edges) exist */
+static const tile2_fn TILES2[AVX2_TILE_ROWS][AVX2_TILE_STRIPS] = {
+    {tile2_1_1, tile2_1_2, tile2_1_3}, {tile2_2_1, tile2_2_2, NULL}, {tile2_3_1, NULL, NULL},
+    {tile2_4_1, NULL, NULL},           {tile2_5_1, NULL, NULL},      {tile2_6_1, NULL, NULL}};
+
+/* One strip group, rows [0, m): whole K segments per row tile, or (chunked) K in chunks of KC with
+ * every row tile through a chunk before the next, as the AVX-512 kernel's chunked_rows. */
+static void strip_group2(const float *x, int64_t ldx, const float *ws, int k, int m, float *ys, int64_t ldy,
+                         int seg, const __m256i *tail, int full, int ns, int tile_rows, int chunked,
+                         float *scratch) {
+    const int lda = AVX2_TILE_STRIPS * STRIP;
+    for (int k0 = 0; k0 < k; k0 += seg) {
+        int k1 = k - k0 > seg ? k0 + seg : k;
+        int step = chunked ? KC : k1 - k0;
+        for (int kc0 = k0; kc0 < k1; kc0 += step) {
+            int kc1 = k1 - kc0 > step ? kc0 + step : k1;
+            for (int m0 = 0; m0 < m; m0 += tile_rows) {
+                int mr = m - m0 < tile_rows ? m - m0 : tile_rows;
+                TILES2[mr - 1][ns - 1](x + m0 * ldx, ldx, ws, k, kc0, kc1, chunked ? scratch + m0 * lda : NULL, lda, ys + m0 * ldy,
+                                       ldy, kc0 == k0, kc1 == k1, k0 == 0, tail, full,
+                                       m0 == 0 ? (chunked ? KC : AHEAD) : 0);
+            }
+        }
+    }
+}
+
+int rows_linear_f32(const float *x, const float *w, const float *bias, float *y, int m, int n, int k,
+                    int64_t ldx, int64_t ldy, int seg, int num_threads) {
+    if (m < 0 || n <= 0 || k <= 0 || seg <= 0 || ldx < k || ldy < n || num_threads < 1) return -1;
+    int strips = (n + STRIP - 1) / STRIP;
+    if (num_threads > strips) num_threads = strips;
+    int tile_rows, group;
+    rows_tile_shape(m, &tile_rows, &group);
+#pragma omp parallel num_threads(num_threads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int s0 = (int)((int64_t)strips * t / nt), s1 = (int)((int64_t)strips * (t + 1) / nt);
+        float scratch[CHUNK_MAX_ROWS * AVX2_TILE_STRIPS * STRIP] __attribute__((aligned(64)));
+        int chunked = m > tile_rows && m <= CHUNK_MAX_ROWS;
+        for (int s = s0; s < s1; s += group) {
+            int ns = s1 - s < group ? s1 - s : group;
+            int tail_cols = n - (s + ns - 1) * STRIP, full = tail_cols >= STRIP;
+            __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            __m256i tail[2] = {_mm256_cmpgt_epi32(_mm256_set1_epi32(tail_cols), lanes),
+                               _mm256_cmpgt_epi32(_mm256_set1_epi32(tail_cols - 8), lanes)};
+            strip_group2(x, ldx, w + (int64_t)s * k * STRIP, k, m, y + s * STRIP, ldy, seg, tail, full, ns,
+                         tile_rows, chunked, scratch);
+            if (bias) {
+                int c1 = (s + ns) * STRIP < n ? (s + ns) * STRIP : n;
+                for (int i = 0; i < m; i++)
+                    for (int c = s * STRIP; c < c1; c++) y[i * ldy + c] += bias[c];
+            }
+        }
+    }
+    return 0;
+}
+
+#else /* neither AVX-512 nor AVX2 with FMA: the Python side keeps oneDNN (rows_linear_vectorized() == 0) */
 
 void rows_pack_f32(const float *w, float *out, int n, int k, int num_threads) {
     (void)w, (void)out, (void)n, (void)k, (void)num_threads;

@@ -18,11 +18,12 @@ AVX-512 BF16 or AMX): there a bfloat16 matmul runs at about twice the float32 ra
 development machine, 4096x576 @ 576x1728: 186 -> 383 GFLOP/s). Elsewhere oneDNN would emulate
 bfloat16, so those weights keep ``F.linear``.
 
-float32 weights go to our own kernel where it is built (``rows_linear.c``: AVX-512): each output one
+float32 weights go to our own kernel where it is built (``rows_linear.c``: AVX-512, or AVX2 with FMA): each output one
 fused multiply-add chain over K, restarted every ``segment(K)`` elements, the pieces added in order,
 then the bias, whatever the batch or thread count, so a row's bits never depend on the rows beside it
 (no lone-row pairing needed), on any machine. It streams a decode step's weights faster than oneDNN
-(1.4-1.9x at 1-4 rows, 1.1-1.3x at 8-64, level for prefill chunks; AMD development machine, SmolLM2-135M),
+(1.4-1.9x at 1-4 rows, 1.1-1.3x at 8-64, level for prefill chunks; AMD development machine, SmolLM2-135M;
+with AVX2, 1.4-1.7x at 1-16 rows and 1.1-1.2x at 32-1,024 on an AVX2 EPYC),
 and its packed copy (``RowsWeight``) replaces oneDNN's, so memory stays one packed copy per weight.
 The segments are oneDNN's own on both development machines (AMD EPYC and Intel Xeon, AVX-512, torch
 2.13.0+cpu), so there both products give the same bits; another machine's oneDNN may sum otherwise (one seen did, for
