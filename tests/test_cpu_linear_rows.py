@@ -63,7 +63,7 @@ def onednn_sums_a_lone_row_apart(shapes, dtype: torch.dtype = torch.float32) -> 
     sums a lone row like a batch, so a control that turns the pairing off has nothing to show."""
     for n, k in shapes:
         w, packed = _packed(n, k, seed=n * 31 + k, dtype=dtype)
-        raw = lambda rows: cpu_linear._product(rows.contiguous(), packed, None)  # noqa: E731
+        raw = lambda rows, packed=packed: cpu_linear._product(rows.contiguous(), packed, None)  # noqa: E731
         if _rows_alone_and_in_batches(raw, _x(k, seed=n, dtype=dtype), batches=(2,)):
             return True
     return False
