@@ -31,7 +31,8 @@ pytestmark = pytest.mark.skipif(
 
 # (N, K): SmolLM2-135M's four layer products and its LM head's K, Qwen3-0.6B's MLP, and shapes with a
 # last strip of 1-15 columns and segments that do not divide K
-SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536), (1024, 3072), (17, 1100), (100, 700), (33, 64))
+# (AVX2 splits a strip in two 8-column vectors: a last strip of 9-15 columns masks both, N = 45)
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536), (1024, 3072), (17, 1100), (100, 700), (33, 64), (45, 130))
 ROW_COUNTS = (1, 2, 5, 6, 7, 13, 32, 37, 48, 49, 300)
 
 
@@ -341,3 +342,45 @@ def test_the_packing_verdict_is_asked_per_bias(monkeypatch):
     m = model()
     cpu_linear.pack_linear_weights(m)
     assert isinstance(m[1].packed_weight, cpu_linear.RowsWeight), "the control shows nothing"
+
+
+def test_the_avx2_code_keeps_the_order_where_the_engine_builds_avx512(tmp_path):
+    """The engine's build takes the AVX-512 code where the CPU has it, so on such a machine the AVX2
+    code (most laptops) would go unchecked: it is built here apart (``-mno-avx512f``) and compared
+    with the scalar reference bitwise, at the row counts of each tile shape it picks (1 x 3 strips, 2 x 2,
+    6 x 1, K chunks) and partial last strips. Control: the reference in another segment order differs."""
+    import ctypes
+    import subprocess
+
+    cc = cpu_kernels.compiler()
+    flags = cpu_kernels._cpu_flags().split()
+    if cc is None or not {"avx2", "fma"} <= set(flags):
+        pytest.skip("no C compiler, or this CPU has no AVX2 with FMA to run the AVX2 code on")
+    lib_path = tmp_path / "rows_avx2.so"
+    source = cpu_kernels.HERE / "rows_linear.c"
+    subprocess.run(
+        [cc, *cpu_kernels.compile_flags(), "-mno-avx512f", str(source), "-o", str(lib_path), "-lm"], check=True
+    )
+    lib = ctypes.CDLL(str(lib_path))
+    assert lib.rows_linear_vectorized() == 1, "the build apart did not take the AVX2 code"
+    run = lib.rows_linear_f32
+    run.restype = ctypes.c_int
+    run.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
+    lib.rows_pack_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
+    for n, k in ((17, 1100), (100, 700), (960, 576), (40, 24), (45, 130)):  # last strips of 1, 4, 16, 8, 13
+        w = _weight(n, k, seed=n * k)
+        b = torch.randn(n)
+        strips = torch.empty(-(-n // 16), k, 16)
+        lib.rows_pack_f32(w.data_ptr(), strips.data_ptr(), n, k, 2)
+        x = torch.randn(60, k + 3, generator=torch.Generator().manual_seed(k))[:, :k]  # rows k + 3 floats apart
+        seg = cpu_linear.segment(k)
+        for m in (1, 2, 3, 6, 7, 13, 48, 49, 60):
+            for bias in (None, b):
+                y = torch.full((m, n), float("nan"))
+                status = run(x.data_ptr(), strips.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                             m, n, k, x.stride(0), n, seg, 2)  # fmt: skip
+                assert status == 0
+                want = cpu_kernels.rows_linear_reference(x[:m].contiguous(), w, bias, seg)
+                assert torch.equal(y, want), f"N={n} K={k} rows={m} bias={bias is not None}: AVX2 code != reference"
+    other = cpu_kernels.rows_linear_reference(x[:2].contiguous(), w, None, 8)
+    assert not torch.equal(other, cpu_kernels.rows_linear_reference(x[:2].contiguous(), w, None, seg))
