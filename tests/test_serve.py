@@ -588,6 +588,52 @@ def test_models_tokenize_detokenize(url, client, offline):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens[1]"
 
 
+def test_chat_continues_the_final_message_and_echoes_it(url, offline):
+    """An assistant message left open (``continue_final_message``, no generation prompt): the prompt
+    ends with its content (the template's ids for it, /tokenize too), the answer goes on from there in
+    the assistant's role, and ``echo`` puts the message's content first, in the plain answer and as
+    the stream's first content chunk. Echo needs the answer's role: after a user message and a
+    generation prompt nothing is echoed. Both prompts' flags at once are a 400 naming the field."""
+    tok = offline.get_tokenizer()
+    conv = [{"role": "user", "content": "w10 w20"}, {"role": "assistant", "content": "w30 w40"}]
+    want_ids = tok.apply_chat_template(
+        conv, add_generation_prompt=False, continue_final_message=True, tokenize=True, return_dict=False
+    )
+    # (the zoo's template ends no turn with a token, so an open and a closed turn tokenize alike here:
+    # tests/test_chat_template_flags.py shows the flag reaching a template that does)
+    assert tok.decode(want_ids).endswith("w30 w40")
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    r = httpx.post(f"{url}/tokenize", json={"messages": conv, **flags}, headers=AUTH, timeout=30).json()
+    assert r["tokens"] == want_ids
+    body = {"model": "zoo", "messages": conv, "max_tokens": 8, "temperature": 0, "ignore_eos": True, **flags}
+
+    def post(**extra) -> dict:
+        r = httpx.post(f"{url}/v1/chat/completions", json={**body, **extra}, headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    plain, echo = post(), post(echo=True)
+    greedy = offline.generate(
+        [{"prompt_token_ids": want_ids}],
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert plain["choices"][0]["message"] == {"role": "assistant", "content": greedy.text}
+    assert plain["usage"]["prompt_tokens"] == len(want_ids)
+    assert echo["choices"][0]["message"]["content"] == "w30 w40" + greedy.text
+    assert echo["usage"] == plain["usage"]  # the echoed text is not generated
+    chunks = sse_chunks(url, "chat/completions", {**body, "echo": True, "stream": True})
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": ""} and deltas[1] == {"content": "w30 w40"}
+    assert "".join(d.get("content", "") for d in deltas) == "w30 w40" + greedy.text
+
+    asked = [{"role": "user", "content": "w10 w20"}]
+    answer = post(messages=asked, add_generation_prompt=True, continue_final_message=False, echo=True)
+    assert not answer["choices"][0]["message"]["content"].startswith("w10 w20")
+    r = httpx.post(f"{url}/v1/chat/completions", json={**body, "add_generation_prompt": True}, headers=AUTH, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+
+
 def test_metrics(url, client):
     names = [
         "nanovllm:time_to_first_token_seconds_count",

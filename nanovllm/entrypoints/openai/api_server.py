@@ -205,7 +205,12 @@ def build_app(
             raise OpenAIError(400, "give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
             ids = apply_chat_template(
-                tok, ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
+                tok,
+                ChatCompletionRequest(
+                    messages=body.messages,
+                    add_generation_prompt=body.add_generation_prompt,
+                    continue_final_message=body.continue_final_message,
+                ),
             )["prompt_token_ids"]
         else:
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)

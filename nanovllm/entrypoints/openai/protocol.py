@@ -134,6 +134,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # the last message left open, its turn not ended: the model goes on with it (an assistant
+    # message's start, "prefill"); not with add_generation_prompt
+    continue_final_message: bool = False
+    # the last message's content put before each choice's, where its role is the answer's
+    echo: bool = False
     chat_template_kwargs: dict | None = None
 
 
@@ -143,6 +148,7 @@ class TokenizeRequest(RequestModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(RequestModel):

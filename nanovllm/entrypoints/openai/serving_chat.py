@@ -57,12 +57,20 @@ def apply_chat_template(tokenizer, req: ChatCompletionRequest) -> dict:
     """{'prompt', 'prompt_token_ids'}: the same ids as ``LLM.chat`` for the same conversation."""
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
         raise OpenAIError(400, "this model has no chat template: use /v1/completions", "messages")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise OpenAIError(
+            400,
+            "continue_final_message and add_generation_prompt cannot both be true: the last message is "
+            "either continued or answered (set add_generation_prompt to false)",
+            "continue_final_message",
+        )
     try:
         ids = tokenizer.apply_chat_template(
             conversation(req.messages),
             add_generation_prompt=req.add_generation_prompt,
             tokenize=True,
             return_dict=False,
+            **({"continue_final_message": True} if req.continue_final_message else {}),
             **(req.chat_template_kwargs or {}),
         )
     except OpenAIError:
@@ -72,6 +80,20 @@ def apply_chat_template(tokenizer, req: ChatCompletionRequest) -> dict:
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return {"prompt": tokenizer.decode(ids, skip_special_tokens=False), "prompt_token_ids": list(ids)}
+
+
+def answer_role(req: ChatCompletionRequest) -> str:
+    """The answer's role: the assistant's after a generation prompt, else the last message's (the
+    model goes on in that turn), as vLLM answers."""
+    return "assistant" if req.add_generation_prompt else req.messages[-1].role
+
+
+def echoed(req: ChatCompletionRequest) -> str:
+    """With ``echo``, the last message's content where its role is the answer's (what the answer
+    goes on from), else nothing."""
+    if not req.echo or req.messages[-1].role != answer_role(req):
+        return ""
+    return conversation(req.messages[-1:])[0]["content"]
 
 
 def chat_logprobs(c: CompletionOutput, top: int, as_ids: bool = False) -> dict | None:
@@ -130,6 +152,7 @@ async def create_chat_completion(
     model = req.model or served[0]
     if req.stream:
         return _stream(req, started, request_id, model, top or 0)
+    role, echo = answer_role(req), echoed(req)
     results, completion_tokens = [], 0
     async with merged(started) as outputs:
         async for i, out in outputs:
@@ -139,7 +162,7 @@ async def create_chat_completion(
             results.append(
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": {"role": role, "content": echo + c.text},
                     "logprobs": chat_logprobs(c, top or 0, req.return_tokens_as_token_ids),
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
@@ -168,6 +191,7 @@ async def _stream(req: ChatCompletionRequest, started, request_id: str, model: s
     prompt_tokens = 0
     completion_tokens = [0] * len(started)  # per choice
     as_ids = req.return_tokens_as_token_ids
+    role, echo = answer_role(req), echoed(req)
 
     def chunk(i: int, delta: dict, c: CompletionOutput | None = None) -> dict:
         d = {
@@ -199,7 +223,9 @@ async def _stream(req: ChatCompletionRequest, started, request_id: str, model: s
                 completion_tokens[i] += len(c.token_ids)
                 if first[i]:
                     first[i] = False
-                    yield sse(chunk(i, {"role": "assistant", "content": ""}))
+                    yield sse(chunk(i, {"role": role, "content": ""}))
+                    if echo:
+                        yield sse(chunk(i, {"content": echo}))
                 if (
                     c.text
                     and c.logprobs is None

@@ -1,0 +1,62 @@
+"""The chat endpoint's prompt flags reach the chat template: ``continue_final_message`` leaves the
+last turn open (no end-of-turn token after it), ``add_generation_prompt`` opens the assistant's, and
+both at once are refused by name before the template runs. A template that ends each turn with
+``<eos>`` shows the difference, which the zoo's own template (no end-of-turn token) cannot."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install -e '.[serve]')")
+
+from conformance.zoo import zoo_model  # noqa: E402
+from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError  # noqa: E402
+from nanovllm.entrypoints.openai.serving_chat import answer_role, apply_chat_template, echoed  # noqa: E402
+
+TURN_ENDS = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|> ' + m['content'] }}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|> ' }}{% endif %}"
+)
+CONV = [{"role": "user", "content": "w10 w20"}, {"role": "assistant", "content": "w30 w40"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(zoo_model("qwen3-gqa2-hd64-tied"))
+    tok.chat_template = TURN_ENDS
+    return tok
+
+
+def request(**flags) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": CONV, **flags})
+
+
+def test_continue_final_message_leaves_the_last_turn_open(tokenizer):
+    eos = tokenizer.convert_tokens_to_ids("<eos>")
+    closed = apply_chat_template(tokenizer, request(add_generation_prompt=False))["prompt_token_ids"]
+    open_ = apply_chat_template(tokenizer, request(add_generation_prompt=False, continue_final_message=True))
+    assert closed[-1] == eos  # the control: without the flag the turn is ended
+    assert open_["prompt_token_ids"] == closed[:-1] and open_["prompt"].endswith("w30 w40")
+    answered = apply_chat_template(tokenizer, request())["prompt_token_ids"]
+    assert answered[: len(closed)] == closed and answered[-1] == tokenizer.convert_tokens_to_ids("<|assistant|>")
+
+
+def test_both_prompt_flags_are_refused_by_name(tokenizer):
+    with pytest.raises(OpenAIError) as e:
+        apply_chat_template(tokenizer, request(continue_final_message=True))
+    assert e.value.param == "continue_final_message" and "add_generation_prompt" in str(e.value)
+
+
+def test_echo_takes_the_last_message_only_in_the_answers_role():
+    # vLLM's rule: the roles decide, so an assistant message is echoed before a new assistant turn too
+    assert answer_role(request()) == "assistant" and echoed(request(echo=True)) == "w30 w40"
+    assert echoed(request(add_generation_prompt=False, continue_final_message=True, echo=True)) == "w30 w40"
+    asked = ChatCompletionRequest.model_validate({"messages": CONV[:1], "echo": True})
+    assert answer_role(asked) == "assistant" and echoed(asked) == ""
+    left_open = ChatCompletionRequest.model_validate(
+        {"messages": CONV[:1], "echo": True, "add_generation_prompt": False}
+    )
+    assert answer_role(left_open) == "user" and echoed(left_open) == "w10 w20"
+    assert echoed(request(add_generation_prompt=False)) == ""  # echo not asked
