@@ -173,13 +173,23 @@ class LLM:
             bar.close()
 
     def chat_prompts(
-        self, messages, add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None
+        self,
+        messages,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+        continue_final_message: bool = False,
     ) -> list[dict]:
         """The prompts chat() generates from: the tokenizer's chat template applied to one
-        conversation (a list of {"role", "content"} dicts) or to each of a list of them."""
+        conversation (a list of {"role", "content"} dicts) or to each of a list of them.
+        ``continue_final_message``: the last message's turn is left open (the model goes on with it)."""
         tok = self.get_tokenizer()
         if tok is None or getattr(tok, "chat_template", None) is None:
             raise ValueError("chat() needs a tokenizer with a chat template; this model has none")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message=True and add_generation_prompt=True: the last message is either "
+                "continued or answered (pass add_generation_prompt=False)"
+            )
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts or a list of such lists")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -193,6 +203,7 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
                 return_dict=False,
+                **({"continue_final_message": True} if continue_final_message else {}),
                 **(chat_template_kwargs or {}),
             )
             if isinstance(ids, dict) or hasattr(ids, "keys"):
@@ -207,12 +218,14 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation (a list of
-        {"role", "content"} dicts) or a list of conversations, then generate."""
-        return self.generate(
-            self.chat_prompts(messages, add_generation_prompt, chat_template_kwargs), sampling_params, use_tqdm=use_tqdm
-        )
+        {"role", "content"} dicts) or a list of conversations, then generate.
+        ``continue_final_message``: the model goes on with the last message (with
+        ``add_generation_prompt=False``), e.g. an assistant message's start."""
+        prompts = self.chat_prompts(messages, add_generation_prompt, chat_template_kwargs, continue_final_message)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # -------------------------------------------------------------- lifetime
     def close(self) -> None:

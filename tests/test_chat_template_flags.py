@@ -60,3 +60,18 @@ def test_echo_takes_the_last_message_only_in_the_answers_role():
     )
     assert answer_role(left_open) == "user" and echoed(left_open) == "w10 w20"
     assert echoed(request(add_generation_prompt=False)) == ""  # echo not asked
+
+
+def test_llm_chat_takes_the_same_flag(tokenizer, monkeypatch):
+    """``LLM.chat_prompts(continue_final_message=True)`` gives the server's ids for the same
+    conversation, and refuses the flag beside a generation prompt (the engine itself is not needed)."""
+    from nanovllm import LLM
+
+    llm = LLM.__new__(LLM)
+    monkeypatch.setattr(llm, "get_tokenizer", lambda: tokenizer, raising=False)
+    served = apply_chat_template(tokenizer, request(add_generation_prompt=False, continue_final_message=True))
+    offline = llm.chat_prompts(CONV, add_generation_prompt=False, continue_final_message=True)
+    assert offline == [{"prompt_token_ids": served["prompt_token_ids"], "prompt": served["prompt"]}]
+    assert offline[0]["prompt_token_ids"] != llm.chat_prompts(CONV, add_generation_prompt=False)[0]["prompt_token_ids"]
+    with pytest.raises(ValueError, match="continue_final_message=True and add_generation_prompt=True"):
+        llm.chat_prompts(CONV, continue_final_message=True)
