@@ -45,8 +45,13 @@ MAX_DIVERGED_FRAC[Q4_1] = 1.0
 # logprobs within 0.75 (absolute). At delta 1.5 the rule still checks the 42 % of golden steps
 # whose top-1 beats the top-2 by more; the engine that forgets the scale on load fails it (3
 # sequences leave at margins above 1.5 or outside the top-5; prompt logprobs off by 6.6).
+# Then on a CPU without AVX-512 (session 33: its attention and elementwise kernels sum in another
+# order) one sequence left at a margin of 1.55, outside the recorded top-5 (known from the
+# float32 engine's top-20 on the same context): delta 2.0, which still checks the 32 % of golden
+# steps whose top-1 beats the top-2 by more, and still rejects the engine that forgets the scale
+# (a margin of 3.47 on the same data, and prompt logprobs off by 6.4).
 FP8_KV = "fp8 KV cache"
-DELTA[FP8_KV] = 1.5
+DELTA[FP8_KV] = 2.0
 LOGPROB_TOL[FP8_KV] = 0.75
 LOGPROB_RTOL[FP8_KV] = 0.0
 MAX_DIVERGED_FRAC[FP8_KV] = 1.0
