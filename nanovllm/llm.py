@@ -203,8 +203,10 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
                 return_dict=False,
-                **({"continue_final_message": True} if continue_final_message else {}),
-                **(chat_template_kwargs or {}),
+                **{
+                    **({"continue_final_message": True} if continue_final_message else {}),
+                    **(chat_template_kwargs or {}),
+                },
             )
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]

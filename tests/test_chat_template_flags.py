@@ -75,3 +75,18 @@ def test_llm_chat_takes_the_same_flag(tokenizer, monkeypatch):
     assert offline[0]["prompt_token_ids"] != llm.chat_prompts(CONV, add_generation_prompt=False)[0]["prompt_token_ids"]
     with pytest.raises(ValueError, match="continue_final_message=True and add_generation_prompt=True"):
         llm.chat_prompts(CONV, continue_final_message=True)
+
+
+def test_chat_template_kwargs_win_over_the_flag(tokenizer):
+    """The same key in ``chat_template_kwargs`` and as a flag: the kwargs win (as in vLLM), where
+    the two had been passed twice and the template call failed."""
+    eos = tokenizer.convert_tokens_to_ids("<eos>")
+    ids = apply_chat_template(
+        tokenizer,
+        request(
+            add_generation_prompt=False,
+            continue_final_message=True,
+            chat_template_kwargs={"continue_final_message": False},
+        ),
+    )["prompt_token_ids"]
+    assert ids[-1] == eos

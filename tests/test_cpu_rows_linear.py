@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(
 # last strip of 1-15 columns and segments that do not divide K
 # (AVX2 splits a strip in two 8-column vectors: a last strip of 9-15 columns masks both, N = 45)
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536), (1024, 3072), (17, 1100), (100, 700), (33, 64), (45, 130))
-ROW_COUNTS = (1, 2, 5, 6, 7, 13, 32, 37, 48, 49, 300)
+ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 10, 11, 13, 32, 37, 48, 49, 300)  # every last row tile, 1 to 6 rows
 
 
 def _weight(n: int, k: int, seed: int) -> torch.Tensor:
@@ -348,7 +348,8 @@ def test_the_avx2_code_keeps_the_order_where_the_engine_builds_avx512(tmp_path):
     """The engine's build takes the AVX-512 code where the CPU has it, so on such a machine the AVX2
     code (most laptops) would go unchecked: it is built here apart (``-mno-avx512f``) and compared
     with the scalar reference bitwise, at the row counts of each tile shape it picks (1 x 3 strips, 2 x 2,
-    6 x 1, K chunks) and partial last strips. Control: the reference in another segment order differs."""
+    6 x 1, K chunks) and partial last strips. Control: the AVX2 code run in another segment order
+    fails the same comparison."""
     import ctypes
     import subprocess
 
@@ -374,13 +375,19 @@ def test_the_avx2_code_keeps_the_order_where_the_engine_builds_avx512(tmp_path):
         lib.rows_pack_f32(w.data_ptr(), strips.data_ptr(), n, k, 2)
         x = torch.randn(60, k + 3, generator=torch.Generator().manual_seed(k))[:, :k]  # rows k + 3 floats apart
         seg = cpu_linear.segment(k)
-        for m in (1, 2, 3, 6, 7, 13, 48, 49, 60):
-            for bias in (None, b):
-                y = torch.full((m, n), float("nan"))
+        for m in (1, 2, 3, 4, 5, 6, 7, 10, 11, 13, 48, 49, 60):
+            for bias, threads in ((None, 2), (b, 1), (b, 7)):
+                # rows n + 16 floats apart, the padding and one row more a sentinel: nothing past column n
+                # or past the last row may be written
+                y = torch.full((m + 1, n + 16), float("nan"))
                 status = run(x.data_ptr(), strips.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                             m, n, k, x.stride(0), n, seg, 2)  # fmt: skip
+                             m, n, k, x.stride(0), n + 16, seg, threads)  # fmt: skip
                 assert status == 0
                 want = cpu_kernels.rows_linear_reference(x[:m].contiguous(), w, bias, seg)
-                assert torch.equal(y, want), f"N={n} K={k} rows={m} bias={bias is not None}: AVX2 code != reference"
-    other = cpu_kernels.rows_linear_reference(x[:2].contiguous(), w, None, 8)
-    assert not torch.equal(other, cpu_kernels.rows_linear_reference(x[:2].contiguous(), w, None, seg))
+                where = f"N={n} K={k} rows={m} bias={bias is not None} threads={threads}"
+                assert torch.equal(y[:m, :n], want), f"{where}: AVX2 code != reference"
+                assert y[:m, n:].isnan().all() and y[m].isnan().all(), f"{where}: written past column n or row m"
+    # control: the AVX2 code run in another order (8-element segments) and the same comparison fails
+    y = torch.empty(2, n)
+    assert run(x.data_ptr(), strips.data_ptr(), None, y.data_ptr(), 2, n, k, x.stride(0), n, 8, 2) == 0
+    assert not torch.equal(y, cpu_kernels.rows_linear_reference(x[:2].contiguous(), w, None, seg))

@@ -18,11 +18,19 @@ META_KEYS = ("mode", "date", "host", "device", "nanovllm_version", "argv", "engi
 
 
 def device_name(device: str) -> str:
-    """``cuda`` as the GPU's name (``NVIDIA H200``), ``cpu`` as the processor's."""
+    """``cuda`` as the GPU's name (``NVIDIA H200``), ``cpu`` as the processor's model name
+    (/proc/cpuinfo's, where ``platform.processor()`` says only ``x86_64`` or nothing)."""
     if str(device).startswith("cuda"):
         import torch
 
         return torch.cuda.get_device_name()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
     return platform.processor() or "cpu"
 
 

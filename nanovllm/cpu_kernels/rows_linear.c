@@ -40,6 +40,10 @@
 #endif
 
 #define STRIP 16 /* output columns per strip: one float32 vector */
+/* a prefetch address ``offset`` floats on from ``p``, made as an integer: near the end of the packed
+ * weights it lies past them (prefetching there is harmless), where pointer arithmetic would be
+ * undefined */
+#define ahead_of(p, offset) ((const char *)((uintptr_t)(p) + (uintptr_t)((offset) * (int64_t)sizeof(float))))
 #define MAX_TILE_ROWS 6
 #define MAX_TILE_STRIPS 4
 /* k steps a first row tile prefetches ahead (see TILE); a decode step's 121 products of SmolLM2-135M,
@@ -135,7 +139,7 @@ void rows_pack_f32(const float *w, float *out, int n, int k, int num_threads) {
         for (int kk = kc0; kk < kc1; kk++, wk += STRIP) {                                                   \
             if (ahead)                                                                                      \
                 _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++)                                        \
-                    _mm_prefetch((const char *)(wk + (int64_t)ahead * STRIP + j * strip), _MM_HINT_T0);     \
+                    _mm_prefetch(ahead_of(wk, (int64_t)ahead * STRIP + j * strip), _MM_HINT_T0);     \
             __m512 wv[NR];                                                                                  \
             _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) wv[j] = _mm512_loadu_ps(wk + j * strip);   \
             _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                          \
@@ -263,7 +267,7 @@ static void rows_tile_shape(int m, int *rows, int *strips) {
         for (int kk = kc0; kk < kc1; kk++, wk += STRIP) {                                                      \
             if (ahead)                                                                                         \
                 _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++)                                           \
-                    _mm_prefetch((const char *)(wk + (int64_t)ahead * STRIP + j * strip), _MM_HINT_T0);        \
+                    _mm_prefetch(ahead_of(wk, (int64_t)ahead * STRIP + j * strip), _MM_HINT_T0);        \
             __m256 wv[NR][2];                                                                                  \
             _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {                                             \
                 wv[j][0] = _mm256_loadu_ps(wk + j * strip);                                                    \
@@ -283,6 +287,8 @@ static void rows_tile_shape(int m, int *rows, int *strips) {
                         _mm256_storeu_ps(acc_buf + i * lda + j * STRIP + h * 8, acc[i][j][h]);                 \
                         continue;                                                                              \
                     }                                                                                          \
+                    if (j == NR - 1 && !full && h == 1 && _mm256_testz_si256(tail[1], tail[1]))              \
+                        continue; /* a last strip of 8 columns or fewer: its high half is past y's row */      \
                     float *dst = y + i * ldy + j * STRIP + h * 8;                                              \
                     if (j < NR - 1 || full) {                                                                  \
                         __m256 v = first ? acc[i][j][h] : _mm256_add_ps(_mm256_loadu_ps(dst), acc[i][j][h]);   \

@@ -127,11 +127,12 @@ def _single_row_differs(packed: torch.Tensor, bias: torch.Tensor | None, k: int,
 
 
 def _check_rows() -> tuple[int, ...]:
-    """Probe rows for ``_kernel_keeps_its_order``: a lone row and 2 (one row tile, whole segments); 7, 13
-    and the most the chunked path takes (K in chunks; a partial last row tile; all of its scratch); one
-    more (whole segments per row tile)."""
+    """Probe rows for ``_kernel_keeps_its_order``: a lone row and 2 (one row tile, whole segments); 3, 4
+    and 5 (the AVX2 code's tiles of 3-5 rows: decode steps of that size run nothing else); 7, 13 and the
+    most the chunked path takes (K in chunks; a partial last row tile; all of its scratch); one more
+    (whole segments per row tile)."""
     most = cpu_kernels.rows_chunk_max_rows()
-    return (1, 2, 7, 13, most, most + 1)
+    return (1, 2, 3, 4, 5, 7, 13, most, most + 1)
 
 
 CHECK_COLUMNS = 256  # output columns probed at most, plus a last tile's remainder (the reference is scalar C)

@@ -70,8 +70,11 @@ def apply_chat_template(tokenizer, req: ChatCompletionRequest) -> dict:
             add_generation_prompt=req.add_generation_prompt,
             tokenize=True,
             return_dict=False,
-            **({"continue_final_message": True} if req.continue_final_message else {}),
-            **(req.chat_template_kwargs or {}),
+            # the request's chat_template_kwargs win over its flags, as in vLLM
+            **{
+                **({"continue_final_message": True} if req.continue_final_message else {}),
+                **(req.chat_template_kwargs or {}),
+            },
         )
     except OpenAIError:
         raise
