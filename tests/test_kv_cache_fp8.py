@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -91,13 +93,15 @@ def test_fp8_cache_holds_more_blocks_in_the_same_memory():
 EXTENDED_TOP = 20  # the float32 engine's logprobs per step, beyond the golden file's top-5
 
 
-def extended_reference(g: dict) -> list[list[dict[int, float]]]:
+@functools.cache
+def extended_reference() -> list[list[dict[int, float]]]:
     """Each golden case's per-step reference logprobs, the recorded top-5 completed with the
     float32 engine's top-20 on the same contexts (the prompt and the golden greedy tokens before
     the step, scored in one pass as prompt logprobs): an FP8 engine's token outside the recorded
     top-5 then has a known margin instead of failing as unknown. Valid because the float32 engine
     is the reference here: every recorded logprob must agree within 1e-3 (it agrees to 1e-4,
-    tests/test_golden*), checked for each one."""
+    tests/test_golden*), checked for each one. Computed once for both tests that use it."""
+    g = golden.load(golden.SMOLLM)
     llm = LLM(golden.model_dir(g), device="cpu", dtype="float32")
     try:
         scored = llm.generate(
@@ -123,7 +127,7 @@ def extended_reference(g: dict) -> list[list[dict[int, float]]]:
 def _golden_run(kv: str, forget_scale: bool = False):
     require_default_model()
     g = golden.load(golden.SMOLLM)
-    reference = extended_reference(g)
+    reference = extended_reference()
     llm = LLM(golden.model_dir(g), device="cpu", dtype="float32", kv_cache_dtype=kv)
     load = torch_ref._load
     if forget_scale:  # the wrong engine: K stored at scale 0.5, read back at 1.0
