@@ -115,6 +115,25 @@ void rows_pack_f32(const float *w, float *out, int n, int k, int num_threads) {
     }
 }
 
+/* The drivers' common frame (rows_linear_f32, one per instruction set). A bad argument: m < 0, an
+ * empty output or K, a segment or thread count below one, or a row stride shorter than its row. */
+static int rows_bad_arguments(int m, int n, int k, int64_t ldx, int64_t ldy, int seg, int num_threads) {
+    return m < 0 || n <= 0 || k <= 0 || seg <= 0 || ldx < k || ldy < n || num_threads < 1;
+}
+
+/* The calling thread's contiguous run of strips, [*s0, *s1): the strips split evenly over the team. */
+static void thread_strips(int strips, int *s0, int *s1) {
+    int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    *s0 = (int)((int64_t)strips * t / nt), *s1 = (int)((int64_t)strips * (t + 1) / nt);
+}
+
+/* The bias, added last (after every segment's sum) to the strips [s, s + ns) of rows [0, m). */
+static void add_bias_strips(float *y, int64_t ldy, const float *bias, int m, int n, int s, int ns) {
+    int c1 = (s + ns) * STRIP < n ? (s + ns) * STRIP : n;
+    for (int i = 0; i < m; i++)
+        for (int c = s * STRIP; c < c1; c++) y[i * ldy + c] += bias[c];
+}
+
 #endif
 
 #if defined(__AVX512F__)
@@ -196,13 +215,13 @@ static void chunked_rows(const float *x, int64_t ldx, const float *ws, int k, in
  * (nothing written). */
 int rows_linear_f32(const float *x, const float *w, const float *bias, float *y, int m, int n, int k,
                     int64_t ldx, int64_t ldy, int seg, int num_threads) {
-    if (m < 0 || n <= 0 || k <= 0 || seg <= 0 || ldx < k || ldy < n || num_threads < 1) return -1;
+    if (rows_bad_arguments(m, n, k, ldx, ldy, seg, num_threads)) return -1;
     int strips = (n + STRIP - 1) / STRIP;
     if (num_threads > strips) num_threads = strips;
 #pragma omp parallel num_threads(num_threads)
     {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int s0 = (int)((int64_t)strips * t / nt), s1 = (int)((int64_t)strips * (t + 1) / nt);
+        int s0, s1;
+        thread_strips(strips, &s0, &s1);
         float scratch[CHUNK_MAX_ROWS * MAX_TILE_STRIPS * STRIP] __attribute__((aligned(64)));
         int chunked = m > MAX_TILE_ROWS && m <= CHUNK_MAX_ROWS;
         for (int s = s0; s < s1; s += MAX_TILE_STRIPS) {
@@ -222,11 +241,7 @@ int rows_linear_f32(const float *x, const float *w, const float *bias, float *y,
                                               k0 == 0, tail, m0 == 0 ? AHEAD : 0);
                     }
                 }
-            if (bias) {
-                int c1 = (s + ns) * STRIP < n ? (s + ns) * STRIP : n;
-                for (int i = 0; i < m; i++)
-                    for (int c = s * STRIP; c < c1; c++) y[i * ldy + c] += bias[c];
-            }
+            if (bias) add_bias_strips(y, ldy, bias, m, n, s, ns);
         }
     }
     return 0;
@@ -333,15 +348,15 @@ static void strip_group2(const float *x, int64_t ldx, const float *ws, int k, in
 
 int rows_linear_f32(const float *x, const float *w, const float *bias, float *y, int m, int n, int k,
                     int64_t ldx, int64_t ldy, int seg, int num_threads) {
-    if (m < 0 || n <= 0 || k <= 0 || seg <= 0 || ldx < k || ldy < n || num_threads < 1) return -1;
+    if (rows_bad_arguments(m, n, k, ldx, ldy, seg, num_threads)) return -1;
     int strips = (n + STRIP - 1) / STRIP;
     if (num_threads > strips) num_threads = strips;
     int tile_rows, group;
     rows_tile_shape(m, &tile_rows, &group);
 #pragma omp parallel num_threads(num_threads)
     {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int s0 = (int)((int64_t)strips * t / nt), s1 = (int)((int64_t)strips * (t + 1) / nt);
+        int s0, s1;
+        thread_strips(strips, &s0, &s1);
         float scratch[CHUNK_MAX_ROWS * AVX2_TILE_STRIPS * STRIP] __attribute__((aligned(64)));
         int chunked = m > tile_rows && m <= CHUNK_MAX_ROWS;
         for (int s = s0; s < s1; s += group) {
@@ -352,11 +367,7 @@ int rows_linear_f32(const float *x, const float *w, const float *bias, float *y,
                                _mm256_cmpgt_epi32(_mm256_set1_epi32(tail_cols - 8), lanes)};
             strip_group2(x, ldx, w + (int64_t)s * k * STRIP, k, m, y + s * STRIP, ldy, seg, tail, full, ns,
                          tile_rows, chunked, scratch);
-            if (bias) {
-                int c1 = (s + ns) * STRIP < n ? (s + ns) * STRIP : n;
-                for (int i = 0; i < m; i++)
-                    for (int c = s * STRIP; c < c1; c++) y[i * ldy + c] += bias[c];
-            }
+            if (bias) add_bias_strips(y, ldy, bias, m, n, s, ns);
         }
     }
     return 0;
