@@ -178,13 +178,19 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> list[dict]:
         """The prompts chat() generates from: the tokenizer's chat template applied to one
         conversation (a list of {"role", "content"} dicts) or to each of a list of them.
-        ``continue_final_message``: the last message's turn is left open (the model goes on with it)."""
+        ``continue_final_message``: the last message's turn is left open (the model goes on with it).
+        ``chat_template``: a template's text used instead of the model's own."""
         tok = self.get_tokenizer()
-        if tok is None or getattr(tok, "chat_template", None) is None:
-            raise ValueError("chat() needs a tokenizer with a chat template; this model has none")
+        if tok is None:
+            raise ValueError("chat() needs a tokenizer; this model has none")
+        if chat_template is None and getattr(tok, "chat_template", None) is None:
+            raise ValueError("chat() needs a chat template; this model has none (pass chat_template=TEXT)")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ValueError(f"chat_template must be a template's text (str), got {type(chat_template).__name__}")
         if continue_final_message and add_generation_prompt:
             raise ValueError(
                 "continue_final_message=True and add_generation_prompt=True: the last message is either "
@@ -205,6 +211,7 @@ class LLM:
                 return_dict=False,
                 **{
                     **({"continue_final_message": True} if continue_final_message else {}),
+                    **({"chat_template": chat_template} if chat_template is not None else {}),
                     **(chat_template_kwargs or {}),
                 },
             )
@@ -221,12 +228,16 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation (a list of
         {"role", "content"} dicts) or a list of conversations, then generate.
         ``continue_final_message``: the model goes on with the last message (with
-        ``add_generation_prompt=False``), e.g. an assistant message's start."""
-        prompts = self.chat_prompts(messages, add_generation_prompt, chat_template_kwargs, continue_final_message)
+        ``add_generation_prompt=False``), e.g. an assistant message's start.
+        ``chat_template``: a template's text used instead of the model's own (vLLM's argument)."""
+        prompts = self.chat_prompts(
+            messages, add_generation_prompt, chat_template_kwargs, continue_final_message, chat_template
+        )
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # -------------------------------------------------------------- lifetime

@@ -97,7 +97,7 @@ class FastTokenizer:
             setattr(self, name, self.special_tokens_map.get(name))
             token = self.special_tokens_map.get(name)
             setattr(self, f"{name}_id", None if token is None else self._tok.token_to_id(token))
-        self._template = None
+        self._templates: dict[str, object] = {}  # template source -> compiled
 
     @cached_property
     def hf(self):
@@ -136,10 +136,10 @@ class FastTokenizer:
         return self.hf.convert_ids_to_tokens(ids, skip_special_tokens=skip_special_tokens)
 
     # -------------------------------------------------------------- chat
-    def _compiled_template(self):
-        if self._template is None:
-            self._template = compile_chat_template(self.chat_template)
-        return self._template
+    def _compiled_template(self, source: str):
+        if source not in self._templates:
+            self._templates[source] = compile_chat_template(source)
+        return self._templates[source]
 
     def apply_chat_template(
         self,
@@ -150,14 +150,19 @@ class FastTokenizer:
         **kwargs,
     ):
         hf_args = {k: kwargs.pop(k) for k in list(kwargs) if k in _HF_CHAT_ARGS}
+        # a template's text given for this call replaces the model's own (transformers' meaning)
+        override = hf_args.pop("chat_template", None)
+        source = self.chat_template if override is None else override
+        if override is not None:
+            hf_args["chat_template"] = override  # for transformers' path, if the call takes it
         simple = (
-            self.chat_template is not None
-            and not _GENERATION_TAG.search(self.chat_template)
+            isinstance(source, str)
+            and not _GENERATION_TAG.search(source)
             and isinstance(conversation, (list, tuple))
             and conversation
             and all(isinstance(m, dict) for m in conversation)
             and not any(m.get(f) is not None for m in conversation for f in _REASONING_FIELDS)
-            and all(v == _HF_CHAT_ARGS[k] for k, v in hf_args.items())
+            and all(v == _HF_CHAT_ARGS[k] for k, v in hf_args.items() if k != "chat_template")
             and (not tokenize or return_dict is False)
         )
         if not simple:
@@ -170,7 +175,7 @@ class FastTokenizer:
                 **kwargs,
             )
         messages = [{k: v for k, v in m.items() if v is not None} for m in conversation]
-        text = self._compiled_template().render(
+        text = self._compiled_template(source).render(
             messages=messages,
             tools=None,
             documents=None,

@@ -626,6 +626,19 @@ def test_chat_continues_the_final_message_and_echoes_it(url, offline):
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert deltas[0] == {"role": "assistant", "content": ""} and deltas[1] == {"content": "w30 w40"}
     assert "".join(d.get("content", "") for d in deltas) == "w30 w40" + greedy.text
+    # each of n choices is echoed once, at its start (sampled: the rest differs between choices)
+    sampled = {"n": 3, "temperature": 1.0, "seed": 7, "echo": True}
+    many = post(**sampled)["choices"]
+    assert sorted(ch["index"] for ch in many) == [0, 1, 2]
+    for ch in many:
+        assert ch["message"]["content"].startswith("w30 w40")
+        assert not ch["message"]["content"][len("w30 w40") :].startswith("w30 w40")
+    chunks = sse_chunks(url, "chat/completions", {**body, **sampled, "stream": True})
+    for i in range(3):
+        contents = [
+            c["choices"][0]["delta"].get("content") for c in chunks if c["choices"] and c["choices"][0]["index"] == i
+        ]
+        assert contents[:2] == ["", "w30 w40"] and "w30 w40" not in contents[2:], (i, contents)
 
     asked = [{"role": "user", "content": "w10 w20"}]
     answer = post(messages=asked, add_generation_prompt=True, continue_final_message=False, echo=True)

@@ -30,6 +30,7 @@ from nanovllm.entrypoints.cli import main  # noqa: E402
 from nanovllm.entrypoints.openai.metrics import process_cpu_seconds, process_resident_bytes  # noqa: E402
 from nanovllm.entrypoints.openai.server_socket import _bind  # noqa: E402
 from tests.conftest import cached_llm, prompts_for, zoo_serve_flags  # noqa: E402
+from tests.test_chat_template_override import TURN_ENDS  # noqa: E402
 from tests.test_serve_shutdown import MODEL, _alive, _wait_healthy, start_server  # noqa: E402
 
 MAX_MODEL_LEN = 256
@@ -52,6 +53,8 @@ class Pool:
             '{"temperature": 0}',
             "--metrics-prefix",  # each front end names the series as vLLM does, from the shared files too
             "vllm",
+            "--chat-template",  # each front end renders chat prompts with the server's template
+            TURN_ENDS,
         ]
         self.proc = start_server(self.log, self.port, flags, env={"NANOVLLM_SERVER_DEV_MODE": "1"})
         _wait_healthy(self.proc, self.url, self.log.name)
@@ -158,6 +161,17 @@ def test_two_front_ends_answer_as_one_server_and_stop_on_sigterm(pool):
 
     got, seen = asyncio.run(run())
     assert got == want  # each front end got its own requests' tokens, all of them
+
+    # fresh connections reach both front ends (asserted below): every one renders with --chat-template
+    conv = [{"role": "user", "content": "w10 w20"}]
+    want_ids = offline.chat_prompts(conv, chat_template=TURN_ENDS)[0]["prompt_token_ids"]
+    assert want_ids != offline.chat_prompts(conv)[0]["prompt_token_ids"]  # the zoo's own template differs
+
+    async def tokenize() -> list:
+        body = {"model": "zoo", "messages": conv}
+        return await asyncio.gather(*(_fresh("POST", f"{pool.url}/tokenize", json=body) for _ in range(16)))
+
+    assert [r.json()["tokens"] for r in asyncio.run(tokenize())] == [want_ids] * 16
     assert sorted(seen) == sorted(fronts), f"front ends answering: {sorted(seen)}, started: {fronts}"
     finished = {pid: state["front_end_finished"] for pid, state in seen.items()}
     # both took requests: a /metrics of one process would count fewer than all of them
@@ -217,6 +231,7 @@ def test_a_front_end_that_dies_stops_the_server(pool):
         (["--api-server-count", "0"], "--api-server-count must be >= 1, got 0"),
         (["--api-server-count", "2", "--no-engine-process"], "--api-server-count 2 needs the engine core"),
         (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0 seconds, got -1"),
+        (["--chat-template", "missing.jinja"], "--chat-template 'missing.jinja': no such file"),
     ],
 )
 @pytest.mark.parametrize("default_model", ["installed", "hidden"])

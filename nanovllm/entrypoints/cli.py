@@ -177,6 +177,13 @@ def add_generate_args(gen: argparse.ArgumentParser) -> None:
     )
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
     gen.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="with --chat: a chat template (jinja2), by its file's path or as its text, instead of the model's "
+        "own (default: the model's)",
+    )
+    gen.add_argument(
         "--json",
         action="store_true",
         help="print each result as one JSON line with every RequestOutput field (JSON Lines)",
@@ -200,6 +207,11 @@ def add_generate_args(gen: argparse.ArgumentParser) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     prompts = _read_prompts(args)
     params = sampling_params(args)  # bad sampling flags fail before the model loads
+    if args.chat_template is not None and not args.chat:
+        raise ValueError("--chat-template applies to chat prompts: add --chat")
+    from nanovllm.entrypoints.chat_template import load_chat_template
+
+    chat_template = load_chat_template(args.chat_template)
     watch_other_load()
     from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
@@ -214,7 +226,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     interrupted = False
     try:
         with logging_redirect_tqdm():
-            requests = llm.chat_prompts([[{"role": "user", "content": p}] for p in prompts]) if args.chat else prompts
+            requests = (
+                llm.chat_prompts([[{"role": "user", "content": p}] for p in prompts], chat_template=chat_template)
+                if args.chat
+                else prompts
+            )
             with contextlib.closing(llm.generate_iter(requests, params, use_tqdm=not args.no_progress)) as outputs:
                 for index, out in outputs:
                     printer.add(index, out)

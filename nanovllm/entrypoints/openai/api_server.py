@@ -104,11 +104,13 @@ def build_app(
     metrics_dir: str | None = None,
     sampling_defaults: dict | None = None,
     metrics_prefix: str = "nanovllm",
+    chat_template: str | None = None,
 ) -> FastAPI:
     """The app over ``engine``; ``metrics_dir``: a Prometheus multiprocess directory shared with
     the server's other front-end processes (``api_server_pool.py``); ``sampling_defaults``: what a
     request gets for a sampling field it leaves out (``generation_defaults.py``);
-    ``metrics_prefix``: ``vllm`` names the series vLLM also has as vLLM does (``metrics.py``)."""
+    ``metrics_prefix``: ``vllm`` names the series vLLM also has as vLLM does (``metrics.py``);
+    ``chat_template``: a template's text for every chat prompt instead of the model's own."""
     app = FastAPI(title="nanovllm OpenAI-compatible server", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine, served_model_names[0], multiprocess_dir=metrics_dir, prefix=metrics_prefix)
     max_model_len = engine.max_model_len
@@ -166,7 +168,9 @@ def build_app(
     @with_cancellation
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request):
         _check_alive()
-        return _respond(await create_chat_completion(engine, body, served_model_names, max_model_len, defaults))
+        return _respond(
+            await create_chat_completion(engine, body, served_model_names, max_model_len, defaults, chat_template)
+        )
 
     @app.get("/v1/models")
     async def models():
@@ -211,6 +215,7 @@ def build_app(
                     add_generation_prompt=body.add_generation_prompt,
                     continue_final_message=body.continue_final_message,
                 ),
+                chat_template,
             )["prompt_token_ids"]
         else:
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
@@ -288,6 +293,7 @@ async def serve(args, engine_kwargs: dict, sock=None) -> None:
             api_key=args.api_key,
             sampling_defaults=getattr(args, "sampling_defaults", None),
             metrics_prefix=getattr(args, "metrics_prefix", "nanovllm"),
+            chat_template=getattr(args, "chat_template_text", None),
         )
         config = uvicorn.Config(
             app,

@@ -166,6 +166,7 @@ def _front_end_settings(args, metrics_dir: str, sock: socket.socket) -> dict:
         "api_key": args.api_key,
         "sampling_defaults": getattr(args, "sampling_defaults", None),
         "metrics_prefix": getattr(args, "metrics_prefix", "nanovllm"),
+        "chat_template": getattr(args, "chat_template_text", None),
         "uvicorn_log_level": args.uvicorn_log_level,
         "shutdown_timeout": getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S),
         "log_level": logging.getLogger().getEffectiveLevel(),
@@ -211,6 +212,7 @@ async def _serve_front_end(sock: socket.socket, conn, core_pid: int, settings: d
             metrics_dir=settings["metrics_dir"],
             sampling_defaults=settings["sampling_defaults"],
             metrics_prefix=settings["metrics_prefix"],
+            chat_template=settings["chat_template"],
         )
         config = uvicorn.Config(
             app, log_level=settings["uvicorn_log_level"], timeout_graceful_shutdown=settings["shutdown_timeout"]

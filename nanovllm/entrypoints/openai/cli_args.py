@@ -88,6 +88,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         "autoscalers and routers written for vLLM; the others keep nanovllm:",
     )
     p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="a chat template (jinja2), by its file's path or as its text, used instead of the model's own "
+        "for /v1/chat/completions and /tokenize (default: the model's)",
+    )
+    p.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -119,7 +126,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     # the flags first, then what they name (the model, the port), then the model loads: a bad
     # flag or a busy port stops the server at once, naming it, whatever the machine has installed
+    from nanovllm.entrypoints.chat_template import load_chat_template
     from nanovllm.entrypoints.openai.generation_defaults import sampling_defaults
+
+    args.chat_template_text = load_chat_template(args.chat_template)
     from nanovllm.loader.model_loader import resolve_model_dir
 
     args.sampling_defaults = sampling_defaults(

@@ -53,10 +53,32 @@ def conversation(req_messages) -> list[dict]:
     return messages
 
 
-def apply_chat_template(tokenizer, req: ChatCompletionRequest) -> dict:
-    """{'prompt', 'prompt_token_ids'}: the same ids as ``LLM.chat`` for the same conversation."""
-    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-        raise OpenAIError(400, "this model has no chat template: use /v1/completions", "messages")
+def apply_chat_template(tokenizer, req: ChatCompletionRequest, chat_template: str | None = None) -> dict:
+    """{'prompt', 'prompt_token_ids'}: the same ids as ``LLM.chat`` for the same conversation;
+    ``chat_template``: the server's template (``--chat-template``) instead of the model's own."""
+    if tokenizer is None:
+        raise OpenAIError(400, "this model has no tokenizer: use /v1/completions with token ids", "messages")
+    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+        raise OpenAIError(
+            400,
+            "this model has no chat template: use /v1/completions, or start the server with --chat-template",
+            "messages",
+        )
+    # a request's own template (vLLM's opt-in --trust-request-chat-template) is refused by name: run
+    # unasked, it would render the prompt with another template than the one served
+    if (req.model_extra or {}).get("chat_template") is not None:
+        raise OpenAIError(
+            400,
+            "a request cannot set chat_template on this server: start it with --chat-template",
+            "chat_template",
+        )
+    if "chat_template" in (req.chat_template_kwargs or {}):
+        raise OpenAIError(
+            400,
+            "chat_template_kwargs may not set chat_template: a request cannot replace the server's template "
+            "(start the server with --chat-template)",
+            "chat_template_kwargs",
+        )
     if req.continue_final_message and req.add_generation_prompt:
         raise OpenAIError(
             400,
@@ -73,6 +95,7 @@ def apply_chat_template(tokenizer, req: ChatCompletionRequest) -> dict:
             # the request's chat_template_kwargs win over its flags, as in vLLM
             **{
                 **({"continue_final_message": True} if req.continue_final_message else {}),
+                **({"chat_template": chat_template} if chat_template is not None else {}),
                 **(req.chat_template_kwargs or {}),
             },
         )
@@ -126,9 +149,15 @@ def chat_logprobs(c: CompletionOutput, top: int, as_ids: bool = False) -> dict |
 
 
 async def create_chat_completion(
-    engine: AsyncLLM, req: ChatCompletionRequest, served: list[str], max_model_len: int, defaults: dict | None = None
+    engine: AsyncLLM,
+    req: ChatCompletionRequest,
+    served: list[str],
+    max_model_len: int,
+    defaults: dict | None = None,
+    chat_template: str | None = None,
 ):
-    """The JSON response (a dict) or an async iterator of SSE lines."""
+    """The JSON response (a dict) or an async iterator of SSE lines; ``chat_template``: the
+    server's (``--chat-template``), else the model's own."""
     check_model(req.model, served)
     refuse_constraints(req)
     top = req.top_logprobs
@@ -136,7 +165,7 @@ async def create_chat_completion(
         raise OpenAIError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
     if top is not None and not req.logprobs:
         raise OpenAIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-    prompt = apply_chat_template(engine.tokenizer, req)
+    prompt = apply_chat_template(engine.tokenizer, req, chat_template)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(
         req,
