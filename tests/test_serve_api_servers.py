@@ -55,6 +55,8 @@ class Pool:
             "vllm",
             "--chat-template",  # each front end renders chat prompts with the server's template
             TURN_ENDS,
+            "--allowed-origins",  # and answers a browser's preflight from that origin
+            '["https://app.example"]',
         ]
         self.proc = start_server(self.log, self.port, flags, env={"NANOVLLM_SERVER_DEV_MODE": "1"})
         _wait_healthy(self.proc, self.url, self.log.name)
@@ -172,6 +174,14 @@ def test_two_front_ends_answer_as_one_server_and_stop_on_sigterm(pool):
         return await asyncio.gather(*(_fresh("POST", f"{pool.url}/tokenize", json=body) for _ in range(16)))
 
     assert [r.json()["tokens"] for r in asyncio.run(tokenize())] == [want_ids] * 16
+
+    async def preflights() -> list:
+        headers = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+        return await asyncio.gather(
+            *(_fresh("OPTIONS", f"{pool.url}/v1/completions", headers=headers) for _ in range(16))
+        )
+
+    assert {r.headers.get("access-control-allow-origin") for r in asyncio.run(preflights())} == {"https://app.example"}
     assert sorted(seen) == sorted(fronts), f"front ends answering: {sorted(seen)}, started: {fronts}"
     finished = {pid: state["front_end_finished"] for pid, state in seen.items()}
     # both took requests: a /metrics of one process would count fewer than all of them

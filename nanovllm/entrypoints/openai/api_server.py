@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from nanovllm import __version__ as nanovllm_version
 from nanovllm.engine.async_llm import AsyncLLM
 from nanovllm.entrypoints.openai.cli_args import DEFAULT_SHUTDOWN_TIMEOUT_S
+from nanovllm.entrypoints.openai.http_options import add_cors, uvicorn_options
 from nanovllm.entrypoints.openai.metrics import ServerMetrics
 from nanovllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -105,12 +106,14 @@ def build_app(
     sampling_defaults: dict | None = None,
     metrics_prefix: str = "nanovllm",
     chat_template: str | None = None,
+    http_options: dict | None = None,
 ) -> FastAPI:
     """The app over ``engine``; ``metrics_dir``: a Prometheus multiprocess directory shared with
     the server's other front-end processes (``api_server_pool.py``); ``sampling_defaults``: what a
     request gets for a sampling field it leaves out (``generation_defaults.py``);
     ``metrics_prefix``: ``vllm`` names the series vLLM also has as vLLM does (``metrics.py``);
-    ``chat_template``: a template's text for every chat prompt instead of the model's own."""
+    ``chat_template``: a template's text for every chat prompt instead of the model's own;
+    ``http_options``: CORS (``http_options.py``)."""
     app = FastAPI(title="nanovllm OpenAI-compatible server", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine, served_model_names[0], multiprocess_dir=metrics_dir, prefix=metrics_prefix)
     max_model_len = engine.max_model_len
@@ -148,6 +151,7 @@ def build_app(
 
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    add_cors(app, http_options)  # after (outside) the key check: preflights carry no key
 
     def _respond(result):
         if isinstance(result, dict):
@@ -294,6 +298,7 @@ async def serve(args, engine_kwargs: dict, sock=None) -> None:
             sampling_defaults=getattr(args, "sampling_defaults", None),
             metrics_prefix=getattr(args, "metrics_prefix", "nanovllm"),
             chat_template=getattr(args, "chat_template_text", None),
+            http_options=getattr(args, "http_options", None),
         )
         config = uvicorn.Config(
             app,
@@ -301,6 +306,7 @@ async def serve(args, engine_kwargs: dict, sock=None) -> None:
             port=args.port,
             log_level=args.uvicorn_log_level,
             timeout_graceful_shutdown=getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S),
+            **uvicorn_options(getattr(args, "http_options", None)),
         )
         await uvicorn.Server(config).serve(sockets=None if sock is None else [sock])
     finally:

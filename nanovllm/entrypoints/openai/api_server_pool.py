@@ -39,6 +39,7 @@ import time
 from multiprocessing.connection import wait
 
 from nanovllm.entrypoints.openai.cli_args import DEFAULT_SHUTDOWN_TIMEOUT_S
+from nanovllm.entrypoints.openai.http_options import scheme, uvicorn_options
 from nanovllm.entrypoints.openai.server_socket import REUSE_PORT, bind_socket
 
 logger = logging.getLogger(__name__)
@@ -78,9 +79,10 @@ def serve_pool(args, engine_kwargs: dict) -> int:
         with open(os.path.join(metrics_dir, FRONT_END_PIDS_FILE), "w") as f:
             f.write("".join(f"{p.pid}\n" for p in front_ends))
         logger.info(
-            "%d API server processes (%s) on http://%s:%d; metrics in %s",
+            "%d API server processes (%s) on %s://%s:%d; metrics in %s",
             count,
             ", ".join(str(p.pid) for p in front_ends),
+            scheme(getattr(args, "http_options", None)),
             *sock.getsockname()[:2],
             metrics_dir,
         )
@@ -88,7 +90,7 @@ def serve_pool(args, engine_kwargs: dict) -> int:
         if listening and args.uvicorn_log_level in ("info", "debug", "trace"):  # uvicorn's own line,
             # which it leaves out when given sockets: where the server listens
             print(
-                f"INFO:     nanovllm serve running on http://{args.host}:{sock.getsockname()[1]} with {count} API "
+                f"INFO:     nanovllm serve running on {scheme(getattr(args, 'http_options', None))}://{args.host}:{sock.getsockname()[1]} with {count} API "
                 "server processes (Press CTRL+C to quit)",
                 file=sys.stderr,
                 flush=True,
@@ -167,6 +169,7 @@ def _front_end_settings(args, metrics_dir: str, sock: socket.socket) -> dict:
         "sampling_defaults": getattr(args, "sampling_defaults", None),
         "metrics_prefix": getattr(args, "metrics_prefix", "nanovllm"),
         "chat_template": getattr(args, "chat_template_text", None),
+        "http_options": getattr(args, "http_options", None),
         "uvicorn_log_level": args.uvicorn_log_level,
         "shutdown_timeout": getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S),
         "log_level": logging.getLogger().getEffectiveLevel(),
@@ -213,9 +216,13 @@ async def _serve_front_end(sock: socket.socket, conn, core_pid: int, settings: d
             sampling_defaults=settings["sampling_defaults"],
             metrics_prefix=settings["metrics_prefix"],
             chat_template=settings["chat_template"],
+            http_options=settings["http_options"],
         )
         config = uvicorn.Config(
-            app, log_level=settings["uvicorn_log_level"], timeout_graceful_shutdown=settings["shutdown_timeout"]
+            app,
+            log_level=settings["uvicorn_log_level"],
+            timeout_graceful_shutdown=settings["shutdown_timeout"],
+            **uvicorn_options(settings["http_options"]),
         )
         await uvicorn.Server(config).serve(sockets=[sock])
     finally:

@@ -95,6 +95,25 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         "for /v1/chat/completions and /tokenize (default: the model's)",
     )
     p.add_argument(
+        "--allowed-origins",
+        default="[]",
+        metavar="JSON",
+        help="origins a browser may call the server from (CORS), a JSON list such as "
+        "'[\"https://app.example\"]' or '[\"*\"]' (default: [], none; vLLM's default is every origin)",
+    )
+    p.add_argument("--allowed-methods", default='["*"]', metavar="JSON", help='CORS: allowed methods (default: ["*"])')
+    p.add_argument("--allowed-headers", default='["*"]', metavar="JSON", help='CORS: allowed headers (default: ["*"])')
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies) (default: off)")
+    p.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="serve HTTPS with this key (default: HTTP)")
+    p.add_argument(
+        "--ssl-certfile", default=None, metavar="FILE", help="serve HTTPS with this certificate (default: HTTP)"
+    )
+    p.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="leave out uvicorn's log line per request (default: logged)",
+    )
+    p.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -128,8 +147,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # flag or a busy port stops the server at once, naming it, whatever the machine has installed
     from nanovllm.entrypoints.chat_template import load_chat_template
     from nanovllm.entrypoints.openai.generation_defaults import sampling_defaults
+    from nanovllm.entrypoints.openai.http_options import http_options
 
     args.chat_template_text = load_chat_template(args.chat_template)
+    args.http_options = http_options(args)
     from nanovllm.loader.model_loader import resolve_model_dir
 
     args.sampling_defaults = sampling_defaults(
