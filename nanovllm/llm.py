@@ -189,8 +189,8 @@ class LLM:
             raise ValueError("chat() needs a tokenizer; this model has none")
         if chat_template is None and getattr(tok, "chat_template", None) is None:
             raise ValueError("chat() needs a chat template; this model has none (pass chat_template=TEXT)")
-        if chat_template is not None and not isinstance(chat_template, str):
-            raise ValueError(f"chat_template must be a template's text (str), got {type(chat_template).__name__}")
+        if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
+            raise ValueError(f"chat_template must be a template's text (a non-empty str), got {chat_template!r}")
         if continue_final_message and add_generation_prompt:
             raise ValueError(
                 "continue_final_message=True and add_generation_prompt=True: the last message is either "

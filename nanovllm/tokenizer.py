@@ -40,6 +40,7 @@ _HF_CHAT_ARGS = {
     "tokenizer_kwargs": None,
     "return_assistant_tokens_mask": False,
 }
+MAX_COMPILED_TEMPLATES = 8  # per tokenizer: the model's own and the last few given per call
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers aliases these
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' own jinja extension
 
@@ -137,9 +138,11 @@ class FastTokenizer:
 
     # -------------------------------------------------------------- chat
     def _compiled_template(self, source: str):
-        if source not in self._templates:
-            self._templates[source] = compile_chat_template(source)
-        return self._templates[source]
+        compiled = self._templates.pop(source, None) or compile_chat_template(source)
+        self._templates[source] = compiled  # the most recent last: the first is the least recent
+        if len(self._templates) > MAX_COMPILED_TEMPLATES:
+            del self._templates[next(iter(self._templates))]
+        return compiled
 
     def apply_chat_template(
         self,

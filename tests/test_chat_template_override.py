@@ -52,6 +52,9 @@ def test_the_flag_takes_a_path_or_the_text_and_names_itself_when_bad(template_fi
         load_chat_template(str(bad))
     with pytest.raises(ValueError, match="--chat-template must be a file path or a template's text"):
         load_chat_template("  ")
+    # braces alone do not make a template: a mistyped path is named, not served as the prompt's text
+    with pytest.raises(ValueError, match=r"--chat-template 'tpl/\{name\}.jinja': no such file"):
+        load_chat_template("tpl/{name}.jinja")
 
 
 def test_the_tokenizer_renders_the_given_template_as_transformers_does(tokenizer):
@@ -61,6 +64,7 @@ def test_the_tokenizer_renders_the_given_template_as_transformers_does(tokenizer
         got = tokenizer.apply_chat_template(CONV, return_dict=False, chat_template=TURN_ENDS, **kwargs)
         assert got == tokenizer.hf.apply_chat_template(CONV, return_dict=False, chat_template=TURN_ENDS, **kwargs)
         assert got != tokenizer.apply_chat_template(CONV, return_dict=False, **kwargs)  # the model's own differs
+    assert TURN_ENDS in tokenizer._templates  # rendered here (jinja2), not by transformers' fallback
     eos = tokenizer.convert_tokens_to_ids("<eos>")
     closed = tokenizer.apply_chat_template(CONV, return_dict=False, chat_template=TURN_ENDS)
     left_open = tokenizer.apply_chat_template(
@@ -79,8 +83,9 @@ def test_llm_chat_takes_the_template_text(tokenizer, monkeypatch):
     assert given["prompt_token_ids"] == tokenizer.apply_chat_template(CONV, return_dict=False, chat_template=TURN_ENDS)
     assert given["prompt"] == tokenizer.decode(given["prompt_token_ids"]) and given != own
     assert given["prompt_token_ids"][-1] == tokenizer.convert_tokens_to_ids("<eos>")
-    with pytest.raises(ValueError, match="chat_template must be a template's text"):
-        llm.chat_prompts(CONV, chat_template=["not", "text"])
+    for bad in (["not", "text"], " "):
+        with pytest.raises(ValueError, match="chat_template must be a template's text"):
+            llm.chat_prompts(CONV, chat_template=bad)
 
 
 def test_generate_chat_uses_the_template_and_checks_the_flag_first(template_file, tokenizer):
@@ -141,7 +146,21 @@ def test_serve_uses_the_template_for_chat_and_tokenize(template_file, tokenizer)
         ):
             r = post("/v1/chat/completions", **chat, **extra)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-        assert post("/v1/chat/completions", **chat).status_code == 200  # still serving
+            r = post("/tokenize", messages=CONV, add_generation_prompt=False, **extra)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        # null sets nothing (as in vLLM): the server's template still renders
+        for unset in ({"chat_template": None}, {"chat_template_kwargs": {"chat_template": None}}):
+            r = post("/tokenize", messages=CONV, add_generation_prompt=False, **unset)
+            assert r.status_code == 200 and r.json()["tokens"] == want, r.text
+            assert post("/v1/chat/completions", **chat, **unset).status_code == 200
+        # /tokenize takes chat_template_kwargs as the chat endpoint does (they win over its flags)
+        r = post(
+            "/tokenize",
+            messages=CONV,
+            add_generation_prompt=False,
+            chat_template_kwargs={"continue_final_message": True},
+        )
+        assert r.status_code == 200 and r.json()["tokens"] == want[:-1], r.text
 
 
 def test_serve_checks_the_flag_before_the_model_loads(capsys, monkeypatch):

@@ -626,7 +626,7 @@ def test_chat_continues_the_final_message_and_echoes_it(url, offline):
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert deltas[0] == {"role": "assistant", "content": ""} and deltas[1] == {"content": "w30 w40"}
     assert "".join(d.get("content", "") for d in deltas) == "w30 w40" + greedy.text
-    # each of n choices is echoed once, at its start (sampled: the rest differs between choices)
+    # each of n choices is echoed once, at its start (sampled, seeded: the rest is the choice's own)
     sampled = {"n": 3, "temperature": 1.0, "seed": 7, "echo": True}
     many = post(**sampled)["choices"]
     assert sorted(ch["index"] for ch in many) == [0, 1, 2]

@@ -36,7 +36,7 @@ def preflight(origin: str) -> dict:
     }
 
 
-def ask(options: dict | None, api_key: str | None = None) -> list[httpx.Response]:
+def ask(options: dict | None, api_key: str | None = None, method: str = "POST") -> list[httpx.Response]:
     """A preflight and a GET of /v1/models from APP, and a preflight from another origin."""
     from nanovllm.entrypoints.openai.api_server import build_app
 
@@ -46,7 +46,9 @@ def ask(options: dict | None, api_key: str | None = None) -> list[httpx.Response
         app = build_app(engine, ["m"], api_key=api_key, http_options=options)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
             return [
-                await client.options("/v1/chat/completions", headers=preflight(APP)),
+                await client.options(
+                    "/v1/chat/completions", headers={**preflight(APP), "Access-Control-Request-Method": method}
+                ),
                 await client.get("/v1/models", headers={"Origin": APP}),
                 await client.options("/v1/chat/completions", headers=preflight("https://evil.example")),
             ]
@@ -54,11 +56,11 @@ def ask(options: dict | None, api_key: str | None = None) -> list[httpx.Response
     return asyncio.run(run())
 
 
-def cors(origins: list[str], credentials: bool = False) -> dict:
+def cors(origins: list[str], credentials: bool = False, methods: tuple[str, ...] = ("*",)) -> dict:
     return {
         "cors": {
             "allow_origins": origins,
-            "allow_methods": ["*"],
+            "allow_methods": list(methods),
             "allow_headers": ["*"],
             "allow_credentials": credentials,
         },
@@ -79,6 +81,13 @@ def test_cors_answers_only_the_origins_given():
         assert "access-control-allow-origin" not in r.headers, r.headers
     ok, _, other = ask(cors(["*"]))
     assert ok.headers["access-control-allow-origin"] == "*" and other.headers["access-control-allow-origin"] == "*"
+    assert "access-control-allow-credentials" not in ok.headers
+    ok, get, _ = ask(cors([APP], credentials=True))
+    assert ok.headers["access-control-allow-credentials"] == "true" == get.headers["access-control-allow-credentials"]
+    # a method left out of --allowed-methods is refused at the preflight; the control: one let in
+    refused, _, _ = ask(cors([APP], methods=("GET",)))
+    assert refused.status_code == 400 and "Disallowed CORS method" in refused.text
+    assert ask(cors([APP], methods=("GET",)), method="GET")[0].status_code == 200
 
 
 def test_cors_preflight_needs_no_api_key_and_errors_carry_the_headers():
@@ -139,42 +148,58 @@ def certificate():
     folder.cleanup()
 
 
-def test_serve_over_https_without_access_log_and_with_cors_through_the_cli(certificate):
-    """HTTPS with the certificate on both front ends of a pool (plain HTTP on that port fails), no
-    access line in the log; the control server (one process, HTTP, CORS from the CLI) logs its
-    access lines."""
+@pytest.mark.parametrize("front_ends", [1, 2])
+def test_serve_over_https_without_access_log_and_with_cors_through_the_cli(certificate, front_ends):
+    """HTTPS with the certificate (plain HTTP on that port fails) and no access line in the log, in
+    one process and on every front end of a pool (uvicorn given the shared socket); the control
+    server (HTTP, CORS from the CLI, the same number of front ends) logs its access lines."""
     key, cert = certificate
+    count = ["--api-server-count", str(front_ends)]
     with (
         tempfile.NamedTemporaryFile("w+", suffix=".log") as log,
         tempfile.NamedTemporaryFile("w+", suffix=".log") as log2,
     ):
         port, port2 = free_port("127.0.0.1"), free_port("127.0.0.1")
-        # two front ends (the pool's path: uvicorn given the shared socket), each with TLS
         tls = start_server(
             log,
             port,
-            [*zoo_serve_flags(), "--ssl-keyfile", key, "--ssl-certfile", cert, "--disable-uvicorn-access-log"]
-            + ["--api-server-count", "2"],
+            [*zoo_serve_flags(), "--ssl-keyfile", key, "--ssl-certfile", cert, "--disable-uvicorn-access-log", *count],
         )
-        plain = start_server(log2, port2, [*zoo_serve_flags(), "--allowed-origins", f'["{APP}"]'])
+        plain = start_server(log2, port2, [*zoo_serve_flags(), "--allowed-origins", f'["{APP}"]', *count])
         try:
             url = f"https://127.0.0.1:{port}"
             trusted = ssl.create_default_context(cafile=cert)  # the self-signed certificate, trusted
             _wait(url, tls, log, verify=trusted)
-            for _ in range(8):  # fresh connections: both front ends answer (SO_REUSEPORT)
+            for _ in range(8):  # fresh connections: with a pool, both front ends answer (SO_REUSEPORT)
                 models = httpx.get(f"{url}/v1/models", verify=trusted, timeout=30)
                 assert models.status_code == 200 and models.json()["data"][0]["id"] == "zoo"
-            assert f"running on https://127.0.0.1:{port} with 2 API server processes" in open(log.name).read()
             with pytest.raises(httpx.HTTPError):  # the port speaks TLS only
                 httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5)
             url2 = f"http://127.0.0.1:{port2}"
             _wait(url2, plain, log2)
-            r = httpx.options(f"{url2}/v1/completions", headers=preflight(APP), timeout=30)
-            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == APP
+            for _ in range(8):
+                r = httpx.options(f"{url2}/v1/completions", headers=preflight(APP), timeout=30)
+                assert r.status_code == 200 and r.headers["access-control-allow-origin"] == APP
+                assert httpx.get(f"{url2}/v1/models", timeout=30).status_code == 200
             time.sleep(0.5)  # the access lines reach the logs
             assert '"GET /v1/models HTTP/1.1" 200' not in open(log.name).read()
-            assert '"OPTIONS /v1/completions HTTP/1.1" 200' in open(log2.name).read()  # the control
+            assert open(log2.name).read().count('"GET /v1/models HTTP/1.1" 200') == 8  # the control
+            if front_ends > 1:
+                assert f"running on https://127.0.0.1:{port} with 2 API server processes" in open(log.name).read()
         finally:
             for proc in (tls, plain):
                 proc.terminate()
                 proc.wait(timeout=60)
+
+
+def test_a_key_and_certificate_that_do_not_match_stop_serve_first(certificate, tmp_path, capsys, monkeypatch):
+    key, cert = certificate
+    other_key = tmp_path / "other.pem"
+    subprocess.run(["openssl", "genrsa", "-out", str(other_key), "2048"], check=True, capture_output=True, timeout=60)
+    monkeypatch.setenv("NANOVLLM_NO_DEFAULT_MODEL", "1")
+    flags = ["serve", "--port", str(free_port()), "--ssl-certfile", cert]
+    assert main([*flags, "--ssl-keyfile", str(other_key)]) == 2
+    assert "do not load as a TLS key and certificate" in capsys.readouterr().err
+    # the control: the matching key passes the check, and serve goes on to the model (not installed here)
+    assert main([*flags, "--ssl-keyfile", key]) == 2
+    assert "do not load as a TLS key" not in capsys.readouterr().err

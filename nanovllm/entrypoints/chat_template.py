@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# a value with one of these is a template, not a path (vLLM's rule: a path has no braces or newlines)
-TEMPLATE_MARKS = ("{", "}", "\n")
+# a value with one of these is a template, not a path: jinja2's tags, or a line break. vLLM takes any
+# brace; a mistyped path such as "tpl/{name}.jinja" would then be served as the template's text
+TEMPLATE_MARKS = ("{{", "{%", "{#", "\n")
 
 
 def load_chat_template(value: str | None, flag: str = "--chat-template") -> str | None:
@@ -34,7 +35,8 @@ def load_chat_template(value: str | None, flag: str = "--chat-template") -> str 
         source = value
     else:
         raise ValueError(
-            f"{flag} {value!r}: no such file, and not a template's text (a template has '{{{{' or '{{%' in it)"
+            f"{flag} {value!r}: no such file, and not a template's text (a template has '{{{{', '{{%' or "
+            "'{{#' in it, or a line break)"
         )
     from jinja2 import TemplateError
 

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm import __version__ as nanovllm_version
 from nanovllm.engine.async_llm import AsyncLLM
-from nanovllm.entrypoints.openai.cli_args import DEFAULT_SHUTDOWN_TIMEOUT_S
+from nanovllm.entrypoints.openai.cli_args import DEFAULT_SHUTDOWN_TIMEOUT_S, served_names
 from nanovllm.entrypoints.openai.http_options import add_cors, uvicorn_options
 from nanovllm.entrypoints.openai.metrics import ServerMetrics
 from nanovllm.entrypoints.openai.protocol import (
@@ -35,8 +35,13 @@ from nanovllm.entrypoints.openai.protocol import (
     OpenAIError,
     TokenizeRequest,
 )
+from nanovllm.entrypoints.openai.request_errors import validation_error
 from nanovllm.entrypoints.openai.request_lifetime import DisconnectAwareStreamingResponse, with_cancellation
-from nanovllm.entrypoints.openai.serving_chat import apply_chat_template, create_chat_completion
+from nanovllm.entrypoints.openai.serving_chat import (
+    apply_chat_template,
+    create_chat_completion,
+    refuse_request_template,
+)
 from nanovllm.entrypoints.openai.serving_common import check_model
 from nanovllm.entrypoints.openai.serving_completion import create_completion
 
@@ -47,31 +52,6 @@ OPEN_PATHS = ("/health", "/metrics")  # answered without the API key (load balan
 
 def error_response(e: OpenAIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
-
-
-_REQUEST_FIELDS = (
-    set(CompletionRequest.model_fields)
-    | set(ChatCompletionRequest.model_fields)
-    | set(TokenizeRequest.model_fields)
-    | {"role", "content", "include_usage", "continuous_usage_stats", "tokens"}
-)
-
-
-def _validation_error(exc: RequestValidationError) -> OpenAIError:
-    """The first error, naming the field by its path ("messages[0].role"); a union's member
-    types ("prompt.str") are left out of the path."""
-    err = exc.errors()[0] if exc.errors() else {}
-    if err.get("type") == "json_invalid":
-        return OpenAIError(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', '')}", "body")
-    parts: list[str] = []
-    for p in err.get("loc", ())[1:]:
-        if isinstance(p, int):
-            parts.append(f"[{p}]")
-        elif p in _REQUEST_FIELDS:
-            parts.append(("." if parts else "") + p)
-    field = "".join(parts) or "body"
-    got = "" if err.get("type") == "missing" else f" (got {repr(err.get('input'))[:100]})"
-    return OpenAIError(400, f"{field}: {err.get('msg', 'invalid value')}{got}", field)
 
 
 class APIKeyMiddleware:
@@ -138,7 +118,7 @@ def build_app(
                     "Content-Type",
                 )
             )
-        return error_response(_validation_error(exc))
+        return error_response(validation_error([{**e, "loc": e.get("loc", ())[1:]} for e in exc.errors()]))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, exc: StarletteHTTPException):
@@ -206,6 +186,7 @@ def build_app(
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         check_model(body.model, served_model_names)
+        refuse_request_template(body)
         tok = engine.tokenizer
         if tok is None:
             raise OpenAIError(400, "this model has no tokenizer", "prompt")
@@ -218,6 +199,7 @@ def build_app(
                     messages=body.messages,
                     add_generation_prompt=body.add_generation_prompt,
                     continue_final_message=body.continue_final_message,
+                    chat_template_kwargs=body.chat_template_kwargs,
                 ),
                 chat_template,
             )["prompt_token_ids"]
@@ -257,14 +239,6 @@ def engine_state(engine) -> dict:
     function: it runs in the engine-core process)."""
     engine.check_invariants()
     return {"stats": engine.stats(), "requests": sorted(engine.requests)}
-
-
-def served_names(args) -> list[str]:
-    from nanovllm.loader.default_model import DEFAULT_MODEL_NAME
-
-    if args.served_model_name:
-        return list(args.served_model_name)
-    return [args.model or DEFAULT_MODEL_NAME]
 
 
 async def serve(args, engine_kwargs: dict, sock=None) -> None:

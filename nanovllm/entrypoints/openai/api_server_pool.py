@@ -161,7 +161,7 @@ def _stop_front_ends(front_ends: list, timeout_s: float) -> None:
 
 
 def _front_end_settings(args, metrics_dir: str, sock: socket.socket) -> dict:
-    from nanovllm.entrypoints.openai.api_server import served_names
+    from nanovllm.entrypoints.openai.cli_args import served_names
 
     return {
         "served_model_names": served_names(args),

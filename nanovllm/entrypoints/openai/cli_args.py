@@ -184,3 +184,11 @@ def run_event_loop():
     except ImportError:
         return asyncio.run
     return uvloop.run
+
+
+def served_names(args) -> list[str]:
+    from nanovllm.loader.default_model import DEFAULT_MODEL_NAME
+
+    if args.served_model_name:
+        return list(args.served_model_name)
+    return [args.model or DEFAULT_MODEL_NAME]

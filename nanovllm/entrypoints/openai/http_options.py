@@ -41,7 +41,11 @@ def http_options(args) -> dict:
             "allow_headers": json_list(args.allowed_headers, "--allowed-headers"),
             "allow_credentials": bool(args.allow_credentials),
         }
-    elif args.allow_credentials or args.allowed_methods != json.dumps(ALL) or args.allowed_headers != json.dumps(ALL):
+    elif (
+        args.allow_credentials
+        or json_list(args.allowed_methods, "--allowed-methods") != ALL
+        or json_list(args.allowed_headers, "--allowed-headers") != ALL
+    ):
         raise ValueError("--allowed-methods, --allowed-headers and --allow-credentials need --allowed-origins")
     key, cert = args.ssl_keyfile, args.ssl_certfile
     if (key is None) != (cert is None):
@@ -49,7 +53,24 @@ def http_options(args) -> dict:
     for flag, path in (("--ssl-keyfile", key), ("--ssl-certfile", cert)):
         if path is not None and not os.path.isfile(path):
             raise ValueError(f"{flag} {path!r}: no such file")
+    if cert is not None:
+        check_tls_pair(key, cert)
     return {"cors": cors, "ssl_keyfile": key, "ssl_certfile": cert, "access_log": not args.disable_uvicorn_access_log}
+
+
+def check_tls_pair(key: str, cert: str) -> None:
+    """The key and certificate load together (a pair, PEM, the key not encrypted: the server starts
+    unattended), checked before the model loads rather than by uvicorn after it."""
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert, key, password=lambda: b"")  # an encrypted key fails, never prompts
+    except (ssl.SSLError, OSError) as e:
+        raise ValueError(
+            f"--ssl-keyfile {key!r} and --ssl-certfile {cert!r} do not load as a TLS key and certificate "
+            f"(PEM, a matching pair, the key not encrypted): {e}"
+        ) from None
 
 
 def scheme(options: dict | None) -> str:

@@ -149,6 +149,7 @@ class TokenizeRequest(RequestModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
 
 
 class DetokenizeRequest(RequestModel):

@@ -53,9 +53,29 @@ def conversation(req_messages) -> list[dict]:
     return messages
 
 
+def refuse_request_template(req) -> None:
+    """A request's own template (vLLM's opt-in ``--trust-request-chat-template``), as a field or in
+    ``chat_template_kwargs``, is a 400 naming it: run unasked, it would render the prompt with
+    another template than the one served (``null`` sets nothing, as in vLLM)."""
+    if (req.model_extra or {}).get("chat_template") is not None:
+        raise OpenAIError(
+            400,
+            "a request cannot set chat_template on this server: start it with --chat-template",
+            "chat_template",
+        )
+    if (req.chat_template_kwargs or {}).get("chat_template") is not None:
+        raise OpenAIError(
+            400,
+            "chat_template_kwargs may not set chat_template: a request cannot replace the server's template "
+            "(start the server with --chat-template)",
+            "chat_template_kwargs",
+        )
+
+
 def apply_chat_template(tokenizer, req: ChatCompletionRequest, chat_template: str | None = None) -> dict:
     """{'prompt', 'prompt_token_ids'}: the same ids as ``LLM.chat`` for the same conversation;
     ``chat_template``: the server's template (``--chat-template``) instead of the model's own."""
+    refuse_request_template(req)
     if tokenizer is None:
         raise OpenAIError(400, "this model has no tokenizer: use /v1/completions with token ids", "messages")
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
@@ -63,21 +83,6 @@ def apply_chat_template(tokenizer, req: ChatCompletionRequest, chat_template: st
             400,
             "this model has no chat template: use /v1/completions, or start the server with --chat-template",
             "messages",
-        )
-    # a request's own template (vLLM's opt-in --trust-request-chat-template) is refused by name: run
-    # unasked, it would render the prompt with another template than the one served
-    if (req.model_extra or {}).get("chat_template") is not None:
-        raise OpenAIError(
-            400,
-            "a request cannot set chat_template on this server: start it with --chat-template",
-            "chat_template",
-        )
-    if "chat_template" in (req.chat_template_kwargs or {}):
-        raise OpenAIError(
-            400,
-            "chat_template_kwargs may not set chat_template: a request cannot replace the server's template "
-            "(start the server with --chat-template)",
-            "chat_template_kwargs",
         )
     if req.continue_final_message and req.add_generation_prompt:
         raise OpenAIError(
@@ -95,8 +100,8 @@ def apply_chat_template(tokenizer, req: ChatCompletionRequest, chat_template: st
             # the request's chat_template_kwargs win over its flags, as in vLLM
             **{
                 **({"continue_final_message": True} if req.continue_final_message else {}),
+                **{k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "chat_template"},
                 **({"chat_template": chat_template} if chat_template is not None else {}),
-                **(req.chat_template_kwargs or {}),
             },
         )
     except OpenAIError:
