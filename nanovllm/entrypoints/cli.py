@@ -375,14 +375,17 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def add_serve_commands(sub, bench) -> None:
     """`nanovllm serve` (entrypoints/openai/cli_args.py), `nanovllm run-batch` (run_batch.py),
+    `nanovllm chat` and `complete` (client_cli.py),
     `nanovllm bench serve` and `nanovllm bench latency` (bench/args.py; the bench package never
     imports this module)."""
     from nanovllm.bench.args import add_bench_subcommands
+    from nanovllm.entrypoints.client_cli import add_client_parsers
     from nanovllm.entrypoints.openai.cli_args import add_serve_parser
     from nanovllm.entrypoints.openai.run_batch import add_run_batch_parser
 
     add_serve_parser(sub)
     add_run_batch_parser(sub)
+    add_client_parsers(sub)
     add_bench_subcommands(bench)
 
 
