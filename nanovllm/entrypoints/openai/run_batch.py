@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -90,7 +91,10 @@ def read_batch(path: str) -> list[dict]:
             raise ValueError(f"--input-file {path!r}: cannot read it ({e.strerror})") from None
     requests: list[dict] = []
     seen: dict[str, int] = {}
-    for number, line in enumerate(text.splitlines(), 1):
+    # lines end at "\n" only: JSON strings may hold U+2028, U+2029 and U+0085 as they are, which
+    # str.splitlines() would take for line breaks
+    for number, line in enumerate(text.split("\n"), 1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         where = f"--input-file {path!r}, line {number}"
@@ -121,17 +125,31 @@ def read_batch(path: str) -> list[dict]:
     return requests
 
 
-def result_line(custom_id: str, status: int, body: dict, error: dict | None) -> dict:
-    return {
+def result_line(custom_id: str, status: int, body: dict, error: dict | None) -> str:
+    """One output line (JSON, no newline). A value JSON cannot hold (a NaN or an infinite logprob)
+    makes it a 500 error line instead, as the server's JSON response refuses one too."""
+    line = {
         "id": f"batch-{uuid.uuid4().hex}",
         "custom_id": custom_id,
         "response": {"status_code": status, "request_id": f"batch-req-{uuid.uuid4().hex}", "body": body},
         "error": error,
     }
+    try:
+        return json.dumps(line, ensure_ascii=False, allow_nan=False)
+    except ValueError as e:
+        problem = {
+            "error": {
+                "message": f"the response is not valid JSON: {e}",
+                "type": "server_error",
+                "param": None,
+                "code": None,
+            }
+        }
+        return result_line(custom_id, 500, problem, problem)
 
 
-async def answer(engine, request: dict, served: list[str], max_model_len: int, defaults: dict, chat_template) -> dict:
-    """One request's result line: the endpoint's response, or its error object (a 4xx as the
+async def answer(engine, request: dict, served: list[str], max_model_len: int, defaults: dict, chat_template) -> str:
+    """One request's result line (JSON): the endpoint's response, or its error object (a 4xx as the
     server gives it; never an exception)."""
     from pydantic import ValidationError
 
@@ -157,10 +175,16 @@ async def answer(engine, request: dict, served: list[str], max_model_len: int, d
             body = await create_completion(engine, req, served, max_model_len, defaults)
     except OpenAIError as e:
         return result_line(request["custom_id"], e.status, e.body(), e.body())
+    except Exception as e:  # noqa: BLE001 - one request's fault is its own line (the server's 500), never the batch's
+        logging.getLogger(__name__).exception("request %r failed", request["custom_id"])
+        problem = OpenAIError(500, f"internal error: {type(e).__name__}: {e}").body()
+        return result_line(request["custom_id"], 500, problem, problem)
     return result_line(request["custom_id"], 200, body, None)
 
 
-async def run_batch(engine, requests: list[dict], served: list[str], defaults: dict, chat_template, progress: bool):
+async def run_batch(
+    engine, requests: list[dict], served: list[str], defaults: dict, chat_template, progress: bool
+) -> list[str]:
     """Every request at once (the engine batches them); the result lines in the requests' order."""
     import asyncio
 
@@ -168,7 +192,7 @@ async def run_batch(engine, requests: list[dict], served: list[str], defaults: d
 
     with tqdm(total=len(requests), unit="req", desc="Running batch", disable=not progress, file=sys.stderr) as bar:
 
-        async def one(request: dict) -> dict:
+        async def one(request: dict) -> str:
             line = await answer(engine, request, served, engine.max_model_len, defaults, chat_template)
             bar.update()
             return line
@@ -176,28 +200,57 @@ async def run_batch(engine, requests: list[dict], served: list[str], defaults: d
         return await asyncio.gather(*(one(r) for r in requests))
 
 
-def write_results(path: str, lines: list[dict]) -> None:
-    text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
-    if path == "-":
-        sys.stdout.write(text)
-        sys.stdout.flush()
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".run-batch-", suffix=".jsonl", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+class ResultFile:
+    """The output file, made before the model loads (a path that cannot be written fails then, not
+    after the run): the lines go to a temporary file beside it, renamed over it once whole. If the
+    rename fails the temporary file is kept and named, so no result is lost. ``-``: stdout."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.tmp, self.file = path, None, sys.stdout
+        if path == "-":
+            return
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            raise ValueError(f"--output-file {path!r} is a folder: name a file")
+        if not os.path.isdir(folder):
+            raise ValueError(f"--output-file {path!r}: its folder {folder!r} does not exist")
+        try:
+            fd, self.tmp = tempfile.mkstemp(prefix=".run-batch-", suffix=".jsonl", dir=folder)
+        except OSError as e:
+            raise ValueError(f"--output-file {path!r}: cannot write in {folder!r} ({e.strerror})") from None
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # a plain file's mode, not mkstemp's 0600
+        self.file = os.fdopen(fd, "w", encoding="utf-8")
+
+    def write(self, lines: list[str]) -> None:
+        self.file.write("".join(line + "\n" for line in lines))
+        self.file.flush()
+        if self.tmp is None:
+            return
+        os.fsync(self.file.fileno())
+        self.file.close()
+        try:
+            os.replace(self.tmp, self.path)
+        except OSError as e:
+            raise ValueError(
+                f"--output-file {self.path!r}: cannot replace it ({e.strerror}); the results are in {self.tmp}"
+            ) from None
+        self.tmp = None
+
+    def discard(self) -> None:
+        """A run that ended without results: no temporary file left behind."""
+        if self.tmp is not None:
+            self.file.close()
+            os.unlink(self.tmp)
+            self.tmp = None
 
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
     """Check the input and the flags, load the model, answer every request, write the results;
-    exit status 0 when the file was written (whatever each request's status)."""
+    exit status 0 when the file was written (whatever each request's status), 1 when the engine
+    failed during the run (its requests' lines say 503)."""
     import asyncio
-    import logging
 
     from nanovllm.entrypoints.args import engine_kwargs
     from nanovllm.entrypoints.chat_template import load_chat_template
@@ -205,25 +258,31 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     from nanovllm.loader.model_loader import resolve_model_dir
 
     requests = read_batch(args.input_file)
-    out_dir = os.path.dirname(os.path.abspath(args.output_file))
-    if args.output_file != "-" and not os.path.isdir(out_dir):
-        raise ValueError(f"--output-file {args.output_file!r}: its folder {out_dir!r} does not exist")
     chat_template = load_chat_template(args.chat_template)
-    defaults = sampling_defaults(args.generation_config, args.override_generation_config, resolve_model_dir(args.model))
-
-    from nanovllm.engine.async_llm import AsyncLLM
-    from nanovllm.entrypoints.openai.cli_args import served_names
-
-    engine = AsyncLLM.from_engine_args(args.model, **engine_kwargs(args))
+    out = ResultFile(args.output_file)
     try:
-        lines = asyncio.run(
-            run_batch(engine, requests, served_names(args), defaults, chat_template, not args.no_progress)
+        defaults = sampling_defaults(
+            args.generation_config, args.override_generation_config, resolve_model_dir(args.model)
         )
+        from nanovllm.engine.async_llm import AsyncLLM
+        from nanovllm.entrypoints.openai.cli_args import served_names
+
+        engine = AsyncLLM.from_engine_args(args.model, **engine_kwargs(args))
+        try:
+            lines = asyncio.run(
+                run_batch(engine, requests, served_names(args), defaults, chat_template, not args.no_progress)
+            )
+            out.write(lines)  # before the shutdown: a failing one loses nothing
+            engine_failed = engine.errored is not None
+        finally:
+            engine.shutdown()
     finally:
-        engine.shutdown()
-    write_results(args.output_file, lines)
-    failed = sum(line["error"] is not None for line in lines)
+        out.discard()
+    failed = sum(json.loads(line)["error"] is not None for line in lines)
     logging.getLogger(__name__).info("%d requests, %d answered, %d errors", len(lines), len(lines) - failed, failed)
     if failed:
         print(f"nanovllm run-batch: {failed} of {len(lines)} requests failed (see their 'error')", file=sys.stderr)
+    if engine_failed:
+        print("nanovllm run-batch: the engine failed during the run", file=sys.stderr)
+        return 1
     return 0
