@@ -12,12 +12,7 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed (pip ins
 from conformance.zoo import zoo_model  # noqa: E402
 from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError  # noqa: E402
 from nanovllm.entrypoints.openai.serving_chat import answer_role, apply_chat_template, echoed  # noqa: E402
-
-TURN_ENDS = (
-    "{% for m in messages %}{{ '<|' + m['role'] + '|> ' + m['content'] }}<eos>{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|> ' }}{% endif %}"
-)
-CONV = [{"role": "user", "content": "w10 w20"}, {"role": "assistant", "content": "w30 w40"}]
+from tests.chat_templates import CONV, TURN_ENDS  # noqa: E402
 
 
 @pytest.fixture(scope="module")

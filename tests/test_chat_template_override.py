@@ -17,13 +17,9 @@ import pytest
 from conformance.zoo import zoo_model
 from nanovllm.entrypoints.chat_template import load_chat_template
 from nanovllm.tokenizer import load_tokenizer
+from tests.chat_templates import CONV, TURN_ENDS
 
 MODEL = "qwen3-gqa2-hd64-tied"
-TURN_ENDS = (
-    "{% for m in messages %}{{ '<|' + m['role'] + '|> ' + m['content'] }}<eos>{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|> ' }}{% endif %}"
-)
-CONV = [{"role": "user", "content": "w10 w20"}, {"role": "assistant", "content": "w30 w40"}]
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ pytest.importorskip("pydantic", reason="the serve extra (pydantic) is not instal
 from conformance.zoo import zoo_model  # noqa: E402
 from nanovllm import SamplingParams  # noqa: E402
 from nanovllm.entrypoints.cli import main  # noqa: E402
+from tests.chat_templates import TURN_ENDS  # noqa: E402
 from tests.conftest import cached_llm  # noqa: E402
-from tests.test_chat_template_override import TURN_ENDS  # noqa: E402
 
 MODEL = "qwen3-gqa2-hd64-tied"
 FLAGS = ["--block-size", "16", "--max-model-len", "256", "--no-progress"]

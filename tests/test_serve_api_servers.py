@@ -29,8 +29,8 @@ from nanovllm.bench.server_process import free_port  # noqa: E402
 from nanovllm.entrypoints.cli import main  # noqa: E402
 from nanovllm.entrypoints.openai.metrics import process_cpu_seconds, process_resident_bytes  # noqa: E402
 from nanovllm.entrypoints.openai.server_socket import _bind  # noqa: E402
+from tests.chat_templates import TURN_ENDS  # noqa: E402
 from tests.conftest import cached_llm, prompts_for, zoo_serve_flags  # noqa: E402
-from tests.test_chat_template_override import TURN_ENDS  # noqa: E402
 from tests.test_serve_shutdown import MODEL, _alive, _wait_healthy, start_server  # noqa: E402
 
 MAX_MODEL_LEN = 256

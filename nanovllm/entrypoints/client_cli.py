@@ -127,6 +127,24 @@ def read_lines(prompt: str):
             return
 
 
+def session(command: str, model: str, what: str, quick: str | None, send, refused) -> int:
+    """``quick`` sent alone (a refusal ends the command with its error), else each line typed
+    after ``> `` until EOF, a refused one reported (``refused()`` undoes its turn) and the session
+    going on."""
+    print(f"Using model: {model}", file=sys.stderr)
+    if quick is not None:
+        send(quick)
+        return 0
+    print(f"Please enter {what} (Ctrl-D to end):", file=sys.stderr)
+    for line in read_lines("> "):
+        try:
+            send(line)
+        except ValueError as e:
+            refused()
+            print(f"nanovllm {command}: {e}", file=sys.stderr)
+    return 0
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     client, model = connect(args)
     extra = {} if args.max_tokens is None else {"max_tokens": args.max_tokens}
@@ -144,18 +162,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
         conversation.append({"role": "assistant", "content": answer})
         return answer
 
-    print(f"Using model: {model}", file=sys.stderr)
-    if args.quick is not None:
-        reply(args.quick)
-        return 0
-    print("Please enter a message for the chat model (Ctrl-D to end):", file=sys.stderr)
-    for message in read_lines("> "):
-        try:
-            reply(message)
-        except ValueError as e:  # the session goes on without that turn (e.g. the history grew too long)
-            del conversation[-1]
-            print(f"nanovllm chat: {e}", file=sys.stderr)
-    return 0
+    def refused() -> None:  # the session goes on without that turn (e.g. the history grew too long)
+        del conversation[-1]
+
+    return session("chat", model, "a message for the chat model", args.quick, reply, refused)
 
 
 def cmd_complete(args: argparse.Namespace) -> int:
@@ -170,14 +180,4 @@ def cmd_complete(args: argparse.Namespace) -> int:
             ),
         )
 
-    print(f"Using model: {model}", file=sys.stderr)
-    if args.quick is not None:
-        complete(args.quick)
-        return 0
-    print("Please enter a prompt (Ctrl-D to end):", file=sys.stderr)
-    for prompt in read_lines("> "):
-        try:
-            complete(prompt)
-        except ValueError as e:
-            print(f"nanovllm complete: {e}", file=sys.stderr)
-    return 0
+    return session("complete", model, "a prompt", args.quick, complete, lambda: None)
