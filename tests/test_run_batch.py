@@ -7,6 +7,8 @@ the run before the model loads, naming the line."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 
@@ -78,6 +80,18 @@ def test_answers_equal_the_offline_engines_in_the_inputs_order(tmp_path):
         assert r["response"]["status_code"] == 400 and r["error"]["error"]["param"] == param, r
         assert r["response"]["body"] == r["error"]  # OpenAI's place and vLLM's
     assert len({r["id"] for r in results}) == len(results)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "out.jsonl").stat().st_mode) == 0o666 & ~umask  # a plain file's mode
+
+
+def test_a_value_json_cannot_hold_makes_a_500_line():
+    from nanovllm.entrypoints.openai.run_batch import result_line
+
+    bad = json.loads(result_line("x", 200, {"logprob": float("-inf")}, None))
+    assert bad["custom_id"] == "x" and bad["response"]["status_code"] == 500
+    assert bad["error"]["error"]["type"] == "server_error" and "not valid JSON" in bad["error"]["error"]["message"]
+    assert json.loads(result_line("y", 200, {"logprob": -1.5}, None))["response"]["status_code"] == 200  # the control
 
 
 def test_the_chat_template_and_sampling_defaults_apply_as_in_serve(tmp_path):

@@ -137,14 +137,9 @@ def result_line(custom_id: str, status: int, body: dict, error: dict | None) -> 
     try:
         return json.dumps(line, ensure_ascii=False, allow_nan=False)
     except ValueError as e:
-        problem = {
-            "error": {
-                "message": f"the response is not valid JSON: {e}",
-                "type": "server_error",
-                "param": None,
-                "code": None,
-            }
-        }
+        from nanovllm.entrypoints.openai.protocol import OpenAIError
+
+        problem = OpenAIError(500, f"the response is not valid JSON: {e}").body()
         return result_line(custom_id, 500, problem, problem)
 
 
