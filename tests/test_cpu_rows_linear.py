@@ -335,8 +335,8 @@ def test_the_packing_verdict_is_asked_per_bias(monkeypatch):
     check = cpu_linear._kernel_keeps_its_order
     asked: dict = {}
 
-    def by_shape_only(weight, bias):  # the bug: one verdict per shape, whatever the bias
-        return asked.setdefault(tuple(weight.shape), check(weight, bias))
+    def by_shape_only(weight, bias, form="f32"):  # the bug: one verdict per shape, whatever the bias
+        return asked.setdefault(tuple(weight.shape), check(weight, bias, form))
 
     monkeypatch.setattr(cpu_linear, "_kernel_keeps_its_order", by_shape_only)
     m = model()

@@ -37,8 +37,14 @@ from nanovllm.loader.cache import build_once, cache_root
 
 logger = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = [HERE / "paged_attention.c", HERE / "elementwise.c", HERE / "rows_linear.c", HERE / "decode_layers.c"]
-HEADERS = [HERE / "vec_exp.h", HERE / "cpu_kernels.h"]
+SOURCES = [
+    HERE / "paged_attention.c",
+    HERE / "elementwise.c",
+    HERE / "rows_linear.c",
+    HERE / "rows_quant.c",
+    HERE / "decode_layers.c",
+]
+HEADERS = [HERE / "vec_exp.h", HERE / "cpu_kernels.h", HERE / "rows_frame.h"]
 LIBRARY = "cpu_kernels.so"
 SWITCH = "NANOVLLM_CPU_KERNELS"
 
@@ -93,6 +99,8 @@ class Kernels(NamedTuple):
     rows_pack: Any
     rows_reference: Any  # the same order in scalar code, for the tests (rows_linear.c)
     rows_chunk_max_rows: int  # the most rows rows_linear takes K in chunks for (more: whole segments per tile)
+    rows_linear_quant: Any  # the same product over weights kept in a GGUF block format (rows_quant.c)
+    rows_pack_quant: Any
     decode_layers: Any  # a decode step's decoder layers in one call (decode_layers.c, decode_layers.py)
 
 
@@ -145,6 +153,13 @@ def load() -> Kernels | None:
     reference.restype = None
     reference.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     vectorized = bool(library.rows_linear_vectorized())
+    rows_quant = library.rows_linear_quant
+    rows_quant.restype = ctypes.c_int
+    rows_quant.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
+    rows_quant.argtypes += [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
+    pack_quant = library.rows_pack_quant
+    pack_quant.restype = ctypes.c_int
+    pack_quant.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4
     return Kernels(
         attention,
         store,
@@ -156,6 +171,8 @@ def load() -> Kernels | None:
         rows_pack if vectorized else None,
         reference,
         library.rows_linear_chunk_max_rows(),
+        rows_quant if vectorized else None,
+        pack_quant,
         _decode_layers(library),
     )
 
@@ -432,11 +449,71 @@ def rows_pack(weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+ROWS_BLOCK = 32  # weights of one output row per block of a quantized weight (rows_quant.c)
+# the GGUF block formats rows_quant.c keeps weights in: name -> (its number there, bytes of one strip's block)
+ROWS_FORMATS = {"q4_1": (1, 384), "q8_0": (2, 576)}
+
+
+def rows_format(strips: torch.Tensor) -> str:
+    """The form of a rows-packed weight: "f32" (``rows_pack``), or the block format ``rows_pack_quant``
+    kept it in, told by its block's bytes."""
+    if strips.dtype == torch.float32:
+        return "f32"
+    for name, (_, size) in ROWS_FORMATS.items():
+        if strips.dtype == torch.uint8 and strips.dim() == 3 and strips.shape[2] == size:
+            return name
+    raise ValueError(
+        f"rows-packed strips of dtype {strips.dtype} and shape {tuple(strips.shape)} are neither rows_pack's "
+        f"float32 nor rows_pack_quant's uint8 blocks of {', '.join(f'{v[1]} bytes ({k})' for k, v in ROWS_FORMATS.items())}"
+    )
+
+
+def rows_pack_quant(weight: torch.Tensor, format: str) -> torch.Tensor | None:
+    """A float32 weight [N, K] kept for ``rows_linear`` in a GGUF block format (``ROWS_FORMATS``): uint8
+    [ceil(N / 16), K / 32, block bytes], where every block of 32 weights of a row has that format's
+    exact form (d, m and q whose dequantization gives the block back bitwise), else None. A weight
+    read from a GGUF file in that format has one; a float32 checkpoint's weights almost never do.
+    ``rows_linear`` then gives the float32 product's bits from a third (Q8_0) or a fifth (Q4_1) of the bytes."""
+    if format not in ROWS_FORMATS:
+        raise ValueError(f"rows_pack_quant: format must be one of {sorted(ROWS_FORMATS)}, got {format!r}")
+    kernels = _kernels(weight)
+    if weight.dim() != 2:
+        raise ValueError(f"rows_pack_quant: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if n == 0 or k == 0 or k % ROWS_BLOCK:
+        return None
+    number, size = ROWS_FORMATS[format]
+    weight = weight.detach().contiguous()
+    out = torch.empty(-(-n // ROWS_STRIP), k // ROWS_BLOCK, size, dtype=torch.uint8)
+    missed = kernels.rows_pack_quant(weight.data_ptr(), out.data_ptr(), number, n, k, torch.get_num_threads())
+    if missed < 0:
+        raise ValueError(f"rows_pack_quant: the kernel refused N={n}, K={k}, format {format!r}")
+    return out if missed == 0 else None
+
+
+def _check_strips(strips: torch.Tensor, n: int, k: int, x_shape: tuple) -> int:
+    """The C side's number for the strips' form (0: float32), once their shape is checked against N and K."""
+    form = rows_format(strips)
+    if strips.device.type != "cpu":
+        raise ValueError(f"rows_linear: packed strips must be on the CPU, got {strips.device}")
+    if form == "f32":
+        want, made_by = (-(-n // ROWS_STRIP), k, ROWS_STRIP), "rows_pack's"
+    else:
+        want, made_by = (-(-n // ROWS_STRIP), k // ROWS_BLOCK, ROWS_FORMATS[form][1]), f"rows_pack_quant's {form}"
+    if tuple(strips.shape) != want or not strips.is_contiguous() or (form != "f32" and k % ROWS_BLOCK):
+        raise ValueError(
+            f"rows_linear: packed strips {tuple(strips.shape)} (contiguous: {strips.is_contiguous()}) are not "
+            f"{made_by} {want} for N={n} and x {x_shape}"
+        )
+    return 0 if form == "f32" else ROWS_FORMATS[form][0]
+
+
 def rows_linear(x: torch.Tensor, strips: torch.Tensor, n: int, bias: torch.Tensor | None, segment: int) -> torch.Tensor:
-    """x [M, K] @ W^T (+ bias) -> [M, n] with W packed by ``rows_pack`` into ``strips``: each output a
-    fused multiply-add chain over K, restarted every ``segment`` elements, the segments added in
-    order, then the bias (rows_linear.c)."""
-    kernels = _kernels(x, strips, *([] if bias is None else [bias]))
+    """x [M, K] @ W^T (+ bias) -> [M, n] with W packed by ``rows_pack`` (float32) or ``rows_pack_quant``
+    (a block format; the same bits as float32) into ``strips``: each output a fused multiply-add chain
+    over K, restarted every ``segment`` elements, the segments added in order, then the bias
+    (rows_linear.c, rows_quant.c)."""
+    kernels = _kernels(x, *([] if bias is None else [bias]))
     if kernels.rows_linear is None:
         raise RuntimeError(
             "rows_linear: this build of the CPU kernels has neither AVX-512 nor AVX2 (rows_linear_available() is False)"
@@ -451,32 +528,29 @@ def rows_linear(x: torch.Tensor, strips: torch.Tensor, n: int, bias: torch.Tenso
     elif m == 1 and x.stride(1) != 1:
         x = x.contiguous()
     row_stride = x.stride(0) if m > 1 else k
-    if tuple(strips.shape) != (-(-n // ROWS_STRIP), k, ROWS_STRIP) or not strips.is_contiguous():
-        raise ValueError(
-            f"rows_linear: packed strips {tuple(strips.shape)} (contiguous: {strips.is_contiguous()}) are not "
-            f"rows_pack's ({-(-n // ROWS_STRIP)}, {k}, {ROWS_STRIP}) for N={n} and x {tuple(x.shape)}"
-        )
+    form = _check_strips(strips, n, k, tuple(x.shape))
     if bias is not None and (bias.numel() != n or not bias.is_contiguous()):
         raise ValueError(
             f"rows_linear: bias must be {n} contiguous floats (N={n}), got {bias.numel()} "
             f"(contiguous: {bias.is_contiguous()})"
         )
+    if form and segment < k and segment % ROWS_BLOCK:
+        raise ValueError(f"rows_linear: a quantized weight's segment must be K or a multiple of 32, got {segment}")
     out = torch.empty(m, n, dtype=torch.float32)
     if m == 0:
         return out
-    status = kernels.rows_linear(
-        x.data_ptr(),
-        strips.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        out.data_ptr(),
-        m,
-        n,
-        k,
-        row_stride,
-        n,
-        segment,
-        torch.get_num_threads(),
-    )
+    bias_ptr = None if bias is None else bias.data_ptr()
+    threads = torch.get_num_threads()
+    if form:
+        status = kernels.rows_linear_quant(
+            x.data_ptr(), strips.data_ptr(), form, bias_ptr, out.data_ptr(), m, n, k, row_stride, n, segment, threads
+        )
+    else:
+        status = kernels.rows_linear(
+            x.data_ptr(), strips.data_ptr(), bias_ptr, out.data_ptr(), m, n, k, row_stride, n, segment, threads
+        )
+    if status == -2:
+        raise MemoryError(f"rows_linear: no memory for a thread's dequantized strips (K={k})")
     if status != 0:
         raise ValueError(
             f"rows_linear: the kernel refused x {tuple(x.shape)} (row stride {row_stride}), N={n}, segment={segment} "

@@ -9,6 +9,8 @@ int rms_norm_f32(const float *x, const float *residual, float *out, float *res_o
                  int n, int64_t x_stride, int64_t r_stride, float eps, int lanes, int num_threads);
 int rows_linear_f32(const float *x, const float *w, const float *bias, float *y, int m, int n, int k, int64_t ldx,
                     int64_t ldy, int seg, int num_threads);
+int rows_linear_quant(const float *x, const uint8_t *w, int format, const float *bias, float *y, int m, int n, int k,
+                      int64_t ldx, int64_t ldy, int seg, int num_threads);
 int rotary_neox_f32(float *q, float *k, const int64_t *pos, const float *cos_table, const float *sin_table,
                     int tokens, int heads, int kv_heads, int half_dim, int64_t q_stride, int64_t k_stride,
                     int64_t table_stride, int64_t table_rows, int num_threads);

@@ -11,10 +11,12 @@
 
 #include "cpu_kernels.h"
 
-/* A weight packed by rows_pack_f32: y [m][n] = x [m][k] @ W^T (+ bias), sums restarted every seg. */
+/* A weight packed by rows_pack_f32 (format 0) or rows_pack_quant (its format): y [m][n] = x [m][k] @ W^T
+ * (+ bias), sums restarted every seg. */
 typedef struct {
-    const float *strips, *bias;
-    int n, k, seg;
+    const void *strips;
+    const float *bias;
+    int n, k, seg, format;
 } DecodeLinear;
 
 typedef struct {
@@ -54,6 +56,7 @@ enum { FAILED_NORM = 1, FAILED_QKV, FAILED_ROPE, FAILED_STORE, FAILED_ATTENTION,
 
 static int linear(const DecodeLinear *w, const float *x, float *y, int m, int threads) {
     /* rows_linear's wrapper passes x's row stride, or K for a single row */
+    if (w->format) return rows_linear_quant(x, w->strips, w->format, w->bias, y, m, w->n, w->k, w->k, w->n, w->seg, threads);
     return rows_linear_f32(x, w->strips, w->bias, y, m, w->n, w->k, w->k, w->n, w->seg, threads);
 }
 

@@ -15,6 +15,7 @@ class DecodeLinear(ctypes.Structure):
         ("n", ctypes.c_int),
         ("k", ctypes.c_int),
         ("seg", ctypes.c_int),
+        ("format", ctypes.c_int),  # 0: float32 strips; else rows_quant.c's block format (cpu_kernels.ROWS_FORMATS)
     ]
 
 

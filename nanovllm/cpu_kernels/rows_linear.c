@@ -31,15 +31,8 @@
 #include <math.h>
 #include <stdint.h>
 #include "cpu_kernels.h"
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#define ROWS_VECTORIZED 1
-#include <immintrin.h>
-#include <omp.h>
-#else
-#define ROWS_VECTORIZED 0
-#endif
+#include "rows_frame.h"
 
-#define STRIP 16 /* output columns per strip: one float32 vector */
 /* a prefetch address ``offset`` floats on from ``p``, made as an integer: near the end of the packed
  * weights it lies past them (prefetching there is harmless), where pointer arithmetic would be
  * undefined */
@@ -113,25 +106,6 @@ void rows_pack_f32(const float *w, float *out, int n, int k, int num_threads) {
                 for (int kk = 0; kk < k; kk++) o[(int64_t)kk * STRIP + c] = 0.0f;
         }
     }
-}
-
-/* The drivers' common frame (rows_linear_f32, one per instruction set). A bad argument: m < 0, an
- * empty output or K, a segment or thread count below one, or a row stride shorter than its row. */
-static int rows_bad_arguments(int m, int n, int k, int64_t ldx, int64_t ldy, int seg, int num_threads) {
-    return m < 0 || n <= 0 || k <= 0 || seg <= 0 || ldx < k || ldy < n || num_threads < 1;
-}
-
-/* The calling thread's contiguous run of strips, [*s0, *s1): the strips split evenly over the team. */
-static void thread_strips(int strips, int *s0, int *s1) {
-    int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    *s0 = (int)((int64_t)strips * t / nt), *s1 = (int)((int64_t)strips * (t + 1) / nt);
-}
-
-/* The bias, added last (after every segment's sum) to the strips [s, s + ns) of rows [0, m). */
-static void add_bias_strips(float *y, int64_t ldy, const float *bias, int m, int n, int s, int ns) {
-    int c1 = (s + ns) * STRIP < n ? (s + ns) * STRIP : n;
-    for (int i = 0; i < m; i++)
-        for (int c = s * STRIP; c < c1; c++) y[i * ldy + c] += bias[c];
 }
 
 #endif
@@ -210,41 +184,27 @@ static void chunked_rows(const float *x, int64_t ldx, const float *ws, int k, in
     }
 }
 
-/* y [m][n] (rows ldy floats apart) = x [m][k] (rows ldx apart) @ W^T + bias (NULL: none), W packed by
- * rows_pack_f32. Each thread takes a contiguous run of strips; returns 0, or -1 for a bad argument
- * (nothing written). */
-int rows_linear_f32(const float *x, const float *w, const float *bias, float *y, int m, int n, int k,
-                    int64_t ldx, int64_t ldy, int seg, int num_threads) {
-    if (rows_bad_arguments(m, n, k, ldx, ldy, seg, num_threads)) return -1;
-    int strips = (n + STRIP - 1) / STRIP;
-    if (num_threads > strips) num_threads = strips;
-#pragma omp parallel num_threads(num_threads)
-    {
-        int s0, s1;
-        thread_strips(strips, &s0, &s1);
-        float scratch[CHUNK_MAX_ROWS * MAX_TILE_STRIPS * STRIP] __attribute__((aligned(64)));
-        int chunked = m > MAX_TILE_ROWS && m <= CHUNK_MAX_ROWS;
-        for (int s = s0; s < s1; s += MAX_TILE_STRIPS) {
-            int ns = s1 - s < MAX_TILE_STRIPS ? s1 - s : MAX_TILE_STRIPS;
-            int tail_cols = n - (s + ns - 1) * STRIP;
-            __mmask16 tail = tail_cols >= STRIP ? (__mmask16)0xFFFF : (__mmask16)((1u << tail_cols) - 1);
-            const float *ws = w + (int64_t)s * k * STRIP;
-            float *ys = y + s * STRIP;
-            if (chunked)
-                chunked_rows(x, ldx, ws, k, m, ys, ldy, seg, tail, ns, scratch);
-            else
-                for (int m0 = 0; m0 < m; m0 += MAX_TILE_ROWS) {
-                    int mr = m - m0 < MAX_TILE_ROWS ? m - m0 : MAX_TILE_ROWS;
-                    for (int k0 = 0; k0 < k; k0 += seg) {
-                        int k1 = k - k0 > seg ? k0 + seg : k;
-                        TILES[mr - 1][ns - 1](x + m0 * ldx, ldx, ws, k, k0, k1, NULL, 0, ys + m0 * ldy, ldy, 1, 1,
-                                              k0 == 0, tail, m0 == 0 ? AHEAD : 0);
-                    }
-                }
-            if (bias) add_bias_strips(y, ldy, bias, m, n, s, ns);
+int rows_group_strips(int m) {
+    (void)m;
+    return MAX_TILE_STRIPS;
+}
+
+void rows_strip_group_f32(const float *x, int64_t ldx, const float *ws, int k, int m, float *ys, int64_t ldy, int seg,
+                          int ns, int tail_cols) {
+    float scratch[CHUNK_MAX_ROWS * MAX_TILE_STRIPS * STRIP] __attribute__((aligned(64)));
+    __mmask16 tail = tail_cols >= STRIP ? (__mmask16)0xFFFF : (__mmask16)((1u << tail_cols) - 1);
+    if (m > MAX_TILE_ROWS && m <= CHUNK_MAX_ROWS) {
+        chunked_rows(x, ldx, ws, k, m, ys, ldy, seg, tail, ns, scratch);
+        return;
+    }
+    for (int m0 = 0; m0 < m; m0 += MAX_TILE_ROWS) {
+        int mr = m - m0 < MAX_TILE_ROWS ? m - m0 : MAX_TILE_ROWS;
+        for (int k0 = 0; k0 < k; k0 += seg) {
+            int k1 = k - k0 > seg ? k0 + seg : k;
+            TILES[mr - 1][ns - 1](x + m0 * ldx, ldx, ws, k, k0, k1, NULL, 0, ys + m0 * ldy, ldy, 1, 1, k0 == 0, tail,
+                                  m0 == 0 ? AHEAD : 0);
         }
     }
-    return 0;
 }
 
 #elif ROWS_VECTORIZED /* AVX2 with FMA: a strip is two 8-float vectors */
@@ -346,27 +306,45 @@ static void strip_group2(const float *x, int64_t ldx, const float *ws, int k, in
     }
 }
 
+int rows_group_strips(int m) {
+    int tile_rows, group;
+    rows_tile_shape(m, &tile_rows, &group);
+    return group;
+}
+
+void rows_strip_group_f32(const float *x, int64_t ldx, const float *ws, int k, int m, float *ys, int64_t ldy, int seg,
+                          int ns, int tail_cols) {
+    float scratch[CHUNK_MAX_ROWS * AVX2_TILE_STRIPS * STRIP] __attribute__((aligned(64)));
+    int tile_rows, group;
+    rows_tile_shape(m, &tile_rows, &group);
+    __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i tail[2] = {_mm256_cmpgt_epi32(_mm256_set1_epi32(tail_cols), lanes),
+                       _mm256_cmpgt_epi32(_mm256_set1_epi32(tail_cols - 8), lanes)};
+    strip_group2(x, ldx, ws, k, m, ys, ldy, seg, tail, tail_cols >= STRIP, ns, tile_rows,
+                 m > tile_rows && m <= CHUNK_MAX_ROWS, scratch);
+}
+
+#endif
+
+#if ROWS_VECTORIZED
+
+/* y [m][n] (rows ldy floats apart) = x [m][k] (rows ldx apart) @ W^T + bias (NULL: none), W packed by
+ * rows_pack_f32. Each thread takes a contiguous run of strips, a group of strips at a time (as many as
+ * a row tile takes: rows_group_strips); returns 0, or -1 for a bad argument (nothing written). */
 int rows_linear_f32(const float *x, const float *w, const float *bias, float *y, int m, int n, int k,
                     int64_t ldx, int64_t ldy, int seg, int num_threads) {
     if (rows_bad_arguments(m, n, k, ldx, ldy, seg, num_threads)) return -1;
     int strips = (n + STRIP - 1) / STRIP;
     if (num_threads > strips) num_threads = strips;
-    int tile_rows, group;
-    rows_tile_shape(m, &tile_rows, &group);
+    int group = rows_group_strips(m);
 #pragma omp parallel num_threads(num_threads)
     {
         int s0, s1;
         thread_strips(strips, &s0, &s1);
-        float scratch[CHUNK_MAX_ROWS * AVX2_TILE_STRIPS * STRIP] __attribute__((aligned(64)));
-        int chunked = m > tile_rows && m <= CHUNK_MAX_ROWS;
         for (int s = s0; s < s1; s += group) {
             int ns = s1 - s < group ? s1 - s : group;
-            int tail_cols = n - (s + ns - 1) * STRIP, full = tail_cols >= STRIP;
-            __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-            __m256i tail[2] = {_mm256_cmpgt_epi32(_mm256_set1_epi32(tail_cols), lanes),
-                               _mm256_cmpgt_epi32(_mm256_set1_epi32(tail_cols - 8), lanes)};
-            strip_group2(x, ldx, w + (int64_t)s * k * STRIP, k, m, y + s * STRIP, ldy, seg, tail, full, ns,
-                         tile_rows, chunked, scratch);
+            rows_strip_group_f32(x, ldx, w + (int64_t)s * k * STRIP, k, m, y + s * STRIP, ldy, seg, ns,
+                                 n - (s + ns - 1) * STRIP);
             if (bias) add_bias_strips(y, ldy, bias, m, n, s, ns);
         }
     }

@@ -53,16 +53,48 @@ MLP_ROW_TILE = 1024
 ROWS_SWITCH = "NANOVLLM_CPU_ROWS_LINEAR"  # "0": float32 weights keep oneDNN's packed copy (A/B runs)
 
 
+QUANT_SWITCH = "NANOVLLM_CPU_ROWS_QUANT"  # "0": float32 strips even where a block format gives a weight back (A/B runs)
+
+
 class RowsWeight:
     """A float32 weight packed for ``cpu_kernels.rows_linear`` (strips of 16 output columns) and the
-    K segment its sums restart at, oneDNN's on this machine (``segment``)."""
+    K segment its sums restart at, oneDNN's on this machine (``segment``).
+
+    ``form``: "f32", a GGUF block format (``cpu_kernels.ROWS_FORMATS``), or None for the smallest
+    form that gives the weight back bitwise: a weight read from a Q4_1 or Q8_0 GGUF file is kept in
+    that format, a third to a fifth of float32's bytes, which a decode step streams from memory; the
+    product's bits are the float32 strips' (rows_quant.c). ``NANOVLLM_CPU_ROWS_QUANT=0`` keeps float32."""
 
     dtype = torch.float32
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, form: str | None = None) -> None:
         self.n, self.k = weight.shape
         self.segment = segment(self.k)
-        self.strips = cpu_kernels.rows_pack(weight)
+        strips = _smallest_exact_form(weight) if form is None else _packed(weight, form)
+        if strips is None:
+            raise ValueError(f"RowsWeight: the weight [{self.n}, {self.k}] has no exact {form} form")
+        self.strips = strips
+        self.format = cpu_kernels.rows_format(strips)
+
+
+def quant_enabled() -> bool:
+    return os.environ.get(QUANT_SWITCH, "1") != "0"
+
+
+def _packed(weight: torch.Tensor, form: str) -> torch.Tensor | None:
+    return cpu_kernels.rows_pack(weight) if form == "f32" else cpu_kernels.rows_pack_quant(weight, form)
+
+
+def _smallest_exact_form(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in the first block format (the smallest first) that gives it back bitwise, else as
+    float32 strips. Trying a format stops at the first block without an exact form, so a float32
+    checkpoint's weights cost little."""
+    if quant_enabled():
+        for form in cpu_kernels.ROWS_FORMATS:
+            strips = cpu_kernels.rows_pack_quant(weight, form)
+            if strips is not None:
+                return strips
+    return cpu_kernels.rows_pack(weight)
 
 
 def segment(k: int) -> int:
@@ -144,7 +176,7 @@ def _probe_columns(n: int) -> int:
     return n if n <= CHECK_COLUMNS + 64 else CHECK_COLUMNS + n % 64
 
 
-def _kernel_keeps_its_order(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def _kernel_keeps_its_order(weight: torch.Tensor, bias: torch.Tensor | None, form: str = "f32") -> bool:
     """Whether the vector kernel gives, bitwise, the scalar reference of its summation order
     (``cpu_kernels.rows_linear_reference``: one chain per ``segment``, the segments added in order, the
     bias last) for this weight's shape, on random rows (``_check_rows``: each of the kernel's paths) and
@@ -153,12 +185,13 @@ def _kernel_keeps_its_order(weight: torch.Tensor, bias: torch.Tensor | None) -> 
     because the summation order does not depend on values. Asked with the module's bias; a row-parallel
     layer under tensor parallelism adds its bias after the reduction instead, where the chain is the
     same. It guards against a compiler or CPU that makes the vector code leave its order (then the
-    weight keeps oneDNN's packed product)."""
+    weight keeps oneDNN's packed product). ``form``: the weight's packed form; a block format's
+    product is held to the same reference, over the float32 weight."""
     n, k = weight.shape
     cols = _probe_columns(n)
     weight = weight.detach()[:cols].contiguous()
     bias = None if bias is None else bias.detach()[:cols].contiguous()
-    rows = RowsWeight(weight)
+    rows = RowsWeight(weight, form)
     check_rows = _check_rows()
     probe = torch.randn(max(check_rows), k, generator=torch.Generator().manual_seed(0))
     want = cpu_kernels.rows_linear_reference(probe, weight, bias, rows.segment)
@@ -238,23 +271,25 @@ def pack_linear_weights(model: nn.Module, threads: int | None = None) -> int:
 
 
 def _pack_rows(modules: list[nn.Module]) -> list[nn.Module]:
-    """Pack for the rows kernel each float32 module whose shape passes ``_kernel_keeps_its_order``
-    (asked with the first module of each shape and bias); returns the modules packed so."""
+    """Pack for the rows kernel each float32 module (in its smallest exact form: ``RowsWeight``) whose
+    shape and form pass ``_kernel_keeps_its_order`` (asked with the first module of each shape, bias and
+    form); returns the modules packed so."""
     verdict: dict[tuple, bool] = {}
     done = []
     for module in modules:
         weight: torch.Tensor = module.weight  # type: ignore[assignment]
         bias = getattr(module, "bias", None)
-        key = (*weight.shape, bias is not None)
+        rows = RowsWeight(weight.detach())
+        key = (*weight.shape, bias is not None, rows.format)
         if key not in verdict:
-            verdict[key] = _kernel_keeps_its_order(weight, bias)
+            verdict[key] = _kernel_keeps_its_order(weight, bias, rows.format)
             if not verdict[key]:
                 logger.warning(
-                    "the rows kernel's vector code left its summation order for weights of N=%d, K=%d, bias=%s "
-                    "(compared with its scalar reference): oneDNN multiplies them",
+                    "the rows kernel's vector code left its summation order for weights of N=%d, K=%d, bias=%s, "
+                    "kept as %s (compared with its scalar reference): oneDNN multiplies them",
                     *key,
                 )
         if verdict[key]:
-            module.packed_weight = RowsWeight(weight.detach())  # type: ignore[assignment]
+            module.packed_weight = rows  # type: ignore[assignment]
             done.append(module)
     return done

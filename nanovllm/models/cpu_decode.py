@@ -100,7 +100,8 @@ def _linear(module) -> c.DecodeLinear | None:
     if not isinstance(packed, cpu_linear.RowsWeight) or not _float32_cpu(module.bias):
         return None
     bias = None if module.bias is None else module.bias.data_ptr()
-    return c.DecodeLinear(packed.strips.data_ptr(), bias, packed.n, packed.k, packed.segment)
+    form = 0 if packed.format == "f32" else cpu_kernels.ROWS_FORMATS[packed.format][0]
+    return c.DecodeLinear(packed.strips.data_ptr(), bias, packed.n, packed.k, packed.segment, form)
 
 
 class FusedDecode:

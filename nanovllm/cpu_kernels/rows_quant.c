@@ -1,0 +1,353 @@
+/* The rows kernel over weights kept in a GGUF block format, for float32 weights that came from one:
+ * the same product, to the bit, as rows_linear_f32 over the float32 strips, from a third to a fifth
+ * of the bytes. A decode step streams every weight from memory for a few rows, so it runs at the rate
+ * the weights are read.
+ *
+ * Formats (ggml's; a block is 32 weights of one output row along K, d and m float16 values):
+ *   Q4_1: w = (d * q) + m, q in [0, 15]   (the default model's layers)
+ *   Q8_0: w = d * q,       q in [-128, 127] (its embedding, which is also its output layer)
+ * d * q is exact in float32 (11 significant bits times 4 or 8), so a fused multiply-add of d, q and m
+ * rounds once, as gguf's dequantization (a product then a sum) does.
+ *
+ * The formats are not read from the file: rows_pack_quant finds, for each block of the float32
+ * weight, the d, m and q that give back its 32 values bitwise (m is the block's least value, which
+ * has q = 0; d is (largest - least) / 15, or largest magnitude / 127, rounded to float16 and tried
+ * with its neighbours), and reports how many blocks have none. Only a weight with none left over is
+ * used so, so the product cannot differ from the float32 one; the tests compare the two bitwise.
+ *
+ * Layout (one strip = 16 output columns, as rows_linear.c): [ceil(n/16)][k/32] blocks; a block holds
+ * 16 d (float32), for Q4_1 16 m (float32), then its 32 k of values, each k's 16 in order (Q4_1: 8
+ * bytes, column c in byte c/2, the low nibble for even c; Q8_0: 16 bytes). A block is 384 (Q4_1) or
+ * 576 (Q8_0) bytes where float32 takes 2,048.
+ *
+ * Product: up to QUANT_TILE_ROWS rows (a decode step's last sequences), AVX-512 dequantizes each k
+ * of a strip in registers, once per row tile (one row: 2.6x the float32 strips on SmolLM2-135M's
+ * shapes, KERNEL_NOTES session 34); more rows, or AVX2, dequantize a strip group into a float32
+ * buffer once and run rows_linear.c's product over it. Both sum in rows_linear_f32's order. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+#include "rows_frame.h"
+
+#define QBLOCK 32 /* weights of a row per block (ggml's QK4_1 and QK8_0) */
+enum { ROWS_Q4_1 = 1, ROWS_Q8_0 = 2 };
+#ifndef QUANT_TILE_ROWS
+#define QUANT_TILE_ROWS 4
+#endif
+
+/* bytes of one block of one strip; 0 for an unknown format */
+int rows_quant_block_bytes(int format) {
+    return format == ROWS_Q4_1 ? 2 * STRIP * 4 + QBLOCK * STRIP / 2 : format == ROWS_Q8_0 ? STRIP * 4 + QBLOCK * STRIP : 0;
+}
+
+/* the scales' and values' byte offsets in a block */
+static int values_at(int format) { return format == ROWS_Q4_1 ? 2 * STRIP * 4 : STRIP * 4; }
+
+static float half_round(float x) { return (float)(_Float16)x; }
+
+/* the float16 value ``steps`` float16 steps from ``h`` (a positive float16 value) */
+static float half_step(float h, int steps) {
+    _Float16 v = (_Float16)h;
+    uint16_t bits;
+    memcpy(&bits, &v, 2);
+    bits = (uint16_t)(bits + steps);
+    memcpy(&v, &bits, 2);
+    return (float)v;
+}
+
+static int same_bits(float a, float b) { return memcmp(&a, &b, sizeof a) == 0; }
+
+/* whether d and m give back all 32 values with integer q in [lo, hi] (q written on success) */
+static int fits(const float *v, float d, float m, int lo, int hi, int *q) {
+    for (int j = 0; j < QBLOCK; j++) {
+        float t = d == 0.0f ? 0.0f : (v[j] - m) / d;
+        if (!(t > lo - 1.0f && t < hi + 1.0f)) return 0; /* NaN included */
+        int qi = (int)(t < 0 ? t - 0.5f : t + 0.5f);
+        if (qi < lo || qi > hi || !same_bits(d * (float)qi + m, v[j])) return 0;
+        q[j] = qi;
+    }
+    return 1;
+}
+
+/* d, m and q of one block of 32 values (m = 0 for Q8_0); 1 where they give it back bitwise */
+static int recover_block(const float *v, int format, float *d, float *m, int *q) {
+    float lo = v[0], hi = v[0], amax = 0.0f;
+    for (int j = 0; j < QBLOCK; j++) {
+        if (v[j] != v[j]) return 0;
+        lo = v[j] < lo ? v[j] : lo, hi = v[j] > hi ? v[j] : hi;
+        amax = (v[j] < 0 ? -v[j] : v[j]) > amax ? (v[j] < 0 ? -v[j] : v[j]) : amax;
+    }
+    *m = format == ROWS_Q4_1 ? lo : 0.0f;
+    if ((format == ROWS_Q4_1 ? hi - lo : amax) == 0.0f) {
+        *d = 0.0f;
+        return fits(v, 0.0f, *m, 0, 0, q);
+    }
+    int top = format == ROWS_Q4_1 ? 15 : 127; /* the largest q ggml's quantizers give */
+    for (int t = top; t >= top - 2; t--) {
+        float guess = half_round((format == ROWS_Q4_1 ? hi - lo : amax) / (float)t);
+        if (!(guess > 0.0f)) continue;
+        for (int s = 0; s <= 4; s++) {
+            *d = half_step(guess, s % 2 ? (s + 1) / 2 : -(s / 2)); /* 0, +1, -1, +2, -2 steps */
+            if (*d > 0.0f && fits(v, *d, *m, format == ROWS_Q4_1 ? 0 : -128, format == ROWS_Q4_1 ? 15 : 127, q))
+                return 1;
+        }
+    }
+    return 0;
+}
+
+/* Pack W [n][k] (float32) into ``format``'s strips (``out``: ceil(n/16) * k/32 blocks); columns past n
+ * are zero. Returns 0 where the packing gives W back bitwise; else how many blocks were found without
+ * an exact form before the packing stopped (at least one: a float32 checkpoint's weight stops at
+ * once), or -1 for a bad argument (k not a multiple of 32, an unknown format). */
+int rows_pack_quant(const float *w, uint8_t *out, int format, int n, int k, int num_threads) {
+    int bytes = rows_quant_block_bytes(format);
+    if (bytes == 0 || n <= 0 || k <= 0 || k % QBLOCK || num_threads < 1) return -1;
+    const int strips = (n + STRIP - 1) / STRIP, blocks = k / QBLOCK, at = values_at(format);
+    int missed = 0, stop = 0;
+#pragma omp parallel for num_threads(num_threads) schedule(static) reduction(+ : missed)
+    for (int sb = 0; sb < strips * blocks; sb++) {
+        int stopped;
+#pragma omp atomic read
+        stopped = stop;
+        if (stopped) continue; /* a block had no exact form: the rest need not be tried */
+        int s = sb / blocks, b = sb % blocks;
+        uint8_t *block = out + (int64_t)sb * bytes;
+        float d[STRIP], m[STRIP];
+        int q[STRIP][QBLOCK];
+        for (int c = 0; c < STRIP; c++) {
+            int col = s * STRIP + c;
+            d[c] = m[c] = 0.0f;
+            memset(q[c], 0, sizeof q[c]);
+            if (col < n && !recover_block(w + (int64_t)col * k + b * QBLOCK, format, &d[c], &m[c], q[c])) missed++;
+        }
+        if (missed) {
+#pragma omp atomic write
+            stop = 1;
+        }
+        memcpy(block, d, sizeof d);
+        if (format == ROWS_Q4_1) memcpy(block + sizeof d, m, sizeof m);
+        for (int kk = 0; kk < QBLOCK; kk++)
+            for (int c = 0; c < STRIP; c++) {
+                if (format == ROWS_Q4_1) {
+                    uint8_t *byte = block + at + kk * (STRIP / 2) + c / 2;
+                    *byte = (uint8_t)(c % 2 ? (*byte | q[c][kk] << 4) : q[c][kk]);
+                } else {
+                    block[at + kk * STRIP + c] = (uint8_t)(int8_t)q[c][kk];
+                }
+            }
+    }
+    return missed;
+}
+
+#if ROWS_VECTORIZED
+
+/* A thread's float32 buffer for dequantized strips, kept for the thread's life and grown as needed
+ * (a decode step's products would otherwise map and unmap it ~120 times); NULL if memory is short. */
+static float *thread_buffer(size_t floats) {
+    static _Thread_local float *buffer;
+    static _Thread_local size_t size;
+    if (floats > size) {
+        free(buffer);
+        buffer = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        size = buffer ? floats : 0;
+    }
+    return buffer;
+}
+
+#if defined(__AVX512F__)
+
+/* one k of one strip: 16 weights, dequantized */
+static inline __m512 q4_1_k(const uint8_t *values, int kk, __m512 d, __m512 m) {
+    const __m512i shift = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+    __m128i bytes = _mm_loadl_epi64((const __m128i *)(values + kk * (STRIP / 2)));
+    __m512i wide = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes)); /* each byte twice */
+    __m512i q = _mm512_and_si512(_mm512_srlv_epi32(wide, shift), _mm512_set1_epi32(15));
+    return _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q), m); /* d * q is exact: one rounding, as (d * q) + m */
+}
+
+static inline __m512 q8_0_k(const uint8_t *values, int kk, __m512 d) {
+    __m128i bytes = _mm_loadu_si128((const __m128i *)(values + kk * STRIP));
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+}
+
+/* Strips [0, ns) of packed weights (each ``strip_bytes`` apart) into float32 strips [ns][k][16]. */
+static void dequantize_strips(const uint8_t *wq, int format, int64_t strip_bytes, int k, int ns, float *out) {
+    const int bytes = rows_quant_block_bytes(format), at = values_at(format);
+    for (int j = 0; j < ns; j++)
+        for (int b = 0; b < k / QBLOCK; b++) {
+            const uint8_t *block = wq + j * strip_bytes + (int64_t)b * bytes;
+            __m512 d = _mm512_loadu_ps((const float *)block), m = _mm512_loadu_ps((const float *)block + STRIP);
+            float *o = out + ((int64_t)j * k + b * QBLOCK) * STRIP;
+            if (format == ROWS_Q4_1)
+                for (int kk = 0; kk < QBLOCK; kk++) _mm512_store_ps(o + kk * STRIP, q4_1_k(block + at, kk, d, m));
+            else
+                for (int kk = 0; kk < QBLOCK; kk++) _mm512_store_ps(o + kk * STRIP, q8_0_k(block + at, kk, d));
+        }
+}
+
+/* Rows [0, MR) x strips [0, NR): the k range [k0, k1) of one K segment (whole blocks), each k of each
+ * strip dequantized in registers; the sums stored into y (``first``: the first segment) or added to
+ * it, the last strip's columns past n masked off. The same chains as rows_linear.c's TILE. */
+#define QTILE(NAME, FORMAT, MR, NR)                                                                            \
+    static void qtile_##NAME##_##MR##_##NR(const float *restrict x, int64_t ldx, const uint8_t *restrict w,  \
+                                           int64_t strip_bytes, int k0, int k1, float *restrict y,           \
+                                           int64_t ldy, int first, __mmask16 tail) {                         \
+        const int bytes = rows_quant_block_bytes(FORMAT), at = values_at(FORMAT);                           \
+        __m512 acc[MR][NR];                                                                                  \
+        _Pragma("GCC unroll 4") for (int i = 0; i < MR; i++)                                                 \
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();            \
+        for (int b = k0 / QBLOCK; b < k1 / QBLOCK; b++) {                                                    \
+            __m512 d[NR], m[NR];                                                                             \
+            const uint8_t *values[NR];                                                                       \
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {                                           \
+                const uint8_t *block = w + j * strip_bytes + (int64_t)b * bytes;                             \
+                d[j] = _mm512_loadu_ps((const float *)block);                                                \
+                m[j] = FORMAT == ROWS_Q4_1 ? _mm512_loadu_ps((const float *)block + STRIP) : d[j];           \
+                values[j] = block + at;                                                                      \
+            }                                                                                                \
+            for (int kk = 0; kk < QBLOCK; kk++) {                                                            \
+                __m512 wv[NR];                                                                               \
+                _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) wv[j] =                                 \
+                    FORMAT == ROWS_Q4_1 ? q4_1_k(values[j], kk, d[j], m[j]) : q8_0_k(values[j], kk, d[j]);   \
+                const int kx = b * QBLOCK + kk;                                                              \
+                _Pragma("GCC unroll 4") for (int i = 0; i < MR; i++) {                                       \
+                    __m512 xv = _mm512_set1_ps(x[i * ldx + kx]);                                             \
+                    _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) acc[i][j] =                         \
+                        _mm512_fmadd_ps(xv, wv[j], acc[i][j]);                                               \
+                }                                                                                            \
+            }                                                                                                \
+        }                                                                                                    \
+        _Pragma("GCC unroll 4") for (int i = 0; i < MR; i++)                                                 \
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {                                           \
+                float *dst = y + i * ldy + j * STRIP;                                                        \
+                __mmask16 mask = j == NR - 1 ? tail : (__mmask16)0xFFFF;                                     \
+                __m512 v = first ? acc[i][j] : _mm512_add_ps(_mm512_maskz_loadu_ps(mask, dst), acc[i][j]);   \
+                _mm512_mask_storeu_ps(dst, mask, v);                                                         \
+            }                                                                                                \
+    }
+
+#define QTILES_OF(NAME, FORMAT, MR) \
+    QTILE(NAME, FORMAT, MR, 1) QTILE(NAME, FORMAT, MR, 2) QTILE(NAME, FORMAT, MR, 3) QTILE(NAME, FORMAT, MR, 4)
+#define QTILES(NAME, FORMAT) \
+    QTILES_OF(NAME, FORMAT, 1) QTILES_OF(NAME, FORMAT, 2) QTILES_OF(NAME, FORMAT, 3) QTILES_OF(NAME, FORMAT, 4)
+QTILES(q4_1, ROWS_Q4_1)
+QTILES(q8_0, ROWS_Q8_0)
+
+typedef void (*qtile_fn)(const float *, int64_t, const uint8_t *, int64_t, int, int, float *, int64_t, int,
+                         __mmask16);
+#define QROW(NAME, MR) {qtile_##NAME##_##MR##_1, qtile_##NAME##_##MR##_2, qtile_##NAME##_##MR##_3, qtile_##NAME##_##MR##_4}
+static const qtile_fn QTILES_TABLE[2][QUANT_TILE_ROWS][4] = {
+    {QROW(q4_1, 1), QROW(q4_1, 2), QROW(q4_1, 3), QROW(q4_1, 4)},
+    {QROW(q8_0, 1), QROW(q8_0, 2), QROW(q8_0, 3), QROW(q8_0, 4)},
+};
+
+/* whether a call of m rows dequantizes in registers (else into the thread's buffer) */
+static int in_registers(int m, int group) { return m <= QUANT_TILE_ROWS && group <= 4; }
+
+static void register_group(const float *x, int64_t ldx, const uint8_t *wq, int format, int64_t strip_bytes, int k,
+                           int m, float *ys, int64_t ldy, int seg, int ns, int tail_cols) {
+    __mmask16 tail = tail_cols >= STRIP ? (__mmask16)0xFFFF : (__mmask16)((1u << tail_cols) - 1);
+    for (int k0 = 0; k0 < k; k0 += seg) {
+        int k1 = k - k0 > seg ? k0 + seg : k;
+        QTILES_TABLE[format - 1][m - 1][ns - 1](x, ldx, wq, strip_bytes, k0, k1, ys, ldy, k0 == 0, tail);
+    }
+}
+
+#else /* AVX2: always through the buffer */
+
+/* one k of one strip: its 16 weights, dequantized, as two 8-float halves */
+static inline void q4_1_k2(const uint8_t *values, int kk, const float *d, const float *m, float *out) {
+    const __m256i shift = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4), low = _mm256_set1_epi32(15);
+    __m128i bytes = _mm_loadl_epi64((const __m128i *)(values + kk * (STRIP / 2)));
+    __m128i twice = _mm_unpacklo_epi8(bytes, bytes); /* each byte twice: columns 0-7, then 8-15 */
+    for (int h = 0; h < 2; h++) {
+        __m128i half = h ? _mm_srli_si128(twice, 8) : twice;
+        __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_cvtepu8_epi32(half), shift), low);
+        _mm256_store_ps(out + 8 * h, _mm256_fmadd_ps(_mm256_loadu_ps(d + 8 * h), _mm256_cvtepi32_ps(q),
+                                                     _mm256_loadu_ps(m + 8 * h)));
+    }
+}
+
+static inline void q8_0_k2(const uint8_t *values, int kk, const float *d, float *out) {
+    __m128i bytes = _mm_loadu_si128((const __m128i *)(values + kk * STRIP));
+    for (int h = 0; h < 2; h++) {
+        __m256i q = _mm256_cvtepi8_epi32(h ? _mm_srli_si128(bytes, 8) : bytes);
+        _mm256_store_ps(out + 8 * h, _mm256_mul_ps(_mm256_loadu_ps(d + 8 * h), _mm256_cvtepi32_ps(q)));
+    }
+}
+
+static void dequantize_strips(const uint8_t *wq, int format, int64_t strip_bytes, int k, int ns, float *out) {
+    const int bytes = rows_quant_block_bytes(format), at = values_at(format);
+    for (int j = 0; j < ns; j++)
+        for (int b = 0; b < k / QBLOCK; b++) {
+            const uint8_t *block = wq + j * strip_bytes + (int64_t)b * bytes;
+            const float *d = (const float *)block, *m = d + STRIP;
+            float *o = out + ((int64_t)j * k + b * QBLOCK) * STRIP;
+            for (int kk = 0; kk < QBLOCK; kk++) {
+                if (format == ROWS_Q4_1)
+                    q4_1_k2(block + at, kk, d, m, o + kk * STRIP);
+                else
+                    q8_0_k2(block + at, kk, d, o + kk * STRIP);
+            }
+        }
+}
+
+static int in_registers(int m, int group) { return (void)m, (void)group, 0; }
+
+static void register_group(const float *x, int64_t ldx, const uint8_t *wq, int format, int64_t strip_bytes, int k,
+                           int m, float *ys, int64_t ldy, int seg, int ns, int tail_cols) {
+    (void)x, (void)ldx, (void)wq, (void)format, (void)strip_bytes, (void)k, (void)m, (void)ys, (void)ldy;
+    (void)seg, (void)ns, (void)tail_cols;
+}
+
+#endif
+
+/* y [m][n] = x [m][k] @ W^T + bias, W packed by rows_pack_quant in ``format``: rows_linear_f32's
+ * arguments and result (every bit) for the float32 weight the packing gave back. Returns 0; -1 for a
+ * bad argument (also k or a segment short of k not a multiple of 32), -2 where a thread's buffer could
+ * not be allocated (nothing valid written). */
+int rows_linear_quant(const float *x, const uint8_t *w, int format, const float *bias, float *y, int m, int n, int k,
+                      int64_t ldx, int64_t ldy, int seg, int num_threads) {
+    const int bytes = rows_quant_block_bytes(format);
+    if (rows_bad_arguments(m, n, k, ldx, ldy, seg, num_threads) || bytes == 0 || k % QBLOCK ||
+        (seg < k && seg % QBLOCK))
+        return -1;
+    if (m == 0) return 0;
+    const int strips = (n + STRIP - 1) / STRIP, group = rows_group_strips(m);
+    const int64_t strip_bytes = (int64_t)(k / QBLOCK) * bytes;
+    if (num_threads > strips) num_threads = strips;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        int s0, s1;
+        thread_strips(strips, &s0, &s1);
+        int registers = in_registers(m, group);
+        float *buffer = registers ? NULL : thread_buffer((size_t)group * k * STRIP);
+        if (!registers && buffer == NULL) failed = 1;
+        for (int s = s0; s < s1 && !failed; s += group) {
+            int ns = s1 - s < group ? s1 - s : group, tail_cols = n - (s + ns - 1) * STRIP;
+            const uint8_t *wq = w + s * strip_bytes;
+            if (registers) {
+                register_group(x, ldx, wq, format, strip_bytes, k, m, y + s * STRIP, ldy, seg, ns, tail_cols);
+            } else {
+                dequantize_strips(wq, format, strip_bytes, k, ns, buffer);
+                rows_strip_group_f32(x, ldx, buffer, k, m, y + s * STRIP, ldy, seg, ns, tail_cols);
+            }
+            if (bias) add_bias_strips(y, ldy, bias, m, n, s, ns);
+        }
+    }
+    return failed ? -2 : 0;
+}
+
+#else /* neither AVX-512 nor AVX2 with FMA (rows_linear_vectorized() == 0) */
+
+int rows_linear_quant(const float *x, const uint8_t *w, int format, const float *bias, float *y, int m, int n, int k,
+                      int64_t ldx, int64_t ldy, int seg, int num_threads) {
+    (void)x, (void)w, (void)format, (void)bias, (void)y, (void)m, (void)n, (void)k, (void)ldx, (void)ldy;
+    (void)seg, (void)num_threads;
+    return -1;
+}
+
+#endif
