@@ -33,8 +33,8 @@
 
 #define QBLOCK 32 /* weights of a row per block (ggml's QK4_1 and QK8_0) */
 enum { ROWS_Q4_1 = 1, ROWS_Q8_0 = 2 };
-#ifndef QUANT_TILE_ROWS
-#define QUANT_TILE_ROWS 4
+#ifndef QUANT_REGISTER_ROWS
+#define QUANT_REGISTER_ROWS 48
 #endif
 
 /* bytes of one block of one strip; 0 for an unknown format */
@@ -131,8 +131,8 @@ int rows_pack_quant(const float *w, uint8_t *out, int format, int n, int k, int 
         for (int kk = 0; kk < QBLOCK; kk++)
             for (int c = 0; c < STRIP; c++) {
                 if (format == ROWS_Q4_1) {
-                    uint8_t *byte = block + at + kk * (STRIP / 2) + c / 2;
-                    *byte = (uint8_t)(c % 2 ? (*byte | q[c][kk] << 4) : q[c][kk]);
+                    uint8_t *byte = block + at + kk / 2 * STRIP + c;
+                    *byte = (uint8_t)(kk % 2 ? (*byte | q[c][kk] << 4) : q[c][kk]);
                 } else {
                     block[at + kk * STRIP + c] = (uint8_t)(int8_t)q[c][kk];
                 }
@@ -158,18 +158,19 @@ static float *thread_buffer(size_t floats) {
 
 #if defined(__AVX512F__)
 
-/* one k of one strip: 16 weights, dequantized */
-static inline __m512 q4_1_k(const uint8_t *values, int kk, __m512 d, __m512 m) {
-    const __m512i shift = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
-    __m128i bytes = _mm_loadl_epi64((const __m128i *)(values + kk * (STRIP / 2)));
-    __m512i wide = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes)); /* each byte twice */
-    __m512i q = _mm512_and_si512(_mm512_srlv_epi32(wide, shift), _mm512_set1_epi32(15));
-    return _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q), m); /* d * q is exact: one rounding, as (d * q) + m */
-}
-
-static inline __m512 q8_0_k(const uint8_t *values, int kk, __m512 d) {
-    __m128i bytes = _mm_loadu_si128((const __m128i *)(values + kk * STRIP));
-    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+/* Two k (2p and 2p + 1) of one strip: 16 weights each, dequantized. Q4_1's 16 bytes hold column c's
+ * q for 2p in byte c's low nibble and for 2p + 1 in its high one. */
+static inline void pair_of_k(int format, const uint8_t *values, int p, __m512 d, __m512 m, __m512 *w0, __m512 *w1) {
+    if (format == ROWS_Q4_1) {
+        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(values + p * STRIP)));
+        /* d * q is exact: one rounding, as (d * q) + m */
+        *w0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))), m);
+        *w1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), m);
+    } else {
+        const uint8_t *two = values + 2 * p * STRIP;
+        *w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)two))));
+        *w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(two + STRIP)))));
+    }
 }
 
 /* Strips [0, ns) of packed weights (each ``strip_bytes`` apart) into float32 strips [ns][k][16]. */
@@ -180,23 +181,25 @@ static void dequantize_strips(const uint8_t *wq, int format, int64_t strip_bytes
             const uint8_t *block = wq + j * strip_bytes + (int64_t)b * bytes;
             __m512 d = _mm512_loadu_ps((const float *)block), m = _mm512_loadu_ps((const float *)block + STRIP);
             float *o = out + ((int64_t)j * k + b * QBLOCK) * STRIP;
-            if (format == ROWS_Q4_1)
-                for (int kk = 0; kk < QBLOCK; kk++) _mm512_store_ps(o + kk * STRIP, q4_1_k(block + at, kk, d, m));
-            else
-                for (int kk = 0; kk < QBLOCK; kk++) _mm512_store_ps(o + kk * STRIP, q8_0_k(block + at, kk, d));
+            for (int p = 0; p < QBLOCK / 2; p++) {
+                __m512 w0, w1;
+                pair_of_k(format, block + at, p, d, m, &w0, &w1);
+                _mm512_store_ps(o + 2 * p * STRIP, w0);
+                _mm512_store_ps(o + (2 * p + 1) * STRIP, w1);
+            }
         }
 }
 
-/* Rows [0, MR) x strips [0, NR): the k range [k0, k1) of one K segment (whole blocks), each k of each
- * strip dequantized in registers; the sums stored into y (``first``: the first segment) or added to
- * it, the last strip's columns past n masked off. The same chains as rows_linear.c's TILE. */
+/* Rows [0, MR) x strips [0, NR): the k range [k0, k1) of one K segment (whole blocks), each pair of k
+ * of each strip dequantized in registers; the sums stored into y (``first``: the first segment) or
+ * added to it, the last strip's columns past n masked off. The same chains as rows_linear.c's TILE. */
 #define QTILE(NAME, FORMAT, MR, NR)                                                                            \
     static void qtile_##NAME##_##MR##_##NR(const float *restrict x, int64_t ldx, const uint8_t *restrict w,  \
                                            int64_t strip_bytes, int k0, int k1, float *restrict y,           \
                                            int64_t ldy, int first, __mmask16 tail) {                         \
         const int bytes = rows_quant_block_bytes(FORMAT), at = values_at(FORMAT);                           \
         __m512 acc[MR][NR];                                                                                  \
-        _Pragma("GCC unroll 4") for (int i = 0; i < MR; i++)                                                 \
+        _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                                                 \
             _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();            \
         for (int b = k0 / QBLOCK; b < k1 / QBLOCK; b++) {                                                    \
             __m512 d[NR], m[NR];                                                                             \
@@ -207,19 +210,19 @@ static void dequantize_strips(const uint8_t *wq, int format, int64_t strip_bytes
                 m[j] = FORMAT == ROWS_Q4_1 ? _mm512_loadu_ps((const float *)block + STRIP) : d[j];           \
                 values[j] = block + at;                                                                      \
             }                                                                                                \
-            for (int kk = 0; kk < QBLOCK; kk++) {                                                            \
-                __m512 wv[NR];                                                                               \
-                _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) wv[j] =                                 \
-                    FORMAT == ROWS_Q4_1 ? q4_1_k(values[j], kk, d[j], m[j]) : q8_0_k(values[j], kk, d[j]);   \
-                const int kx = b * QBLOCK + kk;                                                              \
-                _Pragma("GCC unroll 4") for (int i = 0; i < MR; i++) {                                       \
-                    __m512 xv = _mm512_set1_ps(x[i * ldx + kx]);                                             \
+            for (int p = 0; p < QBLOCK / 2; p++) {                                                           \
+                __m512 w0[NR], w1[NR];                                                                       \
+                _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++)                                         \
+                    pair_of_k(FORMAT, values[j], p, d[j], m[j], &w0[j], &w1[j]);                             \
+                const float *xk = x + b * QBLOCK + 2 * p;                                                    \
+                _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                       \
+                    __m512 x0 = _mm512_set1_ps(xk[i * ldx]), x1 = _mm512_set1_ps(xk[i * ldx + 1]);           \
                     _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) acc[i][j] =                         \
-                        _mm512_fmadd_ps(xv, wv[j], acc[i][j]);                                               \
+                        _mm512_fmadd_ps(x1, w1[j], _mm512_fmadd_ps(x0, w0[j], acc[i][j]));                   \
                 }                                                                                            \
             }                                                                                                \
         }                                                                                                    \
-        _Pragma("GCC unroll 4") for (int i = 0; i < MR; i++)                                                 \
+        _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                                                 \
             _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {                                           \
                 float *dst = y + i * ldy + j * STRIP;                                                        \
                 __mmask16 mask = j == NR - 1 ? tail : (__mmask16)0xFFFF;                                     \
@@ -228,53 +231,67 @@ static void dequantize_strips(const uint8_t *wq, int format, int64_t strip_bytes
             }                                                                                                \
     }
 
-#define QTILES_OF(NAME, FORMAT, MR) \
+/* tiles of up to 4 rows take up to 4 strips; of 5 to 8 rows, up to 2 (the sums, scales and weights of
+ * a tile fit the 32 registers) */
+#define QTILES_OF4(NAME, FORMAT, MR) \
     QTILE(NAME, FORMAT, MR, 1) QTILE(NAME, FORMAT, MR, 2) QTILE(NAME, FORMAT, MR, 3) QTILE(NAME, FORMAT, MR, 4)
-#define QTILES(NAME, FORMAT) \
-    QTILES_OF(NAME, FORMAT, 1) QTILES_OF(NAME, FORMAT, 2) QTILES_OF(NAME, FORMAT, 3) QTILES_OF(NAME, FORMAT, 4)
+#define QTILES_OF2(NAME, FORMAT, MR) QTILE(NAME, FORMAT, MR, 1) QTILE(NAME, FORMAT, MR, 2)
+#define QTILES(NAME, FORMAT)                                                                                  \
+    QTILES_OF4(NAME, FORMAT, 1) QTILES_OF4(NAME, FORMAT, 2) QTILES_OF4(NAME, FORMAT, 3)                       \
+    QTILES_OF4(NAME, FORMAT, 4) QTILES_OF2(NAME, FORMAT, 5) QTILES_OF2(NAME, FORMAT, 6)                       \
+    QTILES_OF2(NAME, FORMAT, 7) QTILES_OF2(NAME, FORMAT, 8)
 QTILES(q4_1, ROWS_Q4_1)
 QTILES(q8_0, ROWS_Q8_0)
 
+#define QTILE_ROWS 8
 typedef void (*qtile_fn)(const float *, int64_t, const uint8_t *, int64_t, int, int, float *, int64_t, int,
                          __mmask16);
-#define QROW(NAME, MR) {qtile_##NAME##_##MR##_1, qtile_##NAME##_##MR##_2, qtile_##NAME##_##MR##_3, qtile_##NAME##_##MR##_4}
-static const qtile_fn QTILES_TABLE[2][QUANT_TILE_ROWS][4] = {
-    {QROW(q4_1, 1), QROW(q4_1, 2), QROW(q4_1, 3), QROW(q4_1, 4)},
-    {QROW(q8_0, 1), QROW(q8_0, 2), QROW(q8_0, 3), QROW(q8_0, 4)},
-};
+#define QROW4(NAME, MR) {qtile_##NAME##_##MR##_1, qtile_##NAME##_##MR##_2, qtile_##NAME##_##MR##_3, qtile_##NAME##_##MR##_4}
+#define QROW2(NAME, MR) {qtile_##NAME##_##MR##_1, qtile_##NAME##_##MR##_2, NULL, NULL}
+#define QROWS(NAME)                                                                                         \
+    {QROW4(NAME, 1), QROW4(NAME, 2), QROW4(NAME, 3), QROW4(NAME, 4), QROW2(NAME, 5), QROW2(NAME, 6), QROW2(NAME, 7), \
+     QROW2(NAME, 8)}
+static const qtile_fn QTILES_TABLE[2][QTILE_ROWS][4] = {QROWS(q4_1), QROWS(q8_0)};
 
-/* whether a call of m rows dequantizes in registers (else into the thread's buffer) */
-static int in_registers(int m, int group) { return m <= QUANT_TILE_ROWS && group <= 4; }
+/* whether a call of m rows dequantizes in registers (else into the thread's buffer), and how many
+ * strips it takes at a time: 4 for up to 4 rows (one row tile), else 2 (row tiles of up to 8) */
+static int in_registers(int m) { return m <= QUANT_REGISTER_ROWS; }
+static int register_strips(int m) { return m <= 4 ? 4 : 2; }
 
 static void register_group(const float *x, int64_t ldx, const uint8_t *wq, int format, int64_t strip_bytes, int k,
                            int m, float *ys, int64_t ldy, int seg, int ns, int tail_cols) {
     __mmask16 tail = tail_cols >= STRIP ? (__mmask16)0xFFFF : (__mmask16)((1u << tail_cols) - 1);
-    for (int k0 = 0; k0 < k; k0 += seg) {
-        int k1 = k - k0 > seg ? k0 + seg : k;
-        QTILES_TABLE[format - 1][m - 1][ns - 1](x, ldx, wq, strip_bytes, k0, k1, ys, ldy, k0 == 0, tail);
+    for (int m0 = 0; m0 < m; m0 += QTILE_ROWS) {
+        int mr = m - m0 < QTILE_ROWS ? m - m0 : QTILE_ROWS;
+        for (int k0 = 0; k0 < k; k0 += seg) {
+            int k1 = k - k0 > seg ? k0 + seg : k;
+            QTILES_TABLE[format - 1][mr - 1][ns - 1](x + m0 * ldx, ldx, wq, strip_bytes, k0, k1, ys + m0 * ldy, ldy,
+                                                     k0 == 0, tail);
+        }
     }
 }
 
 #else /* AVX2: always through the buffer */
 
-/* one k of one strip: its 16 weights, dequantized, as two 8-float halves */
-static inline void q4_1_k2(const uint8_t *values, int kk, const float *d, const float *m, float *out) {
-    const __m256i shift = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4), low = _mm256_set1_epi32(15);
-    __m128i bytes = _mm_loadl_epi64((const __m128i *)(values + kk * (STRIP / 2)));
-    __m128i twice = _mm_unpacklo_epi8(bytes, bytes); /* each byte twice: columns 0-7, then 8-15 */
+/* two k (2p, 2p + 1) of one strip dequantized, as rows [2p] and [2p + 1] of ``out`` (16 floats each), in
+ * 8-float halves */
+static inline void pair_of_k2(int format, const uint8_t *values, int p, const float *d, const float *m, float *out) {
+    const __m256i low = _mm256_set1_epi32(15);
+    __m128i q4 = _mm_loadu_si128((const __m128i *)(values + p * STRIP));
     for (int h = 0; h < 2; h++) {
-        __m128i half = h ? _mm_srli_si128(twice, 8) : twice;
-        __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_cvtepu8_epi32(half), shift), low);
-        _mm256_store_ps(out + 8 * h, _mm256_fmadd_ps(_mm256_loadu_ps(d + 8 * h), _mm256_cvtepi32_ps(q),
-                                                     _mm256_loadu_ps(m + 8 * h)));
-    }
-}
-
-static inline void q8_0_k2(const uint8_t *values, int kk, const float *d, float *out) {
-    __m128i bytes = _mm_loadu_si128((const __m128i *)(values + kk * STRIP));
-    for (int h = 0; h < 2; h++) {
-        __m256i q = _mm256_cvtepi8_epi32(h ? _mm_srli_si128(bytes, 8) : bytes);
-        _mm256_store_ps(out + 8 * h, _mm256_mul_ps(_mm256_loadu_ps(d + 8 * h), _mm256_cvtepi32_ps(q)));
+        __m256 dh = _mm256_loadu_ps(d + 8 * h);
+        if (format == ROWS_Q4_1) {
+            __m256i v = _mm256_cvtepu8_epi32(h ? _mm_srli_si128(q4, 8) : q4);
+            __m256 mh = _mm256_loadu_ps(m + 8 * h);
+            _mm256_store_ps(out + 8 * h, _mm256_fmadd_ps(dh, _mm256_cvtepi32_ps(_mm256_and_si256(v, low)), mh));
+            _mm256_store_ps(out + STRIP + 8 * h, _mm256_fmadd_ps(dh, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), mh));
+        } else {
+            for (int r = 0; r < 2; r++) {
+                __m128i q8 = _mm_loadu_si128((const __m128i *)(values + (2 * p + r) * STRIP));
+                __m256i v = _mm256_cvtepi8_epi32(h ? _mm_srli_si128(q8, 8) : q8);
+                _mm256_store_ps(out + r * STRIP + 8 * h, _mm256_mul_ps(dh, _mm256_cvtepi32_ps(v)));
+            }
+        }
     }
 }
 
@@ -285,16 +302,12 @@ static void dequantize_strips(const uint8_t *wq, int format, int64_t strip_bytes
             const uint8_t *block = wq + j * strip_bytes + (int64_t)b * bytes;
             const float *d = (const float *)block, *m = d + STRIP;
             float *o = out + ((int64_t)j * k + b * QBLOCK) * STRIP;
-            for (int kk = 0; kk < QBLOCK; kk++) {
-                if (format == ROWS_Q4_1)
-                    q4_1_k2(block + at, kk, d, m, o + kk * STRIP);
-                else
-                    q8_0_k2(block + at, kk, d, o + kk * STRIP);
-            }
+            for (int p = 0; p < QBLOCK / 2; p++) pair_of_k2(format, block + at, p, d, m, o + 2 * p * STRIP);
         }
 }
 
-static int in_registers(int m, int group) { return (void)m, (void)group, 0; }
+static int in_registers(int m) { return (void)m, 0; }
+static int register_strips(int m) { return (void)m, 1; }
 
 static void register_group(const float *x, int64_t ldx, const uint8_t *wq, int format, int64_t strip_bytes, int k,
                            int m, float *ys, int64_t ldy, int seg, int ns, int tail_cols) {
@@ -315,7 +328,8 @@ int rows_linear_quant(const float *x, const uint8_t *w, int format, const float 
         (seg < k && seg % QBLOCK))
         return -1;
     if (m == 0) return 0;
-    const int strips = (n + STRIP - 1) / STRIP, group = rows_group_strips(m);
+    const int strips = (n + STRIP - 1) / STRIP, registers = in_registers(m);
+    const int group = registers ? register_strips(m) : rows_group_strips(m);
     const int64_t strip_bytes = (int64_t)(k / QBLOCK) * bytes;
     if (num_threads > strips) num_threads = strips;
     int failed = 0;
@@ -323,7 +337,6 @@ int rows_linear_quant(const float *x, const uint8_t *w, int format, const float 
     {
         int s0, s1;
         thread_strips(strips, &s0, &s1);
-        int registers = in_registers(m, group);
         float *buffer = registers ? NULL : thread_buffer((size_t)group * k * STRIP);
         if (!registers && buffer == NULL) failed = 1;
         for (int s = s0; s < s1 && !failed; s += group) {
