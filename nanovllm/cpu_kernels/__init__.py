@@ -155,8 +155,8 @@ def load() -> Kernels | None:
     vectorized = bool(library.rows_linear_vectorized())
     rows_quant = library.rows_linear_quant
     rows_quant.restype = ctypes.c_int
-    rows_quant.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
-    rows_quant.argtypes += [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
+    pointers, ints, strides = [ctypes.c_void_p] * 2, [ctypes.c_int] * 3, [ctypes.c_int64] * 2
+    rows_quant.argtypes = [*pointers, ctypes.c_int, *pointers, *ints, *strides, ctypes.c_int, ctypes.c_int]
     pack_quant = library.rows_pack_quant
     pack_quant.restype = ctypes.c_int
     pack_quant.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4

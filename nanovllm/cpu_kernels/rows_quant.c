@@ -20,10 +20,12 @@
  * bytes, column c in byte c/2, the low nibble for even c; Q8_0: 16 bytes). A block is 384 (Q4_1) or
  * 576 (Q8_0) bytes where float32 takes 2,048.
  *
- * Product: up to QUANT_TILE_ROWS rows (a decode step's last sequences), AVX-512 dequantizes each k
- * of a strip in registers, once per row tile (one row: 2.6x the float32 strips on SmolLM2-135M's
- * shapes, KERNEL_NOTES session 34); more rows, or AVX2, dequantize a strip group into a float32
- * buffer once and run rows_linear.c's product over it. Both sum in rows_linear_f32's order. */
+ * Product, by row count (KERNEL_NOTES, session 35): up to QUANT_REGISTER_ROWS rows (decode steps), AVX-512
+ * dequantizes each pair of k of a strip in registers, in row tiles of up to 4 rows x 4 strips or 5-8
+ * rows x 2 strips (2.3-2.9x the float32 strips at 1-4 rows, 1.05-1.5x at 8-48, SmolLM2-135M's 30
+ * layers on a 2-core Zen 4); more rows (prefill), or AVX2 at any count, dequantize a strip group
+ * into a per-thread float32 buffer once and run rows_linear.c's product over it (level with float32
+ * at 256 rows). Both sum in rows_linear_f32's order. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
