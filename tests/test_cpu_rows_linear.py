@@ -22,6 +22,7 @@ import torch
 
 from nanovllm import cpu_kernels
 from nanovllm.layers import cpu_linear
+from tests.rows_checks import assert_equals_reference
 
 pytestmark = pytest.mark.skipif(
     not (cpu_linear.available() and cpu_kernels.rows_linear_available()),
@@ -368,6 +369,12 @@ def test_the_avx2_code_keeps_the_order_where_the_engine_builds_avx512(tmp_path):
     run.restype = ctypes.c_int
     run.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
     lib.rows_pack_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
+
+    def call(x, strips, bias, m, n, k, seg, threads):
+        bias_ptr = None if bias is None else bias.data_ptr()
+        return lambda y, ldy: run(x.data_ptr(), strips.data_ptr(), bias_ptr, y.data_ptr(), m, n, k, x.stride(0), ldy,
+                                  seg, threads)  # fmt: skip
+
     for n, k in ((17, 1100), (100, 700), (960, 576), (40, 24), (45, 130)):  # last strips of 1, 4, 16, 8, 13
         w = _weight(n, k, seed=n * k)
         b = torch.randn(n)
@@ -377,16 +384,8 @@ def test_the_avx2_code_keeps_the_order_where_the_engine_builds_avx512(tmp_path):
         seg = cpu_linear.segment(k)
         for m in (1, 2, 3, 4, 5, 6, 7, 10, 11, 13, 48, 49, 60):
             for bias, threads in ((None, 2), (b, 1), (b, 7)):
-                # rows n + 16 floats apart, the padding and one row more a sentinel: nothing past column n
-                # or past the last row may be written
-                y = torch.full((m + 1, n + 16), float("nan"))
-                status = run(x.data_ptr(), strips.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                             m, n, k, x.stride(0), n + 16, seg, threads)  # fmt: skip
-                assert status == 0
-                want = cpu_kernels.rows_linear_reference(x[:m].contiguous(), w, bias, seg)
-                where = f"N={n} K={k} rows={m} bias={bias is not None} threads={threads}"
-                assert torch.equal(y[:m, :n], want), f"{where}: AVX2 code != reference"
-                assert y[:m, n:].isnan().all() and y[m].isnan().all(), f"{where}: written past column n or row m"
+                where = f"AVX2 N={n} K={k} rows={m} bias={bias is not None} threads={threads}"
+                assert_equals_reference(call(x, strips, bias, m, n, k, seg, threads), x, w, bias, m, seg, where)
     # control: the AVX2 code run in another order (8-element segments) and the same comparison fails
     y = torch.empty(2, n)
     assert run(x.data_ptr(), strips.data_ptr(), None, y.data_ptr(), 2, n, k, x.stride(0), n, 8, 2) == 0
