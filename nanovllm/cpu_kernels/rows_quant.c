@@ -23,9 +23,11 @@
  * Product, by row count (KERNEL_NOTES, session 35): up to QUANT_REGISTER_ROWS rows (decode steps), AVX-512
  * dequantizes each pair of k of a strip in registers, in row tiles of up to 4 rows x 4 strips or 5-8
  * rows x 2 strips (2.3-2.9x the float32 strips at 1-4 rows, 1.05-1.5x at 8-48, SmolLM2-135M's 30
- * layers on a 2-core Zen 4); more rows (prefill), or AVX2 at any count, dequantize a strip group
- * into a per-thread float32 buffer once and run rows_linear.c's product over it (level with float32
- * at 256 rows). Both sum in rows_linear_f32's order. */
+ * layers on a 2-core Zen 4); AVX2, up to QUANT_REGISTER_ROWS_AVX2 rows, in row tiles of up to 4 rows
+ * x 1 strip (2.0-3.0x at 1-4 rows, 1.17x at 8, level at 16, the AVX2 build on the same machine).
+ * More rows (prefill) dequantize a strip group into a per-thread float32 buffer once and run
+ * rows_linear.c's product over it (level with float32 at 256 rows). All sum in rows_linear_f32's
+ * order. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -273,7 +275,7 @@ static void register_group(const float *x, int64_t ldx, const uint8_t *wq, int f
     }
 }
 
-#else /* AVX2: always through the buffer */
+#else /* AVX2: a strip is two 8-float halves; register tiles of one strip, up to QTILE2_ROWS rows */
 
 /* two k (2p, 2p + 1) of one strip dequantized, as rows [2p] and [2p + 1] of ``out`` (16 floats each), in
  * 8-float halves */
@@ -308,13 +310,92 @@ static void dequantize_strips(const uint8_t *wq, int format, int64_t strip_bytes
         }
 }
 
-static int in_registers(int m) { return (void)m, 0; }
+/* Rows [0, MR) x one strip: the k range [k0, k1) of one K segment, each pair of k dequantized in
+ * registers (two halves of 8 floats), as the AVX-512 QTILE; the last strip's columns past n masked
+ * off (tail[h]: the lanes of half h below n; ``full``: none masked), as rows_linear.c's TILE2. */
+#define QTILE2(NAME, FORMAT, MR)                                                                               \
+    static void qtile2_##NAME##_##MR(const float *restrict x, int64_t ldx, const uint8_t *restrict w, int k0,  \
+                                     int k1, float *restrict y, int64_t ldy, int first, const __m256i *tail,   \
+                                     int full) {                                                              \
+        const int bytes = rows_quant_block_bytes(FORMAT), at = values_at(FORMAT);                            \
+        __m256 acc[MR][2];                                                                                    \
+        _Pragma("GCC unroll 4") for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();     \
+        for (int b = k0 / QBLOCK; b < k1 / QBLOCK; b++) {                                                     \
+            const uint8_t *block = w + (int64_t)b * bytes, *values = block + at;                              \
+            const float *scale = (const float *)block;                                                        \
+            __m256 d[2] = {_mm256_loadu_ps(scale), _mm256_loadu_ps(scale + 8)};                               \
+            __m256 m[2] = {d[0], d[1]};                                                                       \
+            if (FORMAT == ROWS_Q4_1) m[0] = _mm256_loadu_ps(scale + STRIP), m[1] = _mm256_loadu_ps(scale + STRIP + 8); \
+            for (int p = 0; p < QBLOCK / 2; p++) {                                                            \
+                __m256 wv[2][2]; /* [k of the pair][half] */                                                  \
+                if (FORMAT == ROWS_Q4_1) {                                                                    \
+                    __m128i q = _mm_loadu_si128((const __m128i *)(values + p * STRIP));                       \
+                    _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                                     \
+                        __m256i v = _mm256_cvtepu8_epi32(h ? _mm_srli_si128(q, 8) : q);                       \
+                        wv[0][h] = _mm256_fmadd_ps(d[h], _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15))), m[h]); \
+                        wv[1][h] = _mm256_fmadd_ps(d[h], _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), m[h]);  \
+                    }                                                                                         \
+                } else {                                                                                      \
+                    _Pragma("GCC unroll 2") for (int r = 0; r < 2; r++) {                                     \
+                        __m128i q = _mm_loadu_si128((const __m128i *)(values + (2 * p + r) * STRIP));         \
+                        _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) wv[r][h] = _mm256_mul_ps(         \
+                            d[h], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(q, 8) : q)));    \
+                    }                                                                                         \
+                }                                                                                             \
+                const float *xk = x + b * QBLOCK + 2 * p;                                                     \
+                _Pragma("GCC unroll 4") for (int i = 0; i < MR; i++) {                                        \
+                    __m256 x0 = _mm256_broadcast_ss(xk + i * ldx), x1 = _mm256_broadcast_ss(xk + i * ldx + 1); \
+                    _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) acc[i][h] =                           \
+                        _mm256_fmadd_ps(x1, wv[1][h], _mm256_fmadd_ps(x0, wv[0][h], acc[i][h]));              \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+        _Pragma("GCC unroll 4") for (int i = 0; i < MR; i++)                                                  \
+            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                                             \
+                if (!full && h == 1 && _mm256_testz_si256(tail[1], tail[1]))                                  \
+                    continue; /* a last strip of 8 columns or fewer: its high half is past y's row */         \
+                float *dst = y + i * ldy + h * 8;                                                             \
+                if (full) {                                                                                   \
+                    _mm256_storeu_ps(dst, first ? acc[i][h] : _mm256_add_ps(_mm256_loadu_ps(dst), acc[i][h])); \
+                } else {                                                                                      \
+                    __m256 v = first ? acc[i][h] : _mm256_add_ps(_mm256_maskload_ps(dst, tail[h]), acc[i][h]); \
+                    _mm256_maskstore_ps(dst, tail[h], v);                                                     \
+                }                                                                                             \
+            }                                                                                                 \
+    }
+
+#define QTILE2_ROWS 4
+#define QTILES2(NAME, FORMAT) QTILE2(NAME, FORMAT, 1) QTILE2(NAME, FORMAT, 2) QTILE2(NAME, FORMAT, 3) QTILE2(NAME, FORMAT, 4)
+QTILES2(q4_1, ROWS_Q4_1)
+QTILES2(q8_0, ROWS_Q8_0)
+
+typedef void (*qtile2_fn)(const float *, int64_t, const uint8_t *, int, int, float *, int64_t, int, const __m256i *,
+                          int);
+static const qtile2_fn QTILES2_TABLE[2][QTILE2_ROWS] = {
+    {qtile2_q4_1_1, qtile2_q4_1_2, qtile2_q4_1_3, qtile2_q4_1_4},
+    {qtile2_q8_0_1, qtile2_q8_0_2, qtile2_q8_0_3, qtile2_q8_0_4},
+};
+
+#ifndef QUANT_REGISTER_ROWS_AVX2
+#define QUANT_REGISTER_ROWS_AVX2 16
+#endif
+static int in_registers(int m) { return m <= QUANT_REGISTER_ROWS_AVX2; }
 static int register_strips(int m) { return (void)m, 1; }
 
 static void register_group(const float *x, int64_t ldx, const uint8_t *wq, int format, int64_t strip_bytes, int k,
                            int m, float *ys, int64_t ldy, int seg, int ns, int tail_cols) {
-    (void)x, (void)ldx, (void)wq, (void)format, (void)strip_bytes, (void)k, (void)m, (void)ys, (void)ldy;
-    (void)seg, (void)ns, (void)tail_cols;
+    (void)strip_bytes, (void)ns; /* one strip */
+    __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i tail[2] = {_mm256_cmpgt_epi32(_mm256_set1_epi32(tail_cols), lanes),
+                       _mm256_cmpgt_epi32(_mm256_set1_epi32(tail_cols - 8), lanes)};
+    for (int m0 = 0; m0 < m; m0 += QTILE2_ROWS) {
+        int mr = m - m0 < QTILE2_ROWS ? m - m0 : QTILE2_ROWS;
+        for (int k0 = 0; k0 < k; k0 += seg) {
+            int k1 = k - k0 > seg ? k0 + seg : k;
+            QTILES2_TABLE[format - 1][mr - 1](x + m0 * ldx, ldx, wq, k0, k1, ys + m0 * ldy, ldy, k0 == 0, tail,
+                                              tail_cols >= STRIP);
+        }
+    }
 }
 
 #endif
