@@ -4,8 +4,8 @@ the float32 strips' bits.
 
 The packing finds each 32-weight block's exact form (``rows_pack_quant``) or keeps float32; the
 product is held bitwise to the float32 kernel and to the scalar reference of its order, on every
-path the kernel takes (dequantized in registers for 1-48 rows, in tiles of 1-4 and 5-8 rows; through
-a dequantized buffer beyond; the AVX2 build through the buffer always). Weights are made as the
+path the kernel takes (AVX-512: dequantized in registers for 1-48 rows, in tiles of 1-4 and 5-8 rows;
+AVX2: in registers for 1-16 rows, in tiles of 1-4; through a dequantized buffer beyond). Weights are made as the
 GGUF loader makes them: gguf's own quantize, then its dequantize.
 """
 
@@ -170,8 +170,9 @@ def test_the_packing_check_holds_a_block_format_to_the_reference(monkeypatch):
 
 
 def test_the_avx2_build_keeps_the_bits(tmp_path):
-    """The engine builds the AVX-512 code where the CPU has it; the AVX2 code (dequantized into a
-    buffer, then rows_linear.c's AVX2 product) is built here apart (``-mno-avx512f``), packs with its
+    """The engine builds the AVX-512 code where the CPU has it; the AVX2 code (register tiles of 1-4
+    rows up to 16 rows, a dequantized buffer and rows_linear.c's AVX2 product beyond; row counts
+    that run each tile and both paths) is built here apart (``-mno-avx512f``), packs with its
     own ``rows_pack_quant``, and is held to the scalar reference bitwise, with sentinels past the last
     column and row. Control: the same call with another segment order fails the comparison."""
     pytest.importorskip("gguf", reason="the test makes its weights with gguf's quantize")
@@ -202,7 +203,7 @@ def test_the_avx2_build_keeps_the_bits(tmp_path):
             assert lib.rows_pack_quant(w.data_ptr(), strips.data_ptr(), number, n, k, 2) == 0
             x = _x(60, k, seed=k)
             seg, b = cpu_linear.segment(k), torch.randn(n)
-            for m in (1, 2, 5, 7, 13, 48, 49, 60):
+            for m in (1, 2, 3, 5, 7, 13, 16, 17, 48, 49, 60):
                 for bias, threads in ((None, 2), (b, 1), (b, 7)):
                     where = f"AVX2 {form} N={n} K={k} rows={m} bias={bias is not None} threads={threads}"
                     assert_equals_reference(
