@@ -115,6 +115,34 @@ def test_a_weight_without_an_exact_form_stays_float32():
     assert not torch.equal(got, cpu_kernels.rows_linear_reference(x, moved, None, rows.segment))
 
 
+def test_tiny_q8_0_blocks_with_signed_zeros_keep_the_format():
+    """gguf's Q8_0 turns a block of values below ~4e-6 into zeros of both signs (its float16 scale
+    rounds to 0; 0 times a negative q is -0): such a block has the exact form d = 0 with q's signs,
+    so the weight stays Q8_0, with the float32 bits. Control: a -0 put in an ordinary block, where
+    d > 0 gives only +0, leaves the weight no exact Q8_0 form."""
+    pytest.importorskip("gguf", reason="the test makes its weights with gguf's quantize")
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    raw = np.random.default_rng(0).standard_normal((48, 128)).astype(np.float32)
+    raw[5, 32:64] *= 1e-7  # one block whose scale rounds to 0 in float16
+    q = GGMLQuantizationType.Q8_0
+    w = torch.from_numpy(np.array(dequantize(quantize(raw, q), q), dtype=np.float32).reshape(48, 128))
+    block = w[5, 32:64]
+    assert (block == 0).all() and torch.signbit(block).any() and not torch.signbit(block).all()
+    rows = cpu_linear.RowsWeight(w)
+    assert rows.format == "q8_0"
+    for m in (1, 5, 60):
+        x = _x(m, 128, seed=m)
+        want = cpu_kernels.rows_linear_reference(x, w, None, rows.segment)
+        assert torch.equal(cpu_kernels.rows_linear(x, rows.strips, 48, None, rows.segment), want)
+    zeros = [(r, c) for r, c in (w == 0).nonzero().tolist() if not (r == 5 and 32 <= c < 64)]
+    assert zeros, "no q = 0 in an ordinary block: the control would show nothing"
+    moved = w.clone()
+    moved[zeros[0][0], zeros[0][1]] = -0.0  # an ordinary block (d > 0): its q = 0 gives +0 only
+    assert cpu_kernels.rows_pack_quant(moved, "q8_0") is None
+
+
 def test_the_switch_keeps_float32(monkeypatch):
     """``NANOVLLM_CPU_ROWS_QUANT=0`` (A/B runs): float32 strips even for a GGUF weight."""
     pytest.importorskip("gguf", reason="the test makes its weights with gguf's quantize")
@@ -136,6 +164,8 @@ def test_bad_arguments_are_refused_with_the_value_named():
     assert strips is not None and cpu_kernels.rows_format(strips) == "q4_1"
     with pytest.raises(ValueError, match=r"are not rows_pack_quant's q4_1 \(3, 3, 384\) for N=40"):
         cpu_kernels.rows_linear(torch.randn(2, 96), strips, 40, None, 96)
+    with pytest.raises(ValueError, match="x has K=48, not a multiple of 32: no q4_1 weight has it"):
+        cpu_kernels.rows_linear(torch.randn(2, 48), strips[:, :1].contiguous(), 40, None, 48)
     with pytest.raises(ValueError, match="segment must be K or a multiple of 32, got 48"):
         cpu_kernels.rows_linear(torch.randn(2, 64), strips, 40, None, 48)
     with pytest.raises(ValueError, match=r"neither rows_pack's float32 nor rows_pack_quant's uint8 blocks"):
@@ -147,8 +177,8 @@ def test_bad_arguments_are_refused_with_the_value_named():
 
 def test_the_packing_check_holds_a_block_format_to_the_reference(monkeypatch):
     """``_kernel_keeps_its_order`` asks the block format's product, not the float32 one's: a block
-    format whose kernel drops the bias is refused, and the layer keeps oneDNN; float32 strips, whose
-    kernel is right, still pass. Without the fault the layer is kept in Q4_1."""
+    format whose kernel drops the bias is refused, and the layer takes float32 strips, whose kernel is
+    right; with both faulty, oneDNN. Without the fault the layer is kept in Q4_1."""
     pytest.importorskip("gguf", reason="the test makes its weights with gguf's quantize")
     from nanovllm.layers.linear import ColumnParallelLinear
 
@@ -165,6 +195,11 @@ def test_the_packing_check_holds_a_block_format_to_the_reference(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "rows_linear", quant_drops_the_bias)
     assert not cpu_linear._kernel_keeps_its_order(layer.weight, layer.bias, "q4_1")
     assert cpu_linear._kernel_keeps_its_order(layer.weight, layer.bias, "f32")
+    cpu_linear.pack_linear_weights(torch.nn.Sequential(layer))
+    assert isinstance(layer.packed_weight, cpu_linear.RowsWeight) and layer.packed_weight.format == "f32"
+    monkeypatch.setattr(
+        cpu_kernels, "rows_linear", lambda x, strips, n, bias, seg: rows_linear(x, strips, n, None, seg)
+    )
     cpu_linear.pack_linear_weights(torch.nn.Sequential(layer))
     assert not isinstance(layer.packed_weight, cpu_linear.RowsWeight)
 

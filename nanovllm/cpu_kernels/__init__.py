@@ -500,7 +500,9 @@ def _check_strips(strips: torch.Tensor, n: int, k: int, x_shape: tuple) -> int:
         want, made_by = (-(-n // ROWS_STRIP), k, ROWS_STRIP), "rows_pack's"
     else:
         want, made_by = (-(-n // ROWS_STRIP), k // ROWS_BLOCK, ROWS_FORMATS[form][1]), f"rows_pack_quant's {form}"
-    if tuple(strips.shape) != want or not strips.is_contiguous() or (form != "f32" and k % ROWS_BLOCK):
+    if form != "f32" and k % ROWS_BLOCK:
+        raise ValueError(f"rows_linear: x has K={k}, not a multiple of {ROWS_BLOCK}: no {form} weight has it")
+    if tuple(strips.shape) != want or not strips.is_contiguous():
         raise ValueError(
             f"rows_linear: packed strips {tuple(strips.shape)} (contiguous: {strips.is_contiguous()}) are not "
             f"{made_by} {want} for N={n} and x {x_shape}"

@@ -3,7 +3,7 @@
  * of the bytes. A decode step streams every weight from memory for a few rows, so it runs at the rate
  * the weights are read.
  *
- * Formats (ggml's; a block is 32 weights of one output row along K, d and m float16 values):
+ * Formats (ggml's; a block is 32 weights of one output row along K, d a float16 value, m any float):
  *   Q4_1: w = (d * q) + m, q in [0, 15]   (the default model's layers)
  *   Q8_0: w = d * q,       q in [-128, 127] (its embedding, which is also its output layer)
  * d * q is exact in float32 (11 significant bits times 4 or 8), so a fused multiply-add of d, q and m
@@ -28,6 +28,7 @@
  * More rows (prefill) dequantize a strip group into a per-thread float32 buffer once and run
  * rows_linear.c's product over it (level with float32 at 256 rows). All sum in rows_linear_f32's
  * order. */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -63,13 +64,16 @@ static float half_step(float h, int steps) {
 
 static int same_bits(float a, float b) { return memcmp(&a, &b, sizeof a) == 0; }
 
-/* whether d and m give back all 32 values with integer q in [lo, hi] (q written on success) */
-static int fits(const float *v, float d, float m, int lo, int hi, int *q) {
+/* whether d (and for Q4_1 m) give back all 32 values with integer q in the format's range (q written
+ * on success): Q4_1 as (d * q) + m, Q8_0 as d * q alone, as the kernels compute them */
+static int fits(const float *v, int format, float d, float m, int *q) {
+    const int lo = format == ROWS_Q4_1 ? 0 : -128, hi = format == ROWS_Q4_1 ? 15 : 127;
     for (int j = 0; j < QBLOCK; j++) {
         float t = d == 0.0f ? 0.0f : (v[j] - m) / d;
         if (!(t > lo - 1.0f && t < hi + 1.0f)) return 0; /* NaN included */
         int qi = (int)(t < 0 ? t - 0.5f : t + 0.5f);
-        if (qi < lo || qi > hi || !same_bits(d * (float)qi + m, v[j])) return 0;
+        float back = format == ROWS_Q4_1 ? d * (float)qi + m : d * (float)qi;
+        if (qi < lo || qi > hi || !same_bits(back, v[j])) return 0;
         q[j] = qi;
     }
     return 1;
@@ -86,7 +90,12 @@ static int recover_block(const float *v, int format, float *d, float *m, int *q)
     *m = format == ROWS_Q4_1 ? lo : 0.0f;
     if ((format == ROWS_Q4_1 ? hi - lo : amax) == 0.0f) {
         *d = 0.0f;
-        return fits(v, 0.0f, *m, 0, 0, q);
+        if (format == ROWS_Q4_1) return fits(v, format, 0.0f, *m, q);
+        /* gguf's Q8_0 gives -0 where a block's float16 d rounded to 0 and q < 0: 0 * -1 is -0 */
+        for (int j = 0; j < QBLOCK; j++) q[j] = signbit(v[j]) ? -1 : 0;
+        for (int j = 0; j < QBLOCK; j++)
+            if (!same_bits(0.0f * (float)q[j], v[j])) return 0;
+        return 1;
     }
     int top = format == ROWS_Q4_1 ? 15 : 127; /* the largest q ggml's quantizers give */
     for (int t = top; t >= top - 2; t--) {
@@ -94,7 +103,7 @@ static int recover_block(const float *v, int format, float *d, float *m, int *q)
         if (!(guess > 0.0f)) continue;
         for (int s = 0; s <= 4; s++) {
             *d = half_step(guess, s % 2 ? (s + 1) / 2 : -(s / 2)); /* 0, +1, -1, +2, -2 steps */
-            if (*d > 0.0f && fits(v, *d, *m, format == ROWS_Q4_1 ? 0 : -128, format == ROWS_Q4_1 ? 15 : 127, q))
+            if (*d > 0.0f && fits(v, format, *d, *m, q))
                 return 1;
         }
     }

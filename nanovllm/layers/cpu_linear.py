@@ -273,23 +273,28 @@ def pack_linear_weights(model: nn.Module, threads: int | None = None) -> int:
 def _pack_rows(modules: list[nn.Module]) -> list[nn.Module]:
     """Pack for the rows kernel each float32 module (in its smallest exact form: ``RowsWeight``) whose
     shape and form pass ``_kernel_keeps_its_order`` (asked with the first module of each shape, bias and
-    form); returns the modules packed so."""
+    form; a block format that fails leaves float32 strips to be asked); returns the modules packed so."""
     verdict: dict[tuple, bool] = {}
     done = []
     for module in modules:
         weight: torch.Tensor = module.weight  # type: ignore[assignment]
         bias = getattr(module, "bias", None)
-        rows = RowsWeight(weight.detach())
-        key = (*weight.shape, bias is not None, rows.format)
-        if key not in verdict:
-            verdict[key] = _kernel_keeps_its_order(weight, bias, rows.format)
-            if not verdict[key]:
-                logger.warning(
-                    "the rows kernel's vector code left its summation order for weights of N=%d, K=%d, bias=%s, "
-                    "kept as %s (compared with its scalar reference): oneDNN multiplies them",
-                    *key,
-                )
-        if verdict[key]:
-            module.packed_weight = rows  # type: ignore[assignment]
-            done.append(module)
+        rows: RowsWeight | None = RowsWeight(weight.detach())
+        while rows is not None:
+            key = (*weight.shape, bias is not None, rows.format)
+            if key not in verdict:
+                verdict[key] = _kernel_keeps_its_order(weight, bias, rows.format)
+                if not verdict[key]:
+                    logger.warning(
+                        "the rows kernel's vector code left its summation order for weights of N=%d, K=%d, "
+                        "bias=%s, kept as %s (compared with its scalar reference): %s",
+                        *key,
+                        "float32 strips next" if rows.format != "f32" else "oneDNN multiplies them",
+                    )
+            if verdict[key]:
+                module.packed_weight = rows  # type: ignore[assignment]
+                done.append(module)
+                break
+            # a block format's kernel that fails its check leaves the float32 strips to be asked
+            rows = RowsWeight(weight.detach(), "f32") if rows.format != "f32" else None
     return done

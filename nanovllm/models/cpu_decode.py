@@ -203,6 +203,8 @@ class FusedDecode:
         where = f"decode layers: layer {layer}'s {kernel}"
         if code in c.PROJECTIONS:
             w = getattr(self.layers[layer], c.PROJECTIONS[code])
+            if status == -2:  # rows_quant.c: no memory for a thread's dequantized strips
+                raise MemoryError(f"{where}: no memory for a thread's dequantized strips (K={w.k})")
             raise ValueError(f"{where}: the rows kernel refused N={w.n}, K={w.k}, segment={w.seg} (status {status})")
         if kernel == "rotary_neox":
             raise cpu_kernels.position_error(where, positions, m.table_rows)
