@@ -174,6 +174,33 @@ def rows_order_unchecked() -> ContextManager:
     return _patched((cpu_linear, "segment", segment))
 
 
+def quant_check_asks_float32() -> ContextManager:
+    """The packing check asks the float32 strips' product whatever form the weight is kept in: a block
+    format's kernel (rows_quant.c) goes unchecked, and a fault in it would reach the engine."""
+    cpu_linear = _modules("nanovllm.layers.cpu_linear")[0]
+    check = cpu_linear._kernel_keeps_its_order
+
+    def _kernel_keeps_its_order(weight, bias, form="f32"):
+        return check(weight, bias, "f32")
+
+    return _patched((cpu_linear, "_kernel_keeps_its_order", _kernel_keeps_its_order))
+
+
+def quant_segment_ignored() -> ContextManager:
+    """A block-format weight's product sums each output as one chain over K, not restarting every
+    ``segment``: the float32 strips' bits are lost for K > 512 (the packing check, which follows the
+    segment, then sends such weights to float32 strips: the default model loses its Q4_1 layers)."""
+    import torch
+
+    cpu_kernels = _modules("nanovllm.cpu_kernels")[0]
+    orig = cpu_kernels.rows_linear
+
+    def rows_linear(x, strips, n, bias, segment):
+        return orig(x, strips, n, bias, x.shape[-1] if strips.dtype == torch.uint8 else segment)
+
+    return _patched((cpu_kernels, "rows_linear", rows_linear))
+
+
 # ------------------------------------------------------------------- sampler
 def top_p_one_too_few() -> ContextManager:
     """top_p drops the token that crosses the threshold (inclusive cumulative mass)."""

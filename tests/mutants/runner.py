@@ -100,6 +100,7 @@ GREEDY_OPTS = OPTS + "::test_greedy_with_option_matches_transformers_processors"
 PAR = "tests/test_parallel_sampling.py"
 FP8 = "tests/test_kv_cache_fp8.py"
 ROWS = "tests/test_cpu_rows_linear.py"
+ROWS_QUANT = "tests/test_cpu_rows_quant.py"
 
 CPU_PATH = "patches a path the CUDA engine does not take"
 
@@ -333,6 +334,9 @@ _CLASS_MUTANTS = {
     "rows_linear_bias_dropped": [ROWS],
     "rows_order_unchecked": [ROWS],
     "lone_row_summed_otherwise": [f"{SELF}::test_batch_invariance_of_logprobs"],
+    # the same, over GGUF block formats (rows_quant.c)
+    "quant_check_asks_float32": [ROWS_QUANT],
+    "quant_segment_ignored": [ROWS_QUANT],
 }
 ENGINE_MUTANTS += [Mutant(name, getattr(engine_mutants, name), checks) for name, checks in _CLASS_MUTANTS.items()]
 
@@ -405,6 +409,8 @@ _NOT_ON_CUDA = {
     "rows_linear_bias_dropped": CPU_PATH,
     "rows_order_unchecked": CPU_PATH,
     "lone_row_summed_otherwise": CPU_PATH,
+    "quant_check_asks_float32": CPU_PATH,
+    "quant_segment_ignored": CPU_PATH,
 }
 
 
