@@ -16,9 +16,10 @@
  * used so, so the product cannot differ from the float32 one; the tests compare the two bitwise.
  *
  * Layout (one strip = 16 output columns, as rows_linear.c): [ceil(n/16)][k/32] blocks; a block holds
- * 16 d (float32), for Q4_1 16 m (float32), then its 32 k of values, each k's 16 in order (Q4_1: 8
- * bytes, column c in byte c/2, the low nibble for even c; Q8_0: 16 bytes). A block is 384 (Q4_1) or
- * 576 (Q8_0) bytes where float32 takes 2,048.
+ * 16 d (float32), for Q4_1 16 m (float32), then its 32 k of values. Q4_1: 16 pairs of k, 16 bytes
+ * each, column c in byte c, the low nibble for the pair's first k and the high nibble for its second
+ * (one 16-byte load gives two k); Q8_0: each k's 16 bytes in order. A block is 384 (Q4_1) or 576
+ * (Q8_0) bytes where float32 takes 2,048.
  *
  * Product, by row count (KERNEL_NOTES, session 35): up to QUANT_REGISTER_ROWS rows (decode steps), AVX-512
  * dequantizes each pair of k of a strip in registers, in row tiles of up to 4 rows x 4 strips or 5-8
