@@ -171,6 +171,73 @@ def test_a_bad_slot_or_position_stops_layer_0_with_the_cache_untouched():
         llm.close()
 
 
+def test_the_last_rope_row_and_the_last_cache_slot_give_the_python_layers_bits():
+    """The accepting side of the limits above, at their edges: a row at the RoPE tables' last position,
+    writing the cache's last slot, runs fused and gives the Python layers' outputs and cache bitwise.
+    The limits are read from the tables and the cache themselves, not from the fused structures (a
+    limit one short would agree with itself). Control: one position lower changes the outputs."""
+    from nanovllm.attention.metadata import AttentionMetadata
+
+    llm, _ = _engine("llama-mha-hd64")
+    try:
+        model = llm.llm_engine.executor.runner.model.model
+        _outputs(llm, [[5, 6, 7]])  # builds the fused structures
+        structures = model.__dict__["_fused_decode"].fused
+        attn0 = model.layers[0].self_attn
+        table_rows = attn0.rotary_emb.cos.shape[0]
+        k_cache = attn0.attn.k_cache  # [blocks, kv heads, block size, head dim]
+        num_blocks, block_size = k_cache.shape[0], k_cache.shape[2]
+        assert (structures.model.table_rows, structures.model.num_blocks, structures.model.block_size) == (
+            table_rows,
+            num_blocks,
+            block_size,
+        )
+        caches = [t for layer in model.layers for t in (layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache)]
+        saved = [t.clone() for t in caches]
+        torch.manual_seed(0)
+        for t in caches:  # the last block finite (its other slots are read by the attention)
+            t[num_blocks - 1].copy_(torch.randn_like(t[num_blocks - 1]))
+        filled = [t.clone() for t in caches]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([num_blocks * block_size - 1]),
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+            seq_lens=torch.tensor([block_size], dtype=torch.int32),
+            block_tables=torch.tensor([[num_blocks - 1]], dtype=torch.int32),
+            max_query_len=1,
+            max_seq_len=block_size,
+            block_size=block_size,
+            query_start_loc_cpu=[0, 1],
+            seq_lens_cpu=[block_size],
+        )
+        hidden = torch.randn(1, structures.hidden)
+
+        def python_layers(position: int):
+            h, residual = hidden.clone(), None
+            for layer in model.layers:
+                h, residual = layer(torch.tensor([position]), h, residual, meta)
+            return h, residual
+
+        def bits(tensors):
+            return [t.view(torch.int32).clone() for t in tensors]
+
+        try:
+            fused = structures.run(hidden, torch.tensor([table_rows - 1]), meta)
+            fused_caches = bits(caches)
+            for t, f in zip(caches, filled):
+                t.copy_(f)
+            python = python_layers(table_rows - 1)
+            assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(fused, python))
+            assert all(torch.equal(a, b) for a, b in zip(fused_caches, bits(caches)))
+            assert not torch.equal(fused_caches[0], bits([filled[0]])[0]), "the last slot was not written"
+            lower = python_layers(table_rows - 2)
+            assert not torch.equal(lower[0], python[0]), "the control shows nothing"
+        finally:
+            for t, s in zip(caches, saved):
+                t.copy_(s)
+    finally:
+        llm.close()
+
+
 def test_a_hook_set_after_the_first_decode_step_sees_the_next_ones(monkeypatch):
     """A forward hook registered on a layer's module once the fused layers are built (after a first
     generate) sees the later decode steps: whether to step aside is asked every step."""

@@ -171,6 +171,27 @@ def test_the_packing_check_probes_a_wide_weights_last_partial_strip(monkeypatch)
     assert not cpu_linear._kernel_keeps_its_order(w, None)
 
 
+@pytest.mark.parametrize("n", [1000, 49200])
+def test_the_packing_check_probes_the_last_partial_tile_of_several_strips(monkeypatch, n):
+    """The probe keeps the weight's remainder modulo a tile's 64 columns, not modulo a strip's 16: for
+    N = 1,000 (40 = 2 whole strips and a partial one) and 49,200 (48: three whole strips, no partial
+    strip at all), a fault only in a last tile of more than one strip is seen."""
+    rows_linear = cpu_kernels.rows_linear
+
+    def last_tile_zeroed(x, strips, n, bias, segment):
+        y = rows_linear(x, strips, n, bias, segment)
+        if n % 64 > 16:
+            y[:, n - n % 64 :] = 0
+        return y
+
+    assert n % 64 > 16 and n % 64 != n % 16  # a rule modulo 16 would probe another last tile
+    w = _weight(n, 64, seed=11)
+    assert cpu_linear._probe_columns(n) == 256 + n % 64
+    assert cpu_linear._kernel_keeps_its_order(w, None)
+    monkeypatch.setattr(cpu_kernels, "rows_linear", last_tile_zeroed)
+    assert not cpu_linear._kernel_keeps_its_order(w, None)
+
+
 @pytest.mark.parametrize("n,k", SHAPES[:4])
 def test_a_row_is_the_same_alone_in_any_batch_and_at_any_thread_count(n, k):
     w = _weight(n, k, seed=1)

@@ -87,6 +87,19 @@ def test_physical_cores_counts_cores_not_hyperthreads(tmp_path):
     assert physical_cores({0, 1, 2, 3}, sysfs=tmp_path / "absent") == 4  # no topology: the CPU count
 
 
+def test_physical_cores_counts_each_sockets_cores(tmp_path):
+    """Two sockets number their cores alike (core_id 0 and 1 on each): four cores, not two."""
+    for cpu, (package, core) in enumerate(((0, 0), (0, 1), (1, 0), (1, 1), (0, 0), (1, 1))):  # 4, 5: hyperthreads
+        topo = tmp_path / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "core_id").write_text(f"{core}\n")
+        (topo / "physical_package_id").write_text(f"{package}\n")
+    from nanovllm.cpu_threads import physical_cores
+
+    assert physical_cores(set(range(6)), sysfs=tmp_path) == 4
+    assert physical_cores({0, 2}, sysfs=tmp_path) == 2
+
+
 def _generate_then_exit(main_call: str) -> list[str]:
     """stdout of a process that runs ``generate`` through ``main_call``, with an atexit function
     and an object whose finaliser reports the interpreter's shutdown."""

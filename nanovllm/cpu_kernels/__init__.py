@@ -53,10 +53,17 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+SANITIZE = "NANOVLLM_CPU_KERNELS_SANITIZE"
+
+
 def compile_flags() -> list[str]:
     # -std=c11: no fused multiply-add contraction, so the sums are the ones written (FMA measured within
     # noise); -fno-math-errno: expf without the errno path (1.2-1.4x on the whole kernel)
-    return ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+    flags = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+    sanitize = os.environ.get(SANITIZE, "")
+    if sanitize:  # e.g. "address,undefined" (tests/test_cpu_kernels_sanitized.py): every report aborts
+        flags += [f"-fsanitize={sanitize}", f"-fno-sanitize-recover={sanitize}", "-fno-omit-frame-pointer", "-g"]
+    return flags
 
 
 def _cpu_flags() -> str:
