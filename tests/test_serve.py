@@ -14,6 +14,7 @@ import asyncio
 import json
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -563,6 +564,49 @@ def test_bad_requests_get_4xx_naming_the_field_and_the_server_keeps_serving(url,
     assert_all_blocks_free(url)
 
 
+def _post(url: str, route: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}/v1/{route}", json={"model": "zoo", "temperature": 0, **body}, headers=AUTH, timeout=120)
+
+
+def test_max_tokens_may_fill_the_context_exactly_and_not_one_past(url):
+    """A prompt of L tokens with max_tokens = max_model_len - L fits exactly (vLLM refuses only
+    prompt + max_tokens > max_model_len): it is served and, under ignore_eos, generates all of them,
+    on completions and chat; one token more is a 400 naming max_tokens."""
+    prompt = prompts_for(ZOO[MODEL].vocab_size, (MAX_MODEL_LEN - 12,), seed=31)[0]
+    conv = [{"role": "user", "content": words(ZOO[MODEL].vocab_size, MAX_MODEL_LEN - 20, seed=32)}]
+    for route, head in (("completions", {"prompt": prompt}), ("chat/completions", {"messages": conv})):
+        probe = _post(url, route, {**head, "max_tokens": 1})
+        assert probe.status_code == 200, probe.text
+        room = MAX_MODEL_LEN - probe.json()["usage"]["prompt_tokens"]
+        assert 0 < room < 32, (route, room)  # short, so the exact fit costs little
+        r = _post(url, route, {**head, "max_tokens": room, "ignore_eos": True})
+        assert r.status_code == 200, (route, r.text)
+        body = r.json()
+        assert body["usage"]["completion_tokens"] == room and body["choices"][0]["finish_reason"] == "length", body
+        r = _post(url, route, {**head, "max_tokens": room + 1, "ignore_eos": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", (route, r.text)
+    assert_all_blocks_free(url)
+
+
+def test_a_request_without_max_tokens_gets_16_on_completions_and_the_rest_of_the_context_on_chat(url):
+    """As vLLM (and OpenAI's legacy completions API): a completion that leaves max_tokens out
+    generates at most 16 tokens; a chat completion may use the rest of the context window. Under
+    ignore_eos both run to that limit and finish by length."""
+    r = _post(url, "completions", {"prompt": [5, 6, 7], "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == 16 and body["choices"][0]["finish_reason"] == "length", body
+    # a long prompt, so the rest of the context is a few tokens (MAX_MODEL_LEN is small here)
+    conv = [{"role": "user", "content": words(ZOO[MODEL].vocab_size, MAX_MODEL_LEN - 30, seed=33)}]
+    r = _post(url, "chat/completions", {"messages": conv, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    room = MAX_MODEL_LEN - body["usage"]["prompt_tokens"]
+    assert 16 < room < 40, room  # past the completions default: a chat that took 16 would fail below
+    assert body["usage"]["completion_tokens"] == room and body["choices"][0]["finish_reason"] == "length", body
+    assert_all_blocks_free(url)
+
+
 def test_api_key(url):
     body = {"prompt": "w10", "max_tokens": 1}
     assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 401
@@ -586,6 +630,67 @@ def test_models_tokenize_detokenize(url, client, offline):
     assert r.json() == {"prompt": "w10 w20"}
     r = httpx.post(f"{url}/detokenize", json={"tokens": [5, 10**7]}, headers=AUTH, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens[1]"
+
+
+def test_text_parts_of_a_message_are_joined_with_newlines(url):
+    """A message whose content is a list of text parts is the parts joined with "\\n" (vLLM's
+    behaviour): /tokenize gives the ids of the string "w10\\nw20", not those of "w10w20" (one unknown
+    word to this tokenizer), and a chat completion's prompt is that many tokens."""
+    parts = [{"type": "text", "text": "w10"}, {"type": "text", "text": "w20"}]
+
+    def tokens(content) -> list[int]:
+        r = httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": content}]}, headers=AUTH)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    joined, glued = tokens("w10\nw20"), tokens("w10w20")
+    assert joined != glued  # the control: the two joins tokenize apart
+    assert tokens(parts) == joined
+    r = _post(url, "chat/completions", {"messages": [{"role": "user", "content": parts}], "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(joined), r.text
+
+
+def test_tokenize_honours_add_special_tokens_with_a_tokenizer_that_adds_bos(tmp_path):
+    """/tokenize's ``add_special_tokens`` (default true) reaches the tokenizer: with one that adds
+    BOS (the zoo's tokenizer given a post-processor that prepends <bos>; the zoo's own add no
+    special tokens, so they cannot tell) false gives ``encode(p, add_special_tokens=False)``, true
+    and the default the ids with BOS first. On the app over a stub engine: no model is loaded."""
+    from conformance.zoo import BOS_ID
+    from nanovllm.entrypoints.openai.api_server import build_app
+    from nanovllm.tokenizer import load_tokenizer
+    from tests.test_serve_metrics_prefix import stub_engine
+
+    src = zoo_model(MODEL)
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        (tmp_path / name).write_bytes((Path(src) / name).read_bytes())
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<bos>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<bos>": {"id": "<bos>", "ids": [BOS_ID], "tokens": ["<bos>"]}},
+    }
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    tok = load_tokenizer(str(tmp_path))
+    prompt = "w10 w20 w30"
+    bare = tok.encode(prompt, add_special_tokens=False)
+    assert tok.encode(prompt) == [BOS_ID, *bare] and BOS_ID not in bare  # the tokenizer adds BOS
+
+    async def ask(bodies: list[dict]) -> list[dict]:
+        engine = stub_engine()
+        engine.tokenizer, engine.model_dir = tok, str(tmp_path)
+        app = build_app(engine, ["m"])
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            out = []
+            for body in bodies:
+                r = await client.post("/tokenize", json={"prompt": prompt, **body})
+                assert r.status_code == 200, (body, r.text)
+                out.append(r.json()["tokens"])
+            return out
+
+    default, with_bos, without = asyncio.run(ask([{}, {"add_special_tokens": True}, {"add_special_tokens": False}]))
+    assert default == with_bos == [BOS_ID, *bare]
+    assert without == bare
 
 
 def test_chat_continues_the_final_message_and_echoes_it(url, offline):

@@ -9,6 +9,7 @@ choice; bad values get a 400 naming the field and the server keeps serving.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 
@@ -18,7 +19,7 @@ httpx = pytest.importorskip("httpx", reason="the serve extra (httpx) is not inst
 openai = pytest.importorskip("openai", reason="the serve extra (openai) is not installed")
 pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
 
-from conformance.zoo import ZOO, zoo_model  # noqa: E402
+from conformance.zoo import EOS_ID, ZOO, zoo_model  # noqa: E402
 from nanovllm import SamplingParams  # noqa: E402
 from nanovllm.bench.server_process import nanovllm_serve_command, server  # noqa: E402
 from tests.conftest import cached_llm, prompts_for, zoo_serve_flags  # noqa: E402
@@ -175,6 +176,54 @@ def test_seeded_n_equals_offline_seeded_n(client, offline):
             streamed[ch.index] += ch.delta.content or ""
     assert sorted(roles) == [0, 1]
     assert [c.message.content for c in r.choices] == streamed == want and want[0] != want[1]
+
+
+def _sse(url: str, route: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{url}/v1/{route}", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:]) for line in r.iter_lines() if line and line != "data: [DONE]"]
+
+
+def _choice_text(route: str, choice: dict) -> str:
+    """A choice's text: whole (``text`` / ``message.content``) or a chunk's piece (``delta.content``)."""
+    if route == "completions":
+        return choice["text"]
+    return (choice.get("message") or choice.get("delta") or {}).get("content") or ""
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_a_stream_ends_each_choice_as_the_non_streamed_answer_does(url, route):
+    """n=2 with include_usage, ending by length (ignore_eos, max_tokens=5) and on EOS (greedy with
+    the EOS id biased by +100, so the first token is EOS and its text is empty): in the stream each
+    choice index carries exactly one non-null finish_reason, the non-streamed answer's; its pieces
+    join to the non-streamed text; the usage chunk equals the non-streamed usage (completion tokens
+    summed over the choices). A stream that drops an empty-text final chunk (an EOS ending) or that
+    counts one choice's tokens in the usage differs from the plain answer."""
+    head = (
+        {"prompt": prompts_for(VOCAB, (7,), seed=21)[0]}
+        if route == "completions"
+        else {"messages": [{"role": "user", "content": "w10 w20 w30"}]}
+    )
+    endings = {
+        "length": {"max_tokens": 5, "ignore_eos": True},
+        "stop": {"max_tokens": 5, "logit_bias": {str(EOS_ID): 100}},
+    }
+    for ending, fields in endings.items():
+        body = {"model": "zoo", "n": 2, "temperature": 0, **head, **fields}
+        whole = httpx.post(f"{url}/v1/{route}", json=body, timeout=60)
+        assert whole.status_code == 200, whole.text
+        whole = whole.json()
+        want = sorted(whole["choices"], key=lambda c: c["index"])
+        assert [c["index"] for c in want] == [0, 1] and {c["finish_reason"] for c in want} == {ending}, want
+        if ending == "stop":  # the EOS is the only token: the final chunk has no text
+            assert [_choice_text(route, c) for c in want] == ["", ""] and whole["usage"]["completion_tokens"] == 2
+        chunks = _sse(url, route, {**body, "stream": True, "stream_options": {"include_usage": True}})
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"], (ending, chunks[-1])
+        for c in want:
+            mine = [ch for chunk in chunks[:-1] for ch in chunk["choices"] if ch["index"] == c["index"]]
+            finished = [ch["finish_reason"] for ch in mine if ch["finish_reason"] is not None]
+            assert finished == [c["finish_reason"]], (ending, c["index"], [ch["finish_reason"] for ch in mine])
+            assert "".join(_choice_text(route, ch) for ch in mine) == _choice_text(route, c), (ending, c["index"])
 
 
 def test_logit_bias_forces_a_token_and_equals_offline(client, offline):

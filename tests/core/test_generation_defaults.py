@@ -44,6 +44,17 @@ def test_the_models_file_is_read_with_transformers_names(tmp_path):
     assert sampling_defaults(str(other), None, d) == {"min_p": 0.05, "repetition_penalty": 1.1}
 
 
+def test_a_null_override_removes_a_key_named_otherwise_in_the_file(tmp_path):
+    """``--override-generation-config '{"max_new_tokens": null}'`` removes the file's limit, as a
+    null does for a key spelled alike in the file and in SamplingParams (top_k here): the override
+    takes the file's names, and the default is kept under SamplingParams' name (max_tokens), so the
+    null must remove that one; the other keys stay."""
+    d = _model(tmp_path, {"temperature": 0.6, "top_k": 20, "max_new_tokens": 7})
+    assert sampling_defaults("auto", None, d) == {"temperature": 0.6, "top_k": 20, "max_tokens": 7}  # the control
+    assert sampling_defaults("auto", '{"max_new_tokens": null}', d) == {"temperature": 0.6, "top_k": 20}
+    assert sampling_defaults("auto", '{"top_k": null, "max_new_tokens": null}', d) == {"temperature": 0.6}
+
+
 @pytest.mark.parametrize(
     "mode, override, said",
     [
