@@ -193,16 +193,15 @@ def test_the_last_rope_row_and_the_last_cache_slot_give_the_python_layers_bits()
             block_size,
         )
         caches = [t for layer in model.layers for t in (layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache)]
-        saved = [t.clone() for t in caches]
+        last = num_blocks - 1  # only this block is written and read: only it is saved, filled, compared
+        saved = [t[last].clone() for t in caches]
         torch.manual_seed(0)
-        for t in caches:  # the last block finite (its other slots are read by the attention)
-            t[num_blocks - 1].copy_(torch.randn_like(t[num_blocks - 1]))
-        filled = [t.clone() for t in caches]
+        filled = [torch.randn_like(t[last]) for t in caches]  # finite: its other slots are read too
         meta = AttentionMetadata(
             slot_mapping=torch.tensor([num_blocks * block_size - 1]),
             query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
             seq_lens=torch.tensor([block_size], dtype=torch.int32),
-            block_tables=torch.tensor([[num_blocks - 1]], dtype=torch.int32),
+            block_tables=torch.tensor([[last]], dtype=torch.int32),
             max_query_len=1,
             max_seq_len=block_size,
             block_size=block_size,
@@ -211,7 +210,12 @@ def test_the_last_rope_row_and_the_last_cache_slot_give_the_python_layers_bits()
         )
         hidden = torch.randn(1, structures.hidden)
 
+        def fill():
+            for t, f in zip(caches, filled):
+                t[last].copy_(f)
+
         def python_layers(position: int):
+            fill()
             h, residual = hidden.clone(), None
             for layer in model.layers:
                 h, residual = layer(torch.tensor([position]), h, residual, meta)
@@ -221,19 +225,20 @@ def test_the_last_rope_row_and_the_last_cache_slot_give_the_python_layers_bits()
             return [t.view(torch.int32).clone() for t in tensors]
 
         try:
+            fill()
             fused = structures.run(hidden, torch.tensor([table_rows - 1]), meta)
-            fused_caches = bits(caches)
-            for t, f in zip(caches, filled):
-                t.copy_(f)
+            fused_blocks = bits(t[last] for t in caches)
             python = python_layers(table_rows - 1)
+            assert all(torch.isfinite(t).all() for t in python)
             assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(fused, python))
-            assert all(torch.equal(a, b) for a, b in zip(fused_caches, bits(caches)))
-            assert not torch.equal(fused_caches[0], bits([filled[0]])[0]), "the last slot was not written"
+            assert all(torch.equal(a, b) for a, b in zip(fused_blocks, bits(t[last] for t in caches)))
+            for got, before in zip(fused_blocks, bits(filled)):  # [kv heads, slots, dim]: the last slot only
+                assert not torch.equal(got[:, -1], before[:, -1]) and torch.equal(got[:, :-1], before[:, :-1])
             lower = python_layers(table_rows - 2)
             assert not torch.equal(lower[0], python[0]), "the control shows nothing"
         finally:
             for t, s in zip(caches, saved):
-                t.copy_(s)
+                t[last].copy_(s)
     finally:
         llm.close()
 

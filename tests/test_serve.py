@@ -639,7 +639,8 @@ def test_text_parts_of_a_message_are_joined_with_newlines(url):
     parts = [{"type": "text", "text": "w10"}, {"type": "text", "text": "w20"}]
 
     def tokens(content) -> list[int]:
-        r = httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": content}]}, headers=AUTH)
+        body = {"messages": [{"role": "user", "content": content}]}
+        r = httpx.post(f"{url}/tokenize", json=body, headers=AUTH, timeout=30)
         assert r.status_code == 200, r.text
         return r.json()["tokens"]
 

@@ -54,6 +54,27 @@ def compiler() -> str | None:
 
 
 SANITIZE = "NANOVLLM_CPU_KERNELS_SANITIZE"
+SANITIZERS = {"address", "undefined"}  # what NANOVLLM_CPU_KERNELS_SANITIZE may name, comma-separated
+
+
+def sanitize_refusal() -> str | None:
+    """Why NANOVLLM_CPU_KERNELS_SANITIZE's value cannot be built or loaded here, or None. A library
+    built with AddressSanitizer needs its runtime loaded before Python (LD_PRELOAD): loaded later,
+    the runtime ends the process instead of failing the load."""
+    value = os.environ.get(SANITIZE, "")
+    if not value:
+        return None
+    names = value.split(",")
+    if not names or not set(names) <= SANITIZERS:
+        return f"{SANITIZE}={value!r}: a comma-separated list of {', '.join(sorted(SANITIZERS))}"
+    if "address" in names:
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError:
+            maps = ""
+        if "libasan" not in maps:
+            return f"{SANITIZE}={value!r} needs the AddressSanitizer runtime preloaded (LD_PRELOAD=libasan.so)"
+    return None
 
 
 def compile_flags() -> list[str]:
@@ -120,6 +141,10 @@ def load() -> Kernels | None:
     cc = compiler()
     if cc is None:
         logger.warning("no C compiler (cc, gcc or $CC): CPU attention runs in PyTorch (slower)")
+        return None
+    refused = sanitize_refusal()
+    if refused:
+        logger.warning("the CPU kernels are not built: %s; PyTorch and oneDNN run their work", refused)
         return None
     try:
         dest = cache_root() / "kernels" / f"cpu_kernels-{build_key(cc)}"
