@@ -65,7 +65,7 @@ def sanitize_refusal() -> str | None:
     if not value:
         return None
     names = value.split(",")
-    if not names or not set(names) <= SANITIZERS:
+    if not set(names) <= SANITIZERS:
         return f"{SANITIZE}={value!r}: a comma-separated list of {', '.join(sorted(SANITIZERS))}"
     if "address" in names:
         try:
