@@ -232,6 +232,16 @@ def logprob_rtol(dtype: str = "float32", engine=None) -> float:
     return _measured(LOGPROB_RTOL, dtype, engine)
 
 
+def assert_logprobs_close(got, want, dtype: str = "float32", engine=None, msg=None) -> None:
+    """Logprobs within the arithmetic's measured tolerance, ``atol + rtol * |want|``. One place
+    picks both parts from their own tables: for floats the two tables hold the same numbers, so a
+    check that passed one table's value as the other's would look right there and be 0.3 nats
+    (Q4_1) or 0.75 (FP8 KV cache) per unit of |logprob| too lenient on quantized engines."""
+    import torch  # the checks that compare logprobs need it; the harness's other users do not
+
+    torch.testing.assert_close(got, want, atol=logprob_tol(dtype, engine), rtol=logprob_rtol(dtype, engine), msg=msg)
+
+
 def max_diverged_frac(dtype: str = "float32", engine=None) -> float:
     """The share of sequences that may diverge at near-ties, for this dtype or arithmetic."""
     return _measured(MAX_DIVERGED_FRAC, dtype, engine)

@@ -237,11 +237,24 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(later)
     n_gpu = None
     for item in suite:
-        for marker, need in (("gpu", 1), ("multi_gpu", 2)):
-            if item.get_closest_marker(marker):
-                n_gpu = _gpus() if n_gpu is None else n_gpu
-                if n_gpu < need:
-                    item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPU(s), {n_gpu} visible"))
+        markers = {m for m in GPUS_NEEDED if item.get_closest_marker(m)}
+        if markers:
+            n_gpu = _gpus() if n_gpu is None else n_gpu
+            reason = gpu_shortfall(markers, n_gpu)
+            if reason:
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+GPUS_NEEDED = {"gpu": 1, "multi_gpu": 2}  # marker -> CUDA GPUs the check needs
+
+
+def gpu_shortfall(markers: set[str], n_gpu: int) -> str | None:
+    """Why a check with these markers cannot run on a host with ``n_gpu`` GPUs (None: it can)."""
+    for marker in sorted(markers):
+        need = GPUS_NEEDED[marker]
+        if n_gpu < need:
+            return f"needs {need} CUDA GPU(s), {n_gpu} visible"
+    return None
 
 
 def pytest_report_header(config):

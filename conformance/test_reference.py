@@ -19,11 +19,10 @@ from conformance.adapters import Sampling
 from conformance.adapters.base import GREEDY, PROMPT_LOGPROBS
 from conformance.compare import compare_greedy
 from conformance.harness import (
+    assert_logprobs_close,
     delta,
     generate,
     golden_step_logprobs,
-    logprob_rtol,
-    logprob_tol,
     max_diverged_frac,
     require,
     tokens,
@@ -84,12 +83,8 @@ def test_prompt_logprobs_match_reference(engines, name, figure):
         want = torch.tensor(case["prompt_lps"], dtype=torch.float64)
         if len(want):
             worst = max(worst, float((got - want).abs().max()))
-            torch.testing.assert_close(
-                got,
-                want,
-                atol=logprob_tol(g["dtype"], engine),
-                rtol=logprob_rtol(g["dtype"], engine),
-                msg=lambda m, c=case: f"case {c['id']} (len {len(c['prompt'])}): {m}",
+            assert_logprobs_close(
+                got, want, g["dtype"], engine, msg=lambda m, c=case: f"case {c['id']} (len {len(c['prompt'])}): {m}"
             )
     figure("max logprob diff", worst)
 

@@ -7,13 +7,30 @@ import pytest
 import torch
 
 import golden
-from conformance.compare import DELTA, LOGPROB_TOL, MAX_DIVERGED_FRAC, assert_tokens_equal, compare_greedy
-from conformance.harness import golden_step_logprobs
+from conformance.compare import (
+    DELTA,
+    FP8_KV,
+    LOGPROB_TOL,
+    MAX_DIVERGED_FRAC,
+    Q4_1,
+    assert_tokens_equal,
+    compare_greedy,
+)
+from conformance.harness import assert_logprobs_close, golden_step_logprobs
 
 
 def _case(name="qwen3-gqa4-hd128", cid="len-bs+1"):
     g = golden.load(name)
     return g, next(c for c in g["cases"] if c["id"] == cid)
+
+
+def _one_bad_among_exact(c, bad, n_exact=3):
+    """The known-bad sequence beside exact ones, with every sequence allowed to diverge: the share
+    rule cannot decide the outcome, so a failure is the per-sequence rule's own (a rule test that
+    used one sequence alone was decided by the share rule and hid a bug in the rule under test)."""
+    lps = [golden_step_logprobs(c)] * (n_exact + 1)
+    ref = [c["greedy"]] * (n_exact + 1)
+    return compare_greedy(ref, lps, [c["greedy"]] * n_exact + [bad], DELTA["float32"], max_diverged_frac=1.0)
 
 
 def test_greedy_rule_rejects_bad_tokens():
@@ -25,15 +42,29 @@ def test_greedy_rule_rejects_bad_tokens():
     step = max(range(len(c["top_lps"])), key=lambda t: c["top_lps"][t][0] - c["top_lps"][t][1])
     bad = list(c["greedy"])
     bad[step] = c["top_ids"][step][1]
-    assert not compare_greedy([c["greedy"]], lps, [bad], DELTA["float32"]).ok
-    # a token outside the reference's top-5 is never a near-tie
+    r = _one_bad_among_exact(c, bad)
+    assert not r.ok and not r.too_many_divergences, r.summary()
+    assert len(r.failed) == 1 and f"seq 3 step {step}" in r.failed[0] and "margin" in r.failed[0], r.summary()
+    # a token outside the reference's top-5 is never a near-tie, whatever share may diverge
     bad[step] = next(t for t in range(5, 1000) if t not in c["top_ids"][step])
-    assert not compare_greedy([c["greedy"]], lps, [bad], DELTA["float32"]).ok
-    # a sequence that stops early without diverging fails
-    assert not compare_greedy([c["greedy"]], lps, [c["greedy"][:-1]], DELTA["float32"]).ok
-    # most sequences diverging (even at near-ties) fails the comparison as a whole
+    r = _one_bad_among_exact(c, bad)
+    assert not r.ok and not r.allowed and "margin unknown" in r.failed[0], r.summary()
+    # a sequence that stops early, or runs on, without diverging fails: both directions
+    for wrong_length in (c["greedy"][:-1], c["greedy"] + [c["greedy"][-1]]):
+        r = _one_bad_among_exact(c, wrong_length)
+        assert not r.ok and len(r.failed) == 1 and "lengths differ" in r.failed[0], r.summary()
+    # control: the same four sequences, all exact, pass
+    assert _one_bad_among_exact(c, list(c["greedy"])).ok
+
+
+def test_divergence_share_rule_fires_alone():
+    """Most sequences diverging, each at a near tie (each allowed on its own), fails the
+    comparison as a whole; at half or less it passes. The per-sequence rule fires on none."""
     tie = [{1: -0.69310, 2: -0.69315}]
-    assert not compare_greedy([[1]] * 3, [tie] * 3, [[2], [2], [1]], DELTA["float32"]).ok
+    r = compare_greedy([[1]] * 3, [tie] * 3, [[2], [2], [1]], DELTA["float32"])
+    assert not r.ok and r.too_many_divergences and not r.failed and len(r.allowed) == 2, r.summary()
+    r = compare_greedy([[1]] * 4, [tie] * 4, [[2], [2], [1], [1]], DELTA["float32"])
+    assert r.ok and len(r.allowed) == 2, r.summary()
 
 
 def test_logprob_rule_rejects_perturbed_values():
@@ -74,3 +105,25 @@ def test_quantized_delta_still_rejects_wrong_tokens():
         near = list(c["greedy"])
         near[tie] = c["top_ids"][tie][1]
         assert compare_greedy([c["greedy"]], lps, [near], d, frac).ok
+
+
+class _Quantized:
+    """An engine as the harness sees it: only its arithmetic matters to the tolerance tables."""
+
+    def __init__(self, arithmetic):
+        self.arithmetic = arithmetic
+
+
+@pytest.mark.parametrize("arithmetic, at_minus_8", [("float32", 9e-4), (Q4_1, 0.3), (FP8_KV, 0.75)])
+def test_prompt_logprob_tolerance_is_the_arithmetic_own(arithmetic, at_minus_8):
+    """The tolerance at a logprob of -8, as compare.py's tables define it: float32 1e-4 + 1e-4 * 8;
+    the quantized arithmetics an absolute 0.3 (Q4_1) and 0.75 (FP8 KV cache), with no relative
+    part. 95 % of it passes, 105 % fails. A check that took the absolute table for the relative
+    part would pass -8 + 2.7 for Q4_1, and look right for floats, whose two tables are equal."""
+    engine = _Quantized(arithmetic)
+    want = torch.tensor([-8.0, -0.5], dtype=torch.float64)
+    near = want + torch.tensor([0.95 * at_minus_8, 0.0], dtype=torch.float64)
+    assert_logprobs_close(near, want, "float32", engine)
+    far = want + torch.tensor([1.05 * at_minus_8, 0.0], dtype=torch.float64)
+    with pytest.raises(AssertionError):
+        assert_logprobs_close(far, want, "float32", engine)
