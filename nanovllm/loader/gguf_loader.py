@@ -98,7 +98,79 @@ def read_config(reader) -> dict:
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
+    scaling = _rope_scaling(reader, g, config["rope_theta"], config["head_dim"])
+    if scaling is not None:
+        config["rope_scaling"] = scaling
     return config
+
+
+def _rope_scaling(reader, g, theta: float, head_dim: int) -> dict | None:
+    """The config's RoPE scaling from the GGUF file: ``rope.scaling.type`` / ``.factor`` (linear), or
+    llama.cpp's per-frequency divisors ``rope_freqs.weight`` (Llama 3), read back into transformers'
+    ``llama3`` parameters. A scaling this cannot express is refused: served without it, every
+    position past the short ones would be wrong with no error."""
+    kind = g("rope.scaling.type")
+    if kind not in (None, "none", "linear"):
+        raise ValueError(f"GGUF RoPE scaling {kind!r} is not supported (supported: none, linear, llama3 rope_freqs)")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is None:
+        return None
+    return llama3_from_rope_freqs(np.asarray(freqs.data, dtype=np.float64).ravel(), theta, head_dim)
+
+
+def llama3_from_rope_freqs(divisors: np.ndarray, theta: float, head_dim: int) -> dict | None:
+    """transformers' ``llama3`` RoPE parameters that give llama.cpp's ``rope_freqs`` divisors.
+
+    Llama 3 divides each rotary frequency by 1 (short wavelengths), by ``factor`` (long ones), or in
+    between by ``1 / ((1 - s) / factor + s)`` with ``s = (L / wavelen - low) / (high - low)``, L the
+    original context. Only the ratios of L, low and high matter, so low is taken as 1 and L and high
+    are solved from the in-between divisors (two or more needed); the result must reproduce every
+    divisor, or the file is refused."""
+    if divisors.shape != (head_dim // 2,):
+        raise ValueError(f"GGUF rope_freqs.weight has {divisors.size} values, expected head_dim / 2 = {head_dim // 2}")
+    factor = float(divisors.max())
+    if np.allclose(divisors, 1.0, rtol=0, atol=1e-6):
+        return None
+    wavelen = 2 * np.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
+    band = (divisors > 1 + 1e-6) & (divisors < factor * (1 - 1e-6))
+    refused = ValueError(
+        "GGUF rope_freqs.weight (Llama 3 RoPE scaling) cannot be read back into llama3 parameters "
+        f"exactly (divisors {np.round(divisors, 4).tolist()}); convert from the HF checkpoint instead"
+    )
+    if band.sum() < 2:
+        raise refused
+    s = (1 / divisors[band] - 1 / factor) / (1 - 1 / factor)
+    (old_len, high), *_ = np.linalg.lstsq(np.stack([1 / wavelen[band], -s], 1), 1 - s, rcond=None)
+    if not old_len >= 1 or not high > 1:
+        raise refused
+    # transformers wants an integer context: scale all three to it (the divisors stay the same),
+    # then the shortest decimals that still give every divisor
+    scale = round(old_len) / old_len
+    for digits in range(3, 12):
+        params = {
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": round(scale, digits),
+            "high_freq_factor": round(high * scale, digits),
+            "original_max_position_embeddings": round(old_len),
+        }
+        if np.allclose(_llama3_divisors(params, wavelen), divisors, rtol=1e-6, atol=0):
+            return params
+    raise refused
+
+
+def _llama3_divisors(p: dict, wavelen: np.ndarray) -> np.ndarray:
+    old, low, high, factor = (
+        p["original_max_position_embeddings"],
+        p["low_freq_factor"],
+        p["high_freq_factor"],
+        p["factor"],
+    )
+    smooth = (old / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, mid))
 
 
 def read_tensors(reader, config: dict) -> dict[str, np.ndarray]:
@@ -119,7 +191,9 @@ def read_tensors(reader, config: dict) -> dict[str, np.ndarray]:
                 f"which cannot be dequantized: {e}"
             ) from None
         w = np.array(w.reshape(tuple(reversed([int(d) for d in t.shape]))), dtype=np.float32)  # owned, writable
-        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+        # llama.cpp permutes Llama's q and k rows into its rotary layout, and the biases of those rows
+        # with them (convert_hf_to_gguf's LlamaModel); v and o are stored as they are
+        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
             n = config["num_attention_heads"] if "attn_q" in t.name else config["num_key_value_heads"]
             w = _unpermute_qk(w, n)
         out[name] = w
