@@ -1,10 +1,17 @@
 """The trace tells a first prefill (its chunks) from the prefill that recomputes a request after
 a preemption: the text trace labels it ``recompute``, the summaries count the two apart, and
-experiment 04's result line reports them apart. Hand-built events, no model."""
+experiment 04's result line reports them apart. Hand-built events, no model.
+
+Then the engine's own phase labels (prefill or decode), on one-token prefills of every kind and on
+random workloads: the real engine over the fake executor (tests/properties/fake_runner.py)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nanovllm.engine.trace import SeqStep, StepEvent, Tracer, summarize_requests
 from nanovllm.experiments.e04_scheduler_watch import prefill_line
@@ -73,3 +80,117 @@ def test_experiment_04_reports_chunks_and_recomputes_apart():
     old = prefill_line([_request("a", 20, _events())])
     assert old == "prefill: request a (20 tokens): 3 chunks, then 0 recompute steps after 1 preemption"
     assert prefill_line([_request("b", 8, events)]) == "prefill: every request in one step, none preempted"
+
+
+# ------------------------------------------------------ the phase classifier, on the real engine
+# The engine labels each step entry "decode" or "prefill" (``LLMEngine._trace_begin``). A decode
+# computes only the newest token of a request past its prompt; any step that computes a prompt
+# token is prefill work, also when it computes exactly one token. The tests above hand-build
+# their events; these run the real engine over the fake executor (no model, milliseconds).
+
+
+def _expected_phase(s: SeqStep, prompt_len: int) -> str:
+    """The classifier's specification (also in tests/test_stats_counters.py)."""
+    decode = s.num_new_tokens == 1 and s.num_computed_before + 1 == s.num_tokens and s.num_computed_before >= prompt_len
+    return "decode" if decode else "prefill"
+
+
+def _check_phases(events: list[StepEvent], prompts: dict[str, list[int]]) -> None:
+    """Every step entry has its specified phase, every event's kind follows from its entries,
+    and each request's prompt is finished by a prefill chunk (what the summaries count)."""
+    for ev in events:
+        for s in ev.seqs:
+            assert s.phase == _expected_phase(s, len(prompts[s.request_id])), (
+                f"step {ev.step}: {s.request_id} computes [{s.num_computed_before}:"
+                f"{s.num_computed_before + s.num_new_tokens}) of a {len(prompts[s.request_id])}-token prompt, "
+                f"labelled {s.phase!r}"
+            )
+        phases = {s.phase for s in ev.seqs}
+        assert ev.kind == (phases.pop() if len(phases) == 1 else "mixed"), f"step {ev.step}: kind {ev.kind}"
+    summaries = summarize_requests(events)
+    for rid, prompt in prompts.items():
+        assert summaries[rid].num_prefill_chunks >= 1, f"{rid}: no prefill chunk in the trace"
+        last = [s for ev in events for s in ev.seqs if s.request_id == rid and s.num_computed_before < len(prompt)]
+        assert last and last[-1].phase == "prefill"
+
+
+def _run_fake(prompts: dict[str, list[int]], max_tokens: int = 3, **config) -> list[StepEvent]:
+    from nanovllm import SamplingParams
+    from tests.properties.fake_runner import make_engine
+
+    engine, executor = make_engine(trace=True, **{"num_blocks": 64, "block_size": 4, **config})
+    for rid, prompt in prompts.items():  # one at a time: a later prompt may hit an earlier one's cache
+        engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        executor.add_sequence(engine.requests[rid].seq_id, prompt, rid)
+        for _ in range(100):
+            if not engine.has_unfinished_requests():
+                break
+            engine.step()
+        assert not engine.has_unfinished_requests()
+    return engine.tracer.events
+
+
+ONE_TOKEN_PREFILLS = {
+    "one-token prompt": ({"a": [5]}, {}),
+    # chunks of 4: [0:4) then the prompt's last token alone
+    "one-token last chunk": ({"a": [1, 2, 3, 4, 5]}, {"max_num_batched_tokens": 4}),
+    # "b" hits "a"'s two cached blocks (8 tokens) and computes its 9th prompt token alone
+    "prefix hit leaving one token": ({"a": [1, 2, 3, 4, 5, 6, 7, 8], "b": [1, 2, 3, 4, 5, 6, 7, 8, 9]}, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(ONE_TOKEN_PREFILLS))
+def test_one_token_prefills_are_traced_as_prefill(case):
+    """A step that computes a single prompt token is prefill work, not a decode: a one-token
+    prompt, a last chunk of one token, a prefix-cache hit that leaves one token. A classifier
+    that called every one-token step reaching the request's end a decode passed every test, the
+    trace tests seeing only ordinary prompts (hunt 3, B10). Control: the request's next
+    one-token step, past its prompt, is a decode."""
+    prompts, config = ONE_TOKEN_PREFILLS[case]
+    events = _run_fake(prompts, **config)
+    _check_phases(events, prompts)
+    rid = list(prompts)[-1]
+    steps = [s for ev in events for s in ev.seqs if s.request_id == rid]
+    prompt_end = [s for s in steps if s.num_computed_before == len(prompts[rid]) - 1]
+    assert len(prompt_end) == 1 and prompt_end[0].num_new_tokens == 1, f"{case}: no one-token prefill step"
+    assert prompt_end[0].phase == "prefill"
+    nxt = steps[steps.index(prompt_end[0]) + 1]
+    assert nxt.num_computed_before == len(prompts[rid]) and nxt.phase == "decode"
+    if case == "one-token prompt":
+        assert (events[0].kind, [s.phase for s in events[0].seqs]) == ("prefill", ["prefill"])
+    if case == "prefix hit leaving one token":
+        assert prompt_end[0].num_cached_tokens == 8
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 9), min_size=1, max_size=5),
+    budget=st.sampled_from([1, 2, 3, 4, 5, 64]),
+    num_blocks=st.integers(6, 14),  # 6: one request of 9 + 4 tokens fits alone
+    async_scheduling=st.booleans(),
+)
+def test_phase_labels_follow_the_specification(lengths, budget, num_blocks, async_scheduling):
+    """Over random workloads (short prompts sharing prefixes, small budgets, small caches that
+    preempt and recompute, async scheduling on and off): every traced step entry has the phase
+    the specification gives, on one-token boundaries of every kind included."""
+    from nanovllm import SamplingParams
+    from tests.properties.fake_runner import make_engine
+
+    engine, executor = make_engine(
+        trace=True,
+        num_blocks=num_blocks,
+        block_size=2,
+        max_num_batched_tokens=budget,
+        max_model_len=16,
+        async_scheduling=async_scheduling,
+    )
+    prompts = {f"r{i}": [1, 2, 3, 4, 5, 6, 7, 8, 9][:n] for i, n in enumerate(lengths)}
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=4))
+        executor.add_sequence(engine.requests[rid].seq_id, prompt, rid)
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert not engine.has_unfinished_requests()
+    _check_phases(engine.tracer.events, prompts)

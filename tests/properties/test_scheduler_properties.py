@@ -115,6 +115,23 @@ def check_drained(eng: EngineHarness) -> None:
         assert out == eng.expected_output(rid), f"{rid}: output {out} != reference {eng.expected_output(rid)}"
 
 
+def check_worker_state_released(eng: EngineHarness) -> None:
+    """The executor keeps per-sequence state (the fake: each sequence's tokens and K/V chain; the
+    CPU runner: a seeded request's torch.Generator) until a step's ``finished_seq_ids`` names the
+    sequence. Every sequence that left the engine on any path (finished, aborted running or
+    waiting) must be named in the next step: the executor may hold only live sequences and those
+    the engine will name. An abort that never named its sequence kept its seeded generator on the
+    worker for the process's life (hunt 3, B6)."""
+    live = {seq.seq_id for seq in eng.engine.requests.values()}
+    announced = set(eng.engine._finished_seq_ids)  # named in the next step's ModelInput
+    for what, state in (("tokens", eng.executor.tokens), ("K/V chains", eng.executor._chains)):
+        leaked = set(state) - live - announced
+        assert not leaked, (
+            f"per-sequence state ({what}) of seq_ids {sorted(leaked)} is held by the executor, but "
+            "they left the engine without being named in finished_seq_ids"
+        )
+
+
 # ================================================= 6. scheduler state machine
 class SchedulerMachine(RuleBasedStateMachine):
     """The real engine under random requests, steps, aborts and drains; a model of which requests are live."""
@@ -227,6 +244,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert not seq.block_table and seq.num_computed_tokens == 0, f"waiting {seq} holds blocks"
         for rid in self.finished:
             assert h.outputs[rid] == h.expected_output(rid), f"{rid}: output differs from the reference"
+        check_worker_state_released(h)
         self.clean = True
 
     def teardown(self):
@@ -293,6 +311,24 @@ def test_negative_async_placeholder_row(monkeypatch):
     monkeypatch.setattr(Sequence, "add_placeholder", lambda self, row: add_placeholder(self, 0))
     with pytest.raises(AssertionError, match="input ids"):
         run_state_machine_as_test(narrowed(async_scheduling=st.just(True)), settings=negative_settings())
+
+
+def test_negative_aborted_sequence_not_released(monkeypatch):
+    """Negative control of ``check_worker_state_released``: an engine whose abort does not name
+    the sequence in ``finished_seq_ids`` (the executor keeps its state) is caught."""
+    from nanovllm.engine.engine import LLMEngine
+
+    abort = LLMEngine._abort
+
+    def abort_without_release(self, seq):
+        out = abort(self, seq)
+        if seq.seq_id in self._finished_seq_ids:
+            self._finished_seq_ids.remove(seq.seq_id)
+        return out
+
+    monkeypatch.setattr(LLMEngine, "_abort", abort_without_release)
+    with pytest.raises(AssertionError, match="per-sequence state"):
+        run_state_machine_as_test(SchedulerMachine, settings=negative_settings())
 
 
 # ===================================================== 7. preemption exactness
