@@ -367,21 +367,7 @@ def test_a_merged_final_output_carries_the_final_metrics(engine, kind):
     assert last.metrics.last_token_time is not None and last.metrics.last_token_time <= last.metrics.finished_time
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        "thread",
-        pytest.param(
-            "process",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="ProcessAsyncLLM.shutdown() leaves streaming callers waiting forever: the core "
-                "leaves on 'stop' without sending their aborts, and the front end's _drain, seeing the "
-                "pipe close with _closed set, ends no caller (found 2026-12-07 by this test)",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("backend", ["thread", "process"])
 def test_shutdown_ends_every_running_caller_with_abort(backend):
     """``shutdown()`` while callers are streaming: each caller's generator ends (within 10 s,
     not never) with a final output whose finish_reason is 'abort', and (thread back end, whose

@@ -133,6 +133,7 @@ class EngineCore:
                         self._send_stats()  # idle now: every front end's gauges settle
                 was_busy = busy
                 if (not busy or self._commands_waiting()) and not self._handle_commands(block=not busy):
+                    self._abort_all()  # stopped: each caller hears its request ended, as in-process
                     break
                 if engine.has_unfinished_requests():
                     t0 = time.perf_counter()
@@ -151,6 +152,11 @@ class EngineCore:
             for outbox in self.outboxes:
                 outbox.close()
             logger.info("engine core: %s", timing.summary())
+
+    def _abort_all(self) -> None:
+        updates = [u for u in (self.engine.abort_request(r) for r in list(self.engine.requests)) if u is not None]
+        if updates:
+            self._send_updates(updates)
 
     def _commands_waiting(self) -> bool:
         if len(self.conns) == 1:
