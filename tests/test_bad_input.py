@@ -496,9 +496,20 @@ def _gguf(ctx, arch: str, bad_tensor: bool) -> Path:
     return path
 
 
+def _two_ggufs(ctx) -> Path:
+    """A directory with no config.json and two GGUF files: which one is meant is ambiguous."""
+    ctx.monkeypatch.setenv("NANOVLLM_CACHE", str(ctx.tmp_path / "cache"))
+    d = ctx.tmp_path / "two-ggufs"
+    d.mkdir()
+    for name in ("model-Q4_K_M.gguf", "model-Q8_0.gguf"):
+        (d / name).write_bytes(b"GGUF not really")
+    return d
+
+
 FILE_CASES = [
     Case("file-missing-model-path", _file(lambda ctx: ctx.tmp_path / "nope"), FileNotFoundError, "does not exist"),
     Case("file-missing-config-json", _file(_no_config), FileNotFoundError, "has no config.json"),
+    Case("file-dir-with-two-ggufs", _file(_two_ggufs), FileNotFoundError, "has no config.json"),
     Case(
         "file-unsupported-architecture",
         _file(lambda ctx: _edit_config(ctx, architectures=["GPT2LMHeadModel"])),
@@ -652,3 +663,35 @@ def test_the_extreme_integers_rule_sees_an_error_from_inside_a_step(llm, monkeyp
     monkeypatch.setattr(sp, "SEED_MAX", 2**64)
     with pytest.raises(AssertionError, match="does not name seed"):
         _served_or_refused_by_name(llm, "seed", 2**64)
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 3])
+def test_a_model_directory_resolves_to_its_only_gguf(count, tmp_path, monkeypatch):
+    """A directory without config.json is its GGUF file where it holds exactly one; with none or
+    several it is refused (FileNotFoundError naming the directory) before anything is converted:
+    serving the alphabetically first of several quantizations would be a silent guess. Guards
+    against the class "ambiguous input resolved without a test of the ambiguous case"; the one-file
+    case is the negative control (a stand-in converter shows which file was taken)."""
+    from nanovllm.loader import gguf_loader
+    from nanovllm.loader.model_loader import resolve_model_dir
+
+    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path / "cache"))
+    converted = []
+
+    def convert(path, dest):
+        converted.append(Path(path).name)
+        (dest / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(gguf_loader, "convert", convert)
+    d = tmp_path / "model"
+    d.mkdir()
+    names = [f"m-{q}.gguf" for q in ("Q8_0", "Q4_K_M", "F16")[:count]]
+    for i, name in enumerate(names):
+        (d / name).write_bytes(f"GGUF {i}".encode())
+    if count == 1:
+        assert Path(resolve_model_dir(str(d))).parent == tmp_path / "cache" / "gguf"
+        assert converted == names
+    else:
+        with pytest.raises(FileNotFoundError, match=f"{d.name}.*has no config.json"):
+            resolve_model_dir(str(d))
+        assert converted == [] and not (tmp_path / "cache" / "gguf").exists()

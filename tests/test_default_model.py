@@ -25,3 +25,22 @@ def test_the_switch_hides_an_installed_package(monkeypatch):
     )
     monkeypatch.setenv("NANOVLLM_NO_DEFAULT_MODEL", "0")  # "0" (and empty) leave it visible
     assert default_model.default_model_path() == path
+
+
+@pytest.mark.parametrize(
+    "value,hidden",
+    [("1", True), ("true", True), ("yes", True), ("on", True), ("2", True), ("0", False), ("", False)],
+)
+def test_the_switch_hides_for_any_value_but_empty_and_zero(monkeypatch, value, hidden):
+    """Any value but "" and "0" hides the package (a CI job written as =true or =yes must not run
+    with the default model after all); "0" and "" leave it visible (the negative control). Guards
+    against the class "an environment flag parsed only at its canonical values"."""
+    monkeypatch.delenv("NANOVLLM_NO_DEFAULT_MODEL", raising=False)
+    require_default_model()  # installed here, or the test says why it skips
+    monkeypatch.setenv("NANOVLLM_NO_DEFAULT_MODEL", value)
+    assert default_model.default_model_installed() is not hidden
+    if hidden:
+        with pytest.raises(FileNotFoundError, match="NANOVLLM_NO_DEFAULT_MODEL is set"):
+            default_model.default_model_path()
+    else:
+        assert default_model.default_model_path()

@@ -173,3 +173,27 @@ def test_a_first_conversion_is_announced_on_a_terminal_only(tmp_path, monkeypatc
             said[tty, run] = err.getvalue()
     assert said[True, 1] == "nanovllm: converting tiny.gguf into the model cache (once)\n", said
     assert said[True, 2] == said[False, 1] == said[False, 2] == "", said
+
+
+@pytest.mark.parametrize("package", ["gguf", "transformers"])
+def test_cache_key_follows_each_library_version(package, tmp_path, monkeypatch):
+    """Each library the conversion calls (gguf dequantizes; transformers rebuilds the tokenizer
+    and writes the config) is part of the cache key: another version of that one library alone
+    gives a new key and converts again, instead of reusing what the old version wrote. Guards
+    against the class "only one of a cache key's inputs is shown to move it". Negative control: a
+    package the converter does not call (numpy here) leaves the key and the conversion alone."""
+    real = gguf_loader.version
+    before = gguf_loader.converter_version()
+    fake = tmp_path / "tiny.gguf"
+    fake.write_bytes(b"GGUF not really")
+    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path / "cache"))
+    calls = []
+    monkeypatch.setattr(
+        gguf_loader, "convert", lambda path, dest: calls.append(path) or (dest / "model.safetensors").write_bytes(b"")
+    )
+    first = gguf_loader.gguf_to_hf_dir(fake)
+    for other, moves in (("numpy", False), (package, True)):  # the control first: no conversion
+        monkeypatch.setattr(gguf_loader, "version", lambda p, other=other: "0.0.0-test" if p == other else real(p))
+        assert (gguf_loader.converter_version() != before) is moves, other
+        again = gguf_loader.gguf_to_hf_dir(fake)
+        assert (again != first) is moves and len(calls) == 1 + moves, (other, calls)

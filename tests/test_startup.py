@@ -4,6 +4,7 @@ the CLI's help imports no torch; a CPU engine imports neither transformers nor T
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -152,6 +153,74 @@ def test_file_hash_is_remembered_until_the_file_changes(tmp_path, monkeypatch):
     st = os.stat(f)
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # a later mtime even on a coarse clock
     assert cache.remembered_sha256(f) == hashlib.sha256(b"second version").hexdigest() and len(hashed) == 2
+
+
+def _same_size_rewrite(f):
+    """New bytes of the same size, in place (same inode), with a later modification time."""
+    f.write_bytes(b"BBBB")
+    st = os.stat(f)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+
+
+def _touch_only(f):
+    """Same bytes, same inode, a later modification time (a file rewritten with equal content)."""
+    st = os.stat(f)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+
+
+def _replaced_same_size_same_mtime(f):
+    """Another file of the same size and modification time renamed over it (a new inode)."""
+    st = os.stat(f)
+    new = f.with_name("new.tmp")
+    new.write_bytes(b"CCCC")
+    os.utime(new, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(new, f)
+
+
+def _resized_same_mtime(f):
+    """New bytes of another size, in place, with the old modification time put back."""
+    st = os.stat(f)
+    f.write_bytes(b"DDDDDD")
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _moved(f):
+    """The same bytes under another path (another resolved path)."""
+    st = os.stat(f)
+    other = f.with_name("moved.gguf")
+    other.write_bytes(f.read_bytes())
+    os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return other
+
+
+@pytest.mark.parametrize(
+    "change", [_same_size_rewrite, _touch_only, _replaced_same_size_same_mtime, _resized_same_mtime, _moved]
+)
+def test_each_identity_field_alone_makes_the_file_hashed_again(change, tmp_path, monkeypatch):
+    """The remembered hash is keyed by path, inode, size and modification time: a change of any
+    ONE of them (the others kept) hashes the file again, and the digest is the new content's.
+    Guards against the class "an identity/key test that changes several fields at once" (a
+    same-size rewrite kept the stale digest and so the stale GGUF conversion). Negative control:
+    the file rewritten with its own bytes and its old modification time put back keeps its memo
+    (the hash count shows what happened)."""
+    import hashlib
+
+    from nanovllm.loader import cache
+
+    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path / "cache"))
+    hashed = []
+    real = cache.sha256_file
+    monkeypatch.setattr(cache, "sha256_file", lambda p: hashed.append(p) or real(p))
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"AAAA")
+    assert cache.remembered_sha256(f) == hashlib.sha256(b"AAAA").hexdigest() and len(hashed) == 1
+    st = os.stat(f)
+    f.write_bytes(b"AAAA")  # control: identity unchanged (same inode, size, mtime)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert cache.remembered_sha256(f) == hashlib.sha256(b"AAAA").hexdigest() and len(hashed) == 1
+    target = change(f) or f
+    assert cache.remembered_sha256(target) == hashlib.sha256(target.read_bytes()).hexdigest()
+    assert len(hashed) == 2, f"{change.__name__}: the remembered digest was reused"
 
 
 def _mapped_file(address: int) -> str | None:
