@@ -106,6 +106,26 @@ def test_the_held_interrupt_is_raised_once():
     guard.raise_pending()  # nothing held any more
 
 
+def test_a_second_sigint_while_one_is_held_raises_at_once():
+    """The first Ctrl-C waits for the step; a second one does not (a step that never ends, such
+    as one waiting on a hung tensor-parallel rank, must not make Ctrl-C useless). Control: one
+    SIGINT alone is held through the whole block."""
+    guard = DeferredInterrupts()
+    reached = []
+    with pytest.raises(KeyboardInterrupt):
+        with guard:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(10_000):
+                pass
+            reached.append("held the first")
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(10_000):
+                pass
+            reached.append("ran past the second")
+    assert reached == ["held the first"]
+    assert not guard.pending and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_a_sigint_while_the_caller_holds_an_output_is_raised_in_the_callers_code():
     """Between outputs the caller's code runs under Python's own handler: a Ctrl-C there raises
     at once, in that code; the iterator, closed, aborts what is left and the engine is clean."""

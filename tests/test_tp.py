@@ -431,14 +431,11 @@ def test_a_failure_with_a_hung_rank_cleans_up_at_once(how, caplog):
     assert _live_children() - before == set()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="LLM.generate holds a real Ctrl-C until the step ends (DeferredInterrupts), and a step "
-    "waiting on a hung rank never ends: even a second Ctrl-C is held (found 2026-12-07)",
-)
 def test_a_real_ctrl_c_with_a_hung_rank_interrupts_generate():
-    """A real SIGINT (not a KeyboardInterrupt raised in the wait, as above) while rank 1 hangs:
-    the caller gets KeyboardInterrupt within 5 s and no worker is left. A safety timer kills the
+    """Real SIGINTs (not a KeyboardInterrupt raised in the wait, as above) while rank 1 hangs: the
+    first is held for the step, which never ends; the second, a second later, interrupts, so the
+    caller gets KeyboardInterrupt within 5 s of the first and no worker is left (found held forever
+    2026-12-07; DeferredInterrupts now raises on a second Ctrl-C). A safety timer kills the
     hung rank after 8 s so the test always ends (the step then fails with a RuntimeError)."""
     llm = LLM(zoo_model("qwen2-gqa2-hd64"), tensor_parallel_size=2, **CPU_ARGS)
     pids = _worker_pids(llm)

@@ -14,6 +14,10 @@ caller says:
             with interrupts.released():  # the caller's own code: Ctrl-C as usual
                 yield outputs
 
+A second SIGINT while one is held raises at once, wherever it lands: a step that never ends
+(a tensor-parallel rank hung in a collective) must not make Ctrl-C useless, and the clean-up then
+kills the workers rather than trusting the half-made step.
+
 It acts only in the main thread and only where Python's own SIGINT handler is in place (a caller's
 handler is left alone).
 """
@@ -41,6 +45,9 @@ class DeferredInterrupts:
         return self
 
     def _hold(self, signum, frame) -> None:
+        if self.pending:  # a second Ctrl-C before the step ended: the step may never end (a rank
+            self.pending = False  # hung in a collective), so the user gets their interrupt now
+            raise KeyboardInterrupt
         self.pending = True
 
     def __exit__(self, *exc) -> None:
