@@ -115,6 +115,26 @@ def test_chunked_prefill_equivalence(engines, budget, figure):
     got = tokens(generate(engine, [c["prompt"] for c in picked], Sampling.greedy(16)))
     _assert_golden_prefix(g, picked, got, f"budget {budget}")
     figure("sequences", len(got))
+    if budget != float("inf"):
+        _assert_prefilled_in_chunks(engine, cases["long"]["prompt"][::-1], budget, figure)
+
+
+def _assert_prefilled_in_chunks(engine, prompt: list[int], budget: int, figure) -> None:
+    """Equal tokens at every budget hold trivially where the budget is ignored: an engine that
+    counts its steps (stats' ``steps``) must take at least ceil(len / budget) of them to prefill a
+    prompt it has not seen (reversed: no prefix-cache hit) and sample its one token."""
+    before = engine.stats().get("steps")
+    generate(engine, [prompt], Sampling.greedy(1))
+    after = engine.stats().get("steps")
+    if before is None or after is None:
+        figure("prefill steps", "not reported")
+        return
+    need = -(-len(prompt) // int(budget))
+    figure("prefill steps", after - before)
+    assert after - before >= need, (
+        f"a {len(prompt)}-token prompt at budget {budget} took {after - before} step(s), not >= {need}: "
+        "the token budget was not applied"
+    )
 
 
 def expected_cached(history: list[list[int]], prompt: list[int], bs: int) -> int:

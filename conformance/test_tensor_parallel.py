@@ -32,6 +32,11 @@ def _check(engines, device, figure, model=MODEL, tp=2):
     tpn = engines.get(golden.model_dir(g), **knobs) if tp == 2 else engines.fresh(golden.model_dir(g), **knobs)
     require(tpn, GREEDY)
     got = tokens(generate(tpn, [c["prompt"] for c in picked], Sampling.greedy(32)))
+    # TP=n equal to TP=1 holds trivially where only one rank ran: an engine that reports its ranks
+    # (stats' tensor_parallel_size) must report n
+    ranks = tpn.stats().get("tensor_parallel_size")
+    figure("ranks reported", "not reported" if ranks is None else ranks)
+    assert ranks in (None, tp), f"TP={tp} asked, the engine reports {ranks} rank(s)"
     report = compare_greedy(
         [c["greedy"][:32] for c in picked], [golden_step_logprobs(c) for c in picked], got, delta(g["dtype"])
     )

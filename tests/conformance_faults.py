@@ -525,6 +525,7 @@ CONTROLS: dict[str, tuple[Control, ...]] = {
     ),
     "test_chunked_prefill_equivalence": (
         C("ChunkedPrefillCorrupts", "test_chunked_prefill_equivalence and 16", "budget 16"),
+        C("ChunkBudgetIgnored", "test_chunked_prefill_equivalence and 16", "the token budget was not applied"),
     ),
     "test_prefix_cache_on_off": (C("PrefixHitCorruptsTokens", "test_prefix_cache_on_off", "prefix cache on"),),
     "test_prefix_cache_counter": (C("CachedCounterInBlocks", "test_prefix_cache_counter", "cached-token counters"),),
@@ -547,9 +548,13 @@ CONTROLS: dict[str, tuple[Control, ...]] = {
         C("CachedCounterInBlocks", "test_same_step_shared_prefix_stays_hittable", "cached tokens after a same-step"),
     ),
     # test_tensor_parallel.py (gloo on the CPU: a few seconds a check)
-    "test_tp2_equals_tp1_gloo_cpu": (C("TpRanksDisagree", "test_tp2_equals_tp1_gloo_cpu", "TP=2 vs reference"),),
+    "test_tp2_equals_tp1_gloo_cpu": (
+        C("TpRanksDisagree", "test_tp2_equals_tp1_gloo_cpu", "TP=2 vs reference"),
+        C("TpIgnoredWhereItSplits", "test_tp2_equals_tp1_gloo_cpu", "the engine reports 1 rank(s)"),
+    ),
     "test_tp4_replicated_kv_heads_gloo_cpu": (
         C("TpRanksDisagree", "test_tp4_replicated_kv_heads_gloo_cpu", "TP=4 vs reference"),
+        C("TpIgnoredWhereItSplits", "test_tp4_replicated_kv_heads_gloo_cpu", "the engine reports 1 rank(s)"),
     ),
     "test_tp_size_that_does_not_split_the_heads_is_refused": (
         C("TpKnobIgnored", "test_tp_size_that_does_not_split_the_heads_is_refused", "was accepted"),
@@ -564,24 +569,15 @@ EXEMPT: dict[str, str] = {
 }
 
 
-# Faults that NO check catches today (findings, not controls): each runs with its selection and
-# passes. An equivalence check compares a mechanism's outputs with the outputs without it; when the
-# engine ignores the knob, both are the same run and the check passes having checked nothing. Such
-# a check needs an observable of the mechanism (as test_prefix_cache_counter observes the prefix
-# cache, the preemption counter the starved KV cache, pipelined_steps async scheduling). The slow
-# test asserts they still pass: when a check learns to catch one, move it to CONTROLS.
-GAPS: dict[str, Control] = {
-    "ChunkBudgetIgnored": Control(
-        "ChunkBudgetIgnored",
-        "test_chunked_prefill_equivalence or test_prompt_logprobs_of_a_long_prompt",
-        "no check observes that a prompt was prefilled in chunks (no stat of chunks or steps per prompt)",
-    ),
-    "TpIgnoredWhereItSplits": Control(
-        "TpIgnoredWhereItSplits",
-        "test_tp2_equals_tp1_gloo_cpu or test_tp4_replicated_kv_heads_gloo_cpu",
-        "no check observes that TP ranks ran: TP=n equal to TP=1 holds trivially on one rank",
-    ),
-}
+# Faults that NO check catches (findings, not controls): each runs with its selection and passes.
+# An equivalence check compares a mechanism's outputs with the outputs without it; when the engine
+# ignores the knob, both are the same run and the check passes having checked nothing, unless it
+# has an observable of the mechanism (the prefix-cache counter, the preemption counter,
+# pipelined_steps, and since 2026-12-07 the steps a prompt's prefill took and the ranks the engine
+# reports, which closed the two gaps this registry first listed: ChunkBudgetIgnored and
+# TpIgnoredWhereItSplits, now controls above). The slow test asserts a gap still passes: when a
+# check learns to catch one, move it to CONTROLS.
+GAPS: dict[str, Control] = {}
 
 
 def faults() -> dict[str, type[Fault]]:

@@ -587,6 +587,8 @@ class LLMEngine:
             "waiting": len(s.waiting),
             "errors": self.num_errors,
             "pipelined_steps": self.num_pipelined_steps,
+            # the ranks the executor runs (a check of tensor parallelism sees the knob took effect)
+            "tensor_parallel_size": getattr(self.executor, "world_size", 1),
         }
 
     def check_invariants(self) -> None:
