@@ -240,7 +240,12 @@ class EngineAdapter:
         raise NotImplementedError
 
     def stats(self) -> dict:
-        """Engine-wide counters: "preemptions", "cached_tokens" where the engine tells."""
+        """Engine-wide counters, each only where the engine tells: "preemptions", "cached_tokens";
+        "steps" (engine steps so far: the chunked-prefill check sees its token budget applied),
+        "tensor_parallel_size" (the ranks running: the TP checks see the knob took effect),
+        "pipelined_steps" (steps queued before the previous one's tokens were read back: the async
+        scheduling check sees the overlap happen). A check that finds a counter missing records
+        "not reported" and checks the rest; a wrong value fails it."""
         return {}
 
     def close(self) -> None:
