@@ -164,7 +164,7 @@ class LLM:
             for request_id in left:  # leave the engine clean for the next call
                 engine.abort_request(request_id)
             try:
-                with interrupts:  # a second Ctrl-C does not cut the clean-up's step
+                with interrupts:  # a second Ctrl-C does not cut the clean-up's step (unless it hangs)
                     engine.drain()
             except Exception:  # noqa: BLE001 - the original error is the one to raise
                 logger.exception("the step in flight failed while cleaning up after an error")

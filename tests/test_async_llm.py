@@ -367,19 +367,24 @@ def test_a_merged_final_output_carries_the_final_metrics(engine, kind):
     assert last.metrics.last_token_time is not None and last.metrics.last_token_time <= last.metrics.finished_time
 
 
+@pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("backend", ["thread", "process"])
-def test_shutdown_ends_every_running_caller_with_abort(backend):
+def test_shutdown_ends_every_running_caller_with_abort(backend, n):
     """``shutdown()`` while callers are streaming: each caller's generator ends (within 10 s,
     not never) with a final output whose finish_reason is 'abort', and (thread back end, whose
     engine is inspectable after) no KV block is left held. Before this test only idle engines
     were shut down; a stop that did not abort the running requests left their callers waiting
-    forever (hunt 3, B12). Control: the callers were still running when shutdown began."""
+    forever (hunt 3, B12); with n = 2 the stop aborted the children one by one and the parent's
+    output never reached its caller (a review's find). Control: the callers were still running
+    when shutdown began."""
     args = dict(ENGINE_ARGS, max_model_len=2048)
     if backend == "thread":
         engine = AsyncLLM(LLM(zoo_model(MODEL), **args).llm_engine)
     else:
         engine = AsyncLLM.from_engine_args(zoo_model(MODEL), engine_process=True, **args)
-    params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(
+        n=n, temperature=0 if n == 1 else 0.8, max_tokens=2000, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
     prompts = prompts_for(ZOO[MODEL].vocab_size, (5, 9), seed=6)
 
     async def main():
@@ -412,7 +417,8 @@ def test_shutdown_ends_every_running_caller_with_abort(backend):
     assert num_pending == 0, f"{num_pending} callers still waiting 10 s after shutdown()"
     assert errors == [None, None], errors
     for rid, got in outs.items():
-        assert got[-1].finished and got[-1].outputs[0].finish_reason == "abort", (rid, got[-1])
+        assert got[-1].finished and got[-1].outputs, (rid, got[-1])
+        assert all(c.finish_reason == "abort" for c in got[-1].outputs), (rid, got[-1])
         assert not any(o.finished for o in got[:-1])
     if backend == "thread":
         bm = engine.engine.block_manager

@@ -178,10 +178,12 @@ def test_fault_fails_every_check_it_controls(fault, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", sorted(cf.GAPS))
+@pytest.mark.parametrize("fault", sorted(cf.GAPS) or [None])
 def test_known_gaps_are_still_gaps(fault, tmp_path):
     """Findings: a fault that no check catches today passes its checks (see GAPS). When this fails,
     a check has learned to catch it: move it from GAPS to CONTROLS."""
+    if fault is None:
+        pytest.skip("no known gap: every fault of tests/conformance_faults.py is a control of some check")
     gap = cf.GAPS[fault]
     report = tmp_path / f"{fault}.md"
     out = run_selection(f"conformance_faults:{fault}", gap.k, report)

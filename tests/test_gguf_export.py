@@ -13,6 +13,7 @@ from safetensors.numpy import load_file
 from conformance import gguf_export
 from conformance.zoo import ZOO, zoo_model
 from nanovllm.layers import rotary_embedding
+from nanovllm.loader import gguf_loader
 from nanovllm.loader.gguf_loader import llama3_from_rope_freqs, read_config, read_tensors
 
 
@@ -104,3 +105,24 @@ def test_export_without_the_qk_permutation_is_caught(tmp_path, monkeypatch):
     want = load_file(str(model / "model.safetensors"))
     differ = {k for k in want if not np.array_equal(want[k], tensors[k])}
     assert differ and all(k.endswith(("q_proj.weight", "k_proj.weight")) for k in differ), differ
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"rope.scaling.type": "linear"}, "rope.scaling.factor is missing"),
+        ({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}, "'yarn' is not supported"),
+    ],
+)
+def test_a_rope_scaling_the_reader_cannot_express_is_refused(fields, message):
+    """Served without its scaling, a model is wrong at every long position with no error: a GGUF
+    scaling the reader cannot turn into a config is refused, naming the key. Control: linear with
+    its factor reads back."""
+    g = lambda key, default=None: fields.get(key, default)  # noqa: E731
+    with pytest.raises(ValueError, match=message):
+        gguf_loader._rope_scaling(None, g, 10000.0, 64)
+    linear = {"rope.scaling.type": "linear", "rope.scaling.factor": 4.0}
+    assert gguf_loader._rope_scaling(None, lambda k, d=None: linear.get(k, d), 10000.0, 64) == {
+        "rope_type": "linear",
+        "factor": 4.0,
+    }

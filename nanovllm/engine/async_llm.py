@@ -234,7 +234,7 @@ class AsyncLLM:
             self._to_loop(self._fail_all, e)
             self._fail_pending(e)
             return
-        aborted = [engine.abort_request(r) for r in list(engine.requests)]  # stop: no request keeps blocks
+        aborted = engine.abort_all()  # stop: no request keeps blocks, every caller hears it ended
         if aborted:
             self._to_loop(self._deliver, aborted)
 

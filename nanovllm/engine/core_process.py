@@ -154,7 +154,7 @@ class EngineCore:
             logger.info("engine core: %s", timing.summary())
 
     def _abort_all(self) -> None:
-        updates = [u for u in (self.engine.abort_request(r) for r in list(self.engine.requests)) if u is not None]
+        updates = self.engine.abort_all()
         if updates:
             self._send_updates(updates)
 

@@ -357,6 +357,14 @@ class LLMEngine:
             return make_request_output(seq, self.tokenizer)
         return outs[0]
 
+    def abort_all(self) -> list[RequestOutput]:
+        """Abort every unfinished request (stopping): one output per caller, an n > 1 request's
+        through its parent, and whatever a drain had finished and not yet returned."""
+        top = list(self.parents) + [r for r, seq in self.requests.items() if seq.parent is None]
+        outs = [o for o in (self.abort_request(r) for r in top) if o is not None]
+        buffered, self._buffered = self._buffered, []
+        return buffered + outs
+
     def _abort(self, seq: Sequence) -> Sequence:
         self.scheduler.finish(seq)
         seq.drop_placeholder()  # a step that never completed (interrupted) leaves one behind

@@ -14,9 +14,9 @@ caller says:
             with interrupts.released():  # the caller's own code: Ctrl-C as usual
                 yield outputs
 
-A second SIGINT while one is held raises at once, wherever it lands: a step that never ends
-(a tensor-parallel rank hung in a collective) must not make Ctrl-C useless, and the clean-up then
-kills the workers rather than trusting the half-made step.
+A second SIGINT once the first has been held for ``ESCALATE_AFTER_S`` raises at once, wherever it
+lands: a step that never ends (a tensor-parallel rank hung in a collective) must not make Ctrl-C
+useless (the TP executor then kills its workers). A second one sooner is held like the first.
 
 It acts only in the main thread and only where Python's own SIGINT handler is in place (a caller's
 handler is left alone).
@@ -27,13 +27,17 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 from collections.abc import Iterator
 
 
 class DeferredInterrupts:
+    ESCALATE_AFTER_S = 2.0  # a step of the engine takes milliseconds to a second or so
+
     def __init__(self) -> None:
         self.pending = False
         self._active = False
+        self._held_since = 0.0
 
     def __enter__(self) -> DeferredInterrupts:
         self._active = (
@@ -45,9 +49,15 @@ class DeferredInterrupts:
         return self
 
     def _hold(self, signum, frame) -> None:
-        if self.pending:  # a second Ctrl-C before the step ended: the step may never end (a rank
-            self.pending = False  # hung in a collective), so the user gets their interrupt now
+        # A second Ctrl-C once the first has waited ESCALATE_AFTER_S: the step is not ending (a
+        # tensor-parallel rank hung in a collective), so the user gets the interrupt now. A quick
+        # double tap inside a step that is ending is held like the first: cut at any bytecode, a
+        # step can leave the scheduler half updated (a request and its blocks leaked).
+        if self.pending and time.monotonic() - self._held_since >= self.ESCALATE_AFTER_S:
+            self.pending = False
             raise KeyboardInterrupt
+        if not self.pending:
+            self._held_since = time.monotonic()
         self.pending = True
 
     def __exit__(self, *exc) -> None:

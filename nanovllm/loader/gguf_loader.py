@@ -113,7 +113,10 @@ def _rope_scaling(reader, g, theta: float, head_dim: int) -> dict | None:
     if kind not in (None, "none", "linear"):
         raise ValueError(f"GGUF RoPE scaling {kind!r} is not supported (supported: none, linear, llama3 rope_freqs)")
     if kind == "linear":
-        return {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
+        factor = g("rope.scaling.factor")
+        if factor is None:
+            raise ValueError("GGUF rope.scaling.type is 'linear' but rope.scaling.factor is missing")
+        return {"rope_type": "linear", "factor": float(factor)}
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is None:
         return None
