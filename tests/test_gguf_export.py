@@ -4,6 +4,8 @@ bit for bit, and the config; a skipped q/k permutation is caught."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -21,6 +23,15 @@ def read_back(path: str):
     reader = gguf.GGUFReader(path)
     cfg = read_config(reader)
     return cfg, read_tensors(reader, cfg)
+
+
+def _tensors_that_differ_after_export(name: str, dest) -> set[str]:
+    """Export a zoo model (with whatever the test patched into the exporter) and read it back."""
+    model = Path(zoo_model(name))
+    gguf_export.export(model, dest)
+    _, tensors = read_back(str(dest / "model.gguf"))
+    want = load_file(str(model / "model.safetensors"))
+    return {k for k in want if not np.array_equal(want[k], tensors[k])}
 
 
 def _inv_freq(spec_or_cfg: dict) -> torch.Tensor:
@@ -82,28 +93,17 @@ def test_llama3_parameters_are_recovered_or_refused():
 def test_export_without_the_qk_bias_permutation_is_caught(tmp_path, monkeypatch):
     """Negative control of the bias half: an export that permutes Llama's q/k weights but not their
     biases reads back the biases changed (the loader undoes a permutation that was not done)."""
-    from pathlib import Path
-
     real = gguf_export.permute_qk
     monkeypatch.setattr(gguf_export, "permute_qk", lambda w, n_head: real(w, n_head) if w.ndim == 2 else w)
-    model = Path(zoo_model("llama-rope3-bias"))
-    gguf_export.export(model, tmp_path)
-    _, tensors = read_back(str(tmp_path / "model.gguf"))
-    want = load_file(str(model / "model.safetensors"))
-    differ = {k for k in want if not np.array_equal(want[k], tensors[k])}
+    differ = _tensors_that_differ_after_export("llama-rope3-bias", tmp_path)
     assert differ and all(k.endswith(("q_proj.bias", "k_proj.bias")) for k in differ), differ
 
 
 def test_export_without_the_qk_permutation_is_caught(tmp_path, monkeypatch):
     """Negative control: a Llama export that keeps HF's q/k layout reads back different tensors."""
     monkeypatch.setattr(gguf_export, "permute_qk", lambda w, n_head: w)
-    from pathlib import Path
 
-    model = Path(zoo_model("llama-mha-hd64"))
-    gguf_export.export(model, tmp_path)
-    _, tensors = read_back(str(tmp_path / "model.gguf"))
-    want = load_file(str(model / "model.safetensors"))
-    differ = {k for k in want if not np.array_equal(want[k], tensors[k])}
+    differ = _tensors_that_differ_after_export("llama-mha-hd64", tmp_path)
     assert differ and all(k.endswith(("q_proj.weight", "k_proj.weight")) for k in differ), differ
 
 

@@ -385,6 +385,21 @@ def test_tp2_matches_tp1_on_layer_features(model):
 
 
 # ------------------------------------------------------------ a hung rank
+
+
+def _kill_and_close(llm, pids: list[int]) -> None:
+    """A hung-rank test's clean-up: kill whatever worker is left (a stopped one included), close."""
+    for pid in pids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    llm.close()
+
+
+def _assert_all_gone(pids: list[int], before: set[int]) -> None:
+    assert _wait_gone(pids, timeout=5) == []
+    assert _live_children() - before == set()
+
+
 @pytest.mark.parametrize("how", ["interrupt", "peer dies"])
 def test_a_failure_with_a_hung_rank_cleans_up_at_once(how, caplog):
     """Rank 1 hangs (SIGSTOP: as if stuck in a collective) while the engine waits for its reply;
@@ -423,12 +438,8 @@ def test_a_failure_with_a_hung_rank_cleans_up_at_once(how, caplog):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old_handler)
-        for pid in pids:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        llm.close()
-    assert _wait_gone(pids, timeout=5) == []
-    assert _live_children() - before == set()
+        _kill_and_close(llm, pids)
+    _assert_all_gone(pids, before)
 
 
 def test_a_real_ctrl_c_with_a_hung_rank_interrupts_generate():
@@ -471,9 +482,5 @@ def test_a_real_ctrl_c_with_a_hung_rank_interrupts_generate():
         stop.set()
         helper.join(10)
         signal.signal(signal.SIGINT, old_handler)
-        for pid in pids:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        llm.close()
-    assert _wait_gone(pids, timeout=5) == []
-    assert _live_children() - before == set()
+        _kill_and_close(llm, pids)
+    _assert_all_gone(pids, before)
