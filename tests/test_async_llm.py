@@ -423,3 +423,31 @@ def test_shutdown_ends_every_running_caller_with_abort(backend, n):
     if backend == "thread":
         bm = engine.engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks, "a request aborted at shutdown kept its blocks"
+
+
+def test_abort_all_ends_each_caller_once_and_returns_what_a_drain_buffered():
+    """The stop path of both back ends (``LLMEngine.abort_all``): one aborted output per caller, an
+    n > 1 request's through its parent (not one per child, which no caller listens to), after the
+    outputs a drain had finished and not yet returned (dropped, their callers would wait forever);
+    nothing is left running and every block is free."""
+    llm = LLM(zoo_model(MODEL), **ENGINE_ARGS)
+    engine = llm.llm_engine
+    try:
+        prompts = prompts_for(ZOO[MODEL].vocab_size, (5, 9), seed=7)
+        engine.add_request("one", prompts[0], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+        engine.add_request("two", prompts[1], SamplingParams(n=2, temperature=0.8, max_tokens=100, ignore_eos=True))
+        engine.step()
+        engine.drain()
+        finished_earlier = object()  # stands for an output a drain finished and step() has not returned
+        engine._buffered.append(finished_earlier)
+        outs = engine.abort_all()
+        assert outs[0] is finished_earlier, outs
+        by_id = {o.request_id: o for o in outs[1:]}
+        assert sorted(by_id) == ["one", "two"] and len(outs) == 3, [o.request_id for o in outs[1:]]
+        for o in by_id.values():
+            assert o.finished and all(c.finish_reason == "abort" for c in o.outputs), o
+        assert len(by_id["two"].outputs) == 2
+        assert not engine.has_unfinished_requests() and engine.abort_all() == []
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        llm.close()
