@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanovllm.experiments.report import Report, ms
+from nanovllm.experiments.report import Report, median, ms
 from nanovllm.experiments.workload import random_prompts, run_workload, warm_up
 
 NUMBER, NAME = "07", "mixed-batch"
@@ -97,12 +97,11 @@ def run(llm, shape: Shape, report: Report) -> list[dict]:
         f"{ms(max(r['ttft_s'] for r in rows))}"
     )
     mixed = [s for s in steps if s["kind"] == "mixed"]
-    decode = sorted(s["step_s"] for s in steps if s["kind"] == "decode")
+    decode = [s["step_s"] for s in steps if s["kind"] == "decode"]
     if mixed:
         report.result(
             f"{len(mixed)} of {len(steps)} steps were mixed (prefill chunk + decodes), median "
-            f"{ms(sorted(s['step_s'] for s in mixed)[len(mixed) // 2])} against "
-            f"{ms(decode[len(decode) // 2]) if decode else '-'} for decode-only steps"
+            f"{ms(median(s['step_s'] for s in mixed))} against {ms(median(decode))} for decode-only steps"
         )
     else:
         report.result(f"no mixed steps in {len(steps)} steps")
