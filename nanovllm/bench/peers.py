@@ -102,6 +102,7 @@ def run_nanovllm(
         prof = StepProfile() if profile else None
         for label in ["nanovllm"] + (["nanovllm (prefix cache warm)"] if warm_repeat else []):
             llm.llm_engine.step_profiler = prof.record if prof is not None and label == "nanovllm" else None
+            steps_before = llm.stats()["steps"]  # the engine's count runs on: this run's steps only
             _sync(device)
             start = time.perf_counter()
             outs = llm.generate(w.prompts, params, use_tqdm=False)
@@ -110,7 +111,7 @@ def run_nanovllm(
             if prof is not None and llm.llm_engine.step_profiler is not None:
                 print(prof.report(elapsed), file=sys.stderr)
             n = sum(len(o.outputs[0].token_ids) for o in outs)
-            results.append(Measurement(label, n, elapsed, f"steps={llm.stats()['steps']}"))
+            results.append(Measurement(label, n, elapsed, f"steps={llm.stats()['steps'] - steps_before}"))
         return results
     finally:
         llm.close()

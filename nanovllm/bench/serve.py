@@ -324,7 +324,8 @@ def server_cpu_seconds(url: str, api_key: str | None = None) -> float | None:
 
 
 def measure(url: str, model: str, w: Workload, args) -> ServeMeasurement:
-    warm = Workload("warm-up", [[(t + 1) % 30000 for t in p[:32]] for p in w.prompts[:4]], [8] * 4, w.temperature, 0, 0)
+    vocab = w.vocab_size or 30000  # ids shifted past the vocabulary would be refused: no warm-up
+    warm = Workload("warm-up", [[(t + 1) % vocab for t in p[:32]] for p in w.prompts[:4]], [8] * 4, w.temperature, 0, 0)
     asyncio.run(run_requests(url, model, warm, float("inf"), None, api_key=args.api_key))
     processes = getattr(args, "client_processes", None) or default_client_processes()
     before = server_cpu_seconds(url, args.api_key)
