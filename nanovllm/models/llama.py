@@ -44,6 +44,18 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def sliding_window_layers(config) -> list[int]:
+    """The layers transformers runs with sliding-window attention (Qwen2's and Qwen3's
+    ``use_sliding_window``): its ``layer_types``, or else the layers from ``max_window_layers`` on
+    (transformers' default 28); none without ``use_sliding_window`` or with ``sliding_window`` null."""
+    if not getattr(config, "use_sliding_window", False) or getattr(config, "sliding_window", 4096) is None:
+        return []
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return list(range(getattr(config, "max_window_layers", 28), config.num_hidden_layers))
+    return [i for i, t in enumerate(types) if t == "sliding_attention"]
+
+
 def make_rotary_embedding(config, max_position: int) -> RotaryEmbedding:
     theta, scaling = rope_parameters(config)
     return RotaryEmbedding(_head_dim(config), max_position, theta, scaling)
@@ -189,6 +201,13 @@ class LlamaForCausalLM(nn.Module):
         """ValueError for a config field this model reads but cannot honour (before any weight or
         worker process is touched)."""
         rope_parameters(config)
+        sliding = sliding_window_layers(config)
+        if sliding:
+            raise ValueError(
+                f"sliding-window attention (use_sliding_window with sliding_window="
+                f"{getattr(config, 'sliding_window', None)} on layers {sliding}) is not supported: "
+                "every layer here attends to the whole context"
+            )
 
     def __init__(self, config, max_position: int | None = None):
         super().__init__()
