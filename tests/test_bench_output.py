@@ -29,33 +29,16 @@ def test_a_refused_request_has_its_end_time():
     """bench serve's timeline: a request the server refused (HTTP 400) ends when its answer came,
     not at 0 (the run's 'last byte' read -57990 s when every request was refused)."""
     import asyncio
-    import time
 
-    aiohttp = pytest.importorskip("aiohttp", reason="the serve extra (aiohttp) is not installed")
+    pytest.importorskip("aiohttp", reason="the serve extra (aiohttp) is not installed")
     from aiohttp import web
 
-    from nanovllm.bench.serve import one_request
+    from tests.scripted_server import one_request_against
 
     async def refuse(request):
         return web.json_response({"error": {"message": "no"}}, status=400)
 
-    async def main():
-        app = web.Application()
-        app.router.add_post("/v1/completions", refuse)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
-            async with aiohttp.ClientSession() as session:
-                before = time.perf_counter()
-                r = await one_request(session, f"http://127.0.0.1:{port}", "m", [1, 2], 4, 0.0)
-                return before, r, time.perf_counter()
-        finally:
-            await runner.cleanup()
-
-    before, r, after = asyncio.run(main())
+    before, r, after = asyncio.run(one_request_against(refuse))
     assert not r.ok and r.error.startswith("HTTP 400")
     assert before <= r.sent_at <= r.done_at <= after, (before, r.sent_at, r.done_at, after)
 

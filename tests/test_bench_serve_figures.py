@@ -46,10 +46,10 @@ def test_inter_token_latency_is_the_gap_since_the_previous_chunk():
     """A scripted server streams 4 token chunks GAP apart, then the usage chunk: the client sees 3
     gaps, which add up to no more than the time from the first chunk to the end (e2e - TTFT);
     gaps measured from the request's start add up to about 6 GAP, twice that."""
-    aiohttp = pytest.importorskip("aiohttp", reason="the serve extra (aiohttp) is not installed")
+    pytest.importorskip("aiohttp", reason="the serve extra (aiohttp) is not installed")
     from aiohttp import web
 
-    from nanovllm.bench.serve import one_request
+    from tests.scripted_server import one_request_against
 
     async def stream(request):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -64,22 +64,7 @@ def test_inter_token_latency_is_the_gap_since_the_previous_chunk():
         await resp.write_eof()
         return resp
 
-    async def main():
-        app = web.Application()
-        app.router.add_post("/v1/completions", stream)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
-            async with aiohttp.ClientSession() as session:
-                return await one_request(session, f"http://127.0.0.1:{port}", "m", [1, 2], 4, 0.0)
-        finally:
-            await runner.cleanup()
-
-    start = time.perf_counter()
-    r = asyncio.run(main())
+    start, r, _ = asyncio.run(one_request_against(stream))
     assert r.ok and r.output_tokens == 4, r.error
     assert len(r.itl) == 3 and all(x >= 0 for x in r.itl), r.itl  # a gap is 0 where two chunks came in one read
     assert sum(r.itl) <= r.e2e - r.ttft + 1e-6, (r.itl, r.ttft, r.e2e)

@@ -12,21 +12,8 @@ import math
 
 import torch
 
-from nanovllm.layers.sampler import Sampler, SamplingMetadata, apply_min_p
-
-
-def _meta(n, **kw):
-    base = dict(
-        temperatures=[1.0] * n,
-        top_ks=[0] * n,
-        top_ps=[1.0] * n,
-        min_ps=[0.0] * n,
-        generators=[None] * n,
-        banned_token_ids=[[] for _ in range(n)],
-        num_logprobs=[None] * n,
-    )
-    base.update(kw)
-    return SamplingMetadata(**base)
+from nanovllm.layers.sampler import Sampler, apply_min_p
+from tests.test_sampler import _meta  # every field at its neutral value, some overridden
 
 
 def _kept(logits: torch.Tensor) -> list[int]:
