@@ -77,3 +77,15 @@ def test_the_engine_refuses_a_sliding_window_model(tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="sliding-window attention"):
         LLM(str(path), device="cpu", block_size=16, seed=0)
+
+
+def test_a_llama_config_with_the_qwen_field_is_not_refused():
+    """transformers' Llama ignores ``use_sliding_window`` (its LlamaConfig has no such field and
+    every layer attends to everything), so a Llama config carrying it is run, not refused; the
+    same fields on Qwen2 are refused (the control)."""
+    fields = {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}
+    llama = hf_config_from_dict({"model_type": "llama", "architectures": ["LlamaForCausalLM"], **BASE, **fields})
+    get_model_class(llama).check_config(llama)
+    qwen2 = hf_config_from_dict({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], **BASE, **fields})
+    with pytest.raises(ValueError, match="sliding-window attention"):
+        get_model_class(qwen2).check_config(qwen2)

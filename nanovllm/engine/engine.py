@@ -50,6 +50,7 @@ class _Launched:
     handle: StepHandle  # .result() -> ModelOutput
     event: StepEvent | None
     counted: bool = False  # update_after_step done already (async scheduling)
+    held: list[tuple[Sequence, list[int]]] | None = None  # tracing, async: the running requests' blocks at _advance
     timer: PhaseTimer | _Off = OFF  # phase times for step_profiler (engine/step_timing.py)
 
 
@@ -468,8 +469,8 @@ class LLMEngine:
             seq.add_placeholder(row)
             if reaches_length_limit(seq, self.config.max_model_len):
                 self.scheduler.finish(seq)
-        if launched.event is not None:  # the blocks in use after this step, before the next one allocates
-            launched.event.num_free_blocks = self.block_manager.num_free_blocks
+        if launched.event is not None:  # who holds which blocks after this step, before the next one allocates
+            launched.held = [(seq, list(seq.block_table)) for seq in self.scheduler.running]
 
     def _complete(self, launched: _Launched) -> list[RequestOutput]:
         timer = launched.timer
@@ -480,12 +481,6 @@ class LLMEngine:
             self.scheduler.update_after_step(launched.plan.sched)
             timer.lap("update_after_step")
         event = launched.event
-        if event is not None and launched.counted:  # async: the next step has allocated since _advance
-            free_before = self.block_manager.num_free_blocks
-            grown = {
-                id(seq): max(0, len(seq.block_table) - len(ss.block_ids))
-                for seq, ss in zip(launched.plan.sched.seqs, event.seqs)
-            }
         reported = self._postprocess(launched.plan, result)
         timer.lap("postprocess")
         self.num_steps += 1
@@ -494,11 +489,10 @@ class LLMEngine:
         if event is not None:
             finished = [s for s in reported if s.finish_reason is not None]
             event.finished = [(s.request_id, s.finish_reason) for s in finished]
-            if launched.counted:  # the free blocks at _advance, plus what this step's finishes freed
-                # of their own: not the blocks the next step gave them meanwhile. (Not exact where
-                # the next step preempted a request that this step finishes: its blocks stay counted.)
-                freed = self.block_manager.num_free_blocks - free_before - sum(grown.get(id(s), 0) for s in finished)
-                event.num_free_blocks += freed
+            if launched.counted:  # the blocks held at _advance by requests this step did not finish
+                gone = {id(s) for s in finished}
+                used = {b for seq, table in launched.held if id(seq) not in gone for b in table}
+                event.num_free_blocks = self.block_manager.num_blocks - len(used)
             else:
                 event.num_free_blocks = self.block_manager.num_free_blocks
             assert 0 <= event.num_free_blocks <= self.block_manager.num_blocks, event.num_free_blocks

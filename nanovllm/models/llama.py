@@ -181,6 +181,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    reads_sliding_window = False  # transformers' Llama ignores use_sliding_window; Qwen2's and Qwen3's honour it
     # checkpoint name fragment -> (our merged parameter fragment, shard id)
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
@@ -201,7 +202,7 @@ class LlamaForCausalLM(nn.Module):
         """ValueError for a config field this model reads but cannot honour (before any weight or
         worker process is touched)."""
         rope_parameters(config)
-        sliding = sliding_window_layers(config)
+        sliding = sliding_window_layers(config) if cls.reads_sliding_window else []
         if sliding:
             raise ValueError(
                 f"sliding-window attention (use_sliding_window with sliding_window="
@@ -226,6 +227,8 @@ class LlamaForCausalLM(nn.Module):
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
+    reads_sliding_window = True
+
     @classmethod
     def biases(cls, config) -> Biases:
         return Biases(qkv=True)  # transformers' Qwen2 has neither attention_bias nor mlp_bias

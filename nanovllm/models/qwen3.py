@@ -5,6 +5,7 @@ from nanovllm.models.llama import Biases, LlamaForCausalLM
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
+    reads_sliding_window = True
 
     @classmethod
     def biases(cls, config) -> Biases:
