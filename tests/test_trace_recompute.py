@@ -116,12 +116,11 @@ def _check_phases(events: list[StepEvent], prompts: dict[str, list[int]]) -> Non
 
 def _run_fake(prompts: dict[str, list[int]], max_tokens: int = 3, **config) -> list[StepEvent]:
     from nanovllm import SamplingParams
-    from tests.properties.fake_runner import make_engine
+    from tests.properties.fake_runner import add_request, make_engine
 
     engine, executor = make_engine(trace=True, **{"num_blocks": 64, "block_size": 4, **config})
     for rid, prompt in prompts.items():  # one at a time: a later prompt may hit an earlier one's cache
-        engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-        executor.add_sequence(engine.requests[rid].seq_id, prompt, rid)
+        add_request(engine, executor, rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
         for _ in range(100):
             if not engine.has_unfinished_requests():
                 break
@@ -174,7 +173,7 @@ def test_phase_labels_follow_the_specification(lengths, budget, num_blocks, asyn
     preempt and recompute, async scheduling on and off): every traced step entry has the phase
     the specification gives, on one-token boundaries of every kind included."""
     from nanovllm import SamplingParams
-    from tests.properties.fake_runner import make_engine
+    from tests.properties.fake_runner import add_request, make_engine
 
     engine, executor = make_engine(
         trace=True,
@@ -186,8 +185,7 @@ def test_phase_labels_follow_the_specification(lengths, budget, num_blocks, asyn
     )
     prompts = {f"r{i}": [1, 2, 3, 4, 5, 6, 7, 8, 9][:n] for i, n in enumerate(lengths)}
     for rid, prompt in prompts.items():
-        engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=4))
-        executor.add_sequence(engine.requests[rid].seq_id, prompt, rid)
+        add_request(engine, executor, rid, prompt, SamplingParams(temperature=0.0, max_tokens=4))
     for _ in range(500):
         if not engine.has_unfinished_requests():
             break

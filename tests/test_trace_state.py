@@ -11,7 +11,7 @@ import random
 from nanovllm.core.utils import cdiv
 from nanovllm.sampling_params import SamplingParams
 from tests.conftest import zoo_model
-from tests.properties.fake_runner import make_engine, reference_generate
+from tests.properties.fake_runner import add_request, make_engine, reference_generate
 
 
 def _run_fake(async_scheduling: bool):
@@ -22,8 +22,7 @@ def _run_fake(async_scheduling: bool):
     engine.tracer.callback = lambda ev: live.append(ev.format())
     prompts = {"a": list(range(1, 11)), "b": list(range(1, 6)), "c": [7, 8, 9]}
     for rid, prompt in prompts.items():
-        engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=9))
-        executor.add_sequence(engine.requests[rid].seq_id, prompt, rid)
+        add_request(engine, executor, rid, prompt, SamplingParams(temperature=0.0, max_tokens=9))
     for _ in range(200):
         if not engine.has_unfinished_requests():
             break
@@ -109,10 +108,7 @@ def _random_run(seed: int, async_scheduling: bool):
             stop_token_ids=[rng.randint(0, 10)],
             ignore_eos=True,
         )
-        engine.add_request(f"r{i}", prompt, params)
-        for rid, seq in engine.requests.items():
-            if rid.endswith(f"r{i}"):
-                executor.add_sequence(seq.seq_id, prompt, rid)
+        add_request(engine, executor, f"r{i}", prompt, params)
         if rng.random() < 0.5:  # arrivals between steps too
             engine.step()
     while engine.has_unfinished_requests():
@@ -149,11 +145,9 @@ def test_async_trace_frees_prefix_blocks_shared_with_a_request_admitted_next():
     assert full[0] != full[1], full  # the stop id ends the first request at its second token
     engine, executor = make_engine(num_blocks=16, block_size=4, async_scheduling=True, trace=True)
     params = SamplingParams(temperature=0.0, max_tokens=5, stop_token_ids=[full[1]], ignore_eos=True)
-    engine.add_request("A", prompt, params)
-    executor.add_sequence(engine.requests["A"].seq_id, prompt, "A")
+    add_request(engine, executor, "A", prompt, params)
     engine.step()
-    engine.add_request("B", prompt + [9], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
-    executor.add_sequence(engine.requests["B"].seq_id, prompt + [9], "B")
+    add_request(engine, executor, "B", prompt + [9], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
     events = engine.tracer.events
@@ -188,9 +182,7 @@ def test_async_trace_of_n_children_records_the_blocks_of_the_unfinished():
             stop_token_ids=[rng.randint(0, 10)],
             ignore_eos=True,
         )
-        engine.add_request("r", prompt, params)
-        for rid, seq in engine.requests.items():
-            executor.add_sequence(seq.seq_id, prompt, rid)
+        add_request(engine, executor, "r", prompt, params)
         while engine.has_unfinished_requests():
             engine.step()
         finished: set[str] = set()

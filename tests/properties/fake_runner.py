@@ -316,3 +316,12 @@ def make_engine(
     config.resolve(SimpleNamespace(vocab_size=vocab_size, max_position_embeddings=max_model_len), "fake-model")
     executor = FakeExecutor(block_size, vocab_size, strict=strict)
     return LLMEngine(config, executor, trace=trace), executor
+
+
+def add_request(engine: LLMEngine, executor: FakeExecutor, request_id: str, prompt: list[int], params) -> None:
+    """``engine.add_request`` and the fake model's record of each sequence it made (every child
+    of an n > 1 request under its own id), so that a strict executor knows their prompts."""
+    before = set(engine.requests)
+    engine.add_request(request_id, prompt, params)
+    for rid in engine.requests.keys() - before:
+        executor.add_sequence(engine.requests[rid].seq_id, prompt, rid)
